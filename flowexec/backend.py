@@ -1,0 +1,115 @@
+"""``torch.compile(model, backend="flowexec")``: Dynamo's graphs through flowexec.
+
+Dynamo splits the user's Python at data-dependent control flow (graph breaks); AOTAutograd
+turns each piece into a forward and a backward ATen graph. Each of those graphs becomes a
+Program and runs through the same passes and interpreter as ``flowexec.compile``, with the
+same options (``mode``, ``gc``).
+
+Example::
+
+    >>> import torch, flowexec
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    >>> cmodel = torch.compile(model, backend="flowexec", options={"mode": "trace"})
+    >>> cmodel(torch.randn(2, 4)).sum().backward()
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .capture import program_from_graph
+from .errors import OptionError
+from .executable import MODES
+from .plan import GC_MODES, build_plan
+from .runtime.interpreter import lower_trace
+
+BACKEND_OPTIONS = ("mode", "gc", "warmup")
+# Dynamo wraps compiled backward functions in a way that hides our _boxed_call flag; the
+# unboxed call it falls back to is correct, so its advice is noise for our users.
+warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd is returning a function that doesn't take boxed")
+
+
+def _static_input_indices() -> set[int]:
+    """Indices AOTAutograd marks as static (parameters, buffers) for the graph being compiled."""
+    try:
+        ctx = torch._guards.TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+        return set(getattr(meta, "static_input_indices", None) or ())
+    except Exception:
+        return set()
+
+
+class GraphProgram:
+    """One AOT graph, planned and lowered; graph mode captures lazily at the first real call."""
+
+    _boxed_call = True  # AOTAutograd passes the argument list itself
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int) -> None:
+        self.plan = build_plan(program_from_graph(gm, example_inputs), gc)
+        self.run = lower_trace(self.plan)
+        self.mode = mode
+        self.warmup = warmup
+        self.static_idx = _static_input_indices()
+        self.graph_runner: Any = None
+        if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
+            warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
+            self.mode = "trace"
+
+    def _capture(self, args: list[Any]) -> None:
+        from .runtime.cuda_graph import CudaGraphRunner, is_stable, mark_stable
+
+        borrow = [isinstance(a, torch.Tensor) and (i in self.static_idx or is_stable(a)) for i, a in enumerate(args)]
+        for a, b in zip(args, borrow):
+            if b:
+                mark_stable(a)
+        prog = self.plan.program
+        index = {vid: k for k, vid in enumerate(prog.inputs)}
+        mutated_inputs = [index[v] for v in self.plan.mutated if v in index]
+        mutated = [args[i] for i in mutated_inputs if borrow[i]]
+        self.graph_runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs, warmup=self.warmup)
+
+    def __call__(self, *args: Any) -> list[Any]:
+        # AOTAutograd calls boxed (one list) where it sees _boxed_call, unboxed elsewhere.
+        args = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
+        if self.mode == "trace":
+            return self.run(*args)
+        if self.graph_runner is None or not self.graph_runner.matches(args):
+            if self.graph_runner is not None:
+                warnings.warn("flowexec: a borrowed input moved to another address; capturing the CUDA graph again")
+            self._capture(args)
+        return self.graph_runner(args)
+
+
+def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The Dynamo backend: AOTAutograd with flowexec compiling the forward and backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    opts = dict(options or {})
+    unknown = sorted(set(opts) - set(BACKEND_OPTIONS))
+    if unknown:
+        raise OptionError(f"unknown flowexec backend option(s) {unknown}; valid: {', '.join(BACKEND_OPTIONS)}")
+    mode, gc, warmup = opts.get("mode", "trace"), opts.get("gc", "fast"), int(opts.get("warmup", 1))
+    if mode not in MODES:
+        raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
+    if gc not in GC_MODES:
+        raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
+    if mode == "graph" and not torch.cuda.is_available():
+        raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
+
+    def compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
+        return GraphProgram(g, inputs, mode, gc, warmup)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=compiler)(gm, example_inputs)
+
+
+def _register() -> None:
+    from torch._dynamo import list_backends, register_backend
+
+    if "flowexec" not in list_backends(exclude_tags=()):
+        register_backend(flowexec_backend, name="flowexec")
+
+
+_register()

@@ -1,0 +1,359 @@
+"""Capture: a Python function of tensors → a :class:`~flowexec.program.Program` of ATen ops.
+
+The function runs once under ``make_fx`` on the real example tensors, so whatever it calls —
+a model forward, ``torch.autograd.grad``, ``loss.backward()``, an optimizer step — is recorded
+as the ATen ops it dispatches. Capture has no lasting side effects: every tensor that existed
+before and was written during the capture run is restored afterwards (an undo log), and so
+are the RNG states. Tensors the function reads from its closure (parameters, buffers, grads,
+optimizer state) become *state*: the program binds the caller's own tensor objects and
+mutates them in place exactly as eager would.
+
+Example::
+
+    >>> import torch
+    >>> from flowexec.capture import capture
+    >>> w = torch.randn(3, 3)
+    >>> prog = capture(lambda x: (x @ w).tanh(), (torch.randn(2, 3),)).program
+    >>> [op.name for op in prog.ops]
+    ['aten.mm.default', 'aten.tanh.default']
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from .errors import CaptureError
+from .program import Op, Program, Ref, Role, TensorMeta, Value
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+# Ops that only feed torch.profiler record_function markers: they do no tensor work.
+_DROPPED = {
+    "profiler._record_function_enter.default",
+    "profiler._record_function_enter_new.default",
+    "profiler._record_function_exit._RecordFunction",
+    "profiler._record_function_exit.default",
+}
+
+
+@dataclass
+class Captured:
+    """What capture hands to planning: the program and how results map back to the caller."""
+
+    program: Program
+    # After each call, ``param.grad`` is re-bound to output slot ``idx`` (grads that fn
+    # created with set_to_none zeroing live as extra outputs).
+    grad_bindings: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    n_user_outputs: int = 0
+
+
+def user_frame(tb_or_stack: Any) -> str:
+    """``file:line (code)`` of the innermost frame outside torch and flowexec, or ''."""
+    frames = traceback.extract_tb(tb_or_stack) if not isinstance(tb_or_stack, list) else tb_or_stack
+    for fr in reversed(frames):
+        if not fr.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "<frozen" not in fr.filename:
+            code = f" ({fr.line.strip()})" if fr.line else ""
+            return f"{fr.filename}:{fr.lineno}{code}"
+    return ""
+
+
+def _source_of(node: fx.Node) -> str:
+    st = node.meta.get("stack_trace")
+    if not st:
+        return ""
+    last = ""
+    for line in st.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            fname = line[6:line.index('"', 6)]
+            if not fname.startswith((_TORCH_DIR, _OWN_DIR)):
+                lineno = line.split("line ", 1)[1].split(",", 1)[0]
+                last = f"{os.path.basename(fname)}:{lineno}"
+    return last
+
+
+def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors an op writes in place, from its schema's alias annotations."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        val = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(val, torch.Tensor):
+            out.append(val)
+        elif isinstance(val, (list, tuple)):
+            out.extend(v for v in val if isinstance(v, torch.Tensor))
+    return out
+
+
+class _CaptureGuard(TorchDispatchMode):
+    """Sits above make_fx's proxy mode during the capture run.
+
+    It keeps an undo log of pre-existing tensors before their first in-place write, and
+    remembers which tensors were created by the run (to find the ones that escape).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.undo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._saved: set[tuple[int, int, tuple, tuple]] = set()
+        self.created: dict[int, weakref.ref] = {}
+        self.leaves: dict[int, weakref.ref] = {}
+
+    def is_created(self, t: torch.Tensor) -> bool:
+        ref = self.created.get(id(t))
+        return ref is not None and ref() is t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _written_tensors(func, args, kwargs):
+            if self.is_created(t):
+                continue
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if key not in self._saved:
+                self._saved.add(key)
+                with _disable_current_modes():  # the snapshot must not be traced
+                    self.undo.append((t, t.detach().clone()))
+        arg_ids = set()
+        for a in pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor):
+                arg_ids.add(id(a))
+                if a.requires_grad and a.is_leaf and not self.is_created(a):
+                    self.leaves[id(a)] = weakref.ref(a)
+        out = func(*args, **kwargs)
+        for o in pytree.tree_leaves(out):
+            # In-place ops return their argument: that is not a new tensor.
+            if isinstance(o, torch.Tensor) and id(o) not in arg_ids:
+                self.created[id(o)] = weakref.ref(o)
+        return out
+
+    def restore(self) -> None:
+        with torch.no_grad(), _disable_current_modes():
+            for t, saved in reversed(self.undo):
+                t.copy_(saved)
+        self.undo.clear()
+
+
+def _rng_states() -> tuple[Any, Any]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple[Any, Any]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state_all(states[1])
+
+
+_DATA_DEPENDENT_HINT = (
+    "fn reads a tensor's value on the host (.item(), bool(tensor), `if tensor:`, data-dependent "
+    "shapes), which one static program cannot capture. Use torch.compile(fn, backend=\"flowexec\"): "
+    "its graph breaks run such Python control flow eagerly and the graphs between them through "
+    "flowexec. For torch.optim optimizers pass foreach=True (or capturable=True on CUDA), which "
+    "keeps their step counts on the device."
+)
+
+
+def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int]:
+    """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings and output count."""
+    tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    bindings: list[tuple[torch.Tensor, int]] = []
+    guard = _CaptureGuard()
+    n_user = [0]
+
+    def traced(*tensors: torch.Tensor) -> Any:
+        full = list(args)
+        for i, t in zip(tensor_pos, tensors):
+            full[i] = t
+        saved_ids: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved_ids.add(id(t))
+            return t
+
+        with guard, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(*full)
+        flat, spec = pytree.tree_flatten(out)
+        n_user[0] = len(flat)
+        out_ids = {id(o) for o in flat}
+        extra = []
+        for ref in guard.leaves.values():
+            p = ref()
+            g = None if p is None else p.grad
+            if g is not None and guard.is_created(g) and id(g) not in out_ids:
+                bindings.append((p, len(flat) + len(extra)))
+                extra.append(g)
+                out_ids.add(id(g))
+        escaped = [
+            t for r in guard.created.values()
+            if (t := r()) is not None and id(t) not in out_ids and id(t) not in saved_ids and guard.is_created(t)
+            and not any(t is a for a in tensors)
+        ]
+        escaped = [t for t in escaped if t._base is None or id(t._base) not in out_ids]
+        if escaped:
+            desc = ", ".join(str(TensorMeta.of(t)) for t in escaped[:3])
+            raise CaptureError(
+                f"fn left {len(escaped)} tensor(s) it created in Python state outside its return value "
+                f"(first: {desc}). A compiled program recreates them on every call, so that state would "
+                "silently stop updating. Typical cause: optimizer state created lazily on the first step — "
+                "run one eager step (or initialise the state) before compiling, or return the tensor from fn."
+            )
+        return (out, extra) if extra else out
+
+    kw: dict[str, Any] = {}
+    if "record_stack_traces" in inspect.signature(make_fx).parameters:
+        kw["record_stack_traces"] = True
+    rng = _rng_states()
+    prev_flag = torch.compiler._is_compiling_flag
+    # Optimizers and other library code check is_compiling() to keep scalars on the device.
+    torch.compiler._is_compiling_flag = True
+    try:
+        gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos])
+    except CaptureError:
+        raise
+    except Exception as e:
+        where = user_frame(e.__traceback__)
+        msg = str(e).split("\n", 1)[0]
+        if "_local_scalar_dense" in msg or "data-dependent" in msg.lower() or "Data dependent" in msg:
+            raise CaptureError(f"cannot capture fn: at {where or '<unknown>'}: {_DATA_DEPENDENT_HINT}") from e
+        raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
+    finally:
+        torch.compiler._is_compiling_flag = prev_flag
+        guard.restore()
+        _set_rng_states(rng)
+    return gm, bindings, n_user[0]
+
+
+def capture(fn: Callable[..., Any], args: Sequence[Any]) -> Captured:
+    """Trace ``fn`` on ``args`` and convert the graph into a Program."""
+    gm, bindings, n_user = trace(fn, args)
+    tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    prog = program_from_graph(gm, [args[i] for i in tensor_pos])
+    return Captured(prog, bindings, n_user)
+
+
+def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Program:
+    """Convert an ATen-level FX graph (make_fx or AOTAutograd output) into a Program.
+
+    Placeholders become inputs, ``get_attr`` tensors become state bound by reference,
+    ``getitem`` on multi-output ops folds into the producing op, profiler markers are dropped.
+    """
+    values: list[Value] = []
+    env: dict[fx.Node, Any] = {}  # node -> Ref | constant | ("multi", op_pos)
+    ops: list[dict[str, Any]] = []
+    inputs: list[int] = []
+    state: dict[int, torch.Tensor] = {}
+    consts: dict[int, Any] = {}
+    example_inputs = list(example_inputs) if example_inputs is not None else None
+
+    def new_value(role: Role, meta: TensorMeta | None, name: str) -> int:
+        values.append(Value(len(values), role, meta, name))
+        return len(values) - 1
+
+    def meta_of(node: fx.Node) -> TensorMeta | None:
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            try:
+                return TensorMeta(v.dtype, tuple(int(s) for s in v.shape), v.device, v.untyped_storage().nbytes())
+            except Exception:  # fake/symbolic storage sizes
+                numel = 1
+                for s in v.shape:
+                    numel *= int(s)
+                return TensorMeta(v.dtype, tuple(int(s) for s in v.shape), v.device, numel * v.element_size())
+        return None
+
+    def lookup(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            r = env[a]
+            if isinstance(r, tuple) and r and r[0] == "multi":
+                raise CaptureError(f"node {a.name} returns several values but is used whole")
+            return r
+        if isinstance(a, (list, tuple)):
+            return [lookup(x) for x in a] if isinstance(a, list) else tuple(lookup(x) for x in a)
+        if isinstance(a, dict):
+            return {k: lookup(v) for k, v in a.items()}
+        return a
+
+    n_placeholder = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            meta = meta_of(node)
+            if meta is None and example_inputs is not None and isinstance(example_inputs[n_placeholder], torch.Tensor):
+                meta = TensorMeta.of(example_inputs[n_placeholder])
+            vid = new_value(Role.INPUT, meta, node.name)
+            inputs.append(vid)
+            env[node] = Ref(vid)
+            n_placeholder += 1
+        elif node.op == "get_attr":
+            obj = getattr(gm, node.target)
+            if isinstance(obj, torch.Tensor):
+                vid = new_value(Role.STATE, TensorMeta.of(obj), node.target)
+                state[vid] = obj
+            else:
+                vid = new_value(Role.CONST, None, node.target)
+                consts[vid] = obj
+            env[node] = Ref(vid)
+        elif node.op == "call_function":
+            target = node.target
+            if target is operator.getitem and isinstance(node.args[0], fx.Node) and isinstance(env.get(node.args[0]), tuple):
+                _, pos = env[node.args[0]]
+                vid = new_value(Role.TEMP, meta_of(node), node.name)
+                ops[pos]["outputs"][node.args[1]] = vid
+                env[node] = Ref(vid)
+                continue
+            if not isinstance(target, torch._ops.OpOverload):
+                raise CaptureError(
+                    f"unsupported call {getattr(target, '__name__', target)!r} in the captured graph "
+                    f"(node {node.name}{', at ' + _source_of(node) if _source_of(node) else ''}): "
+                    "flowexec runs ATen operator overloads only"
+                )
+            name = f"{target.namespace}.{target._opname}.{target._overloadname}"
+            if name in _DROPPED:
+                env[node] = None
+                continue
+            args = lookup(node.args)
+            kwargs = lookup(node.kwargs)
+            rets = target._schema.returns
+            multi = len(rets) > 1 or (len(rets) == 1 and str(rets[0].type).startswith(("Tensor[]", "List[Tensor]", "Tensor?[]")))
+            record = {"target": target, "args": tuple(args), "kwargs": tuple(kwargs.items()),
+                      "source": _source_of(node), "unpack": multi}
+            if multi:
+                n = len(rets) if len(rets) > 1 else len(node.meta.get("val") or ()) if isinstance(node.meta.get("val"), (list, tuple)) else 0
+                if n == 0:
+                    n = max((u.args[1] for u in node.users if u.target is operator.getitem), default=-1) + 1
+                record["outputs"] = [-1] * n
+                env[node] = ("multi", len(ops))
+            elif len(rets) == 0:
+                record["outputs"] = []
+                env[node] = None
+            else:
+                vid = new_value(Role.TEMP, meta_of(node), node.name)
+                record["outputs"] = [vid]
+                env[node] = Ref(vid)
+            ops.append(record)
+        elif node.op == "output":
+            flat, spec = pytree.tree_flatten(node.args[0])
+            outs = []
+            for leaf in flat:
+                r = lookup(leaf) if isinstance(leaf, fx.Node) else leaf
+                outs.append(r)
+            out_spec = spec
+        else:
+            raise CaptureError(f"unsupported FX node kind {node.op!r} ({node.name})")
+
+    final_ops = tuple(
+        Op(i, r["target"], r["args"], r["kwargs"], tuple(r["outputs"]), r["unpack"], r["source"])
+        for i, r in enumerate(ops)
+    )
+    return Program(tuple(values), final_ops, tuple(inputs), tuple(outs), out_spec, state, consts)

@@ -1,0 +1,22 @@
+"""The errors flowexec raises. Each names what was wrong and, where known, the user's line."""
+from __future__ import annotations
+
+
+class FlowexecError(RuntimeError):
+    """Base class of flowexec's errors."""
+
+
+class CaptureError(FlowexecError):
+    """fn could not be captured into a static program (raised by ``flowexec.compile``)."""
+
+
+class InputError(FlowexecError, TypeError):
+    """A call's arguments do not match what the executable was compiled for."""
+
+
+class OptionError(FlowexecError, ValueError):
+    """An unknown option or an option value that cannot work here."""
+
+
+class ExecutionError(FlowexecError):
+    """An op failed while running; the message names the op and its source line."""

@@ -1,0 +1,223 @@
+"""``flowexec.compile``: capture → plan → lower, and the callable it returns.
+
+Example::
+
+    >>> import torch, flowexec
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> def step(x, y):
+    ...     opt.zero_grad(set_to_none=False)
+    ...     loss = torch.nn.functional.mse_loss(model(x), y)
+    ...     loss.backward()
+    ...     opt.step()
+    ...     return loss
+    >>> exe = flowexec.compile(step, torch.randn(8, 4), torch.randn(8, 2))
+    >>> loss = exe(torch.randn(8, 4), torch.randn(8, 2))  # one training step, params updated in place
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .capture import capture
+from .errors import InputError, OptionError
+from .plan import GC_MODES, ExecutionPlan, build_plan
+from .program import Program, Ref
+from .runtime.interpreter import lower_trace
+
+MODES = ("trace", "graph")
+OPTIONS = {
+    "cache_size": "how many input signatures to keep compiled (default 8); past that a new one is an error",
+    "warmup": "graph mode: eager warm-up runs before capture (default 1)",
+}
+
+
+class RecaptureWarning(UserWarning):
+    """A call with a new input signature made flowexec capture fn again."""
+
+
+def _signature(args: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(
+        (a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
+    )
+
+
+def _describe(sig_item: Any) -> str:
+    if isinstance(sig_item[0], torch.Size):
+        shape, dtype, device = sig_item
+        return f"Tensor(shape={list(shape)}, dtype={dtype}, device={device})"
+    return f"{sig_item[0].__name__} {sig_item[1]!r}"
+
+
+@dataclass
+class _Compiled:
+    """Everything built for one input signature."""
+
+    plan: ExecutionPlan
+    runner: Callable[[Sequence[Any]], list[Any]]
+    tensor_pos: tuple[int, ...]
+    user_spec: Any
+    n_user: int
+    grad_bindings: list[tuple[torch.Tensor, int]]
+    build_seconds: float
+
+
+class Executable:
+    """A captured, planned and lowered function; call it like the original.
+
+    Attributes ``program`` and ``plan`` show the most recently built signature.
+    """
+
+    def __init__(self, fn: Callable[..., Any], mode: str, gc: str, options: dict[str, Any]) -> None:
+        self.fn, self.mode, self.gc = fn, mode, gc
+        self.cache_size = int(options.get("cache_size", 8))
+        self.warmup = int(options.get("warmup", 1))
+        self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+        self._first_sig: tuple[Any, ...] | None = None
+        self._last: _Compiled | None = None
+
+    # -- building -------------------------------------------------------------------------
+    def _build(self, args: Sequence[Any]) -> _Compiled:
+        t0 = time.perf_counter()
+        cap = capture(self.fn, args)
+        plan = build_plan(cap.program, self.gc)
+        run = lower_trace(plan)
+        tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
+        if self.mode == "graph":
+            from .runtime.cuda_graph import CudaGraphRunner
+
+            prog = plan.program
+            mutated = [prog.state[v] for v in plan.mutated if v in prog.state]
+            input_index = {vid: k for k, vid in enumerate(prog.inputs)}
+            mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
+            targs = [args[i] for i in tensor_pos]
+            bound = {i for _, i in cap.grad_bindings}
+            runner = CudaGraphRunner(run, targs, mutated, borrow=[False] * len(targs),
+                                     mutated_inputs=mutated_inputs, unprotected_outputs=bound,
+                                     warmup=self.warmup)
+        user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
+        return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
+                         time.perf_counter() - t0)
+
+    def _lookup(self, args: tuple[Any, ...]) -> _Compiled:
+        sig = _signature(args)
+        hit = self._cache.get(sig)
+        if hit is not None:
+            return hit
+        first = self._first_sig
+        if first is not None:
+            if len(args) != len(first):
+                raise InputError(f"expected {len(first)} argument(s), got {len(args)}")
+            for i, (got, want) in enumerate(zip(sig, first)):
+                if isinstance(want[0], torch.Size) != isinstance(got[0], torch.Size):
+                    raise InputError(f"argument {i}: expected {_describe(want)}, got {_describe(got)}")
+            if len(self._cache) >= self.cache_size:
+                i, got, want = next((i, g, w) for i, (g, w) in enumerate(zip(sig, first)) if g != w)
+                raise InputError(
+                    f"argument {i}: expected {_describe(want)}, got {_describe(got)} — "
+                    f"{len(self._cache)} signature(s) compiled already (cache_size={self.cache_size})"
+                )
+            diff = next((i, g, w) for i, (g, w) in enumerate(zip(sig, first)) if g != w)
+            warnings.warn(
+                f"flowexec: new input signature (argument {diff[0]}: {_describe(diff[1])}, compiled for "
+                f"{_describe(diff[2])}); capturing fn again", RecaptureWarning, stacklevel=3,
+            )
+        compiled = self._build(args)
+        if first is None:
+            self._first_sig = sig
+        self._cache[sig] = compiled
+        self._last = compiled
+        return compiled
+
+    # -- running --------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        c = self._cache.get(_signature(args)) if self._cache else None
+        if c is None:
+            c = self._lookup(args)
+        targs = [args[i] for i in c.tensor_pos]
+        flat = c.runner(targs)
+        for p, idx in c.grad_bindings:
+            g = flat[idx]
+            if p.grad is not g:
+                p.grad = g
+        if c.n_user == 1 and c.user_spec.num_leaves == 1 and c.user_spec.is_leaf():
+            return flat[0]
+        return pytree.tree_unflatten(flat[: c.n_user], c.user_spec)
+
+    def compile_for(self, *args: Any) -> Executable:
+        """Capture and plan for ``args`` now (``flowexec.compile`` does this for its examples)."""
+        self._lookup(args)
+        return self
+
+    @property
+    def program(self) -> Program:
+        assert self._last is not None
+        return self._last.plan.program
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        assert self._last is not None
+        return self._last.plan
+
+    @property
+    def build_seconds(self) -> float:
+        """Seconds the most recent capture + plan + lower (+ graph capture) took."""
+        assert self._last is not None
+        return self._last.build_seconds
+
+    def __repr__(self) -> str:
+        return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)}>"
+
+
+def _user_out_placeholder(prog: Program, n_user: int, has_extra: bool) -> Any:
+    # Rebuild the user's output structure: the program's spec covers (out, extra grads) when
+    # grads were appended, else just out.
+    spec = prog.out_spec
+    if has_extra:
+        spec = spec.children()[0] if callable(getattr(spec, "children", None)) else spec.children_specs[0]
+    return pytree.tree_unflatten([0] * spec.num_leaves, spec)
+
+
+def compile(fn: Callable[..., Any], *example_args: Any, mode: str = "trace", gc: str = "fast", **options: Any) -> Executable:
+    """Capture ``fn`` on ``example_args`` into a planned program and return a callable for it.
+
+    ``fn`` may be a model forward or a whole training step (``loss.backward()`` /
+    ``torch.autograd.grad`` plus in-place parameter updates); calls apply the same in-place
+    mutations to the caller's tensors as eager would. ``mode``: ``"trace"`` (CPU, CUDA) or
+    ``"graph"`` (CUDA graph of the trace run). ``gc``: ``"fast"`` (drop at last use) or ``"none"``.
+
+    Example::
+
+        >>> import torch, flowexec
+        >>> exe = flowexec.compile(lambda a, b: a @ b + 1, torch.ones(2, 2), torch.ones(2, 2))
+        >>> exe(torch.ones(2, 2), torch.eye(2))
+        tensor([[2., 2.],
+                [2., 2.]])
+    """
+    if mode not in MODES:
+        hint = " (threaded mode is not implemented yet)" if mode == "threaded" else ""
+        raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}{hint}")
+    if gc not in GC_MODES:
+        raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        valid = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
+        raise OptionError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options — {valid}")
+    if not callable(fn):
+        raise OptionError(f"fn must be callable, got {type(fn).__name__}")
+    for i, a in enumerate(example_args):
+        if not isinstance(a, (torch.Tensor, int, float, bool, str, type(None))):
+            raise InputError(f"argument {i}: flowexec.compile takes tensors and Python scalars, got {type(a).__name__}")
+    if mode == "graph":
+        devices = {a.device.type for a in example_args if isinstance(a, torch.Tensor)}
+        if not torch.cuda.is_available() or devices - {"cuda"}:
+            where = "this machine has no CUDA device" if not torch.cuda.is_available() else f"inputs are on {sorted(devices)}"
+            raise OptionError(f"mode='graph' captures a CUDA graph, but {where}; use mode='trace' on CPU")
+    return Executable(fn, mode, gc, options).compile_for(*example_args)

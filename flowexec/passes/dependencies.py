@@ -1,0 +1,130 @@
+"""Which ops must run before which: aliasing, read/write sets, dependency edges.
+
+Values that share memory (views, in-place results, two state handles on one storage) form an
+*alias group*. An op reads every group it takes and writes the groups its schema marks
+``(a!)``. Op j depends on op i < j when j reads what i wrote (RAW), writes what i read (WAR)
+or writes what i wrote (WAW) — the orders a multi-stream or threaded run must keep.
+
+Example::
+
+    >>> import torch, flowexec
+    >>> from flowexec.passes import dependencies
+    >>> def f(x):
+    ...     y = x.mul(2); x.add_(1); return y
+    >>> exe = flowexec.compile(f, torch.ones(3))
+    >>> dependencies(exe.program)  # add_ writes x after mul read it
+    ((), (0,))
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..program import Program, Ref, Role
+
+
+def _find(parent: list[int], i: int) -> int:
+    while parent[i] != i:
+        parent[i] = parent[parent[i]]
+        i = parent[i]
+    return i
+
+
+def _arg_values(op_args: tuple[Any, ...], kwargs: tuple, schema: torch.FunctionSchema) -> list[tuple[Any, list[int]]]:
+    """(schema argument, value ids passed to it) for every argument holding refs."""
+    kw = dict(kwargs)
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        val = op_args[i] if i < len(op_args) else kw.get(arg.name)
+        ids = [r.id for r in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(r, Ref)]
+        if ids:
+            out.append((arg, ids))
+    return out
+
+
+def alias_groups(prog: Program) -> tuple[int, ...]:
+    """A group id per value: equal ids share (or may share) memory."""
+    parent = list(range(len(prog.values)))
+
+    def union(a: int, b: int) -> None:
+        ra, rb = _find(parent, a), _find(parent, b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    by_storage: dict[int, int] = {}
+    for vid, t in prog.state.items():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in by_storage:
+            union(by_storage[ptr], vid)
+        else:
+            by_storage[ptr] = vid
+    for op in prog.ops:
+        schema = getattr(op.target, "_schema", None)
+        if schema is None:
+            continue
+        args = _arg_values(op.args, op.kwargs, schema)
+        for ret, vid in zip(schema.returns, op.outputs):
+            if vid < 0 or ret.alias_info is None:
+                continue
+            sets = ret.alias_info.before_set
+            for arg, ids in args:
+                if arg.alias_info is not None and sets & arg.alias_info.before_set:
+                    for i in ids:
+                        union(i, vid)
+    return tuple(_find(parent, i) for i in range(len(parent)))
+
+
+def read_write_sets(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[frozenset[int], frozenset[int]], ...]:
+    """Per op: (alias groups read, alias groups written in place)."""
+    groups = groups if groups is not None else alias_groups(prog)
+    result = []
+    for op in prog.ops:
+        reads = frozenset(groups[r] for r in op.refs())
+        writes: set[int] = set()
+        schema = getattr(op.target, "_schema", None)
+        if schema is not None:
+            for arg, ids in _arg_values(op.args, op.kwargs, schema):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    writes.update(groups[i] for i in ids)
+        result.append((reads, frozenset(writes)))
+    return tuple(result)
+
+
+def dependencies(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Per op, the sorted indices of earlier ops it must follow (RAW, WAR, WAW)."""
+    groups = groups if groups is not None else alias_groups(prog)
+    rw = read_write_sets(prog, groups)
+    last_writer: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    deps: list[tuple[int, ...]] = []
+    for i, op in enumerate(prog.ops):
+        reads, writes = rw[i]
+        d: set[int] = set()
+        for g in reads:
+            if g in last_writer:
+                d.add(last_writer[g])
+        for g in writes:
+            if g in last_writer:
+                d.add(last_writer[g])
+            d.update(readers.get(g, ()))
+        d.discard(i)
+        deps.append(tuple(sorted(d)))
+        for g in reads - writes:
+            readers.setdefault(g, []).append(i)
+        for g in writes:
+            last_writer[g] = i
+            readers[g] = []
+        for vid in op.outputs:
+            if vid >= 0 and groups[vid] not in last_writer:
+                last_writer[groups[vid]] = i  # creation counts as the first write
+    return tuple(deps)
+
+
+def mutated_state(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """State and input values whose memory some op writes in place."""
+    groups = groups if groups is not None else alias_groups(prog)
+    written = set()
+    for _, w in read_write_sets(prog, groups):
+        written |= w
+    return tuple(v.id for v in prog.values if v.role in (Role.STATE, Role.INPUT) and groups[v.id] in written)

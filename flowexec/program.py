@@ -1,0 +1,206 @@
+"""The Program IR: ordered ATen ops over values, with a text form and a lint.
+
+A :class:`Program` is what capture produces and what every pass reads. It is plain data:
+small frozen records, no behaviour beyond printing and checking itself. Analysis results
+(dependencies, liveness, streams …) live in side tables built by ``flowexec.passes``.
+
+Example::
+
+    >>> import torch, flowexec
+    >>> exe = flowexec.compile(lambda a, b: (a @ b).relu(), torch.randn(2, 3), torch.randn(3, 4))
+    >>> print(exe.program)  # doctest: +ELLIPSIS
+    program(a0: f32[2, 3] cpu, a1: f32[3, 4] cpu) -> (v3)
+      v2: f32[2, 4] = aten.mm.default(a0, a1)
+      v3: f32[2, 4] = aten.relu.default(v2)
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+class Role(enum.Enum):
+    """Where a value comes from; decides whether the runtime may ever drop it."""
+
+    INPUT = "input"  # per-call argument
+    STATE = "state"  # caller's persistent tensor (parameter, buffer, grad, optimizer state)
+    CONST = "const"  # non-tensor or tensor constant created at capture
+    TEMP = "temp"  # produced by an op
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Static facts about a tensor value."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: torch.device
+    nbytes: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(t.dtype, tuple(t.shape), t.device, t.untyped_storage().nbytes() if t.layout == torch.strided else 0)
+
+    def __str__(self) -> str:
+        dt = _DTYPE_SHORT.get(self.dtype, str(self.dtype).replace("torch.", ""))
+        return f"{dt}[{', '.join(map(str, self.shape))}] {self.device}"
+
+
+_DTYPE_SHORT = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """One SSA value. ``meta`` is None for non-tensor values (ints, tensor lists …)."""
+
+    id: int
+    role: Role
+    meta: TensorMeta | None = None
+    name: str = ""  # the capture's name for it (FX node name), for messages
+
+    @property
+    def label(self) -> str:
+        return {Role.INPUT: "a", Role.STATE: "s", Role.CONST: "c", Role.TEMP: "v"}[self.role] + str(self.id)
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A reference to a value inside an op's arguments."""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One ATen call.
+
+    ``args``/``kwargs`` hold :class:`Ref` for values (nested in lists where the schema takes a
+    list) and plain Python constants otherwise. ``outputs`` names the produced values; when
+    ``unpack`` is set the call returns a sequence and ``outputs[i]`` receives element i
+    (``-1``: element unused).
+    """
+
+    index: int
+    target: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    outputs: tuple[int, ...] = ()
+    unpack: bool = False
+    source: str = ""  # "file:line" of the user's code that issued it, where known
+
+    @property
+    def name(self) -> str:
+        return op_name(self.target)
+
+    def refs(self) -> Iterator[int]:
+        """Ids of all values this op takes as arguments (in order, with repeats)."""
+        yield from _iter_refs(self.args)
+        yield from _iter_refs(tuple(v for _, v in self.kwargs))
+
+
+def _iter_refs(obj: Any) -> Iterator[int]:
+    if isinstance(obj, Ref):
+        yield obj.id
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _iter_refs(o)
+
+
+def op_name(target: Callable[..., Any]) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
+
+
+@dataclass(frozen=True)
+class Program:
+    """An ordered list of ops over values.
+
+    ``inputs`` are per-call arguments, in call order; ``state`` maps value ids to the caller's
+    persistent tensors (bound by reference, never copied); ``consts`` holds other constants;
+    ``outputs`` is a pytree spec plus the value ids (or constants) it is filled with.
+    """
+
+    values: tuple[Value, ...]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[Any, ...]  # flat: Ref or constant
+    out_spec: Any = None  # torch.utils._pytree.TreeSpec, or None for a flat tuple
+    state: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    consts: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def value(self, vid: int) -> Value:
+        return self.values[vid]
+
+    def __str__(self) -> str:
+        return format_program(self)
+
+
+def _fmt_arg(a: Any, prog: Program) -> str:
+    if isinstance(a, Ref):
+        return prog.values[a.id].label
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt_arg(x, prog) for x in a)
+        return f"[{inner}]"
+    if isinstance(a, torch.dtype):
+        return str(a).replace("torch.", "")
+    return repr(a)
+
+
+def format_op(op: Op, prog: Program) -> str:
+    """One line: ``outputs = target(args)`` with each output's dtype, shape and device."""
+    outs = []
+    for vid in op.outputs:
+        if vid < 0:
+            outs.append("_")
+            continue
+        v = prog.values[vid]
+        outs.append(f"{v.label}: {v.meta}" if v.meta else v.label)
+    args = [_fmt_arg(a, prog) for a in op.args] + [f"{k}={_fmt_arg(v, prog)}" for k, v in op.kwargs]
+    lhs = ", ".join(outs) if outs else "_"
+    if op.unpack:
+        lhs = f"({lhs})"
+    src = f"  # {op.source}" if op.source else ""
+    return f"{lhs} = {op.name}({', '.join(args)}){src}"
+
+
+def format_program(prog: Program) -> str:
+    """The program as text: a header with inputs and outputs, then one op per line."""
+    ins = ", ".join(f"{prog.values[i].label}: {prog.values[i].meta}" for i in prog.inputs)
+    outs = ", ".join(_fmt_arg(o, prog) for o in prog.outputs)
+    lines = [f"program({ins}) -> ({outs})"]
+    if prog.state:
+        lines.append(f"  # state: {', '.join(prog.values[i].label + ': ' + str(prog.values[i].meta) for i in prog.state)}")
+    lines += ["  " + format_op(op, prog) for op in prog.ops]
+    return "\n".join(lines)
+
+
+class LintError(ValueError):
+    """A program breaks an invariant (use before definition, dangling ref …)."""
+
+
+def lint(prog: Program) -> None:
+    """Check the program's invariants; raise :class:`LintError` naming the first broken one."""
+    defined = set(prog.inputs) | set(prog.state) | set(prog.consts)
+    for vid, v in enumerate(prog.values):
+        if v.id != vid:
+            raise LintError(f"value #{vid} carries id {v.id}")
+    for op in prog.ops:
+        for r in op.refs():
+            if r not in defined:
+                raise LintError(f"op #{op.index} {op.name} uses {prog.values[r].label} before it is defined")
+        for o in op.outputs:
+            if o >= 0:
+                if o in defined:
+                    raise LintError(f"op #{op.index} {op.name} redefines {prog.values[o].label}")
+                defined.add(o)
+    for o in prog.outputs:
+        if isinstance(o, Ref) and o.id not in defined:
+            raise LintError(f"output {prog.values[o.id].label} is never defined")

@@ -1,0 +1,1 @@
+"""Runtime: lowering a plan into something that runs, and the run modes."""

@@ -1,0 +1,125 @@
+"""Graph mode: the lowered trace runner captured once into a CUDA graph, then replayed.
+
+Inputs come in two kinds. *Staged* inputs (per-call data) get a static buffer that each call
+copies into. *Borrowed* inputs (parameters, buffers, static outputs of another flowexec graph)
+are read in place at the address they had at capture; a call that passes a borrowed input at
+another address re-captures (the caller sees a warning). State bound by the program (closure
+tensors) is always the caller's own memory.
+
+Outputs are the graph's static buffers. What a call returns stays valid: before the next
+replay, any output the caller still holds is moved to a private copy (copy-on-overwrite), so
+the common loop that drops last step's results pays nothing.
+
+Example (needs CUDA)::
+
+    >>> import torch, flowexec  # doctest: +SKIP
+    >>> w = torch.randn(64, 64, device="cuda")
+    >>> exe = flowexec.compile(lambda x: (x @ w).relu(), torch.randn(8, 64, device="cuda"), mode="graph")
+    >>> y = exe(torch.randn(8, 64, device="cuda"))
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+# data_ptr -> tensor: memory that keeps its address across steps (static outputs of flowexec
+# graphs, inputs a graph borrowed), which other graphs may borrow in turn.
+_STABLE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def mark_stable(t: torch.Tensor) -> None:
+    """Record that ``t``'s memory keeps its address (a graph reads it in place)."""
+    _STABLE[t.data_ptr()] = t
+
+
+def is_stable(t: torch.Tensor) -> bool:
+    """Whether a tensor keeps its address across steps (so a graph may read it in place)."""
+    return (
+        isinstance(t, torch.nn.Parameter)
+        or getattr(t, "_dynamo_static_input_type", None) is not None
+        or t.data_ptr() in _STABLE
+    )
+
+
+class CudaGraphRunner:
+    """Captures ``run(*inputs)`` into a CUDA graph and replays it per call."""
+
+    def __init__(
+        self,
+        run: Callable[..., list[Any]],
+        example_inputs: Sequence[Any],
+        mutated: Sequence[torch.Tensor],
+        borrow: Sequence[bool],
+        mutated_inputs: Sequence[int] = (),
+        unprotected_outputs: Sequence[int] = (),
+        pool: Any = None,
+        warmup: int = 1,
+    ) -> None:
+        self.borrow = tuple(borrow)
+        self.static_inputs: list[Any] = []
+        for a, b in zip(example_inputs, self.borrow):
+            if isinstance(a, torch.Tensor) and not b:
+                self.static_inputs.append(a.detach().clone())
+            else:
+                self.static_inputs.append(a)
+        self._staged = [i for i, (a, b) in enumerate(zip(example_inputs, self.borrow)) if isinstance(a, torch.Tensor) and not b]
+        self._borrowed = [(i, a.data_ptr()) for i, (a, b) in enumerate(zip(example_inputs, self.borrow)) if isinstance(a, torch.Tensor) and b]
+        self._mutated_inputs = [i for i in mutated_inputs if i in self._staged]
+        # Replays and warm-up must not change the caller's state: snapshot what the program
+        # writes in place and restore it after warm-up.
+        snapshot = [(t, t.detach().clone()) for t in mutated]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                run(*self.static_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            outs = run(*self.static_inputs)
+        with torch.no_grad():
+            for t, saved in snapshot:
+                t.copy_(saved)
+        self.static_outputs = outs
+        input_storages = {a.untyped_storage().data_ptr() for a in self.static_inputs if isinstance(a, torch.Tensor)}
+        skip = set(unprotected_outputs)
+        self._protect = []
+        for i, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in input_storages:
+                mark_stable(o)
+                if i not in skip:
+                    self._protect.append(i)
+        self._handed: list[tuple[int, weakref.ref]] = []
+        self.pool = self.graph.pool()
+
+    def matches(self, args: Sequence[Any]) -> bool:
+        """Whether every borrowed input is still at its captured address."""
+        for i, ptr in self._borrowed:
+            if args[i].data_ptr() != ptr:
+                return False
+        return True
+
+    def __call__(self, args: Sequence[Any]) -> list[Any]:
+        static = self.static_inputs
+        for i in self._staged:
+            s = static[i]
+            a = args[i]
+            if a.data_ptr() != s.data_ptr():
+                s.copy_(a)
+        for _, ref in self._handed:
+            held = ref()
+            if held is not None:  # the caller kept last call's output: give it its own copy
+                held.data = held.clone()
+        self.graph.replay()
+        for i in self._mutated_inputs:
+            args[i].copy_(static[i])
+        outs = list(self.static_outputs)
+        handed = []
+        for i in self._protect:
+            alias = outs[i].detach()
+            outs[i] = alias
+            handed.append((i, weakref.ref(alias)))
+        self._handed = handed
+        return outs
