@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import CaptureError
-from .program import Op, Program, Ref, Role, TensorMeta, Value
+from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -86,10 +86,9 @@ def _source_of(node: fx.Node) -> str:
 def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Tensors an op writes in place, from its schema's alias annotations."""
     out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        val = args[i] if i < len(args) else kwargs.get(arg.name)
+    schema_args = func._schema.arguments
+    for i in written_args(func):
+        val = args[i] if i < len(args) else kwargs.get(schema_args[i].name)
         if isinstance(val, torch.Tensor):
             out.append(val)
         elif isinstance(val, (list, tuple)):

@@ -204,3 +204,29 @@ def lint(prog: Program) -> None:
     for o in prog.outputs:
         if isinstance(o, Ref) and o.id not in defined:
             raise LintError(f"output {prog.values[o.id].label} is never defined")
+
+
+# Ops whose schema does not admit that they write some arguments in place (training-mode
+# batch norm updates its running statistics through plain `Tensor?` arguments).
+_UNANNOTATED_WRITES: dict[str, tuple[int, ...]] = {
+    "aten.native_batch_norm.default": (3, 4),
+    "aten.cudnn_batch_norm.default": (3, 4),
+    "aten.miopen_batch_norm.default": (3, 4),
+}
+
+
+def written_args(target: Callable[..., Any]) -> tuple[int, ...]:
+    """Schema positions of the arguments ``target`` writes in place."""
+    cached = _WRITTEN_CACHE.get(target)
+    if cached is not None:
+        return cached
+    schema = getattr(target, "_schema", None)
+    pos: tuple[int, ...] = ()
+    if schema is not None:
+        pos = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+        pos += tuple(i for i in _UNANNOTATED_WRITES.get(op_name(target), ()) if i not in pos)
+    _WRITTEN_CACHE[target] = pos
+    return pos
+
+
+_WRITTEN_CACHE: dict[Any, tuple[int, ...]] = {}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..program import Program, Ref, Role
+from ..program import Program, Ref, Role, written_args
 
 
 def _find(parent: list[int], i: int) -> int:
@@ -31,15 +31,15 @@ def _find(parent: list[int], i: int) -> int:
     return i
 
 
-def _arg_values(op_args: tuple[Any, ...], kwargs: tuple, schema: torch.FunctionSchema) -> list[tuple[Any, list[int]]]:
-    """(schema argument, value ids passed to it) for every argument holding refs."""
+def _arg_values(op_args: tuple[Any, ...], kwargs: tuple, schema: torch.FunctionSchema, with_pos: bool = False) -> list[tuple[Any, list[int]]]:
+    """(schema argument — or (position, argument) — , value ids passed to it) per argument holding refs."""
     kw = dict(kwargs)
     out = []
     for i, arg in enumerate(schema.arguments):
         val = op_args[i] if i < len(op_args) else kw.get(arg.name)
         ids = [r.id for r in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(r, Ref)]
         if ids:
-            out.append((arg, ids))
+            out.append(((i, arg) if with_pos else arg, ids))
     return out
 
 
@@ -84,8 +84,9 @@ def read_write_sets(prog: Program, groups: tuple[int, ...] | None = None) -> tup
         writes: set[int] = set()
         schema = getattr(op.target, "_schema", None)
         if schema is not None:
-            for arg, ids in _arg_values(op.args, op.kwargs, schema):
-                if arg.alias_info is not None and arg.alias_info.is_write:
+            wpos = written_args(op.target)
+            for k, (arg, ids) in enumerate(_arg_values(op.args, op.kwargs, schema, with_pos=True)):
+                if arg[0] in wpos:
                     writes.update(groups[i] for i in ids)
         result.append((reads, frozenset(writes)))
     return tuple(result)

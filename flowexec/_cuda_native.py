@@ -1,0 +1,261 @@
+"""Thin ctypes access to the CUDA driver (libcuda) for :mod:`flowexec.fetch`.
+
+Only what the scalar readback needs: load a tiny PTX kernel per device, allocate host-mapped
+pinned slots, launch, record/query events, query streams. Everything here is imported lazily by
+``flowexec.fetch`` and only on a machine with a CUDA tensor, so CPU-only installs never load
+libcuda. Why the driver and not the runtime: libcuda.so.1 is present wherever a CUDA tensor
+exists (torch loads it too), whereas the runtime library's name and location depend on how torch
+was built.
+
+The kernel (``fx_read{1,2,4,8,16}``, one thread) copies an element of 1..16 bytes from device
+memory into a 32-byte host-mapped slot, then ``membar.sys`` and a volatile store of a 64-bit
+sequence number at slot+16. The host polls that number: when it equals the launch's sequence
+number, the payload before it is visible (the system fence orders the two stores over PCIe).
+It was written as CUDA C (see ``_CUDA_SOURCE``) and lowered by hand to PTX ISA 6.0 / sm_50, so
+any driver since CUDA 9 can JIT it; ``tests/test_fetch.py`` checks it with ``ptxas`` where one
+is installed.
+
+Launchers: ``cuLaunchKernel`` is the hot call, so three ways to make it are offered and the
+benchmark (``benchmarks/item.py``) measures each: cupy's Cython ``driver.launchKernel`` (all
+arguments plain integers), ``cuda.bindings.driver.cuLaunchKernel``, and ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+
+SLOT_BYTES = 32  # 16 bytes of payload (complex128 is the widest element), 8 of sequence, 8 spare
+SEQ_OFFSET = 16
+SIZES = (1, 2, 4, 8, 16)
+
+# The kernel as CUDA C, for the reader; _ptx() below is its hand-lowered PTX.
+_CUDA_SOURCE = r"""
+template <class T> __global__ void fx_read(const T* src, volatile T* slot, unsigned long long seq) {
+  slot[0] = src[0];                      // 16-byte case: two 8-byte loads and stores
+  __threadfence_system();                // payload visible to the host before the sequence number
+  *(volatile unsigned long long*)((volatile char*)slot + 16) = seq;
+}
+"""
+
+_PTX_HEAD = ".version 6.0\n.target sm_50\n.address_size 64\n"
+_PTX_ENTRY = """
+.visible .entry fx_read{n}(.param .u64 p_src, .param .u64 p_slot, .param .u64 p_seq)
+{{
+\t.reg .b16 %rs<2>;
+\t.reg .b32 %r<2>;
+\t.reg .b64 %rd<8>;
+\tld.param.u64 %rd1, [p_src];
+\tld.param.u64 %rd2, [p_slot];
+\tld.param.u64 %rd3, [p_seq];
+\tcvta.to.global.u64 %rd4, %rd2;
+\tcvta.to.global.u64 %rd5, %rd1;
+{body}\tmembar.sys;
+\tst.volatile.global.u64 [%rd4+16], %rd3;
+\tret;
+}}
+"""
+_PTX_BODY = {
+    1: "\tld.global.u8 %rs1, [%rd5];\n\tst.volatile.global.u8 [%rd4], %rs1;\n",
+    2: "\tld.global.u16 %rs1, [%rd5];\n\tst.volatile.global.u16 [%rd4], %rs1;\n",
+    4: "\tld.global.u32 %r1, [%rd5];\n\tst.volatile.global.u32 [%rd4], %r1;\n",
+    8: "\tld.global.u64 %rd6, [%rd5];\n\tst.volatile.global.u64 [%rd4], %rd6;\n",
+    16: (
+        "\tld.global.u64 %rd6, [%rd5];\n\tld.global.u64 %rd7, [%rd5+8];\n"
+        "\tst.volatile.global.u64 [%rd4], %rd6;\n\tst.volatile.global.u64 [%rd4+8], %rd7;\n"
+    ),
+}
+
+
+def ptx() -> str:
+    """The PTX module holding ``fx_read1`` .. ``fx_read16``."""
+    return _PTX_HEAD + "".join(_PTX_ENTRY.format(n=n, body=_PTX_BODY[n]) for n in SIZES)
+
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_CONTEXT = 201
+CUDA_ERROR_NOT_READY = 600
+_HOSTALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02
+_EVENT_DISABLE_TIMING = 0x02
+
+_vp, _u, _sz, _i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_int
+_SIGNATURES: dict[str, list] = {
+    "cuInit": [_u],
+    "cuGetErrorName": [_i, ctypes.POINTER(ctypes.c_char_p)],
+    "cuDeviceGet": [ctypes.POINTER(_i), _i],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_vp), _i],
+    "cuCtxGetCurrent": [ctypes.POINTER(_vp)],
+    "cuCtxSetCurrent": [_vp],
+    "cuModuleLoadData": [ctypes.POINTER(_vp), ctypes.c_char_p],
+    "cuModuleGetFunction": [ctypes.POINTER(_vp), _vp, ctypes.c_char_p],
+    "cuMemHostAlloc": [ctypes.POINTER(_vp), _sz, _u],
+    "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(ctypes.c_uint64), _vp, _u],
+    "cuLaunchKernel": [_vp, _u, _u, _u, _u, _u, _u, _u, _vp, _vp, _vp],
+    "cuMemcpyDtoHAsync_v2": [_vp, ctypes.c_uint64, _sz, _vp],
+    "cuEventCreate": [ctypes.POINTER(_vp), _u],
+    "cuEventRecord": [_vp, _vp],
+    "cuEventQuery": [_vp],
+    "cuStreamWaitEvent": [_vp, _vp, _u],
+    "cuStreamQuery": [_vp],
+    "cuStreamSynchronize": [_vp],
+}
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the driver's error name."""
+
+    def __init__(self, code: int, call: str) -> None:
+        self.code = code
+        super().__init__(f"{call} failed: {error_name(code)} ({code})")
+
+
+class _Driver:
+    """libcuda.so.1 with argument types declared once (undeclared pointers would be truncated)."""
+
+    def __init__(self) -> None:
+        name = os.environ.get("FLOWEXEC_LIBCUDA", "libcuda.so.1")
+        self.lib = ctypes.CDLL(name)
+        for fn, argtypes in _SIGNATURES.items():
+            f = getattr(self.lib, fn)
+            f.argtypes, f.restype = argtypes, ctypes.c_int
+            setattr(self, fn, f)
+
+
+_driver: _Driver | None = None
+_lock = threading.Lock()
+_kernels: dict[int, dict[int, int]] = {}
+_primary: dict[int, int] = {}
+
+
+def driver() -> _Driver:
+    """The loaded driver (raises OSError where there is no libcuda)."""
+    global _driver
+    if _driver is None:
+        with _lock:
+            if _driver is None:
+                d = _Driver()
+                check(d.cuInit(0), "cuInit")
+                _driver = d
+    return _driver
+
+
+def error_name(code: int) -> str:
+    name = ctypes.c_char_p()
+    if _driver is None or _driver.cuGetErrorName(code, ctypes.byref(name)) != 0 or not name.value:
+        return "CUDA_ERROR_UNKNOWN"
+    return name.value.decode()
+
+
+def check(code: int, call: str) -> None:
+    if code != CUDA_SUCCESS:
+        raise CudaDriverError(code, call)
+
+
+def ensure_context(device_index: int) -> None:
+    """Make ``device_index``'s primary context (the one torch uses) current on this thread.
+
+    A thread that never made a runtime call has no current context, and driver calls there fail
+    with CUDA_ERROR_INVALID_CONTEXT; the runtime would make the primary context current lazily.
+    """
+    d = driver()
+    ctx = _primary.get(device_index)
+    if ctx is None:
+        dev, c = ctypes.c_int(), ctypes.c_void_p()
+        check(d.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+        check(d.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev.value), "cuDevicePrimaryCtxRetain")
+        ctx = _primary[device_index] = c.value
+    cur = ctypes.c_void_p()
+    check(d.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
+    if cur.value != ctx:
+        check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def kernels(device_index: int) -> dict[int, int]:
+    """``{element bytes: CUfunction}`` for ``device_index``, JIT-compiled once per process."""
+    fns = _kernels.get(device_index)
+    if fns is None:
+        with _lock:
+            fns = _kernels.get(device_index)
+            if fns is None:
+                d = driver()
+                ensure_context(device_index)
+                mod = ctypes.c_void_p()
+                check(d.cuModuleLoadData(ctypes.byref(mod), ptx().encode() + b"\0"), "cuModuleLoadData")
+                fns = {}
+                for n in SIZES:
+                    f = ctypes.c_void_p()
+                    check(d.cuModuleGetFunction(ctypes.byref(f), mod, f"fx_read{n}".encode()),
+                          "cuModuleGetFunction")
+                    fns[n] = f.value
+                _kernels[device_index] = fns
+    return fns
+
+
+def host_alloc(nbytes: int) -> tuple[int, int]:
+    """Zeroed, pinned, portable, device-mapped host memory: ``(host pointer, device pointer)``.
+
+    Never freed: slots are reused for the life of the process, and a slot that a late kernel
+    might still write must not go back to an allocator (see ``fetch._retire``).
+    """
+    d = driver()
+    p, dp = ctypes.c_void_p(), ctypes.c_uint64()
+    check(d.cuMemHostAlloc(ctypes.byref(p), nbytes, _HOSTALLOC_PORTABLE_DEVICEMAP), "cuMemHostAlloc")
+    ctypes.memset(p.value, 0, nbytes)  # sequence numbers start at 0 so that no slot looks ready
+    check(d.cuMemHostGetDevicePointer_v2(ctypes.byref(dp), p.value, 0), "cuMemHostGetDevicePointer")
+    return p.value, dp.value
+
+
+def event_create() -> int:
+    ev = ctypes.c_void_p()
+    check(driver().cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
+    return ev.value
+
+
+Launch = Callable[[int, int, int], int]
+
+
+def launcher(kind: str) -> Launch:
+    """``launch(function, stream, params_address) -> CUresult`` for a 1×1 grid, 1×1 block.
+
+    ``kind`` is ``"cupy"``, ``"bindings"`` or ``"ctypes"``; raises ImportError where the package
+    is missing.
+    """
+    if kind == "ctypes":
+        f = driver().cuLaunchKernel
+
+        def launch(fn: int, stream: int, params: int, _f=f) -> int:
+            return _f(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, None)
+
+        return launch
+    if kind == "cupy":
+        from cupy.cuda import driver as cupy_driver  # raises CUDADriverError itself on failure
+
+        def launch(fn: int, stream: int, params: int, _f=cupy_driver.launchKernel,
+                   _err=cupy_driver.CUDADriverError) -> int:
+            try:
+                _f(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, 0)
+            except _err as e:  # cupy raises; callers expect a CUresult like the other launchers
+                return int(getattr(e, "status", 999))
+            return 0
+
+        return launch
+    if kind == "bindings":
+        from cuda.bindings import driver as cb
+
+        funcs: dict[int, object] = {}
+        streams: dict[int, object] = {}
+
+        def launch(fn: int, stream: int, params: int, _f=cb.cuLaunchKernel) -> int:
+            # Handle objects are cached: building them per call costs more than the call.
+            f = funcs.get(fn)
+            if f is None:
+                f = funcs[fn] = cb.CUfunction(fn)
+            s = streams.get(stream)
+            if s is None:
+                s = streams[stream] = cb.CUstream(stream)
+            return int(_f(f, 1, 1, 1, 1, 1, 1, 0, s, params, 0)[0])
+
+        return launch
+    raise ValueError(f"unknown launcher {kind!r}: expected 'cupy', 'bindings' or 'ctypes'")

@@ -1,0 +1,358 @@
+"""Triton kernels for ``flowexec::lerp`` (imported only when Triton is available).
+
+Every kernel works on a *canonical* view of the broadcast: the output is coalesced into at most
+four dims ``(n0, n1, n2, n3)`` and each operand is described by a 4-bit mask of the dims it
+keeps (bit 3 = d0 ... bit 0 = d3; a cleared bit means the operand is broadcast along that dim).
+Operands are contiguous, so their strides follow from the mask and the sizes alone and are
+computed in the kernel instead of being passed (fewer launch arguments).
+
+A program owns one output block: ``(i0, i1)``, a split ``s`` of the rows of d2 (walked
+``BM`` rows at a time) and a block ``jn`` of ``BN`` columns of d3. The backward kernel reduces
+each gradient over the tile axes its operand broadcasts and writes one partial per
+``(r, k)``: ``k`` is the operand's own element, ``r`` numbers the program coordinates along
+the dims it broadcasts. Every ``(r, k)`` is written exactly once, so no zero-fill and no
+atomics on data are needed and the result is deterministic. A small final reduction over
+``r`` is run either by the last program to finish (``FUSED_FINAL``) or by a separate kernel.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dims(M: tl.constexpr, n0, n1, n2, n3):
+    """Strides (s0, s1, s2) and element count K of a contiguous operand with keep-mask M."""
+    e3 = 1
+    e2 = 1
+    e1 = 1
+    e0 = 1
+    if M & 1:
+        e3 = n3
+    if M & 2:
+        e2 = n2
+    if M & 4:
+        e1 = n1
+    if M & 8:
+        e0 = n0
+    s2 = 0
+    s1 = 0
+    s0 = 0
+    if M & 2:
+        s2 = e3
+    if M & 4:
+        s1 = e2 * e3
+    if M & 8:
+        s0 = e1 * e2 * e3
+    return s0, s1, s2, e0 * e1 * e2 * e3
+
+
+@triton.jit
+def _tile_offsets(M: tl.constexpr, base, rows, cols, s2, VEC: tl.constexpr):
+    """Offsets of an operand's tile, shaped by what it keeps: [BM,BN], [BM,1], [1,BN] or scalar.
+
+    Loading a broadcast operand at its own shape (not the full tile) keeps the loads few;
+    the arithmetic broadcasts afterwards. ``VEC`` divides the row length of operands that keep
+    d3: telling Triton lets it issue vector loads even when n3 is not a multiple of 16.
+    """
+    if (M & 3) == 3:
+        if VEC > 1:
+            base = tl.multiple_of(base, VEC)
+            rowoff = tl.multiple_of(rows * s2, VEC)
+        else:
+            rowoff = rows * s2
+        offs = base + rowoff[:, None] + cols[None, :]
+    elif M & 2:
+        offs = base + (rows * s2)[:, None]
+    elif M & 1:
+        if VEC > 1:
+            base = tl.multiple_of(base, VEC)
+        offs = base + cols[None, :]
+    else:
+        offs = base
+    return offs
+
+
+@triton.jit
+def _tile_mask(M: tl.constexpr, rm, cm):
+    if (M & 3) == 3:
+        mask = rm[:, None] & cm[None, :]
+    elif M & 2:
+        mask = rm[:, None]
+    elif M & 1:
+        mask = cm[None, :]
+    else:
+        mask = None
+    return mask
+
+
+@triton.jit
+def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr, ACC_F64: tl.constexpr):
+    offs = _tile_offsets(M, base, rows, cols, s2, VEC)
+    if (M & 3) == 0:
+        v = tl.load(ptr + offs)
+    else:
+        v = tl.load(ptr + offs, mask=_tile_mask(M, rm, cm), other=0.0)
+    if ACC_F64:
+        v = v.to(tl.float64)
+    else:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _program_coords(n1, S, NB3):
+    # Column blocks vary fastest so neighbouring programs touch neighbouring memory.
+    pid = tl.program_id(0)
+    jn = pid % NB3
+    t = pid // NB3
+    s = t % S
+    t = t // S
+    i1 = t % n1
+    i0 = t // n1
+    return i0, i1, s, jn
+
+
+@triton.jit
+def _scalar_weight(w_hi, w_lo, ACC_F64: tl.constexpr):
+    # Python floats reach Triton as fp32; float64 gets hi + lo so the weight keeps ~48 bits.
+    if ACC_F64:
+        w = w_hi.to(tl.float64) + w_lo.to(tl.float64)
+    else:
+        w = w_hi
+    return w
+
+
+@triton.jit
+def _lerp_fwd_kernel(
+    x_ptr, y_ptr, w_ptr, out_ptr, w_hi, w_lo,
+    n0, n1, n2, n3, S, NB3, rows_per_split,
+    MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
+    ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    i0, i1, s, jn = _program_coords(n1, S, NB3)
+    if BIG:
+        i0 = i0.to(tl.int64)
+        i1 = i1.to(tl.int64)
+    sx0, sx1, sx2, kx = _dims(MX, n0, n1, n2, n3)
+    sy0, sy1, sy2, ky = _dims(MY, n0, n1, n2, n3)
+    sw0, sw1, sw2, kw = _dims(MW, n0, n1, n2, n3)
+    so0, so1, so2, ko = _dims(15, n0, n1, n2, n3)
+    bx = i0 * sx0 + i1 * sx1
+    by = i0 * sy0 + i1 * sy1
+    bw = i0 * sw0 + i1 * sw1
+    bo = i0 * so0 + i1 * so1
+    cols = jn * BN + tl.arange(0, BN)
+    cm = cols < n3
+    row_lo = s * rows_per_split
+    row_hi = tl.minimum(row_lo + rows_per_split, n2)
+    if W_SCALAR:
+        w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
+    for r0 in range(row_lo, row_hi, BM):
+        rows = r0 + tl.arange(0, BM)
+        if BIG:
+            rows = rows.to(tl.int64)
+        rm = rows < row_hi
+        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64)
+        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64)
+        if W_SCALAR:
+            wv = w_s
+        else:
+            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64)
+        d = yv - xv
+        # Same two-sided formula as ATen: exact at both ends (w = 0 gives x, w = 1 gives y).
+        res = tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv))
+        if ACC_F64:
+            res = res + tl.zeros([BM, BN], tl.float64)
+        else:
+            res = res + tl.zeros([BM, BN], tl.float32)
+        offs = _tile_offsets(15, bo, rows, cols, so2, VEC)
+        tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _reduce_rows(src, dst, P, K, kb, FBR: tl.constexpr, FBK: tl.constexpr, ACC_F64: tl.constexpr):
+    """dst[k] = sum_r src[r, k] for the FBK columns of block kb (src is [P, K], row-major)."""
+    ks = kb * FBK + tl.arange(0, FBK)
+    km = ks < K
+    if ACC_F64:
+        acc = tl.zeros([FBK], tl.float64)
+    else:
+        acc = tl.zeros([FBK], tl.float32)
+    for r0 in range(0, P, FBR):
+        rs = r0 + tl.arange(0, FBR)
+        # .cg: partials were written by other programs; read them from L2, never a stale L1.
+        v = tl.load(src + rs[:, None] * K + ks[None, :], mask=(rs < P)[:, None] & km[None, :], other=0.0,
+                    cache_modifier=".cg")
+        acc += tl.sum(v, axis=0)
+    tl.store(dst + ks, acc, mask=km)
+
+
+@triton.jit
+def _grad_out(
+    gt, acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, rows, cols, s2, rm, cm,
+    VEC: tl.constexpr,
+):
+    """Store or accumulate one [BM, BN] gradient tile for an operand with keep-mask M.
+
+    If the operand keeps d2, its rows are distinct elements: reduce over d3 if it broadcasts
+    there and store now. Otherwise add the column sums into ``acc`` ([1, BN]), which
+    ``_grad_flush`` writes once after the row loop.
+    """
+    if M & 2:
+        if M & 1:
+            t = gt
+        else:
+            t = tl.sum(gt, axis=1)[:, None]
+        offs = _tile_offsets(M, base, rows, cols, s2, VEC)
+        if RED:
+            tl.store(part_ptr + off_p + offs, t, mask=_tile_mask(M, rm, cm))
+        else:
+            tl.store(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm))
+    else:
+        acc += tl.sum(gt, axis=0)[None, :]
+    return acc
+
+
+@triton.jit
+def _grad_flush(acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, cols, cm,
+                VEC: tl.constexpr):
+    if (M & 2) == 0:
+        if M & 1:
+            offs = _tile_offsets(M, base, cols, cols, 0, VEC)
+            if RED:
+                tl.store(part_ptr + off_p + offs, acc, mask=cm[None, :])
+            else:
+                tl.store(dst_ptr + offs, acc, mask=cm[None, :])
+        else:
+            v = tl.sum(tl.sum(acc, axis=1), axis=0)  # masked columns hold zeros
+            if RED:
+                tl.store(part_ptr + off_p + base, v)
+            else:
+                tl.store(dst_ptr + base, v)
+
+
+@triton.jit
+def _partial_row(M: tl.constexpr, i0, i1, s, jn, n0, n1, S, NB3):
+    """Index r of this program's partial: its coordinates along the dims the operand broadcasts."""
+    r = i0 * 0
+    if (M & 8) == 0:
+        r = r * n0 + i0
+    if (M & 4) == 0:
+        r = r * n1 + i1
+    if (M & 2) == 0:
+        r = r * S + s
+    if (M & 1) == 0:
+        r = r * NB3 + jn
+    return r
+
+
+@triton.jit
+def _lerp_bwd_kernel(
+    g_ptr, x_ptr, y_ptr, w_ptr, dx_ptr, dy_ptr, dw_ptr, part_ptr, counter_ptr, w_hi, w_lo,
+    n0, n1, n2, n3, S, NB3, rows_per_split,
+    off_px, off_py, off_pw, p_x, p_y, p_w,
+    MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
+    NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_W: tl.constexpr,
+    RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
+    ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    FBR: tl.constexpr, FBK: tl.constexpr,
+):
+    i0, i1, s, jn = _program_coords(n1, S, NB3)
+    if BIG:
+        i0 = i0.to(tl.int64)
+        i1 = i1.to(tl.int64)
+    sx0, sx1, sx2, kx = _dims(MX, n0, n1, n2, n3)
+    sy0, sy1, sy2, ky = _dims(MY, n0, n1, n2, n3)
+    sw0, sw1, sw2, kw = _dims(MW, n0, n1, n2, n3)
+    so0, so1, so2, ko = _dims(15, n0, n1, n2, n3)
+    bx = i0 * sx0 + i1 * sx1
+    by = i0 * sy0 + i1 * sy1
+    bw = i0 * sw0 + i1 * sw1
+    bo = i0 * so0 + i1 * so1
+    # Where this program's partial row starts inside each operand's [P, K] partial block.
+    rx = _partial_row(MX, i0, i1, s, jn, n0, n1, S, NB3) * kx
+    ry = _partial_row(MY, i0, i1, s, jn, n0, n1, S, NB3) * ky
+    rw = _partial_row(MW, i0, i1, s, jn, n0, n1, S, NB3) * kw
+    cols = jn * BN + tl.arange(0, BN)
+    cm = cols < n3
+    row_lo = s * rows_per_split
+    row_hi = tl.minimum(row_lo + rows_per_split, n2)
+    if ACC_F64:
+        zero = tl.zeros([1, BN], tl.float64)
+    else:
+        zero = tl.zeros([1, BN], tl.float32)
+    acc_x = zero
+    acc_y = zero
+    acc_w = zero
+    if W_SCALAR:
+        w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
+    for r0 in range(row_lo, row_hi, BM):
+        rows = r0 + tl.arange(0, BM)
+        if BIG:
+            rows = rows.to(tl.int64)
+        rm = rows < row_hi
+        g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64)
+        if NEED_X or NEED_Y:
+            if W_SCALAR:
+                wv = w_s
+            else:
+                wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64)
+            if NEED_X:
+                acc_x = _grad_out(g * (1.0 - wv), acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X,
+                                  bx, rows, cols, sx2, rm, cm, VEC)
+            if NEED_Y:
+                acc_y = _grad_out(g * wv, acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y,
+                                  by, rows, cols, sy2, rm, cm, VEC)
+        if NEED_W:
+            xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64)
+            yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64)
+            acc_w = _grad_out(g * (yv - xv), acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W,
+                              bw, rows, cols, sw2, rm, cm, VEC)
+    if NEED_X:
+        _grad_flush(acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC)
+    if NEED_Y:
+        _grad_flush(acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y, by, cols, cm, VEC)
+    if NEED_W:
+        _grad_flush(acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC)
+    if FUSED_FINAL:
+        # The last program to finish sums the partials: one launch fewer than a separate pass.
+        # The barrier orders every thread's partial stores before the (acq_rel, gpu-scope) count.
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr, 1)
+        if done == tl.num_programs(0) - 1:
+            if RED_X:
+                for kb in range(0, tl.cdiv(kx, FBK)):
+                    _reduce_rows(part_ptr + off_px, dx_ptr, p_x, kx, kb, FBR, FBK, ACC_F64)
+            if RED_Y:
+                for kb in range(0, tl.cdiv(ky, FBK)):
+                    _reduce_rows(part_ptr + off_py, dy_ptr, p_y, ky, kb, FBR, FBK, ACC_F64)
+            if RED_W:
+                for kb in range(0, tl.cdiv(kw, FBK)):
+                    _reduce_rows(part_ptr + off_pw, dw_ptr, p_w, kw, kb, FBR, FBK, ACC_F64)
+            tl.store(counter_ptr, 0)  # ready for the next launch on this stream
+
+
+@triton.jit
+def _lerp_final_kernel(
+    part_ptr, dx_ptr, dy_ptr, dw_ptr, off_px, off_py, off_pw, p_x, p_y, p_w, k_x, k_y, k_w,
+    RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, ACC_F64: tl.constexpr,
+    FBR: tl.constexpr, FBK: tl.constexpr,
+):
+    """Separate final pass: programs are split between the operands that have partials."""
+    pid = tl.program_id(0)
+    nb_x = 0
+    nb_y = 0
+    if RED_X:
+        nb_x = tl.cdiv(k_x, FBK)
+    if RED_Y:
+        nb_y = tl.cdiv(k_y, FBK)
+    if RED_X:
+        if pid < nb_x:
+            _reduce_rows(part_ptr + off_px, dx_ptr, p_x, k_x, pid, FBR, FBK, ACC_F64)
+    if RED_Y:
+        if (pid >= nb_x) & (pid < nb_x + nb_y):
+            _reduce_rows(part_ptr + off_py, dy_ptr, p_y, k_y, pid - nb_x, FBR, FBK, ACC_F64)
+    if RED_W:
+        if pid >= nb_x + nb_y:
+            _reduce_rows(part_ptr + off_pw, dw_ptr, p_w, k_w, pid - nb_x - nb_y, FBR, FBK, ACC_F64)

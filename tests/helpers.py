@@ -1,0 +1,46 @@
+"""Comparison helpers: flowexec against eager PyTorch."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    diff = (a - b).norm().item()
+    return diff if denom == 0 else diff / denom
+
+
+def assert_close_rel(a: Any, b: Any, tol: float = 1e-5, what: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape, f"{what}: shape {a.shape} vs {b.shape}"
+        if a.dtype.is_floating_point:
+            e = rel_err(a, b)
+            assert e <= tol, f"{what}: relative error {e:.3g} > {tol}"
+        else:
+            assert torch.equal(a, b), f"{what}: values differ"
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close_rel(x, y, tol, f"{what}[{i}]")
+    else:
+        assert a == b, f"{what}: {a} vs {b}"
+
+
+def assert_same_state(m1: torch.nn.Module, m2: torch.nn.Module, tol: float = 1e-5) -> None:
+    """Parameters, their grads and buffers of two models agree."""
+    for (n, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters()):
+        assert_close_rel(p1, p2, tol, f"param {n}")
+        if p2.grad is not None:
+            assert p1.grad is not None, f"grad {n} missing"
+            assert_close_rel(p1.grad, p2.grad, tol, f"grad {n}")
+    for (n, b1), (_, b2) in zip(m1.named_buffers(), m2.named_buffers()):
+        assert_close_rel(b1, b2, tol, f"buffer {n}")
+
+
+def twin(model: torch.nn.Module, make_opt: Callable[[Any], torch.optim.Optimizer]):
+    """Two identical (model, optimizer) pairs."""
+    m2 = copy.deepcopy(model)
+    return (model, make_opt(model.parameters())), (m2, make_opt(m2.parameters()))

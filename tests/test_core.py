@@ -1,0 +1,149 @@
+"""flowexec.compile and the torch.compile backend against eager PyTorch: 3 training steps."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from flowexec.models import Block, ConvNet, lm_loss, make_mlp, make_step
+from helpers import assert_close_rel, assert_same_state, twin
+
+torch.backends.mkldnn.enabled = True
+
+
+def _cases():
+    def mlp():
+        torch.manual_seed(0)
+        model = make_mlp(width=32, depth=3)
+        data = [(torch.randn(8, 32), torch.randint(0, 10, (8,))) for _ in range(4)]
+        return model, lambda ps: torch.optim.SGD(ps, lr=0.1), F.cross_entropy, data
+
+    def block():
+        torch.manual_seed(0)
+        model = Block()
+        data = [(torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))) for _ in range(4)]
+        return model, lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True), lm_loss, data
+
+    def cnn():
+        torch.manual_seed(0)
+        model = ConvNet()
+        data = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(4)]
+        return model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), F.cross_entropy, data
+
+    return {"mlp_sgd": mlp, "transformer_adam": block, "cnn_bn_momentum": cnn}
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compile_matches_eager(name):
+    model, make_opt, loss_fn, data = CASES[name]()
+    (m1, o1), (m2, o2) = twin(model, make_opt)
+    eager, mine = make_step(m1, o1, loss_fn), make_step(m2, o2, loss_fn)
+    # Optimizer state (momentum, Adam moments) is created lazily: one eager step first on both.
+    eager(*data[0]), mine(*data[0])
+    exe = flowexec.compile(mine, *data[0])
+    assert_same_state(m1, m2, tol=0)  # capture left no trace on the caller's state
+    for x, y in data[1:]:
+        assert_close_rel(exe(x, y), eager(x, y), what="loss")
+    assert_same_state(m1, m2)
+    for s1, s2 in zip(o1.state.values(), o2.state.values()):
+        for k in s1:
+            assert_close_rel(s2[k], s1[k], what=f"optimizer state {k}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backend_matches_eager(name):
+    torch._dynamo.reset()
+    model, make_opt, loss_fn, data = CASES[name]()
+    (m1, o1), (m2, o2) = twin(model, make_opt)
+    eager = make_step(m1, o1, loss_fn)
+    mine = make_step(torch.compile(m2, backend="flowexec", options={"mode": "trace"}), o2, loss_fn)
+    for x, y in data[:3]:
+        assert_close_rel(mine(x, y), eager(x, y), what="loss")
+    assert_same_state(m1, m2)
+
+
+def test_autograd_grad_step_with_set_to_none():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(make_mlp(16, 2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+    def step_for(m, o):
+        def step(x, y):
+            o.zero_grad(set_to_none=True)  # grads are created inside the step each time
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()
+            return {"loss": loss, "logits_mean": m(x).mean()}
+        return step
+
+    data = [(torch.randn(4, 16), torch.randint(0, 10, (4,))) for _ in range(3)]
+    eager, mine = step_for(m1, o1), step_for(m2, o2)
+    exe = flowexec.compile(mine, *data[0])
+    for x, y in data:
+        got, want = exe(x, y), eager(x, y)
+        assert set(got) == {"loss", "logits_mean"}
+        assert_close_rel(got["loss"], want["loss"])
+        assert_close_rel(got["logits_mean"], want["logits_mean"])
+    assert_same_state(m1, m2)  # p.grad re-bound to this step's gradients
+
+
+def test_functional_sgd_with_autograd_grad():
+    torch.manual_seed(0)
+    w = torch.randn(8, 4, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+
+    def step(weight):
+        def f(x):
+            loss = (x @ weight).tanh().pow(2).mean()
+            (g,) = torch.autograd.grad(loss, [weight])
+            with torch.no_grad():
+                weight.sub_(0.5 * g)
+            return loss
+        return f
+
+    xs = [torch.randn(3, 8) for _ in range(3)]
+    exe = flowexec.compile(step(w), xs[0])
+    for x in xs:
+        assert_close_rel(exe(x), step(w_ref)(x))
+    assert_close_rel(w, w_ref)
+
+
+def test_hf_causal_lm_through_backend():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    m1 = transformers.GPT2LMHeadModel(cfg)
+    (m1, o1), (m2, o2) = twin(m1, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    torch._dynamo.reset()
+    c2 = torch.compile(m2, backend="flowexec")
+
+    def step(model, opt, ids):
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(3):
+        ids = torch.randint(0, 97, (2, 12))
+        assert_close_rel(step(c2, o2, ids), step(m1, o1, ids), what="loss")
+    assert_same_state(m1, m2)
+
+
+def test_inference_forward_and_recapture_warning():
+    torch.manual_seed(0)
+    model = make_mlp(16, 2).eval()
+    exe = flowexec.compile(model, torch.randn(4, 16))
+    x = torch.randn(4, 16)
+    assert_close_rel(exe(x), model(x))
+    with pytest.warns(flowexec.RecaptureWarning, match="argument 0"):
+        y = exe(torch.randn(6, 16))
+    assert y.shape == (6, 10)
+
