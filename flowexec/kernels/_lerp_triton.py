@@ -117,7 +117,7 @@ def _program_coords(n1, S, NB3):
 def _scalar_weight(w_hi, w_lo, ACC_F64: tl.constexpr):
     # Python floats reach Triton as fp32; float64 gets hi + lo so the weight keeps ~48 bits.
     if ACC_F64:
-        w = w_hi.to(tl.float64) + w_lo.to(tl.float64)
+        w = tl.cast(w_hi, tl.float64) + tl.cast(w_lo, tl.float64)
     else:
         w = w_hi
     return w

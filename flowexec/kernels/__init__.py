@@ -1,0 +1,17 @@
+"""Fused GPU kernels (Triton) with PyTorch fallbacks, registered as ``torch.library`` ops.
+
+* :func:`lerp` — ``x + w (y - x)`` with broadcasting and a one-pass fused backward;
+  the op ``torch.ops.flowexec.lerp`` serves captured graphs.
+
+Example::
+
+    >>> import torch
+    >>> from flowexec.kernels import lerp
+    >>> lerp(torch.zeros(3), torch.ones(3), 0.25)
+    tensor([0.2500, 0.2500, 0.2500])
+"""
+from __future__ import annotations
+
+from .lerp import LerpConfig, lerp
+
+__all__ = ["lerp", "LerpConfig"]

@@ -1,0 +1,479 @@
+"""Fused, broadcast-aware ``lerp`` with a fused backward (custom op ``flowexec::lerp``).
+
+``out = x + w * (y - x)`` with full broadcasting between ``x``, ``y`` and ``w`` (a tensor or a
+Python float). On CUDA the forward is one Triton kernel and the backward one pass over the
+output gradient that writes ``dx = g(1-w)``, ``dy = g w`` and ``dw = g(y-x)`` with the sums
+over broadcast dims fused in (block partials, then a tiny final reduction done by the last
+block or by one small kernel). Only the gradients autograd asks for are computed, and ``x`` and
+``y`` are read only when ``w`` needs a gradient. On the CPU a PyTorch implementation is used.
+
+Two front doors share one implementation:
+
+* :func:`lerp` — eager calls go through a lean ``torch.autograd.Function`` (no dispatcher
+  round trip); under tracing (make_fx, Dynamo, fake tensors) it calls the registered op.
+* ``torch.ops.flowexec.lerp(x, y, weight: Tensor | None, weight_value: float)`` — the
+  ``torch.library`` op with autograd and fake (meta) support, for captured programs. Its
+  backward is the op ``torch.ops.flowexec.lerp_backward``.
+
+Launch costs dominate small calls, so everything that depends only on shapes, dtype and
+device (canonical dims, block sizes, grids, launch arguments, compiled kernels) is planned once
+per signature and cached; a call does a dict lookup, allocates its outputs and launches.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _python_dispatch
+
+from ._launch import Launcher
+
+try:  # Triton is optional: without it every device uses the PyTorch implementation.
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    HAS_TRITON = False
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_OP = "flowexec::lerp"
+
+
+@dataclasses.dataclass
+class LerpConfig:
+    """Tuning knobs of the Triton path (defaults chosen from measurements on an H200).
+
+    ``tile``: elements per [BM, BN] tile by element size; ``programs_per_sm``: target programs
+    per multiprocessor when the backward splits a reduced dim; ``fused_final_max``: partial
+    sums up to this many elements are reduced by the kernel's last block instead of a second
+    launch; ``direct_launch``: reuse compiled kernels' launchers (see ``_launch``).
+    """
+
+    tile: dict[int, int] = dataclasses.field(default_factory=lambda: {2: 4096, 4: 2048, 8: 1024})
+    fwd_warps: int = 4
+    bwd_warps: int = 4
+    programs_per_sm: int = 4
+    fused_final_max: int = 4096
+    direct_launch: bool = True
+
+
+config = LerpConfig()
+# Tests set this (or FLOWEXEC_LERP_TRITON_CPU=1) to run the Triton kernels on CPU tensors
+# under TRITON_INTERPRET=1; normal CPU use takes the PyTorch implementation.
+force_triton_on_cpu = os.environ.get("FLOWEXEC_LERP_TRITON_CPU", "0") == "1"
+_PLANS: dict[tuple, _Plan] = {}
+_COUNTERS: dict[tuple[int, int], Tensor] = {}
+_SM_COUNT: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def configured(**changes: Any) -> Iterator[LerpConfig]:
+    """Temporarily change :data:`config` (plans are rebuilt on entry and exit).
+
+    Example::
+
+        >>> with configured(fused_final_max=0):   # always use the separate final pass
+        ...     pass
+    """
+    global config
+    old = config
+    config = dataclasses.replace(config, **changes)
+    _PLANS.clear()
+    try:
+        yield config
+    finally:
+        config = old
+        _PLANS.clear()
+
+
+@contextlib.contextmanager
+def triton_on_cpu(enabled: bool = True) -> Iterator[None]:
+    """Run the Triton kernels on CPU tensors (needs ``TRITON_INTERPRET=1``); for tests."""
+    global force_triton_on_cpu
+    old = force_triton_on_cpu
+    force_triton_on_cpu = enabled
+    _PLANS.clear()
+    try:
+        yield
+    finally:
+        force_triton_on_cpu = old
+        _PLANS.clear()
+
+
+# ----------------------------------------------------------------------------- planning
+
+def canonicalize(out_shape: Sequence[int], shapes: Sequence[Sequence[int] | None]
+                 ) -> tuple[tuple[int, int, int, int], tuple[int, ...]] | None:
+    """Coalesce a broadcast into at most 4 dims and a keep-mask per operand.
+
+    Output dims of size 1 are dropped; neighbouring dims that every operand keeps or
+    broadcasts alike are merged (operands are contiguous, so merged dims stay contiguous).
+    Returns ``(sizes, masks)`` padded in front to 4 dims (mask bit 3 = d0 ... bit 0 = d3),
+    or None when more than 4 dims remain. ``None`` in ``shapes`` is a scalar (mask 0).
+
+    Example::
+
+        >>> canonicalize((16, 3, 244, 244), [(16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244)])
+        ((16, 3, 244, 244), (8, 15, 5))
+        >>> canonicalize((16, 102400), [(16, 102400), (16, 102400), (1,)])
+        ((1, 1, 1, 1638400), (1, 1, 0))
+    """
+    nd = len(out_shape)
+    sizes: list[int] = []
+    keeps: list[tuple[bool, ...]] = []
+    for d, n in enumerate(out_shape):
+        if n == 1:
+            continue
+        k = tuple(sh is not None and d - (nd - len(sh)) >= 0 and sh[d - (nd - len(sh))] == n for sh in shapes)
+        if keeps and keeps[-1] == k:
+            sizes[-1] *= n
+        else:
+            sizes.append(n)
+            keeps.append(k)
+    if len(sizes) > 4:
+        return None
+    pad = 4 - len(sizes)
+    sizes4 = (1,) * pad + tuple(sizes)
+    masks = tuple(sum(1 << (3 - (pad + d)) for d, k in enumerate(keeps) if k[i]) for i in range(len(shapes)))
+    return sizes4, masks  # type: ignore[return-value]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: keep grids small
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grad:
+    """Where one gradient goes: direct (``red`` False) or via [p, k] partials at ``off``."""
+
+    red: bool
+    p: int
+    k: int
+    off: int
+
+
+class _Backward:
+    """The planned backward for one set of required gradients."""
+
+    __slots__ = ("needs", "main", "final", "args_tail", "grads", "part_numel", "fused", "final_args_tail")
+
+    def __init__(self, plan: _Plan, needs: tuple[bool, bool, bool]) -> None:
+        self.needs = needs
+        n0, n1, n2, n3 = plan.sizes
+        bm, bn, nb3 = plan.bm, plan.bn, plan.nb3
+        row_tiles = _cdiv(n2, bm)
+        masks = plan.masks
+        # Split rows only when a needed gradient sums over d2; otherwise one tile per program.
+        sums_rows = any(need and not (m & 2) for need, m in zip(needs, masks)) and row_tiles > 1
+        s = row_tiles
+        if sums_rows:
+            base = n0 * n1 * nb3
+            target = config.programs_per_sm * _sm_count(plan.device)
+            s = min(max(_cdiv(target, base), 1), row_tiles)
+            s = _cdiv(row_tiles, _cdiv(row_tiles, s))
+        rows_per_split = _cdiv(row_tiles, s) * bm
+        extents = (n0, n1, s, nb3)
+        grads: list[_Grad | None] = []
+        off = 0
+        for need, m, shape in zip(needs, masks, plan.shapes):
+            if not need:
+                grads.append(None)
+                continue
+            p = math.prod(e for b, e in enumerate(extents) if not m & (1 << (3 - b)))
+            k = math.prod(shape) if shape is not None else 1
+            grads.append(_Grad(p > 1, p, k, off))
+            if p > 1:
+                off += p * k
+        self.grads = grads
+        self.part_numel = off
+        self.fused = 0 < off <= config.fused_final_max
+        red = [g for g in grads if g is not None and g.red]
+        fbk = min(_pow2(max((g.k for g in red), default=1)), 128)
+        fbr = min(_pow2(max((g.p for g in red), default=1)), max(1, 4096 // fbk))
+        grid = n0 * n1 * s * nb3
+        self.main = plan.launcher(plan.kernels._lerp_bwd_kernel, grid, config.bwd_warps)
+        zero = _Grad(False, 1, 1, 0)
+        gx, gy, gw = (g or zero for g in grads)
+        self.args_tail = (
+            n0, n1, n2, n3, s, nb3, rows_per_split, gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
+            masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
+            self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk,
+        )
+        self.final = None
+        self.final_args_tail = ()
+        if red and not self.fused:
+            fgrid = sum(_cdiv(g.k, fbk) for g in red)
+            self.final = plan.launcher(plan.kernels._lerp_final_kernel, fgrid, 4)
+            self.final_args_tail = (gx.off, gy.off, gw.off, gx.p, gy.p, gw.p, gx.k, gy.k, gw.k,
+                                    gx.red, gy.red, gw.red, plan.acc_f64, fbr, fbk)
+
+
+class _Plan:
+    """Everything about a call that depends only on shapes, dtype and device."""
+
+    def __init__(self, xs: torch.Size, ys: torch.Size, ws: torch.Size | None, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        try:
+            self.out_shape = torch.broadcast_shapes(xs, ys, ws if ws is not None else ())
+        except RuntimeError as e:
+            raise ValueError(f"{_OP}: shapes x {tuple(xs)}, y {tuple(ys)}, weight "
+                             f"{tuple(ws) if ws is not None else 'scalar'} do not broadcast: {e}") from None
+        self.shapes = (tuple(xs), tuple(ys), tuple(ws) if ws is not None else None)
+        self.dtype = dtype
+        self.device = device
+        self.w_scalar = ws is None
+        self.numel = math.prod(self.out_shape)
+        canon = canonicalize(self.out_shape, self.shapes) if self.numel else None
+        on_triton_device = device.type == "cuda" or (device.type == "cpu" and force_triton_on_cpu)
+        self.use_triton = HAS_TRITON and on_triton_device and canon is not None
+        self._backward: dict[tuple[bool, bool, bool], _Backward] = {}
+        if not self.use_triton:
+            return
+        from . import _lerp_triton
+
+        self.kernels = _lerp_triton
+        self.device_index = device.index if device.type == "cuda" else None
+        if device.type == "cuda" and self.device_index is None:
+            self.device_index = torch.cuda.current_device()
+        self.sizes, self.masks = canon
+        n0, n1, n2, n3 = self.sizes
+        tile = config.tile[dtype.itemsize]
+        self.bn = min(_pow2(n3), tile)
+        self.bm = min(_pow2(n2), max(1, tile // self.bn))
+        self.nb3 = _cdiv(n3, self.bn)
+        self.acc_f64 = dtype == torch.float64
+        self.big = self.numel >= 2**31 - 1
+        self.vec = min(n3 & -n3, 16)  # largest power of two dividing the row length
+        row_tiles = _cdiv(n2, self.bm)
+        self.fwd = self.launcher(_lerp_triton._lerp_fwd_kernel, n0 * n1 * row_tiles * self.nb3, config.fwd_warps)
+        self.fwd_tail = (n0, n1, n2, n3, row_tiles, self.nb3, self.bm, *self.masks, self.w_scalar,
+                         self.acc_f64, self.big, self.vec, self.bm, self.bn)
+
+    def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
+        return Launcher(fn, grid, num_warps, self.device_index)
+
+    def backward_plan(self, needs: tuple[bool, bool, bool]) -> _Backward:
+        bw = self._backward.get(needs)
+        if bw is None:
+            bw = self._backward[needs] = _Backward(self, needs)
+        return bw
+
+
+def _plan(x: Tensor, y: Tensor, w: Tensor | None) -> _Plan:
+    key = (x.shape, y.shape, w.shape if w is not None else None, x.dtype, x.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        _check(x, y, w)
+        plan = _PLANS[key] = _Plan(x.shape, y.shape, w.shape if w is not None else None, x.dtype, x.device)
+    elif y.dtype != x.dtype or y.device != x.device or (w is not None and (w.dtype != x.dtype or w.device != x.device)):
+        _check(x, y, w)
+    return plan
+
+
+def _check(x: Tensor, y: Tensor, w: Tensor | None) -> None:
+    for name, t in (("y", y), ("weight", w)):
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(f"{_OP}: {name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
+        if t.device != x.device:
+            raise ValueError(f"{_OP}: {name} is on {t.device} but x is on {x.device}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{_OP}: dtype {x.dtype} is not supported (use one of "
+                        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)})")
+
+
+def _split_weight(wv: float, acc_f64: bool) -> tuple[float, float]:
+    if not acc_f64:
+        return wv, 0.0
+    import numpy as np
+
+    hi = float(np.float32(wv))
+    return hi, wv - hi
+
+
+def _counter(device_index: int | None) -> Tensor:
+    """A zeroed int32 the last-block finalisation counts on; it resets it to 0 itself."""
+    if device_index is None:
+        return torch.zeros(1, dtype=torch.int32)
+    if torch._C._cuda_isCurrentStreamCapturing():
+        # Inside a CUDA graph: a counter of this graph's own (zeroed by a memset node).
+        return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
+    key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
+    c = _COUNTERS.get(key)
+    if c is None:  # one per stream: launches on one stream never overlap
+        c = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
+    return c
+
+
+# ----------------------------------------------------------------------------- implementations
+
+def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float) -> Tensor:
+    plan = _plan(x, y, w)
+    if not plan.use_triton:
+        return torch.lerp(x, y, w if w is not None else wv)
+    x = x if x.is_contiguous() else x.contiguous()
+    y = y if y.is_contiguous() else y.contiguous()
+    wt = x if w is None else (w if w.is_contiguous() else w.contiguous())
+    out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
+    hi, lo = _split_weight(wv, plan.acc_f64)
+    aligned = not ((x.data_ptr() | y.data_ptr() | wt.data_ptr()) & 15)
+    plan.fwd((x, y, wt, out, hi, lo, *plan.fwd_tail), aligned)
+    return out
+
+
+def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
+                   needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    plan = _plan(x, y, w)
+    if not plan.use_triton:
+        return _backward_torch(g, x, y, w if w is not None else wv, needs)
+    if not any(needs):
+        return None, None, None
+    bw = plan.backward_plan(needs)
+    g = g if g.is_contiguous() else g.contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
+    y = y if y.is_contiguous() else y.contiguous()
+    wt = x if w is None else (w if w.is_contiguous() else w.contiguous())
+    dev = g.device
+    dx = torch.empty(x.shape, dtype=x.dtype, device=dev) if needs[0] else g
+    dy = torch.empty(y.shape, dtype=y.dtype, device=dev) if needs[1] else g
+    dw = torch.empty(wt.shape, dtype=wt.dtype, device=dev) if needs[2] else g
+    if bw.part_numel:
+        part = torch.empty(bw.part_numel, dtype=torch.float64 if plan.acc_f64 else torch.float32, device=dev)
+    else:
+        part = g
+    counter = _counter(plan.device_index) if bw.fused else g
+    hi, lo = _split_weight(wv, plan.acc_f64)
+    aligned = not ((g.data_ptr() | x.data_ptr() | y.data_ptr() | wt.data_ptr()) & 15)
+    bw.main((g, x, y, wt, dx, dy, dw, part, counter, hi, lo, *bw.args_tail), aligned)
+    if bw.final is not None:
+        bw.final((part, dx, dy, dw, *bw.final_args_tail), True)
+    return (dx if needs[0] else None, dy if needs[1] else None, dw if needs[2] else None)
+
+
+def _backward_torch(g: Tensor, x: Tensor, y: Tensor, w: Tensor | float, needs: Sequence[bool]
+                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The reference formulas in PyTorch ops (CPU path and shapes beyond 4 coalesced dims)."""
+    dx = (g * (1 - w)).sum_to_size(x.shape) if needs[0] else None
+    dy = (g * w).sum_to_size(y.shape) if needs[1] else None
+    dw = (g * (y - x)).sum_to_size(w.shape) if needs[2] and isinstance(w, Tensor) else None
+    return dx, dy, dw
+
+
+# ----------------------------------------------------------------------------- front doors
+
+class _LerpFunction(torch.autograd.Function):
+    """Eager front door: one Python autograd node, no dispatcher round trip."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, y: Tensor, w: Tensor | None, wv: float) -> Tensor:
+        ctx.save_for_backward(x, y, w)
+        ctx.wv = wv
+        return _forward_impl(x, y, w, wv)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, y, w = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        return (*_backward_impl(g, x, y, w, ctx.wv, (n[0], n[1], n[2])), None)
+
+
+@torch.library.custom_op("flowexec::lerp", mutates_args=())
+def _lerp_op(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float = 0.0) -> Tensor:
+    return _forward_impl(x, y, weight, weight_value)
+
+
+@_lerp_op.register_fake
+def _lerp_fake(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float = 0.0) -> Tensor:
+    _check(x, y, weight)
+    shape = torch.broadcast_shapes(x.shape, y.shape, weight.shape if weight is not None else ())
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("flowexec::lerp_backward", mutates_args=())
+def _lerp_backward_op(grad: Tensor, x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float,
+                      needs: list[bool]) -> list[Tensor]:
+    grads = _backward_impl(grad, x, y, weight, weight_value, (needs[0], needs[1], needs[2]))
+    # Ops cannot return None: a gradient that was not asked for is an empty tensor.
+    return [t if t is not None else grad.new_empty(0) for t in grads]
+
+
+@_lerp_backward_op.register_fake
+def _lerp_backward_fake(grad: Tensor, x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float,
+                        needs: list[bool]) -> list[Tensor]:
+    shapes = (x.shape, y.shape, weight.shape if weight is not None else None)
+    return [grad.new_empty(s) if need and s is not None else grad.new_empty(0) for need, s in zip(needs, shapes)]
+
+
+def _op_setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    x, y, w, wv = inputs
+    ctx.save_for_backward(x, y, w)
+    ctx.wv = wv
+
+
+def _op_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+    x, y, w = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [bool(n[0]), bool(n[1]), bool(n[2]) and w is not None]
+    dx, dy, dw = torch.ops.flowexec.lerp_backward(g, x, y, w, ctx.wv, needs)
+    return (dx if needs[0] else None, dy if needs[1] else None, dw if needs[2] else None, None)
+
+
+_lerp_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+def _tracing(*ts: Tensor | None) -> bool:
+    # Dispatch modes (make_fx's proxy mode, fake/functional modes) need the op, not our launches.
+    if torch.compiler.is_compiling() or _python_dispatch.is_in_torch_dispatch_mode() \
+            or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    return any(t is not None and type(t) is not Tensor and not isinstance(t, torch.nn.Parameter) for t in ts)
+
+
+def lerp(x: Tensor, y: Tensor, weight: Tensor | float) -> Tensor:
+    """``x + weight * (y - x)`` with broadcasting and a fused backward.
+
+    ``x``, ``y`` and a tensor ``weight`` broadcast against each other and must share dtype
+    (float16, bfloat16, float32, float64) and device. Eager calls run a lean autograd
+    function; under tracing the call records ``torch.ops.flowexec.lerp``.
+
+    Example::
+
+        >>> import torch
+        >>> from flowexec.kernels import lerp
+        >>> x = torch.zeros(2, 3, requires_grad=True)
+        >>> w = torch.tensor([0.0, 0.5, 1.0], requires_grad=True)
+        >>> out = lerp(x, torch.ones(2, 3), w)
+        >>> out
+        tensor([[0.0000, 0.5000, 1.0000],
+                [0.0000, 0.5000, 1.0000]], grad_fn=<_LerpFunctionBackward>)
+        >>> out.sum().backward(); w.grad
+        tensor([2., 2., 2.])
+    """
+    if isinstance(weight, Tensor):
+        w, wv = weight, 0.0
+    else:
+        w, wv = None, float(weight)
+    if _tracing(x, y, w):
+        return torch.ops.flowexec.lerp(x, y, w, wv)
+    return _LerpFunction.apply(x, y, w, wv)
