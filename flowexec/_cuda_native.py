@@ -154,22 +154,25 @@ def check(code: int, call: str) -> None:
 
 
 def ensure_context(device_index: int) -> None:
-    """Make ``device_index``'s primary context (the one torch uses) current on this thread.
+    """If this thread has no current context, make ``device_index``'s primary context current.
 
-    A thread that never made a runtime call has no current context, and driver calls there fail
-    with CUDA_ERROR_INVALID_CONTEXT; the runtime would make the primary context current lazily.
+    A thread whose only CUDA calls so far went through the runtime may have none yet (the
+    runtime binds it lazily), and driver calls there fail with CUDA_ERROR_INVALID_CONTEXT. This
+    does what the runtime would do; callers make sure torch's current device is
+    ``device_index`` first, so a context that is already current is left alone.
     """
     d = driver()
+    cur = ctypes.c_void_p()
+    check(d.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
+    if cur.value:
+        return
     ctx = _primary.get(device_index)
     if ctx is None:
         dev, c = ctypes.c_int(), ctypes.c_void_p()
         check(d.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
         check(d.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev.value), "cuDevicePrimaryCtxRetain")
         ctx = _primary[device_index] = c.value
-    cur = ctypes.c_void_p()
-    check(d.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
-    if cur.value != ctx:
-        check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
 def kernels(device_index: int) -> dict[int, int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import sys
 import traceback
 import weakref
 from dataclasses import dataclass, field
@@ -68,6 +69,17 @@ def user_frame(tb_or_stack: Any) -> str:
     return ""
 
 
+def _caller_line() -> str:
+    """``file:line`` of the innermost calling frame outside torch and flowexec."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith((_TORCH_DIR, _OWN_DIR)) and not name.startswith("<frozen"):
+            return f"{os.path.basename(name)}:{f.f_lineno}"
+        f = f.f_back
+    return ""
+
+
 def _source_of(node: fx.Node) -> str:
     st = node.meta.get("stack_trace")
     if not st:
@@ -109,6 +121,7 @@ class _CaptureGuard(TorchDispatchMode):
         self._saved: set[tuple[int, int, tuple, tuple]] = set()
         self.created: dict[int, weakref.ref] = {}
         self.leaves: dict[int, weakref.ref] = {}
+        self.sources: list[tuple[Any, str]] = []  # (op, "file:line") in dispatch order
 
     def is_created(self, t: torch.Tensor) -> bool:
         ref = self.created.get(id(t))
@@ -116,6 +129,7 @@ class _CaptureGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.sources.append((func, _caller_line()))
         for t in _written_tensors(func, args, kwargs):
             if self.is_created(t):
                 continue
@@ -164,7 +178,7 @@ _DATA_DEPENDENT_HINT = (
 )
 
 
-def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int]:
+def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]]]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings and output count."""
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
@@ -231,18 +245,19 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
         torch.compiler._is_compiling_flag = prev_flag
         guard.restore()
         _set_rng_states(rng)
-    return gm, bindings, n_user[0]
+    return gm, bindings, n_user[0], guard.sources
 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any]) -> Captured:
     """Trace ``fn`` on ``args`` and convert the graph into a Program."""
-    gm, bindings, n_user = trace(fn, args)
+    gm, bindings, n_user, sources = trace(fn, args)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    prog = program_from_graph(gm, [args[i] for i in tensor_pos])
+    prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)
     return Captured(prog, bindings, n_user)
 
 
-def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Program:
+def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,
+                       sources: Sequence[tuple[Any, str]] = ()) -> Program:
     """Convert an ATen-level FX graph (make_fx or AOTAutograd output) into a Program.
 
     Placeholders become inputs, ``get_attr`` tensors become state bound by reference,
@@ -284,6 +299,18 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
             return {k: lookup(v) for k, v in a.items()}
         return a
 
+    src_pos = 0
+
+    def source_for(node: fx.Node) -> str:
+        # The capture run saw ops in the order the graph records them: match by op, looking a
+        # few entries ahead in case a dispatch did not become a node.
+        nonlocal src_pos
+        for j in range(src_pos, min(src_pos + 4, len(sources))):
+            if sources[j][0] is node.target:
+                src_pos = j + 1
+                return sources[j][1]
+        return _source_of(node)
+
     n_placeholder = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -319,6 +346,7 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
                 )
             name = f"{target.namespace}.{target._opname}.{target._overloadname}"
             if name in _DROPPED:
+                source_for(node)
                 env[node] = None
                 continue
             args = lookup(node.args)
@@ -326,7 +354,7 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
             rets = target._schema.returns
             multi = len(rets) > 1 or (len(rets) == 1 and str(rets[0].type).startswith(("Tensor[]", "List[Tensor]", "Tensor?[]")))
             record = {"target": target, "args": tuple(args), "kwargs": tuple(kwargs.items()),
-                      "source": _source_of(node), "unpack": multi}
+                      "source": source_for(node), "unpack": multi}
             if multi:
                 n = len(rets) if len(rets) > 1 else len(node.meta.get("val") or ()) if isinstance(node.meta.get("val"), (list, tuple)) else 0
                 if n == 0:

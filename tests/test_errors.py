@@ -1,0 +1,116 @@
+"""Every error the core promises: clear, early, naming what was wrong."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from flowexec import CaptureError, ExecutionError, InputError, OptionError
+
+
+def f(x, y):
+    return x @ y
+
+
+def test_wrong_argument_count():
+    exe = flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4))
+    with pytest.raises(InputError, match="expected 2 argument"):
+        exe(torch.randn(2, 3))
+
+
+def test_wrong_shape_dtype_device_past_cache():
+    exe = flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4), cache_size=1)
+    with pytest.raises(InputError, match=r"argument 1: expected Tensor\(shape=\[3, 4\].*got Tensor\(shape=\[3, 5\]"):
+        exe(torch.randn(2, 3), torch.randn(3, 5))
+    with pytest.raises(InputError, match=r"argument 0: expected .*dtype=torch.float32.*got .*dtype=torch.float64"):
+        exe(torch.randn(2, 3, dtype=torch.float64), torch.randn(3, 4))
+    with pytest.raises(InputError, match=r"argument 0: .*device=cpu.*device=meta"):
+        exe(torch.randn(2, 3, device="meta"), torch.randn(3, 4))
+
+
+def test_non_tensor_where_tensor_expected():
+    exe = flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4))
+    with pytest.raises(InputError, match="argument 1: expected Tensor"):
+        exe(torch.randn(2, 3), 3.0)
+    with pytest.raises(InputError, match="argument 0: flowexec.compile takes tensors"):
+        flowexec.compile(f, [1, 2], torch.randn(3))
+
+
+def test_unknown_options_list_valid_ones():
+    with pytest.raises(OptionError, match="unknown option.*'cache_sise'.*cache_size"):
+        flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4), cache_sise=4)
+    with pytest.raises(OptionError, match="mode='fast'.*valid: trace, graph"):
+        flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4), mode="fast")
+    with pytest.raises(OptionError, match="gc='eager'.*valid: fast, none"):
+        flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4), gc="eager")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_graph_mode_on_cpu_names_the_alternative():
+    with pytest.raises(OptionError, match="mode='trace'"):
+        flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4), mode="graph")
+    # Dynamo wraps backend errors in BackendCompilerFailed; the message stays ours.
+    with pytest.raises(Exception, match="OptionError: mode='graph'.*use mode='trace'"):
+        torch._dynamo.reset()
+        torch.compile(lambda x: x + 1, backend="flowexec", options={"mode": "graph"})(torch.randn(2))
+
+
+def test_backend_unknown_option():
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown flowexec backend option"):
+        torch.compile(lambda x: x * 2, backend="flowexec", options={"modee": "trace"})(torch.randn(2))
+
+
+def test_data_dependent_control_flow_names_line_and_backend():
+    def g(x):
+        if x.sum() > 0:  # data-dependent branch
+            return x * 2
+        return x
+
+    with pytest.raises(CaptureError) as info:
+        flowexec.compile(g, torch.randn(4))
+    msg = str(info.value)
+    assert "test_errors.py:" in msg and "if x.sum() > 0" in msg
+    assert 'backend="flowexec"' in msg
+
+
+def test_item_inside_fn():
+    with pytest.raises(CaptureError, match=r"float\(x.max\(\)\)"):
+        flowexec.compile(lambda x: x * float(x.max()), torch.randn(4))
+
+
+def test_lazy_optimizer_state_is_refused():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x):
+        opt.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+        opt.step()  # first step creates the momentum buffers
+
+    with pytest.raises(CaptureError, match="optimizer state created lazily"):
+        flowexec.compile(step, torch.randn(3, 4))
+
+
+def test_single_tensor_adam_hint():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    model(torch.randn(1, 4)).sum().backward()
+    opt.step()
+
+    def step(x):
+        opt.zero_grad(set_to_none=False)
+        F.mse_loss(model(x), torch.zeros(3, 2)).backward()
+        opt.step()
+
+    with pytest.raises(CaptureError, match="foreach=True"):
+        flowexec.compile(step, torch.randn(3, 4))
+
+
+def test_execution_error_names_op_and_line():
+    idx = torch.tensor([0, 1])
+    exe = flowexec.compile(lambda x, i: x[i] * 2, torch.randn(4), idx)
+    with pytest.raises(ExecutionError, match=r"While executing op #0 .*aten.index.Tensor.*test_errors.py:\d+"):
+        exe(torch.randn(4), torch.tensor([0, 7]))
+
