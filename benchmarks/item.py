@@ -1,0 +1,387 @@
+"""Scalar readback latency on CUDA: flowexec.fetch against Tensor.item(), side by side in one run.
+
+    python3 benchmarks/item.py [--out benchmarks/results/item.json] [--n 20000]
+
+Sections (each figure is the median of many calls, timed with perf_counter_ns around one call,
+candidates interleaved round by round so that clock drift hits all of them alike):
+  paths       raw ways to bring an idle float32 CUDA scalar to Python, to choose from
+  fast_item   fast_item with every backend, idle scalar, each beside .item()
+  dtypes      fast_item (chosen backend) for other element sizes
+  after       right after a short kernel: (y*2).sum() then read, beside .item()
+  fetch_ring  FetchRing submit+result latency and submit cost
+  training    HOOK for the executor: a training loop that logs its loss every step (not here yet)
+Targets: idle fast_item <= 0.75x .item(); after a kernel, no slower than .item().
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from flowexec import _cuda_native as nat  # noqa: E402
+from flowexec import fetch  # noqa: E402
+
+_ns = time.perf_counter_ns
+
+
+def side_by_side(fns: dict[str, Callable[[], object]], n: int, rounds: int = 10,
+                 warm: int = 300) -> dict[str, dict[str, float]]:
+    """Median/p10/p90 latency (µs) of each fn; rounds interleave the candidates."""
+    samples: dict[str, list[int]] = {k: [] for k in fns}
+    per = max(1, n // rounds)
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
+            fn, out = fns[name], samples[name]
+            for _ in range(warm):
+                fn()
+            for _ in range(per):
+                t0 = _ns()
+                fn()
+                out.append(_ns() - t0)
+    res = {}
+    for k, v in samples.items():
+        v.sort()
+        res[k] = {"median_us": statistics.median(v) / 1e3, "p10_us": v[len(v) // 10] / 1e3,
+                  "p90_us": v[9 * len(v) // 10] / 1e3, "n": len(v)}
+    return res
+
+
+def with_ratio(res: dict[str, dict[str, float]], ref: str = "item") -> dict[str, dict[str, float]]:
+    base = res[ref]["median_us"]
+    for v in res.values():
+        v["vs_item"] = round(v["median_us"] / base, 3)
+    return res
+
+
+def guarded(out: dict, key: str, fn: Callable[[], object]) -> None:
+    """Run one section; a failure is recorded, not fatal, so the other figures still come back."""
+    t0 = time.perf_counter()
+    try:
+        out[key] = fn()
+    except Exception as e:  # noqa: BLE001
+        out[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    print(f"[{key}] {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+# ------------------------------------------------------------------ raw paths
+def _guard(k: int, status: int = 600) -> int:
+    """Spin-loop bound for the raw probes, which have no timeout of their own."""
+    if status not in (0, 600):
+        raise RuntimeError(f"CUDA error {status} while spinning")
+    if k > 50_000_000:
+        raise TimeoutError("a raw probe never completed")
+    return k + 1
+
+
+def raw_paths(x: torch.Tensor, n: int) -> dict:
+    """Every way we know to bring x (an idle float32 CUDA scalar) to Python, minimal code each."""
+    d = nat.driver()
+    lib = d.lib
+    stream = torch._C._cuda_getCurrentRawStream(x.get_device())
+    dp = x.data_ptr()
+    fns = nat.kernels(x.get_device())
+    host, dev = nat.host_alloc(4 * 32)
+    view, gview = fetch._SlotView(host), fetch._SlotView(host + 32)
+    cand: dict[str, Callable[[], object]] = {"item": x.item}
+    errors: dict[str, str] = {}
+
+    pinned = torch.empty((), dtype=x.dtype, pin_memory=True)
+    ev = torch.cuda.Event()
+
+    def torch_pinned_spin():
+        pinned.copy_(x, non_blocking=True)
+        ev.record()
+        k = 0
+        while not ev.query():
+            k = _guard(k)
+        return pinned.item()
+
+    cand["torch copy_(pinned)+event spin"] = torch_pinned_spin
+
+    cev = nat.event_create()
+    memcpy, sync, rec, query = d.cuMemcpyDtoHAsync_v2, d.cuStreamSynchronize, d.cuEventRecord, d.cuEventQuery
+
+    def memcpy_sync():
+        memcpy(host + 64, dp, 4, stream)
+        sync(stream)
+        return gview.f32.value
+
+    def memcpy_spin():
+        memcpy(host + 64, dp, 4, stream)
+        rec(cev, stream)
+        k = 0
+        while (r := query(cev)) != 0:
+            k = _guard(k, r)
+        return gview.f32.value
+
+    cand["driver memcpyAsync+streamSync"] = memcpy_sync
+    cand["driver memcpyAsync+event spin"] = memcpy_spin
+
+    # One slot and one sequence counter shared by every kernel variant (numbers must only grow).
+    p = (ctypes.c_uint64 * 3)()
+    a = ctypes.addressof(p)
+    params = (ctypes.c_void_p * 3)(a, a + 8, a + 16)
+    paddr = ctypes.addressof(params)
+    seq = [0]
+    f4 = fns[4]
+
+    def kernel_spin(launch):
+        def run():
+            s = seq[0] = seq[0] + 1
+            p[0], p[1], p[2] = dp, dev, s
+            launch(f4, stream, paddr)
+            sv = view.seq
+            k = 0
+            while sv.value < s:
+                k = _guard(k)
+            return view.f32.value
+        return run
+
+    def launch_only(launch):
+        def run():
+            s = seq[0] = seq[0] + 1
+            p[0], p[1], p[2] = dp, dev, s
+            launch(f4, stream, paddr)
+        return run
+
+    for kind in ("ctypes", "cupy", "bindings"):
+        try:
+            run = kernel_spin(nat.launcher(kind))
+            assert run() == x.item()
+            cand[f"kernel+{kind} launch, spin on seq"] = run
+            cand[f"kernel+{kind} launch call alone (no wait)"] = launch_only(nat.launcher(kind))
+        except Exception as e:  # noqa: BLE001
+            errors[f"kernel+{kind}"] = f"{type(e).__name__}: {e}"[:300]
+
+    launch_ct = nat.launcher("ctypes")
+
+    def kernel_sync():
+        s = seq[0] = seq[0] + 1
+        p[0], p[1], p[2] = dp, dev, s
+        launch_ct(f4, stream, paddr)
+        sync(stream)
+        return view.f32.value
+
+    cand["kernel+ctypes launch, streamSync"] = kernel_sync
+
+    try:  # the GIL kept across the call (PyDLL) instead of released and re-taken
+        pyf = ctypes.PyDLL(os.environ.get("FLOWEXEC_LIBCUDA", "libcuda.so.1")).cuLaunchKernel
+        pyf.argtypes, pyf.restype = nat._SIGNATURES["cuLaunchKernel"], ctypes.c_int
+        cand["kernel+ctypes(PyDLL, GIL held), spin"] = kernel_spin(
+            lambda fn, st, pa: pyf(fn, 1, 1, 1, 1, 1, 1, 0, st, pa, None))
+    except Exception as e:  # noqa: BLE001
+        errors["pydll"] = repr(e)[:300]
+
+    try:  # a captured CUDA graph of the kernel (constant flag 1; the host clears it first)
+        for name, argt in (("cuStreamCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+                           ("cuStreamBeginCapture_v2", [ctypes.c_void_p, ctypes.c_int]),
+                           ("cuStreamEndCapture", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
+                           ("cuGraphInstantiateWithFlags",
+                            [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_ulonglong]),
+                           ("cuGraphLaunch", [ctypes.c_void_p, ctypes.c_void_p])):
+            getattr(lib, name).argtypes = argt
+        cap, g, ge = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        nat.check(lib.cuStreamCreate(ctypes.byref(cap), 1), "cuStreamCreate")
+        gp = (ctypes.c_uint64 * 3)(dp, dev + 32, 1)
+        ga = ctypes.addressof(gp)
+        gparams = (ctypes.c_void_p * 3)(ga, ga + 8, ga + 16)
+        nat.check(lib.cuStreamBeginCapture_v2(cap, 2), "cuStreamBeginCapture")
+        nat.check(d.cuLaunchKernel(f4, 1, 1, 1, 1, 1, 1, 0, cap, gparams, None), "capture launch")
+        nat.check(lib.cuStreamEndCapture(cap, ctypes.byref(g)), "cuStreamEndCapture")
+        nat.check(lib.cuGraphInstantiateWithFlags(ctypes.byref(ge), g, 0), "cuGraphInstantiate")
+        glaunch, gexec = lib.cuGraphLaunch, ge.value
+
+        def graph_spin():
+            sv = gview.seq
+            sv.value = 0
+            glaunch(gexec, stream)
+            k = 0
+            while sv.value < 1:
+                k = _guard(k)
+            return gview.f32.value
+
+        assert graph_spin() == x.item()
+        cand["CUDA graph (kernel) launch, spin on flag"] = graph_spin
+    except Exception as e:  # noqa: BLE001
+        errors["graph"] = f"{type(e).__name__}: {e}"[:300]
+
+    for name, fn in cand.items():
+        if "no wait" in name:
+            continue
+        got = fn()
+        if got != x.item():
+            errors[name] = f"wrong value {got!r} != {x.item()!r}"
+    res = with_ratio(side_by_side(cand, n))
+    return {"results": res, "errors": errors}
+
+
+# ------------------------------------------------------------------ fast_item
+BACKENDS = ["kernel+cupy", "kernel+bindings", "kernel+ctypes", "memcpy", "torch"]
+
+
+def fast_item_backends(x: torch.Tensor, n: int, y: torch.Tensor) -> dict:
+    """Each backend beside .item(): idle scalar, and after a short kernel."""
+    out: dict = {}
+    for b in BACKENDS:
+        old = fetch.configure(backend=b)
+        try:
+            fetch.backend()
+            assert fetch.fast_item(x) == x.item()
+            # The reader without fast_item's checks and dispatch: what those cost in Python.
+            r, spec = fetch._tls.readers[x.get_device()], fetch._SPECS[x.dtype]
+            stream = torch._C._cuda_getCurrentRawStream(x.get_device())
+            idle = with_ratio(side_by_side({
+                "item": x.item, "fast_item": lambda: fetch.fast_item(x),
+                "reader alone": lambda: r.item(x, spec, stream, 10.0, 2e-4)}, n))
+            after = with_ratio(side_by_side({
+                "item": lambda: (y * 2).sum().item(),
+                "fast_item": lambda: fetch.fast_item((y * 2).sum())}, max(2000, n // 4)))
+            out[b] = {"idle": idle, "after_kernel": after}
+        except Exception as e:  # noqa: BLE001
+            out[b] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            fetch.configure(**old)
+    return out
+
+
+def dtypes(n: int) -> dict:
+    res = {}
+    for dt in (torch.bool, torch.int64, torch.bfloat16, torch.float64, torch.complex128):
+        t = torch.ones((), dtype=dt, device="cuda")
+        r = with_ratio(side_by_side({"item": t.item, "fast_item": lambda t=t: fetch.fast_item(t)},
+                                    n // 2))
+        res[str(dt)] = r
+    return res
+
+
+def fetch_ring(x: torch.Tensor, n: int) -> dict:
+    ring = fetch.FetchRing(x.device, slots=64)
+    lat = with_ratio(side_by_side({"item": x.item,
+                                   "submit+result": lambda: ring.submit(x).result()}, n))
+    submit_ns: list[int] = []
+    for _ in range(max(1, n // 64)):
+        fs = []
+        for _ in range(64):
+            t0 = _ns()
+            fs.append(ring.submit(x))
+            submit_ns.append(_ns() - t0)
+        for f in fs:
+            f.result()
+    return {"latency": lat, "submit_only_median_us": statistics.median(submit_ns) / 1e3,
+            "ring": repr(ring)}
+
+
+def training_loop_logging(out: dict) -> None:
+    """HOOK (executor engineer): a training loop that logs its loss every step.
+
+    To be filled in by the executor's author: the same step run (a) with ``loss.item()`` each
+    step, (b) with ``fast_item(loss)``, (c) with ``FetchRing.submit(loss)`` read one step later,
+    (d) without logging; write the figures into ``out["training_loop_logging"]``.
+    """
+    out["training_loop_logging"] = {"status": "not measured: executor section not added yet"}
+
+
+# ------------------------------------------------------------------ main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--out", default=os.path.join(here, "results", "item.json"))
+    ap.add_argument("--n", type=int, default=20000, help="timed calls per candidate")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/item.py needs CUDA; nothing measured", file=sys.stderr)
+        return 2
+    x = torch.randn((), device="cuda")
+    y = torch.randn(1024, device="cuda")
+    torch.cuda.synchronize()
+    drv = ctypes.c_int()
+    nat.driver().lib.cuDriverGetVersion(ctypes.byref(drv))
+    out: dict = {
+        "meta": {
+            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "cuda_runtime": torch.version.cuda, "cuda_driver": drv.value,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "n_per_candidate": args.n, "timer": "perf_counter_ns around each call; median",
+            "backend_auto": fetch.backend(), "backend_failures": list(fetch._backend_failures),
+            "spin_us": fetch._spin_s * 1e6, "timeout_s": fetch._timeout_s,
+            "command": "python3 benchmarks/item.py",
+        }
+    }
+    guarded(out, "paths", lambda: raw_paths(x, args.n))
+    guarded(out, "fast_item", lambda: fast_item_backends(x, args.n, y))
+    guarded(out, "dtypes", lambda: dtypes(args.n))
+    guarded(out, "fetch_ring", lambda: fetch_ring(x, args.n))
+    training_loop_logging(out)
+
+    auto = out["meta"]["backend_auto"]
+    fi = out["fast_item"].get(auto, {}) if isinstance(out["fast_item"], dict) else {}
+    if "idle" in fi:
+        out["summary"] = {
+            "backend": auto,
+            "item_idle_us": fi["idle"]["item"]["median_us"],
+            "fast_item_idle_us": fi["idle"]["fast_item"]["median_us"],
+            "idle_ratio": fi["idle"]["fast_item"]["vs_item"],
+            "idle_target_0.75_met": fi["idle"]["fast_item"]["vs_item"] <= 0.75,
+            "item_after_kernel_us": fi["after_kernel"]["item"]["median_us"],
+            "fast_item_after_kernel_us": fi["after_kernel"]["fast_item"]["median_us"],
+            "after_kernel_ratio": fi["after_kernel"]["fast_item"]["vs_item"],
+            "after_kernel_target_1.0_met": fi["after_kernel"]["fast_item"]["vs_item"] <= 1.0,
+        }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print_table(out)
+    return 0
+
+
+def print_table(out: dict) -> None:
+    print(f"\n{out['meta']['device']}  torch {out['meta']['torch']}  auto backend: "
+          f"{out['meta']['backend_auto']}")
+    rows: list[tuple[str, float, float]] = []
+    paths = out.get("paths", {})
+    for name, r in paths.get("results", {}).items():
+        rows.append((f"path: {name}", r["median_us"], r["vs_item"]))
+    for b, r in out.get("fast_item", {}).items():
+        if isinstance(r, dict) and "idle" in r:
+            rows.append((f"fast_item[{b}] idle", r["idle"]["fast_item"]["median_us"],
+                         r["idle"]["fast_item"]["vs_item"]))
+            rows.append((f"fast_item[{b}] after (y*2).sum()", r["after_kernel"]["fast_item"]["median_us"],
+                         r["after_kernel"]["fast_item"]["vs_item"]))
+            rows.append((f"  .item() after (y*2).sum() [{b} run]", r["after_kernel"]["item"]["median_us"], 1.0))
+    for dt, r in out.get("dtypes", {}).items():
+        if isinstance(r, dict) and "fast_item" in r:
+            rows.append((f"fast_item {dt}", r["fast_item"]["median_us"], r["fast_item"]["vs_item"]))
+    fr = out.get("fetch_ring", {})
+    if "latency" in fr:
+        rows.append(("FetchRing submit+result", fr["latency"]["submit+result"]["median_us"],
+                     fr["latency"]["submit+result"]["vs_item"]))
+        rows.append(("FetchRing submit only", fr["submit_only_median_us"], float("nan")))
+    print(f"{'what':58s} {'median µs':>10s} {'vs item':>8s}")
+    for name, us, ratio in rows:
+        print(f"{name:58s} {us:10.2f} {ratio:8.3f}")
+    for k in ("paths", "fast_item", "dtypes", "fetch_ring"):
+        v = out.get(k)
+        if isinstance(v, dict) and ("error" in v or v.get("errors")):
+            print(f"{k} errors: {v.get('error') or v.get('errors')}")
+    if isinstance(out.get("fast_item"), dict):
+        for b, r in out["fast_item"].items():
+            if isinstance(r, dict) and "error" in r:
+                print(f"fast_item[{b}] error: {r['error']}")
+    print("summary:", json.dumps(out.get("summary")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
