@@ -1,0 +1,281 @@
+"""Training-step time: eager vs torch.compile vs flowexec (trace, graph), side by side in one run.
+
+Rows (GPU): the reference MLP (8×256, batch 32, SGD) — eager, raw CUDA graph of the eager step,
+the make_fx ATen graph run as generated Python, torch.compile default, flowexec trace and graph,
+build time, peak memory; the transformer block (Adam); Hugging Face GPT-2 at two sizes through
+torch.compile backends (eager, inductor, cudagraphs, flowexec graph), with every warm-up.
+
+    PYTHONPATH=. python3 benchmarks/step_time.py --out benchmarks/results
+
+Writes step_time.json (device, versions, date, every figure). Ratios are what to compare:
+absolute times drift between machines.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import flowexec  # noqa: E402
+from flowexec.models import Block, lm_loss, make_mlp, make_step  # noqa: E402
+
+
+def med_us(fn: Callable[[], Any], sync: Callable[[], None], n: int, warm: int) -> float:
+    for _ in range(warm):
+        fn()
+    sync()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        sync()
+        ts.append(time.perf_counter_ns() - t0)
+    return statistics.median(ts) / 1e3
+
+
+def peak_bytes(fn: Callable[[], Any], dev: torch.device) -> int | None:
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def cuda_graph_of(step: Callable[[], Any]) -> Callable[[], Any]:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g.replay
+
+
+def guarded(out: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # a failing row is reported, the others still run
+        out[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        traceback.print_exc()
+        return None
+
+
+def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
+    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    base = make_mlp().to(dev)
+    x = torch.randn(32, 256, device=dev)
+    y = torch.randint(0, 10, (32,), device=dev)
+
+    def fresh() -> Callable[..., torch.Tensor]:
+        m = copy.deepcopy(base)
+        return make_step(m, torch.optim.SGD(m.parameters(), lr=1e-3), F.cross_entropy)
+
+    r: dict[str, Any] = {}
+    step = fresh()
+    r["eager_us"] = med_us(lambda: step(x, y), sync, n, 30)
+    r["eager_peak_bytes"] = peak_bytes(lambda: step(x, y), dev)
+    if dev.type == "cuda":
+        g = cuda_graph_of(lambda: step(x, y))
+        r["raw_cuda_graph_us"] = med_us(g, sync, n, 30)
+
+    def fx_row() -> None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        s = fresh()
+        t0 = time.perf_counter()
+        gm = make_fx(s)(x, y)
+        r["make_fx_trace_s"] = time.perf_counter() - t0
+        r["make_fx_nodes"] = len(gm.graph.nodes)
+
+        def run_gm() -> None:
+            with torch.no_grad():
+                gm(x, y)
+        r["make_fx_python_us"] = med_us(run_gm, sync, n, 30)
+    guarded(r, "make_fx", fx_row)
+
+    def compile_row() -> None:
+        torch._dynamo.reset()
+        s = torch.compile(fresh())
+        t0 = time.perf_counter()
+        for _ in range(3):
+            s(x, y)
+        sync()
+        r["inductor_warmup_s"] = time.perf_counter() - t0
+        r["inductor_us"] = med_us(lambda: s(x, y), sync, n, 30)
+    guarded(r, "inductor", compile_row)
+
+    for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
+        def fx_mode(mode: str = mode) -> None:
+            s = fresh()
+            t0 = time.perf_counter()
+            exe = flowexec.compile(s, x, y, mode=mode)
+            sync()
+            r[f"flowexec_{mode}_build_s"] = time.perf_counter() - t0
+            r[f"flowexec_{mode}_us"] = med_us(lambda: exe(x, y), sync, n, 30)
+            r[f"flowexec_{mode}_peak_bytes"] = peak_bytes(lambda: exe(x, y), dev)
+            r["plan"] = exe.plan.stats()
+        guarded(r, f"flowexec_{mode}", fx_mode)
+    # Build time alone (capture + plan + lower) for the trace executable.
+    def build_only() -> None:
+        s = fresh()
+        t0 = time.perf_counter()
+        flowexec.compile(s, x, y, mode="trace")
+        r["flowexec_build_s"] = time.perf_counter() - t0
+    guarded(r, "build", build_only)
+    out["mlp"] = r
+    print("mlp", json.dumps(r, indent=1), flush=True)
+
+
+def bench_block(dev: torch.device, n: int, out: dict[str, Any]) -> None:
+    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    base = Block(vocab=512, dim=256, heads=8, seq=64).to(dev)
+    x = torch.randint(0, 512, (16, 64), device=dev)
+    y = torch.randint(0, 512, (16, 64), device=dev)
+
+    def fresh() -> Callable[..., torch.Tensor]:
+        m = copy.deepcopy(base)
+        s = make_step(m, torch.optim.Adam(m.parameters(), lr=1e-3, foreach=True), lm_loss)
+        s(x, y)  # Adam creates its state on the first step
+        return s
+
+    r: dict[str, Any] = {}
+    step = fresh()
+    r["eager_us"] = med_us(lambda: step(x, y), sync, n, 20)
+    r["eager_peak_bytes"] = peak_bytes(lambda: step(x, y), dev)
+
+    def compile_row() -> None:
+        torch._dynamo.reset()
+        s = torch.compile(fresh())
+        t0 = time.perf_counter()
+        for _ in range(3):
+            s(x, y)
+        sync()
+        r["inductor_warmup_s"] = time.perf_counter() - t0
+        r["inductor_us"] = med_us(lambda: s(x, y), sync, n, 20)
+    guarded(r, "inductor", compile_row)
+    for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
+        def fx_mode(mode: str = mode) -> None:
+            s = fresh()
+            t0 = time.perf_counter()
+            exe = flowexec.compile(s, x, y, mode=mode)
+            sync()
+            r[f"flowexec_{mode}_build_s"] = time.perf_counter() - t0
+            r[f"flowexec_{mode}_us"] = med_us(lambda: exe(x, y), sync, n, 20)
+            r[f"flowexec_{mode}_peak_bytes"] = peak_bytes(lambda: exe(x, y), dev)
+        guarded(r, f"flowexec_{mode}", fx_mode)
+    out["transformer_block"] = r
+    print("block", json.dumps(r, indent=1), flush=True)
+
+
+def bench_hf(dev: torch.device, n: int, out: dict[str, Any], backends: list[str]) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    sizes = [("tiny", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=32), 2, 16),
+             ("small", dict(n_layer=4, n_embd=256, n_head=4, vocab_size=5000, n_positions=128), 8, 128)]
+    for tag, cfg, b, t in sizes:
+        torch.manual_seed(0)
+        base = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **cfg)).to(dev)
+        ids = torch.randint(0, cfg["vocab_size"], (b, t), device=dev)
+        r: dict[str, Any] = {}
+        for backend in backends:
+            torch._dynamo.reset()
+            m = copy.deepcopy(base)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+            if backend == "eager":
+                fwd = m
+            elif backend.startswith("flowexec"):
+                fwd = torch.compile(m, backend="flowexec", options={"mode": backend.split("_")[1]})
+            else:
+                fwd = torch.compile(m, backend=backend)
+
+            def step() -> torch.Tensor:
+                opt.zero_grad(set_to_none=True)
+                logits = fwd(input_ids=ids, use_cache=False).logits
+                loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+                loss.backward()
+                opt.step()
+                return loss
+
+            def row() -> None:
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    step()
+                sync()
+                r[f"{backend}_warmup_s"] = time.perf_counter() - t0
+                r[f"{backend}_us"] = med_us(step, sync, n, 10)
+            guarded(r, backend, row)
+            print(tag, backend, {k: v for k, v in r.items() if k.startswith(backend)}, flush=True)
+        out[f"hf_gpt2_{tag}"] = r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--only", default="mlp,block,hf")
+    ap.add_argument("--hf-backends", default="eager,inductor,cudagraphs,flowexec_graph,flowexec_trace")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "PYTHONPATH=. python3 benchmarks/step_time.py " + " ".join(sys.argv[1:]),
+    }
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    only = set(args.only.split(","))
+    if "mlp" in only:
+        bench_mlp(dev, args.n, out)
+    if "block" in only:
+        bench_block(dev, max(args.n // 3, 30), out)
+    if "hf" in only:
+        bench_hf(dev, max(args.n // 3, 30), out, args.hf_backends.split(","))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "step_time.json" if dev.type == "cuda" else "step_time_cpu.json")
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"wrote {path}")
+    summarize(out)
+
+
+def summarize(out: dict[str, Any]) -> None:
+    m = out.get("mlp", {})
+    def ratio(a: str, b: str, d: dict[str, Any]) -> str:
+        return f"{d[a] / d[b]:.2f}" if d.get(a) and d.get(b) else "n/a"
+    print("\n== summary ==")
+    print(f"MLP: eager/graph {ratio('eager_us', 'flowexec_graph_us', m)}x, graph/raw_graph {ratio('flowexec_graph_us', 'raw_cuda_graph_us', m)}, "
+          f"trace/make_fx {ratio('flowexec_trace_us', 'make_fx_python_us', m)}, build {m.get('flowexec_build_s', 'n/a')}, "
+          f"peak trace/eager {ratio('flowexec_trace_peak_bytes', 'eager_peak_bytes', m)}")
+    for tag in ("tiny", "small"):
+        h = out.get(f"hf_gpt2_{tag}", {})
+        print(f"GPT-2 {tag}: eager/fx_graph {ratio('eager_us', 'flowexec_graph_us', h)}x, inductor/fx_graph {ratio('inductor_us', 'flowexec_graph_us', h)}x, "
+              f"cudagraphs/fx_graph {ratio('cudagraphs_us', 'flowexec_graph_us', h)}x, warmups fx {h.get('flowexec_graph_warmup_s')} cg {h.get('cudagraphs_warmup_s')}")
+
+
+if __name__ == "__main__":
+    main()
