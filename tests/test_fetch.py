@@ -291,3 +291,96 @@ def test_ptx_assembles(tmp_path, arch: str):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert all(f"fx_read{n}" in _cuda_native.ptx() for n in _cuda_native.SIZES)
+
+
+# ------------------------------------------------------------------ driver paths, emulated
+class _FakeNative:
+    """Stands in for flowexec._cuda_native on CPU: 'device' memory is host memory and the
+    fx_read kernel runs at launch, reading its parameters the way the driver does (an array of
+    pointers to the values). Exercises the real parameter marshalling and sequence protocol."""
+
+    CUDA_ERROR_NOT_READY, CUDA_ERROR_INVALID_CONTEXT = 600, 201
+    CudaDriverError = RuntimeError
+
+    def __init__(self, deliver: bool = True) -> None:
+        self.deliver, self._bufs, self.launches = deliver, [], 0
+        fake = self
+
+        class Driver:
+            def cuEventRecord(self, ev, stream):
+                return 0
+
+            def cuStreamWaitEvent(self, stream, ev, flags):
+                return 0
+
+            def cuStreamQuery(self, stream):
+                return 600
+
+            def cuEventQuery(self, ev):
+                return 0
+
+            def cuMemcpyDtoHAsync_v2(self, dst, src, n, stream):
+                ctypes.memmove(dst, src, n)
+                return 0
+
+        self._driver = Driver()
+
+        def launch(fn: int, stream: int, paddr: int) -> int:
+            fake.launches += 1
+            ptrs = (ctypes.c_void_p * 3).from_address(paddr)
+            src, dst, seq = (ctypes.c_uint64.from_address(p).value for p in ptrs)
+            if fake.deliver:
+                ctypes.memmove(dst, src, fn)  # fn is the element size here
+                ctypes.c_uint64.from_address(dst + 16).value = seq
+            return 0
+
+        self._launch = launch
+
+    def driver(self):
+        return self._driver
+
+    def ensure_context(self, idx: int) -> None:
+        pass
+
+    def host_alloc(self, n: int) -> tuple[int, int]:
+        buf = ctypes.create_string_buffer(n)
+        self._bufs.append(buf)
+        return ctypes.addressof(buf), ctypes.addressof(buf)
+
+    def event_create(self) -> int:
+        return 1
+
+    def kernels(self, idx: int) -> dict[int, int]:
+        return {n: n for n in (1, 2, 4, 8, 16)}
+
+    def launcher(self, kind: str):
+        return self._launch
+
+    def check(self, err: int, call: str) -> None:
+        if err:
+            raise RuntimeError(call)
+
+
+@pytest.mark.parametrize("kind", ["kernel", "memcpy"])
+def test_driver_paths_emulated(monkeypatch, kind: str):
+    fake = _FakeNative()
+    monkeypatch.setattr(fetch, "_native", lambda: fake)
+    slots = fetch._KernelSlots(0, 4, "fake") if kind == "kernel" else fetch._MemcpySlots(0, 4)
+    cases = _edge_cases()
+    for t in cases:  # the fast_item reader: slot 0, one sequence number per read
+        assert _same(slots.item(t, fetch._SPECS[t.dtype], 0, 1.0, 1e-4), t.item()), t
+    for k, t in enumerate(cases):  # the ring's use: write to slot i, poll, decode
+        spec, i = fetch._SPECS[t.dtype], k % 4
+        slots.write(i, t, spec, 1000 + k, 0)
+        assert slots.ready(i, 1000 + k)
+        assert _same(slots.read(i, spec, t), t.item())
+    assert kind == "memcpy" or fake.launches == 2 * len(cases)
+
+
+def test_kernel_reader_times_out_when_the_kernel_never_writes(monkeypatch):
+    fake = _FakeNative(deliver=False)
+    monkeypatch.setattr(fetch, "_native", lambda: fake)
+    slots = fetch._KernelSlots(0, 1, "fake")
+    with pytest.raises(FetchTimeoutError, match="fast_item of a torch.int64 tensor"):
+        slots.item(torch.tensor(3), fetch._SPECS[torch.int64], 0, 0.05, 1e-4)
+    assert not slots.ready(0, 1)

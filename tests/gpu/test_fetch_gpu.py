@@ -14,7 +14,7 @@ from flowexec.fetch import FetchRing, FetchTimeoutError, fast_item
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.timeout(120),
+    pytest.mark.timeout(30),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
