@@ -46,13 +46,17 @@ def med_us(fn: Callable[[], Any], sync: Callable[[], None], n: int, warm: int) -
 
 
 def peak_bytes(fn: Callable[[], Any], dev: torch.device) -> int | None:
+    """Peak memory one step adds on top of what is allocated before it (state, other rows)."""
     if dev.type != "cuda":
         return None
+    import gc
+    gc.collect()
     torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def cuda_graph_of(step: Callable[[], Any]) -> Callable[[], Any]:
@@ -186,7 +190,7 @@ def bench_block(dev: torch.device, n: int, out: dict[str, Any]) -> None:
     print("block", json.dumps(r, indent=1), flush=True)
 
 
-def bench_hf(dev: torch.device, n: int, out: dict[str, Any], backends: list[str]) -> None:
+def bench_hf(dev: torch.device, n: int, out: dict[str, Any], backends: list[str], profile: bool = False) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
@@ -223,6 +227,18 @@ def bench_hf(dev: torch.device, n: int, out: dict[str, Any], backends: list[str]
                 sync()
                 r[f"{backend}_warmup_s"] = time.perf_counter() - t0
                 r[f"{backend}_us"] = med_us(step, sync, n, 10)
+
+                def fwd_bwd() -> None:
+                    opt.zero_grad(set_to_none=True)
+                    F.cross_entropy(fwd(input_ids=ids, use_cache=False).logits.flatten(0, 1), ids.flatten()).backward()
+                r[f"{backend}_fwd_bwd_us"] = med_us(fwd_bwd, sync, n, 10)  # the step without the optimizer
+                if profile and tag == "tiny" and backend == "flowexec_graph":
+                    from torch.profiler import ProfilerActivity, profile as prof
+                    with prof(activities=[ProfilerActivity.CPU]) as p:
+                        for _ in range(5):
+                            step()
+                        sync()
+                    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
             guarded(r, backend, row)
             print(tag, backend, {k: v for k, v in r.items() if k.startswith(backend)}, flush=True)
         out[f"hf_gpt2_{tag}"] = r
@@ -233,6 +249,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--only", default="mlp,block,hf")
+    ap.add_argument("--profile", action="store_true", help="print a CPU profile of one GPT-2 tiny flowexec step")
     ap.add_argument("--hf-backends", default="eager,inductor,cudagraphs,flowexec_graph,flowexec_trace")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -254,7 +271,7 @@ def main() -> None:
     if "block" in only:
         bench_block(dev, max(args.n // 3, 30), out)
     if "hf" in only:
-        bench_hf(dev, max(args.n // 3, 30), out, args.hf_backends.split(","))
+        bench_hf(dev, max(args.n // 3, 30), out, args.hf_backends.split(","), args.profile)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "step_time.json" if dev.type == "cuda" else "step_time_cpu.json")
     with open(path, "w") as fh:

@@ -245,6 +245,9 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
         torch.compiler._is_compiling_flag = prev_flag
         guard.restore()
         _set_rng_states(rng)
+        # Grads that fn created were None before the capture run: leave them so.
+        for p, _ in bindings:
+            p.grad = None
     return gm, bindings, n_user[0], guard.sources
 
 

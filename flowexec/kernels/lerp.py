@@ -207,7 +207,8 @@ class _Backward:
         self.part_numel = off
         self.fused = 0 < off <= config.fused_final_max
         red = [g for g in grads if g is not None and g.red]
-        fbk = min(_pow2(max((g.k for g in red), default=1)), 128)
+        # Narrow column blocks: more programs share the final sums, each in one or two steps.
+        fbk = min(_pow2(max((g.k for g in red), default=1)), 32)
         fbr = min(_pow2(max((g.p for g in red), default=1)), max(1, 4096 // fbk))
         grid = n0 * n1 * s * nb3
         self.main = plan.launcher(plan.kernels._lerp_bwd_kernel, grid, config.bwd_warps)
@@ -246,6 +247,9 @@ class _Plan:
         on_triton_device = device.type == "cuda" or (device.type == "cpu" and force_triton_on_cpu)
         self.use_triton = HAS_TRITON and on_triton_device and canon is not None
         self._backward: dict[tuple[bool, bool, bool], _Backward] = {}
+        shapes = (tuple(xs), tuple(ys), tuple(ws) if ws is not None else None)
+        self.out_like = next((i for i, sh in enumerate(shapes) if sh == tuple(self.out_shape)), -1)
+        self.part_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         if not self.use_triton:
             return
         from . import _lerp_triton
@@ -327,23 +331,25 @@ def _counter(device_index: int | None) -> Tensor:
 
 # ----------------------------------------------------------------------------- implementations
 
-def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float) -> Tensor:
-    plan = _plan(x, y, w)
+def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan | None = None) -> Tensor:
+    plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return torch.lerp(x, y, w if w is not None else wv)
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
     wt = x if w is None else (w if w.is_contiguous() else w.contiguous())
-    out = torch.empty(plan.out_shape, dtype=x.dtype, device=x.device)
+    # empty_like costs about a third of empty(shape, dtype=, device=) from Python.
+    like = plan.out_like
+    out = torch.empty_like((x, y, wt)[like]) if like >= 0 else x.new_empty(plan.out_shape)
     hi, lo = _split_weight(wv, plan.acc_f64)
     aligned = not ((x.data_ptr() | y.data_ptr() | wt.data_ptr()) & 15)
     plan.fwd((x, y, wt, out, hi, lo, *plan.fwd_tail), aligned)
     return out
 
 
-def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
-                   needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    plan = _plan(x, y, w)
+def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float, needs: tuple[bool, bool, bool],
+                   plan: _Plan | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return _backward_torch(g, x, y, w if w is not None else wv, needs)
     if not any(needs):
@@ -353,14 +359,10 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
     wt = x if w is None else (w if w.is_contiguous() else w.contiguous())
-    dev = g.device
-    dx = torch.empty(x.shape, dtype=x.dtype, device=dev) if needs[0] else g
-    dy = torch.empty(y.shape, dtype=y.dtype, device=dev) if needs[1] else g
-    dw = torch.empty(wt.shape, dtype=wt.dtype, device=dev) if needs[2] else g
-    if bw.part_numel:
-        part = torch.empty(bw.part_numel, dtype=torch.float64 if plan.acc_f64 else torch.float32, device=dev)
-    else:
-        part = g
+    dx = torch.empty_like(x) if needs[0] else g
+    dy = torch.empty_like(y) if needs[1] else g
+    dw = torch.empty_like(wt) if needs[2] else g
+    part = g.new_empty(bw.part_numel, dtype=plan.part_dtype) if bw.part_numel else g
     counter = _counter(plan.device_index) if bw.fused else g
     hi, lo = _split_weight(wv, plan.acc_f64)
     aligned = not ((g.data_ptr() | x.data_ptr() | y.data_ptr() | wt.data_ptr()) & 15)
@@ -386,16 +388,20 @@ class _LerpFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, y: Tensor, w: Tensor | None, wv: float) -> Tensor:
+        plan = _plan(x, y, w)
         ctx.save_for_backward(x, y, w)
         ctx.wv = wv
-        return _forward_impl(x, y, w, wv)
+        ctx.plan = plan
+        return _forward_impl(x, y, w, wv, plan)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, y, w = ctx.saved_tensors
         n = ctx.needs_input_grad
-        return (*_backward_impl(g, x, y, w, ctx.wv, (n[0], n[1], n[2])), None)
+        needs = (n[0], n[1], n[2])
+        if torch.is_grad_enabled():  # create_graph=True: differentiable PyTorch formulas
+            return (*_backward_torch(g, x, y, w if w is not None else ctx.wv, needs), None)
+        return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan), None)
 
 
 @torch.library.custom_op("flowexec::lerp", mutates_args=())
