@@ -35,6 +35,9 @@ MODES = ("trace", "graph")
 OPTIONS = {
     "cache_size": "how many input signatures to keep compiled (default 8); past that a new one is an error",
     "warmup": "graph mode: eager warm-up runs before capture (default 1)",
+    "fetch": "True or output indices: return those one-element outputs as flowexec.Fetch handles "
+             "(copied to the host on a side stream; .result() waits for that value only)",
+    "fetch_slots": "pinned slots in the fetch ring (default 64)",
 }
 
 
@@ -66,6 +69,7 @@ class _Compiled:
     n_user: int
     grad_bindings: list[tuple[torch.Tensor, int]]
     build_seconds: float
+    fetch: tuple[int, ...] = ()
 
 
 class Executable:
@@ -78,6 +82,10 @@ class Executable:
         self.fn, self.mode, self.gc = fn, mode, gc
         self.cache_size = int(options.get("cache_size", 8))
         self.warmup = int(options.get("warmup", 1))
+        fetch = options.get("fetch", ())
+        self.fetch: bool | tuple[int, ...] = fetch if isinstance(fetch, bool) else tuple(int(i) for i in fetch)
+        self.fetch_slots = int(options.get("fetch_slots", 64))
+        self._ring: Any = None
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
         self._first_sig: tuple[Any, ...] | None = None
         self._last: _Compiled | None = None
@@ -98,13 +106,39 @@ class Executable:
             input_index = {vid: k for k, vid in enumerate(prog.inputs)}
             mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
             targs = [args[i] for i in tensor_pos]
-            bound = {i for _, i in cap.grad_bindings}
+            bound = {i for _, i in cap.grad_bindings} | set(self._fetch_indices(cap.program, cap.n_user_outputs))
             runner = CudaGraphRunner(run, targs, mutated, borrow=[False] * len(targs),
                                      mutated_inputs=mutated_inputs, unprotected_outputs=bound,
-                                     warmup=self.warmup)
+                                     warmup=self.warmup, before_replay=self._fence)
         user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
         return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, self._fetch_indices(cap.program, cap.n_user_outputs))
+
+    def _fetch_indices(self, prog: Program, n_user: int) -> tuple[int, ...]:
+        """Flat output positions returned as Fetch handles."""
+        if self.fetch is False or self.fetch == ():
+            return ()
+        metas = [prog.values[o.id].meta if isinstance(o, Ref) else None for o in prog.outputs[:n_user]]
+        scalar = [i for i, m in enumerate(metas) if m is not None and _numel(m.shape) == 1]
+        if self.fetch is True:
+            return tuple(scalar)
+        for i in self.fetch:
+            if i not in scalar:
+                raise OptionError(f"fetch: output {i} is not a one-element tensor output (one-element outputs: {scalar})")
+        return tuple(self.fetch)
+
+    def _fence(self) -> None:
+        # Graph mode: copies still reading last call's static outputs finish before the replay.
+        if self._ring is not None:
+            self._ring.fence()
+
+    def _submit(self, flat: list[Any], indices: tuple[int, ...]) -> None:
+        if self._ring is None:
+            from .fetch import FetchRing
+
+            self._ring = FetchRing(flat[indices[0]].device, slots=self.fetch_slots)
+        for i in indices:
+            flat[i] = self._ring.submit(flat[i])
 
     def _lookup(self, args: tuple[Any, ...]) -> _Compiled:
         sig = _signature(args)
@@ -147,6 +181,8 @@ class Executable:
             g = flat[idx]
             if p.grad is not g:
                 p.grad = g
+        if c.fetch:
+            self._submit(flat, c.fetch)
         if c.n_user == 1 and c.user_spec.num_leaves == 1 and c.user_spec.is_leaf():
             return flat[0]
         return pytree.tree_unflatten(flat[: c.n_user], c.user_spec)
@@ -174,6 +210,13 @@ class Executable:
 
     def __repr__(self) -> str:
         return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)}>"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _user_out_placeholder(prog: Program, n_user: int, has_extra: bool) -> Any:

@@ -56,7 +56,9 @@ class CudaGraphRunner:
         unprotected_outputs: Sequence[int] = (),
         pool: Any = None,
         warmup: int = 1,
+        before_replay: Callable[[], None] | None = None,
     ) -> None:
+        self.before_replay = before_replay
         self.borrow = tuple(borrow)
         self.static_inputs: list[Any] = []
         for a, b in zip(example_inputs, self.borrow):
@@ -112,6 +114,8 @@ class CudaGraphRunner:
             held = ref()
             if held is not None:  # the caller kept last call's output: give it its own copy
                 held.data = held.clone()
+        if self.before_replay is not None:
+            self.before_replay()
         self.graph.replay()
         for i in self._mutated_inputs:
             args[i].copy_(static[i])

@@ -87,3 +87,17 @@ def test_hf_gpt2_backend_matches_eager(mode):
         ids = torch.randint(0, 211, (2, 16), device="cuda")
         assert_close_rel(step(c2, o2, ids), step(m1, o1, ids), tol=1e-5, what="loss")
     assert_same_state(m1, m2, tol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["trace", "graph"])
+def test_fetch_handles_on_cuda(mode):
+    torch.manual_seed(0)
+    m1 = make_mlp(64, 2).cuda()
+    m2 = copy.deepcopy(m1)
+    s1 = make_step(m1, torch.optim.SGD(m1.parameters(), lr=0.1), F.cross_entropy)
+    s2 = make_step(m2, torch.optim.SGD(m2.parameters(), lr=0.1), F.cross_entropy)
+    data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(10)]
+    exe = flowexec.compile(s2, *data[0], mode=mode, fetch=[0], fetch_slots=3)
+    handles = [exe(x, y) for x, y in data]
+    want = [s1(x, y).item() for x, y in data]
+    assert [h.result() for h in handles] == pytest.approx(want, rel=1e-5)
