@@ -1,0 +1,389 @@
+"""Op benchmark harness (after Paddle's OP Benchmark): flowexec kernels vs PyTorch, one run.
+
+Per case and implementation: forward, backward and forward+backward wall time as a user calls
+them (``triton.testing.do_bench``, median, autograd included), GPU time of forward and of
+forward+backward (one CUDA graph replayed; backward = the difference) and the sum of the
+forward+backward kernels' own durations (profiler), the bytes the case must move against the
+device-to-device copy bandwidth measured in the same run (memory floor), and speed-ups.
+Every case is first checked against float64. Prints a table and writes JSON.
+
+    PYTHONPATH=. python3 benchmarks/ops.py                  # all cases -> benchmarks/results/ops.json
+    PYTHONPATH=. python3 benchmarks/ops.py --sweep          # also kernel configs on the 4 reference cases
+
+Ratios are what to compare: absolute times drift between machines.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from flowexec.kernels import lerp  # noqa: E402
+
+L = importlib.import_module("flowexec.kernels.lerp")
+launch = importlib.import_module("flowexec.kernels._launch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    x: tuple[int, ...]
+    y: tuple[int, ...]
+    w: tuple[int, ...] | float  # a float: weight given as a Python number
+    dtype: torch.dtype
+
+
+REFERENCE = [  # /work/shared/reference/README.md, the four lerp cases
+    Case("case1", (16, 102400), (16, 102400), (1,), torch.float32),
+    Case("case2", (16, 204800), (16, 204800), (1,), torch.float64),
+    Case("case3", (16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32),
+    Case("case4", (16, 102400), (16, 102400), (16, 102400), torch.float32),
+]
+EXTRA = [
+    Case("case1-f16", (16, 102400), (16, 102400), (1,), torch.float16),
+    Case("case1-bf16", (16, 102400), (16, 102400), (1,), torch.bfloat16),
+    Case("case3-f16", (16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float16),
+    Case("case3-bf16", (16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.bfloat16),
+    Case("case4-bf16", (16, 102400), (16, 102400), (16, 102400), torch.bfloat16),
+    Case("float-weight", (16, 102400), (16, 102400), 0.3, torch.float32),
+]
+SWEEP = {  # kernel configs tried on the reference cases with --sweep
+    "default": {},
+    "tile-x2-w8": dict(tile={2: 8192, 4: 4096, 8: 2048}, fwd_warps=8, bwd_warps=8),
+    "tile-x2-w4": dict(tile={2: 8192, 4: 4096, 8: 2048}),
+    "tile-/2": dict(tile={2: 2048, 4: 1024, 8: 512}),
+    "final-pass": dict(fused_final_max=0),
+    "pps-8": dict(programs_per_sm=8),
+    "pps-2": dict(programs_per_sm=2),
+}
+
+
+def make_inputs(case: Case, dev: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float, torch.Tensor]:
+    x = torch.randn(case.x, device=dev, dtype=case.dtype, requires_grad=True)
+    y = torch.randn(case.y, device=dev, dtype=case.dtype, requires_grad=True)
+    w: torch.Tensor | float = case.w
+    if not isinstance(case.w, float):
+        w = torch.rand(case.w, device=dev, dtype=case.dtype, requires_grad=True)
+    shape = torch.broadcast_shapes(case.x, case.y, case.w if not isinstance(case.w, float) else ())
+    go = torch.randn(shape, device=dev, dtype=case.dtype)
+    return x, y, w, go
+
+
+def floor_bytes(case: Case) -> tuple[int, int]:
+    """Fewest bytes forward and backward must move: each input read once, each output written once."""
+    n = lambda s: 0 if isinstance(s, float) else torch.Size(s).numel()  # noqa: E731
+    out = torch.broadcast_shapes(case.x, case.y, case.w if not isinstance(case.w, float) else ()).numel()
+    isz = case.dtype.itemsize
+    fwd = (n(case.x) + n(case.y) + n(case.w) + out) * isz
+    w_grad = not isinstance(case.w, float)
+    # grad in; w for dx, dy; x, y for dw; dx, dy, dw out
+    bwd = (out + n(case.w) + (n(case.x) + n(case.y) if w_grad else 0) + n(case.x) + n(case.y) + n(case.w)) * isz
+    return fwd, bwd
+
+
+def bench(fn: Callable[[], Any]) -> float:
+    import triton.testing as tt
+
+    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
+
+
+def graph_of(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def kernel_sum_us(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Median over reps of the summed durations of the kernels fn launches (L2 flushed before each).
+
+    Each repetition is: flush (zero a 256 MiB buffer), a marker kernel (bitwise_not on one byte,
+    which no implementation launches), fn. Kernels are read back from the profiler's trace.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
+    marker = torch.zeros(1, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            marker.bitwise_not_()
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    sums: list[float] = []
+    for e in kernels:
+        name = e.get("name", "")
+        if "bitwise_not" in name:
+            sums.append(0.0)
+        elif sums and "FillFunctor<int>" not in name:
+            sums[-1] += e["dur"]
+    return sorted(sums)[len(sums) // 2] if sums else float("nan")
+
+
+def check_case(case: Case, dev: str) -> float:
+    """Largest error of out and every gradient, relative to the float64 result's max magnitude."""
+    x, y, w, go = make_inputs(case, dev)
+    ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor)]
+    worst = 0.0
+    for _ in range(2):  # the second call takes the direct launch path
+        out = lerp(x, y, w)
+        grads = torch.autograd.grad(out, ins, go)
+        xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+        wd = w.detach().double().requires_grad_() if isinstance(w, torch.Tensor) else w
+        ref = torch.lerp(xd, yd, wd)
+        rins = [t for t in (xd, yd, wd) if isinstance(t, torch.Tensor)]
+        rgrads = torch.autograd.grad(ref, rins, go.double())
+        for a, b in zip([out, *grads], [ref, *rgrads]):
+            worst = max(worst, ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+def measure(case: Case, impl: str, dev: str, full: bool = True) -> dict[str, float]:
+    x, y, w, go = make_inputs(case, dev)
+    ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
+    f = torch.lerp if impl == "torch" else lerp
+
+    def fwd() -> torch.Tensor:
+        return f(x, y, w)
+
+    def fwd_bwd() -> Any:
+        return torch.autograd.grad(f(x, y, w), ins, go)
+
+    r: dict[str, float] = {}
+    r["wall_fwd_bwd_us"] = bench(fwd_bwd)
+    r["wall_fwd_us"] = bench(fwd)
+    gf, gfb = graph_of(fwd), graph_of(fwd_bwd)
+    r["gpu_fwd_us"] = bench(gf.replay)
+    r["gpu_fwd_bwd_us"] = bench(gfb.replay)
+    r["gpu_bwd_us"] = r["gpu_fwd_bwd_us"] - r["gpu_fwd_us"]
+    r["loop_fwd_bwd_us"] = loop_us(fwd_bwd)
+    if full:
+        r["loop_fwd_us"] = loop_us(fwd)
+        out = fwd()
+        r["wall_bwd_us"] = bench(lambda: torch.autograd.grad(out, ins, go, retain_graph=True))
+        with torch.no_grad():
+            r["wall_fwd_nograd_us"] = bench(fwd)
+        r["kernels_fwd_bwd_us"] = kernel_sum_us(fwd_bwd)
+    return r
+
+
+def loop_us(fn: Callable[[], Any], n: int = 200) -> float:
+    """Time per call of n back-to-back calls, then one sync (host and device overlapped, L2 warm).
+
+    do_bench flushes L2 with a 256 MiB memset before each call, and the host enqueues the call
+    while that memset runs, so for calls that launch in less time than the memset takes do_bench
+    sees mostly GPU time. This figure is the other view: a loop's steady-state cost per call.
+    """
+    fn()
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best.append((time.perf_counter() - t0) / n * 1e6)
+    return sorted(best)[2]
+
+
+def copy_bandwidth(dev: str) -> float:
+    a = torch.empty(2**28, dtype=torch.float32, device=dev)  # 1 GiB
+    b = torch.empty_like(a)
+    t = bench(lambda: b.copy_(a))
+    return 2 * a.numel() * 4 / (t * 1e-6)
+
+
+def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None],
+              res: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
+    for case in cases:
+        fb, bb = floor_bytes(case)
+        row: dict[str, Any] = {
+            "x": list(case.x), "y": list(case.y), "w": case.w if isinstance(case.w, float) else list(case.w),
+            "dtype": str(case.dtype).replace("torch.", ""), "bytes_fwd": fb, "bytes_bwd": bb,
+            "floor_fwd_bwd_us": (fb + bb) / bw * 1e6, "max_rel_err": check_case(case, dev),
+        }
+        for impl in ("torch", "flowexec"):
+            row[impl] = measure(case, impl, dev)
+        t, fx = row["torch"], row["flowexec"]
+        row["speedup"] = {k: t[k] / fx[k] for k in t if k in fx and fx[k] > 0}
+        row["flowexec_gpu_over_floor"] = fx["gpu_fwd_bwd_us"] / row["floor_fwd_bwd_us"]
+        row["flowexec_kernels_over_floor"] = fx["kernels_fwd_bwd_us"] / row["floor_fwd_bwd_us"]
+        row["achieved_fraction_of_copy_bw"] = (fb + bb) / (fx["gpu_fwd_bwd_us"] * 1e-6) / bw
+        res[case.name] = row
+        log(f"{case.name}: GPU fb {t['gpu_fwd_bwd_us']:.1f} vs {fx['gpu_fwd_bwd_us']:.1f} "
+            f"(floor {row['floor_fwd_bwd_us']:.1f}, kernels {fx['kernels_fwd_bwd_us']:.1f}), wall fb "
+            f"{t['wall_fwd_bwd_us']:.1f} vs {fx['wall_fwd_bwd_us']:.1f}, loop fb {t['loop_fwd_bwd_us']:.1f} vs "
+            f"{fx['loop_fwd_bwd_us']:.1f}, err {row['max_rel_err']:.1e}")
+        save()
+    return res
+
+
+def _compile_job(job: tuple[dict[str, Any], Case]) -> str:
+    """Worker: run a case once under a config so its kernels land in Triton's on-disk cache."""
+    cfg, case = job
+    try:
+        with L.configured(**cfg):
+            check_case(case, "cuda")
+        return "ok"
+    except Exception as e:  # reported by the caller; the timed run will show the real error
+        return f"{case.name}: {type(e).__name__}: {e}"
+
+
+def precompile(jobs: list[tuple[dict[str, Any], Case]], log: Callable[[str], None]) -> None:
+    """Compile in parallel processes: the timed runs then load kernels from the cache."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(len(jobs), max(1, (os.cpu_count() or 2) - 1))) as pool:
+        res = pool.map(_compile_job, jobs)
+    bad = [r for r in res if r != "ok"]
+    log(f"precompiled {len(jobs)} case/config pairs in {time.time() - t0:.1f}s" + (f"; failures: {bad}" if bad else ""))
+
+
+def direct_launch_active() -> bool:
+    return any(getattr(p, "fwd", None) is not None and p.fwd._direct is not None for p in L._PLANS.values())
+
+
+def choose(sweep: dict[str, Any]) -> str:
+    """The config with the smallest geometric mean GPU forward+backward time over the reference cases."""
+    import math
+
+    def score(v: dict[str, Any]) -> float:
+        if "error" in v or any(v[c.name]["max_rel_err"] > (1e-4 if c.dtype == torch.float32 else 1e-10)
+                               for c in REFERENCE):
+            return math.inf
+        return math.exp(sum(math.log(v[c.name]["gpu_fwd_bwd_us"]) for c in REFERENCE) / len(REFERENCE))
+
+    return min(SWEEP, key=lambda name: score(sweep[name]))
+
+
+def run_sweep(dev: str, bw: float, log: Callable[[str], None]) -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": {c.name: measure(c, "torch", dev, full=False) for c in REFERENCE}}
+    variants = [(name, cfg, True) for name, cfg in SWEEP.items()] + [("no-direct-launch", {}, False)]
+    for name, cfg, direct in variants:
+        launch.DIRECT_LAUNCH = direct
+        try:
+            with L.configured(**cfg):
+                out[name] = {}
+                for c in REFERENCE:
+                    err = check_case(c, dev)
+                    out[name][c.name] = {"max_rel_err": err, **measure(c, "flowexec", dev, full=False)}
+                log(f"sweep {name}: " + ", ".join(
+                    f"{c}: {v['gpu_fwd_bwd_us']:.1f}/{v['gpu_fwd_us']:.1f}/{v['wall_fwd_bwd_us']:.1f}/"
+                    f"{v['loop_fwd_bwd_us']:.1f} err {v['max_rel_err']:.0e}" for c, v in out[name].items()))
+        except Exception:  # a config that fails to compile or run is reported, not fatal
+            out[name] = {"error": traceback.format_exc(limit=3)}
+            log(f"sweep {name}: FAILED\n{out[name]['error']}")
+        finally:
+            launch.DIRECT_LAUNCH = True
+    return out
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = ["| case | dtype | torch GPU fwd+bwd | flowexec GPU fwd+bwd | floor | flowexec/floor | torch wall fwd+bwd "
+             "| flowexec wall fwd+bwd | wall speed-up | torch fwd | flowexec fwd | loop fwd+bwd torch / flowexec "
+             "| max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        t, f = r["torch"], r["flowexec"]
+        lines.append(
+            f"| {name} | {r['dtype']} | {t['gpu_fwd_bwd_us']:.1f} µs | {f['gpu_fwd_bwd_us']:.1f} µs "
+            f"({t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}×) | {r['floor_fwd_bwd_us']:.1f} µs "
+            f"| {r['flowexec_gpu_over_floor']:.2f} | {t['wall_fwd_bwd_us']:.1f} µs | {f['wall_fwd_bwd_us']:.1f} µs "
+            f"| {t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}× | {t['wall_fwd_us']:.1f} µs "
+            f"| {f['wall_fwd_us']:.1f} µs | {t['loop_fwd_bwd_us']:.1f} / {f['loop_fwd_bwd_us']:.1f} µs "
+            f"| {r['max_rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def sweep_table(sw: dict[str, Any]) -> str:
+    lines = ["| config | " + " | ".join(f"{c.name} GPU fb / fwd / wall fb" for c in REFERENCE) + " |",
+             "|---" * (len(REFERENCE) + 1) + "|"]
+    for name, v in sw.items():
+        if "error" in v:
+            lines.append(f"| {name} | failed |")
+            continue
+        cells = [f"{v[c.name]['gpu_fwd_bwd_us']:.1f} / {v[c.name]['gpu_fwd_us']:.1f} / "
+                 f"{v[c.name]['wall_fwd_bwd_us']:.1f}" for c in REFERENCE]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ops.json"))
+    ap.add_argument("--sweep", action="store_true", help="also time kernel configs on the reference cases")
+    ap.add_argument("--cases", nargs="*", help="names of the cases to run (default: all)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/ops.py needs a CUDA device")
+    import triton
+
+    dev = "cuda"
+    t0 = time.time()
+    log = lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
+    bw = copy_bandwidth(dev)
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "command": "PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else ""),
+        "copy_bandwidth_TBps": bw / 1e12,
+    }
+    cases = [c for c in REFERENCE + EXTRA if not args.cases or c.name in args.cases]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save() -> None:  # after every step, so that a run cut short still leaves its figures
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    cfg: dict[str, Any] = {}
+    if args.sweep:
+        precompile([(c, case) for c in SWEEP.values() for case in REFERENCE], log)
+        result["sweep"] = run_sweep(dev, bw, log)
+        result["sweep_choice"] = choose(result["sweep"])
+        cfg = SWEEP[result["sweep_choice"]]
+        log(f"sweep choice: {result['sweep_choice']} {cfg}")
+        save()
+    precompile([(cfg, case) for case in cases], log)
+    with L.configured(**cfg) as used:
+        result["config"] = dataclasses.asdict(used)
+        result["cases"] = {}
+        run_cases(cases, dev, bw, log, result["cases"], save)
+        result["direct_launch_active"] = direct_launch_active()
+    save()
+    if args.sweep:
+        print("\nsweep (µs):\n" + sweep_table(result["sweep"]))
+    print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']}, copy {bw / 1e12:.2f} TB/s, "
+          f"direct launch {'on' if result['direct_launch_active'] else 'OFF'}, config {cfg or 'default'}\n")
+    print(table(result["cases"]))
+
+
+if __name__ == "__main__":
+    main()

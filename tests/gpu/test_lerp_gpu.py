@@ -1,0 +1,142 @@
+"""flowexec.kernels.lerp on CUDA: compiled Triton kernels against float64, launch paths, CUDA graphs.
+
+Skipped without CUDA. Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest tests/gpu/test_lerp_gpu.py``.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+if torch.cuda.is_available():
+    from flowexec.kernels import lerp
+
+    L = importlib.import_module("flowexec.kernels.lerp")
+    launch = importlib.import_module("flowexec.kernels._launch")
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5, torch.float64: 1e-10}
+SHAPES = [  # (x, y, w or None for a float weight): each reference pattern and odd sizes
+    ((16, 1024), (16, 1024), (1,)),
+    ((16, 1, 1, 1), (16, 3, 44, 44), (3, 1, 44)),
+    ((7, 333), (7, 333), (7, 333)),
+    ((5, 1, 37), (1, 9, 37), (5, 9, 1)),
+    ((3000,), (2, 3000), ()),
+    ((4, 77), (4, 77), None),
+    ((1, 130000), (3, 1), (3, 130000)),
+]
+
+
+def inputs(xs, ys, ws, dtype, needs=(True, True, True), dev="cuda"):
+    x = torch.randn(xs, device=dev, dtype=dtype).requires_grad_(needs[0])
+    y = torch.randn(ys, device=dev, dtype=dtype).requires_grad_(needs[1])
+    w = 0.7 if ws is None else torch.rand(ws, device=dev, dtype=dtype).requires_grad_(needs[2])
+    return x, y, w
+
+
+def assert_matches(x, y, w, out, grads, g):
+    xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_() if isinstance(w, torch.Tensor) else w
+    ref = torch.lerp(xd, yd, wd)
+    want = [(t, r) for t, r in zip((x, y, w), (xd, yd, wd)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    rgrads = torch.autograd.grad(ref, [r for _, r in want], g.double()) if want else ()
+    tol = TOL[x.dtype]
+    for a, b in zip([out, *grads], [ref, *rgrads]):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * (1 + b.abs().max().item()))
+
+
+@pytest.mark.parametrize("fused_max", [0, 1 << 30], ids=["final-pass", "last-block"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shapes", SHAPES, ids=lambda s: "x".join(map(str, s[1])))
+def test_matches_float64(shapes, dtype, fused_max):
+    with L.configured(fused_final_max=fused_max):
+        for _ in range(2):  # the first call compiles and launches normally, the second launches directly
+            x, y, w = inputs(*shapes, dtype)
+            out = lerp(x, y, w)
+            g = torch.randn_like(out)
+            ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor)]
+            assert_matches(x, y, w, out, torch.autograd.grad(out, ins, g), g)
+
+
+@pytest.mark.parametrize("needs", [n for n in itertools.product([False, True], repeat=3) if any(n)])
+def test_gradient_subsets(needs):
+    x, y, w = inputs((6, 1, 50), (6, 20, 50), (20, 1), torch.float32, needs)
+    out = lerp(x, y, w)
+    g = torch.randn_like(out)
+    ins = [t for t in (x, y, w) if t.requires_grad]
+    assert_matches(x, y, w, out, torch.autograd.grad(out, ins, g), g)
+
+
+def test_misaligned_views_take_the_normal_launch():
+    base = torch.randn(4 * 1001 + 1, device="cuda")
+    x = base[1:].view(4, 1001).requires_grad_()  # 4-byte offset: not 16-byte aligned
+    y = torch.randn(4, 1001, device="cuda", requires_grad=True)
+    w = torch.rand(1001, device="cuda", requires_grad=True)
+    for xx in (torch.randn(4, 1001, device="cuda", requires_grad=True), x):  # aligned first, then not
+        out = lerp(xx, y, w)
+        g = torch.randn_like(out)
+        assert_matches(xx, y, w, out, torch.autograd.grad(out, (xx, y, w), g), g)
+
+
+@pytest.mark.parametrize("fused_max", [0, 1 << 30], ids=["final-pass", "last-block"])
+def test_cuda_graph_replay(fused_max):
+    with L.configured(fused_final_max=fused_max):
+        x, y, w = inputs((16, 1, 1, 1), (16, 3, 24, 24), (3, 1, 24), torch.float32)
+        g = torch.randn(16, 3, 24, 24, device="cuda")
+
+        def step():
+            out = lerp(x, y, w)
+            return (out, *torch.autograd.grad(out, (x, y, w), g))
+
+        eager = step()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = step()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(static, eager):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_direct_and_normal_launch_agree():
+    x, y, w = inputs((16, 1, 1, 1), (16, 3, 64, 64), (3, 1, 64), torch.float32)
+    g = torch.randn(16, 3, 64, 64, device="cuda")
+    results = []
+    for direct in (False, True, True):
+        launch.DIRECT_LAUNCH = direct
+        try:
+            out = lerp(x, y, w)
+            results.append((out, *torch.autograd.grad(out, (x, y, w), g)))
+        finally:
+            launch.DIRECT_LAUNCH = True
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # deterministic: same bits
+
+
+def test_reference_cases_full_size():
+    cases = [((16, 102400), (16, 102400), (1,), torch.float32), ((16, 204800), (16, 204800), (1,), torch.float64),
+             ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32),
+             ((16, 102400), (16, 102400), (16, 102400), torch.float32)]
+    for xs, ys, ws, dtype in cases:
+        x, y, w = inputs(xs, ys, ws, dtype)
+        out = lerp(x, y, w)
+        g = torch.randn_like(out)
+        assert_matches(x, y, w, out, torch.autograd.grad(out, (x, y, w), g), g)
+
+
+def test_registered_op_on_cuda():
+    x, y, w = inputs((8, 300), (300,), (8, 1), torch.bfloat16)
+    out = torch.ops.flowexec.lerp(x, y, w, 0.0)
+    g = torch.randn_like(out)
+    assert_matches(x, y, w, out, torch.autograd.grad(out, (x, y, w), g), g)

@@ -1,0 +1,237 @@
+"""flowexec.kernels.lerp on the CPU: the Triton kernels under TRITON_INTERPRET=1 and the PyTorch path.
+
+Every check compares against torch.lerp and its gradients computed in float64 from the same
+inputs. Hypothesis draws the broadcast pattern (ranks 0-4, any operand size-1 or missing dims,
+a tensor or a float weight), the dtype, which inputs require gradients, and small tile sizes so
+that multi-block grids, row splits, partial sums and both final-reduction modes all run.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton builds the kernels below
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton")
+
+if "flowexec.kernels._lerp_triton" in sys.modules:  # built earlier without the interpreter
+    importlib.reload(sys.modules["flowexec.kernels._lerp_triton"])
+
+from flowexec.kernels import lerp  # noqa: E402
+
+L = importlib.import_module("flowexec.kernels.lerp")  # the module (``lerp`` is the function)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5, torch.float64: 1e-10}
+SETTINGS = settings(max_examples=100, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def make_inputs(xs, ys, ws, dtype, needs, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(xs, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(needs[0])
+    y = torch.randn(ys, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(needs[1])
+    if ws is None:
+        w = float(torch.rand((), generator=gen) * 1.4 - 0.2)  # both sides of 0.5, and outside [0, 1]
+    else:
+        w = (torch.rand(ws, generator=gen, dtype=torch.float64) * 1.4 - 0.2).to(dtype).requires_grad_(needs[2])
+    return x, y, w
+
+
+def reference(x, y, w, g):
+    """torch.lerp and autograd in float64 on the same (rounded) input values."""
+    xd, yd = (t.detach().double().requires_grad_() for t in (x, y))
+    wd = w.detach().double().requires_grad_() if isinstance(w, torch.Tensor) else w
+    out = torch.lerp(xd, yd, wd)
+    ins = [xd, yd] + ([wd] if isinstance(wd, torch.Tensor) else [])
+    grads = torch.autograd.grad(out, ins, g.double())
+    return out, grads
+
+
+def _scale(t):
+    return t.abs().max().item() if t.numel() else 0.0
+
+
+def check(x, y, w, dtype, *, run=None):
+    """Run lerp forward and backward for the inputs that need grads; compare with float64."""
+    run = run or lerp
+    out = run(x, y, w)
+    assert out.dtype == dtype
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    wanted = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
+    got = torch.autograd.grad(out, wanted, g) if wanted else ()
+    ref_out, ref_grads = reference(x, y, w, g)
+    tol = TOL[dtype]
+    assert out.shape == ref_out.shape
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol * (1 + _scale(ref_out)))
+    ref_by_input = dict(zip(["x", "y", "w"], ref_grads))
+    names = [n for n, t in zip("xyw", (x, y, w)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    for name, t, gr in zip(names, wanted, got):
+        ref = ref_by_input[name]
+        assert gr.shape == t.shape and gr.dtype == t.dtype, name
+        torch.testing.assert_close(gr.double(), ref, rtol=tol, atol=tol * (1 + _scale(ref)),
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
+@st.composite
+def broadcast_cases(draw):
+    """Shapes of x, y, w (None = Python float) that broadcast, with every size-1/missing pattern."""
+    rank = draw(st.integers(0, 4))
+    base = draw(st.lists(st.integers(1, 5), min_size=rank, max_size=rank))
+
+    def operand():
+        r = draw(st.integers(0, rank))
+        return tuple(d if draw(st.booleans()) else 1 for d in base[rank - r:])
+
+    xs, ys = operand(), operand()
+    ws = None if draw(st.booleans()) and draw(st.booleans()) else operand()
+    dtype = draw(st.sampled_from(DTYPES))
+    needs = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    tile = draw(st.sampled_from([2, 4, 16, 4096]))
+    fused_max = draw(st.sampled_from([0, 1 << 30]))
+    return xs, ys, ws, dtype, needs, tile, fused_max
+
+
+@SETTINGS
+@given(broadcast_cases())
+def test_triton_kernels_match_float64(case):
+    xs, ys, ws, dtype, needs, tile, fused_max = case
+    x, y, w = make_inputs(xs, ys, ws, dtype, needs)
+    with L.triton_on_cpu(), L.configured(tile={2: tile, 4: tile, 8: tile}, fused_final_max=fused_max,
+                                          programs_per_sm=2):
+        plan = L._plan(x, y, w if isinstance(w, torch.Tensor) else None)
+        assert plan.use_triton or plan.numel == 0  # the test must exercise the kernels
+        check(x, y, w, dtype)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(broadcast_cases())
+def test_pytorch_path_matches_float64(case):
+    xs, ys, ws, dtype, needs, _, _ = case
+    x, y, w = make_inputs(xs, ys, ws, dtype, needs)
+    assert not L._plan(x, y, w if isinstance(w, torch.Tensor) else None).use_triton
+    check(x, y, w, dtype)
+
+
+REFERENCE_CASES = {  # the four reference cases' broadcast patterns, scaled down for the interpreter
+    "case1": ((4, 500), (4, 500), (1,), torch.float32),
+    "case2": ((4, 600), (4, 600), (1,), torch.float64),
+    "case3": ((4, 1, 1, 1), (4, 3, 12, 12), (3, 1, 12), torch.float32),
+    "case4": ((4, 500), (4, 500), (4, 500), torch.float32),
+}
+
+
+@pytest.mark.parametrize("fused_max", [0, 1 << 30], ids=["final-pass", "last-block"])
+@pytest.mark.parametrize("name", sorted(REFERENCE_CASES))
+def test_reference_patterns(name, fused_max):
+    xs, ys, ws, dtype = REFERENCE_CASES[name]
+    x, y, w = make_inputs(xs, ys, ws, dtype, (True, True, True))
+    with L.triton_on_cpu(), L.configured(tile={4: 128, 8: 128}, fused_final_max=fused_max):
+        check(x, y, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_types_accumulate_in_float32(dtype):
+    # 4096 terms per weight element: a float16/bfloat16 running sum would be far off.
+    x, y, w = make_inputs((64, 64), (64, 64), (1,), dtype, (True, True, True))
+    with L.triton_on_cpu(), L.configured(tile={2: 256}):
+        check(x, y, w, dtype)
+
+
+def test_noncontiguous_inputs_and_expanded_grad():
+    x = torch.randn(6, 5, dtype=torch.float64).t().requires_grad_()  # [5, 6], transposed
+    y = torch.randn(5, 6, dtype=torch.float64)[:, ::1].requires_grad_()
+    w = torch.rand(1, 6, dtype=torch.float64).requires_grad_()
+    with L.triton_on_cpu():
+        out = lerp(x, y, w)
+        out.sum().backward()  # the gradient arrives as an expanded (stride-0) tensor
+    xd, yd, wd = (t.detach().clone().requires_grad_() for t in (x, y, w))
+    torch.lerp(xd, yd, wd).sum().backward()
+    for a, b in ((x, xd), (y, yd), (w, wd)):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_more_than_four_coalesced_dims_falls_back_correctly():
+    shapes = ((2, 1, 2, 1, 2, 1), (1, 2, 1, 2, 1, 2), (2, 2, 2, 2, 2, 2))
+    with L.triton_on_cpu():
+        x, y, w = make_inputs(*shapes, torch.float64, (True, True, True))
+        assert not L._plan(x, y, w).use_triton
+        check(x, y, w, torch.float64)
+
+
+def test_empty_and_zero_dim():
+    with L.triton_on_cpu():
+        x, y, w = make_inputs((0, 3), (1, 3), (3,), torch.float32, (True, True, True))
+        check(x, y, w, torch.float32)
+        x, y, w = make_inputs((), (), (), torch.float32, (True, True, True))
+        check(x, y, w, torch.float32)
+
+
+@pytest.mark.parametrize("shapes", [((3, 1), (1, 4), (3, 4)), ((2, 3), (3,), ()), ((4,), (4,), None)])
+def test_gradcheck_pytorch_path(shapes):
+    x, y, w = make_inputs(*shapes, torch.float64, (True, True, True))
+    inputs = (x, y, w) if isinstance(w, torch.Tensor) else (x, y)
+    fn = (lambda a, b, c: lerp(a, b, c)) if isinstance(w, torch.Tensor) else (lambda a, b: lerp(a, b, w))
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_gradcheck_triton_kernels():
+    x, y, w = make_inputs((2, 1, 3), (1, 2, 3), (2, 1, 1), torch.float64, (True, True, True))
+    with L.triton_on_cpu(), L.configured(tile={8: 2}):
+        assert torch.autograd.gradcheck(lambda a, b, c: lerp(a, b, c), (x, y, w))
+
+
+def test_registered_op_and_its_autograd():
+    x, y, w = make_inputs((3, 4), (4,), (3, 1), torch.float32, (True, True, True))
+    with L.triton_on_cpu():
+        check(x, y, w, torch.float32, run=lambda a, b, c: torch.ops.flowexec.lerp(a, b, c, 0.0))
+        x, y, _ = make_inputs((3, 4), (4,), None, torch.float32, (True, False, False))
+        check(x, y, 0.75, torch.float32, run=lambda a, b, c: torch.ops.flowexec.lerp(a, b, None, c))
+
+
+def test_opcheck():
+    x, y, w = make_inputs((3, 4), (4,), (3, 1), torch.float32, (True, True, True))
+    torch.library.opcheck(torch.ops.flowexec.lerp.default, (x, y, w, 0.0))
+    torch.library.opcheck(torch.ops.flowexec.lerp.default, (x, y, None, 0.25))
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_tracing_records_the_op(mode):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y, w = make_inputs((3, 4), (4,), (3, 1), torch.float32, (False, False, False))
+    gm = make_fx(lambda a, b, c: lerp(a, b, c), tracing_mode=mode)(x, y, w)
+    assert any(n.target is torch.ops.flowexec.lerp.default for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(x, y, w), torch.lerp(x, y, w))
+
+
+def test_clear_errors():
+    x = torch.randn(3)
+    with pytest.raises(TypeError, match="flowexec::lerp.*dtype"):
+        lerp(x, torch.randn(3, dtype=torch.float64), 0.5)
+    with pytest.raises(ValueError, match="flowexec::lerp.*broadcast"):
+        lerp(x, torch.randn(4), 0.5)
+    with pytest.raises(TypeError, match="flowexec::lerp.*not supported"):
+        lerp(torch.ones(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32), 0.5)
+
+
+def test_canonicalize():
+    c = L.canonicalize
+    assert c((16, 3, 244, 244), [(16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244)]) == ((16, 3, 244, 244), (8, 15, 5))
+    assert c((16, 102400), [(16, 102400), (16, 102400), (1,)]) == ((1, 1, 1, 1638400), (1, 1, 0))
+    assert c((2, 3, 4), [(2, 3, 4), (3, 4), None]) == ((1, 1, 2, 12), (3, 1, 0))
+    assert c((), [(), (), None]) == ((1, 1, 1, 1), (0, 0, 0))
+    assert c((2, 2, 2, 2, 2), [(2, 1, 2, 1, 2), (1, 2, 1, 2, 1), None]) is None
+
+
+def test_double_backward_uses_differentiable_formulas():
+    x, y, w = make_inputs((3, 4), (4,), (3, 1), torch.float64, (True, True, True))
+    assert torch.autograd.gradgradcheck(lambda a, b, c: lerp(a, b, c), (x, y, w))
+    with L.triton_on_cpu():
+        assert torch.autograd.gradgradcheck(lambda a, b, c: lerp(a, b, c), (x, y, w))
