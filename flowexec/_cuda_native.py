@@ -258,7 +258,7 @@ def launcher(kind: str) -> Launch:
             s = streams.get(stream)
             if s is None:
                 s = streams[stream] = cb.CUstream(stream)
-            return int(_f(f, 1, 1, 1, 1, 1, 1, 0, s, params, None)[0])
+            return int(_f(f, 1, 1, 1, 1, 1, 1, 0, s, params, 0)[0])
 
         return launch
     raise ValueError(f"unknown launcher {kind!r}: expected 'cupy', 'bindings' or 'ctypes'")
