@@ -226,10 +226,17 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
         row: dict[str, Any] = {
             "x": list(case.x), "y": list(case.y), "w": case.w if isinstance(case.w, float) else list(case.w),
             "dtype": str(case.dtype).replace("torch.", ""), "bytes_fwd": fb, "bytes_bwd": bb,
-            "floor_fwd_bwd_us": (fb + bb) / bw * 1e6, "max_rel_err": check_case(case, dev),
+            "floor_fwd_bwd_us": (fb + bb) / bw * 1e6,
         }
-        for impl in ("torch", "flowexec"):
-            row[impl] = measure(case, impl, dev)
+        try:
+            row["max_rel_err"] = check_case(case, dev)
+            for impl in ("torch", "flowexec"):
+                row[impl] = measure(case, impl, dev)
+        except Exception:  # keep going: the other cases still tell something
+            row["error"] = traceback.format_exc(limit=4)
+            res[case.name] = row
+            log(f"{case.name}: FAILED\n{row['error']}")
+            continue
         t, fx = row["torch"], row["flowexec"]
         row["speedup"] = {k: t[k] / fx[k] for k in t if k in fx and fx[k] > 0}
         row["flowexec_gpu_over_floor"] = fx["gpu_fwd_bwd_us"] / row["floor_fwd_bwd_us"]
@@ -311,6 +318,9 @@ def table(res: dict[str, Any]) -> str:
              "| max rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['dtype']} | failed: see the log |")
+            continue
         t, f = r["torch"], r["flowexec"]
         lines.append(
             f"| {name} | {r['dtype']} | {t['gpu_fwd_bwd_us']:.1f} µs | {f['gpu_fwd_bwd_us']:.1f} µs "

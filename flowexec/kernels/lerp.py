@@ -404,7 +404,9 @@ class _LerpFunction(torch.autograd.Function):
         return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan), None)
 
 
-@torch.library.custom_op("flowexec::lerp", mutates_args=())
+# Explicit schemas: they do not depend on how a torch version reads string annotations.
+@torch.library.custom_op("flowexec::lerp", mutates_args=(),
+                         schema="(Tensor x, Tensor y, Tensor? weight, float weight_value=0.0) -> Tensor")
 def _lerp_op(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float = 0.0) -> Tensor:
     return _forward_impl(x, y, weight, weight_value)
 
@@ -416,7 +418,9 @@ def _lerp_fake(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float 
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("flowexec::lerp_backward", mutates_args=())
+@torch.library.custom_op("flowexec::lerp_backward", mutates_args=(),
+                         schema="(Tensor grad, Tensor x, Tensor y, Tensor? weight, float weight_value, bool[] needs) "
+                                "-> Tensor[]")
 def _lerp_backward_op(grad: Tensor, x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float,
                       needs: list[bool]) -> list[Tensor]:
     grads = _backward_impl(grad, x, y, weight, weight_value, (needs[0], needs[1], needs[2]))
