@@ -228,7 +228,8 @@ def raw_paths(x: torch.Tensor, n: int) -> dict:
 
 
 # ------------------------------------------------------------------ fast_item
-BACKENDS = ["kernel+cupy", "kernel+bindings", "kernel+ctypes", "memcpy", "torch"]
+BACKENDS = ["graph+cupy", "graph+ctypes", "kernel+cupy", "kernel+bindings", "kernel+ctypes",
+            "memcpy", "torch"]
 
 
 def fast_item_backends(x: torch.Tensor, n: int, y: torch.Tensor) -> dict:
@@ -238,17 +239,32 @@ def fast_item_backends(x: torch.Tensor, n: int, y: torch.Tensor) -> dict:
         old = fetch.configure(backend=b)
         try:
             fetch.backend()
-            assert fetch.fast_item(x) == x.item()
+            assert fetch.fast_item(x) == fetch.fast_item(x) == x.item()  # twice: graph built
             # The reader without fast_item's checks and dispatch: what those cost in Python.
             r, spec = fetch._tls.readers[x.get_device()], fetch._SPECS[x.dtype]
             stream = torch._C._cuda_getCurrentRawStream(x.get_device())
+            e = fetch._tls.hot.get((x.data_ptr(), x.dtype))
+            alone = ((lambda: r.graph_item(e, stream, x, None, None)) if e is not None
+                     else (lambda: r.item(x, spec, stream, 10.0, 2e-4)))
             idle = with_ratio(side_by_side({
-                "item": x.item, "fast_item": lambda: fetch.fast_item(x),
-                "reader alone": lambda: r.item(x, spec, stream, 10.0, 2e-4)}, n))
+                "item": x.item, "fast_item": lambda: fetch.fast_item(x), "reader alone": alone}, n))
             after = with_ratio(side_by_side({
                 "item": lambda: (y * 2).sum().item(),
                 "fast_item": lambda: fetch.fast_item((y * 2).sum())}, max(2000, n // 4)))
             out[b] = {"idle": idle, "after_kernel": after}
+            if b.startswith("graph+"):  # worst case: a new address every call (no graph ever)
+                zs = torch.arange(4096, dtype=torch.float32, device="cuda")
+                it = iter(range(10**9))
+                out[b]["new_address_each_call"] = with_ratio(side_by_side({
+                    "item": lambda: zs[next(it) % 4096].item(),
+                    "fast_item": lambda: fetch.fast_item(zs[next(it) % 4096])}, max(2000, n // 4)))
+                build = []
+                for i in range(50):  # capture + instantiate one graph
+                    t0 = _ns()
+                    ent = r.entry(zs[i].data_ptr(), spec)
+                    build.append(_ns() - t0)
+                    r.destroy(ent)
+                out[b]["graph_build_median_us"] = statistics.median(build) / 1e3
         except Exception as e:  # noqa: BLE001
             out[b] = {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:
@@ -421,6 +437,12 @@ def print_table(out: dict) -> None:
         if isinstance(r, dict) and "idle" in r:
             rows.append((f"fast_item[{b}] idle", r["idle"]["fast_item"]["median_us"],
                          r["idle"]["fast_item"]["vs_item"]))
+            rows.append((f"  reader alone [{b}] idle", r["idle"]["reader alone"]["median_us"],
+                         r["idle"]["reader alone"]["vs_item"]))
+            if "new_address_each_call" in r:
+                na = r["new_address_each_call"]["fast_item"]
+                rows.append((f"fast_item[{b}] new address each call", na["median_us"], na["vs_item"]))
+                rows.append((f"  graph build [{b}]", r["graph_build_median_us"], float("nan")))
             rows.append((f"fast_item[{b}] after (y*2).sum()", r["after_kernel"]["fast_item"]["median_us"],
                          r["after_kernel"]["fast_item"]["vs_item"]))
             rows.append((f"  .item() after (y*2).sum() [{b} run]", r["after_kernel"]["item"]["median_us"], 1.0))

@@ -100,6 +100,13 @@ _SIGNATURES: dict[str, list] = {
     "cuStreamWaitEvent": [_vp, _vp, _u],
     "cuStreamQuery": [_vp],
     "cuStreamSynchronize": [_vp],
+    "cuStreamCreate": [ctypes.POINTER(_vp), _u],
+    "cuStreamBeginCapture_v2": [_vp, _i],
+    "cuStreamEndCapture": [_vp, ctypes.POINTER(_vp)],
+    "cuGraphInstantiateWithFlags": [ctypes.POINTER(_vp), _vp, ctypes.c_ulonglong],
+    "cuGraphLaunch": [_vp, _vp],
+    "cuGraphDestroy": [_vp],
+    "cuGraphExecDestroy": [_vp],
 }
 
 
@@ -214,6 +221,34 @@ def event_create() -> int:
     ev = ctypes.c_void_p()
     check(driver().cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
     return ev.value
+
+
+def stream_create() -> int:
+    """A non-blocking stream (one the legacy default stream does not synchronize with)."""
+    s = ctypes.c_void_p()
+    check(driver().cuStreamCreate(ctypes.byref(s), 1), "cuStreamCreate")
+    return s.value
+
+
+def graph_of_launch(fn: int, params: int, capture_stream: int) -> int:
+    """An instantiated CUDA graph holding one 1x1 launch of ``fn`` with the current ``params``.
+
+    Captured in relaxed mode on a private stream, so other threads' CUDA calls are unaffected.
+    cuGraphLaunch of the result costs less than cuLaunchKernel on the H200 machine measured
+    (docs/fetch.md), which is why fast_item replays one graph per (pointer, dtype).
+    """
+    d = driver()
+    g, ge = ctypes.c_void_p(), ctypes.c_void_p()
+    check(d.cuStreamBeginCapture_v2(capture_stream, 2), "cuStreamBeginCapture")  # 2: relaxed
+    err = d.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, capture_stream, params, None)
+    end = d.cuStreamEndCapture(capture_stream, ctypes.byref(g))  # always end the capture
+    check(err, "cuLaunchKernel (captured)")
+    check(end, "cuStreamEndCapture")
+    try:
+        check(d.cuGraphInstantiateWithFlags(ctypes.byref(ge), g, 0), "cuGraphInstantiate")
+    finally:
+        d.cuGraphDestroy(g)  # the executable graph does not need it
+    return ge.value
 
 
 Launch = Callable[[int, int, int], int]

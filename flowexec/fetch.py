@@ -8,9 +8,14 @@ value alone. Every wait spins briefly, then sleeps with back-off, and raises
 How a CUDA value comes back (``backend()`` names the path in use; docs/fetch.md has the
 measurements behind the order):
 
-* ``kernel+<launcher>``: a one-thread PTX kernel, launched on the producer's stream, copies the
-  element into a 32-byte host-mapped pinned slot and then writes a sequence number behind a
-  system fence; the host spins on that number. No copy engine, no event, no allocation.
+* ``graph+<launcher>`` (fast_item only): a one-thread PTX kernel copies the element into a
+  32-byte host-mapped pinned slot, then writes a flag behind a system fence; the host spins on
+  the flag. Each (address, dtype) read twice within the last 256 new addresses gets its own
+  captured CUDA graph of that kernel, replayed with ``cuGraphLaunch`` (measured cheaper than
+  ``cuLaunchKernel`` on the H200 machine); first sightings launch the kernel directly.
+* ``kernel+<launcher>``: the same kernel launched with ``cuLaunchKernel`` every time (through
+  cupy's Cython binding, cuda.bindings, or ctypes), a sequence number instead of the flag.
+  FetchRing always uses this (its slot changes with every submit).
 * ``memcpy``: ``cuMemcpyDtoHAsync`` into the pinned slot plus an event, spun on with
   ``cuEventQuery`` (the copy engine's round trip).
 * ``torch``: ``copy_(non_blocking=True)`` into pinned memory plus a ``torch.cuda.Event``; needs
@@ -56,7 +61,7 @@ class Readiness(Protocol):
 _timeout_s = float(os.environ.get("FLOWEXEC_FETCH_TIMEOUT_S", "300"))
 _spin_s = float(os.environ.get("FLOWEXEC_FETCH_SPIN_US", "200")) * 1e-6
 _backend_request = os.environ.get("FLOWEXEC_FETCH_BACKEND", "auto")
-_LAUNCHERS = ("cupy", "bindings", "ctypes")  # tried in this order by "auto" (docs/fetch.md: why)
+_LAUNCHERS = ("cupy", "ctypes", "bindings")  # "auto" order: measured fastest first (docs/fetch.md)
 
 
 def configure(
@@ -65,8 +70,9 @@ def configure(
     """Set process-wide defaults; returns the previous ones (pass them back to restore).
 
     ``timeout`` (s) bounds every wait, ``spin_us`` is how long a wait busy-polls before it sleeps,
-    ``backend`` is ``"auto"``, ``"kernel"``, ``"kernel+cupy"``, ``"kernel+bindings"``,
-    ``"kernel+ctypes"``, ``"memcpy"`` or ``"torch"`` (takes effect for new readers and rings).
+    ``backend`` is ``"auto"``, ``"graph"``, ``"kernel"``, one of ``"graph+cupy"``,
+    ``"graph+bindings"``, ``"graph+ctypes"``, ``"kernel+cupy"``, ``"kernel+bindings"``,
+    ``"kernel+ctypes"``, or ``"memcpy"`` or ``"torch"`` (takes effect for new readers and rings).
 
     >>> old = configure(spin_us=50)
     >>> _ = configure(**old)
@@ -128,10 +134,13 @@ def _fp8(dtype: torch.dtype) -> Callable[[_SlotView], float]:
 
 
 class _Spec:
-    __slots__ = ("nbytes", "decode", "align")
+    """How to read one dtype: element size, decoder, alignment, and ``lazy``: which lazy-view
+    bits a tensor of it can carry (0 none, 1 negative, 2 negative or conjugate)."""
 
-    def __init__(self, nbytes: int, decode: Callable[[_SlotView], Number]) -> None:
-        self.nbytes, self.decode, self.align = nbytes, decode, min(nbytes, 8)
+    __slots__ = ("nbytes", "decode", "align", "lazy")
+
+    def __init__(self, nbytes: int, decode: Callable[[_SlotView], Number], lazy: int = 0) -> None:
+        self.nbytes, self.decode, self.align, self.lazy = nbytes, decode, min(nbytes, 8), lazy
 
 
 def _build_specs() -> dict[torch.dtype, _Spec]:
@@ -158,6 +167,8 @@ def _build_specs() -> dict[torch.dtype, _Spec]:
                  "float8_e8m0fnu"):
         if hasattr(t, name):
             specs[getattr(t, name)] = _Spec(1, _fp8(getattr(t, name)))
+    for dt, spec in specs.items():  # `z.conj().imag` is a real tensor with the negative bit
+        spec.lazy = 2 if dt.is_complex else 1 if dt.is_floating_point else 0
     return specs
 
 
@@ -326,6 +337,76 @@ class _KernelSlots(_DriverSlots):
         return spec.decode(v)
 
 
+class _HotEntry:
+    """A cached CUDA graph that reads one (address, dtype): what fast_item's fast path needs."""
+
+    __slots__ = ("exec", "reader", "idx", "spec", "lazy", "single")
+
+    def __init__(self, exec_: int, reader: _GraphSlots, idx: int, spec: _Spec) -> None:
+        self.exec, self.reader, self.idx, self.spec = exec_, reader, idx, spec
+        self.lazy, self.single = spec.lazy, torch.cuda.device_count() == 1
+
+
+_HOT_MAX = 256  # graphs cached per thread; also the window in which a second sighting counts
+
+
+class _GraphSlots(_KernelSlots):
+    """fast_item's reader: a captured CUDA graph of the fx_read kernel per (address, dtype).
+
+    On the measured machine cuGraphLaunch costs less than cuLaunchKernel (docs/fetch.md), so an
+    address read a second time within the last ``_HOT_MAX`` new addresses gets its own graph;
+    first sightings use the direct launch (slot 0, sequence numbers). Each graph writes its value
+    and then the constant 1 into slot 1; the host clears that flag before every launch, and a
+    reader whose wait failed is retired with its graphs, so a late write can't be mistaken.
+    """
+
+    def __init__(self, device_index: int, launcher: str) -> None:
+        super().__init__(device_index, 2, launcher)
+        self.name = f"graph+{launcher}"
+        self._glaunch = self._nat.driver().cuGraphLaunch
+        self._gview = self.views[1]
+        self._flag = self.views[1].seq
+        self._cap: int | None = None
+        self.seen: dict[tuple[int, torch.dtype], None] = {}
+
+    def entry(self, ptr: int, spec: _Spec) -> _HotEntry:
+        """Capture and instantiate the graph reading ``spec.nbytes`` at ``ptr`` (not cached)."""
+        nat = self._nat
+        if self._cap is None:
+            self._cap = nat.stream_create()
+        p = self._p
+        p[0], p[1], p[2] = ptr, self._dst[1], 1
+        return _HotEntry(nat.graph_of_launch(self._fns[spec.nbytes], self._paddr, self._cap),
+                         self, self.device_index, spec)
+
+    def destroy(self, e: _HotEntry) -> None:
+        self._nat.driver().cuGraphExecDestroy(e.exec)
+
+    def _flag_set(self, a: Any, b: Any) -> bool:
+        return self._flag.value != 0
+
+    def graph_item(self, e: _HotEntry, stream: int, t: torch.Tensor, timeout: float | None,
+                   spin_us: float | None) -> Number:
+        f = self._flag
+        f.value = 0
+        err = self._glaunch(e.exec, stream)
+        if err:
+            nat = self._nat
+            if err == nat.CUDA_ERROR_INVALID_CONTEXT:
+                nat.ensure_context(self.device_index)
+                err = self._glaunch(e.exec, stream)
+            nat.check(err, "cuGraphLaunch(fx_read)")
+        n = 0
+        while not f.value:
+            n += 1
+            if n > 256:
+                _wait(self._flag_set, None, None, _timeout_s if timeout is None else timeout,
+                      _spin_s if spin_us is None else spin_us * 1e-6, self.check, stream,
+                      _What(t, stream))
+                break
+        return e.spec.decode(self._gview)
+
+
 class _MemcpySlots(_DriverSlots):
     """cuMemcpyDtoHAsync into the pinned slot, completion by a per-slot event."""
 
@@ -425,21 +506,27 @@ _choose_lock = threading.Lock()
 
 
 def _candidates(request: str) -> list[str]:
+    graphs = [f"graph+{k}" for k in _LAUNCHERS]
     kernels = [f"kernel+{k}" for k in _LAUNCHERS]
     if request == "auto":
-        return [*kernels, "memcpy", "torch"]
-    if request == "kernel":
-        return kernels
-    if request in (*kernels, "memcpy", "torch"):
+        return [*graphs, *kernels, "memcpy", "torch"]
+    if request in ("graph", "kernel"):
+        return graphs if request == "graph" else kernels
+    if request in (*graphs, *kernels, "memcpy", "torch"):
         return [request]
-    raise ValueError(f"unknown fetch backend {request!r}: expected 'auto', 'kernel', "
-                     f"{', '.join(repr(k) for k in kernels)}, 'memcpy' or 'torch'")
+    raise ValueError(f"unknown fetch backend {request!r}: expected 'auto', 'graph', 'kernel', "
+                     f"{', '.join(repr(k) for k in graphs + kernels)}, 'memcpy' or 'torch'")
 
 
-def _make_slots(name: str, device_index: int, n: int) -> _Slots:
+def _make_slots(name: str, device_index: int, n: int, reader: bool = False) -> _Slots:
+    """Slots of backend ``name``; ``reader``: fast_item's per-thread reader (graphs), else a
+    ring's slots (graph backends use direct kernel launches there: slots change per submit)."""
     with torch.cuda.device(device_index):  # driver objects belong to this device's context
-        if name.startswith("kernel+"):
-            return _KernelSlots(device_index, n, name.split("+", 1)[1])
+        kind, _, launcher = name.partition("+")
+        if kind == "graph" and reader:
+            return _GraphSlots(device_index, launcher)
+        if kind in ("graph", "kernel"):
+            return _KernelSlots(device_index, n, launcher)
         if name == "memcpy":
             return _MemcpySlots(device_index, n)
         return _TorchSlots(device_index, n)
@@ -459,6 +546,17 @@ def _self_test_here(slots: _Slots, device_index: int) -> None:
         got = slots.item(t, _SPECS[dtype], stream, 10.0, _spin_s)
         if got != t.item():
             raise RuntimeError(f"read back {got!r} for a {dtype} holding {t.item()!r}")
+    if isinstance(slots, _GraphSlots):  # the graph reads the address at each replay
+        t = torch.zeros((), dtype=torch.float64, device=f"cuda:{device_index}")
+        e = slots.entry(t.data_ptr(), _SPECS[t.dtype])
+        try:
+            for v in (-2.75, 1e300, 7.0):
+                t.fill_(v)
+                got = slots.graph_item(e, stream, t, 10.0, None)
+                if got != v:
+                    raise RuntimeError(f"graph read back {got!r} for {v!r}")
+        finally:
+            slots.destroy(e)
 
 
 def _choose(device_index: int) -> str:
@@ -469,7 +567,7 @@ def _choose(device_index: int) -> str:
             failures = []
             for name in _candidates(_backend_request):
                 try:
-                    slots = _make_slots(name, device_index, 1)
+                    slots = _make_slots(name, device_index, 1, reader=True)
                     _self_test(slots, device_index)
                 except Exception as e:  # noqa: BLE001 - any failure means: try the next path
                     failures.append(f"{name}: {type(e).__name__}: {e}")
@@ -487,10 +585,11 @@ def _choose(device_index: int) -> str:
 
 
 def backend() -> str:
-    """The readback path in use: ``"kernel+cupy"``, ``"kernel+bindings"``, ``"kernel+ctypes"``,
-    ``"memcpy"``, ``"torch"``, or ``"cpu"`` where CUDA is unavailable. Picks it if none yet.
+    """The readback path in use: ``"graph+cupy"`` (and the other ``graph+``/``kernel+``
+    launchers), ``"memcpy"``, ``"torch"``, or ``"cpu"`` where CUDA is unavailable. Picks it if
+    none is picked yet (on CUDA: the first that loads and reads known values back correctly).
 
-    >>> backend() in ("cpu", "memcpy", "torch") or backend().startswith("kernel+")
+    >>> backend() in ("cpu", "memcpy", "torch") or backend().startswith(("graph+", "kernel+"))
     True
     """
     if _chosen is not None:
@@ -504,23 +603,31 @@ def backend() -> str:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.readers: dict[int, _Slots] = {}
+        self.hot: dict[tuple[int, torch.dtype], _HotEntry] = {}  # (address, dtype) -> graph
 
 
 _tls = _Local()
 _retired: list[_Slots] = []  # slots a late kernel may still write: kept, never reused
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (fake, distributed...) take .item()
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _reader(device_index: int) -> _Slots:
-    r = _make_slots(_chosen or _choose(device_index), device_index, 1)
+    r = _make_slots(_chosen or _choose(device_index), device_index, 1, reader=True)
     _tls.readers[device_index] = r
     return r
 
 
-def _plain_types() -> tuple[type, ...]:
-    return (torch.Tensor, torch.nn.Parameter)
-
-
-_PLAIN = _plain_types()
+def _retire(device_index: int) -> None:
+    """A wait failed: the slot may still be written by a copy that runs later. Keep it (and its
+    graphs) out of use forever; the next read on this thread starts afresh."""
+    r = _tls.readers.pop(device_index, None)
+    if r is not None:
+        _retired.append(r)
+    hot = _tls.hot
+    for k in [k for k, e in hot.items() if e.idx == device_index]:
+        del hot[k]
 
 
 def fast_item(t: torch.Tensor, *, timeout: float | None = None, spin_us: float | None = None) -> Number:
@@ -538,25 +645,61 @@ def fast_item(t: torch.Tensor, *, timeout: float | None = None, spin_us: float |
     """
     if type(t) not in _PLAIN or not t.is_cuda:
         return t.item()
-    spec = _SPECS.get(t.dtype)
-    if spec is None or t.numel() != 1 or t.layout is not torch.strided:
-        return t.item()  # unsupported dtype or layout, or the same error as .item()
-    if t.is_conj() or t.is_neg():  # lazy conjugate / negative views: memory holds the other value
-        t = t.resolve_conj().resolve_neg()
-    idx = t.get_device()
-    if t.data_ptr() % spec.align:
-        return t.item()
-    if torch._C._cuda_getDevice() != idx:
-        with torch.cuda.device(idx):
-            return fast_item(t, timeout=timeout, spin_us=spin_us)
-    r = _tls.readers.get(idx) or _reader(idx)
+    dtype = t.dtype
+    if t.numel() != 1:
+        return t.item()  # raises .item()'s own error
     try:
-        return r.item(t, spec, torch._C._cuda_getCurrentRawStream(idx),
-                      _timeout_s if timeout is None else timeout,
+        e = _tls.hot.get((t.data_ptr(), dtype))
+    except RuntimeError:  # no data pointer (sparse and other layouts)
+        return t.item()
+    # Fast path: an address read recently has a graph; only what can differ between two
+    # tensors at one address and dtype is checked again (lazy-view bits, the current device).
+    if e is not None:
+        lazy = e.lazy
+        if not (lazy and (t.is_neg() or (lazy == 2 and t.is_conj()))) and (
+                e.single or _get_device() == e.idx):
+            try:
+                return e.reader.graph_item(e, _raw_stream(e.idx), t, timeout, spin_us)
+            except BaseException:
+                _retire(e.idx)
+                raise
+    return _fast_item_slow(t, dtype, timeout, spin_us)
+
+
+def _fast_item_slow(t: torch.Tensor, dtype: torch.dtype, timeout: float | None,
+                    spin_us: float | None) -> Number:
+    spec = _SPECS.get(dtype)
+    if spec is None or t.layout is not torch.strided:
+        return t.item()  # unsupported dtype or layout
+    if t.is_conj() or t.is_neg():  # lazy conjugate / negative views: memory holds the other value
+        return fast_item(t.resolve_conj().resolve_neg(), timeout=timeout, spin_us=spin_us)
+    ptr = t.data_ptr()
+    if ptr % spec.align:
+        return t.item()
+    idx = t.get_device()
+    if _get_device() != idx:
+        with torch.cuda.device(idx):
+            return _fast_item_slow(t, dtype, timeout, spin_us)
+    r = _tls.readers.get(idx) or _reader(idx)
+    stream = _raw_stream(idx)
+    try:
+        if isinstance(r, _GraphSlots):
+            key, hot = (ptr, dtype), _tls.hot
+            e = hot.get(key)
+            if e is None and key in r.seen:  # read before, recently: worth a graph
+                if len(hot) >= _HOT_MAX:
+                    old = hot.pop(next(iter(hot)))
+                    old.reader.destroy(old)
+                e = hot[key] = r.entry(ptr, spec)
+            if e is not None:
+                return r.graph_item(e, stream, t, timeout, spin_us)
+            r.seen[key] = None
+            if len(r.seen) > _HOT_MAX:
+                del r.seen[next(iter(r.seen))]
+        return r.item(t, spec, stream, _timeout_s if timeout is None else timeout,
                       _spin_s if spin_us is None else spin_us * 1e-6)
     except BaseException:
-        # The slot may still be written by a kernel that runs later: retire it, start afresh.
-        _retired.append(_tls.readers.pop(idx))
+        _retire(idx)
         raise
 
 

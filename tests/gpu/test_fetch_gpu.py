@@ -18,7 +18,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-BACKENDS = ["kernel+ctypes", "kernel+cupy", "kernel+bindings", "memcpy", "torch"]
+BACKENDS = ["graph+cupy", "graph+ctypes", "kernel+ctypes", "kernel+cupy", "kernel+bindings",
+            "memcpy", "torch"]
 
 
 def _cycles(seconds: float) -> int:
@@ -52,9 +53,39 @@ def _same(got: object, want: object) -> bool:
     return same(got, want)
 
 
-def test_auto_picks_the_kernel_path():
+def test_auto_picks_the_graph_path():
     fetch.configure(backend="auto")
-    assert fetch.backend().startswith("kernel+"), fetch._backend_failures
+    assert fetch.backend().startswith("graph+"), fetch._backend_failures
+
+
+def _hot(t: torch.Tensor) -> bool:
+    return (t.data_ptr(), t.dtype) in fetch._tls.hot
+
+
+def test_repeated_reads_of_one_address(with_backend):
+    x = torch.zeros((), device="cuda")
+    for k in range(50):
+        x.fill_(k * 0.5)  # in place: same address, new value each time
+        assert fast_item(x) == k * 0.5
+    assert _hot(x) == with_backend.startswith("graph+")
+    z = torch.tensor(1 + 2j, device="cuda")
+    for _ in range(3):
+        assert fast_item(z) == 1 + 2j
+    assert fast_item(z.conj()) == 1 - 2j  # same address and dtype as a hot entry, conj bit set
+    assert fast_item(z.conj().imag) == -2.0  # the negative bit on a real view
+    assert fast_item(x.view(torch.int32)) == x.view(torch.int32).item()  # same address, new dtype
+    big = torch.zeros(4, device="cuda")
+    fast_item(big[0]), fast_item(big[0])
+    with pytest.raises(RuntimeError, match="4 elements"):
+        fast_item(big)  # same address as a hot scalar, but four elements
+
+
+def test_many_distinct_addresses_round_robin(with_backend):
+    xs = torch.arange(600, dtype=torch.float64, device="cuda")
+    for rnd in range(3):
+        for i in (list(range(0, 600, 2)) if rnd < 2 else list(range(40))):
+            assert fast_item(xs[i]) == float(i)
+    assert len(fetch._tls.hot) <= fetch._HOT_MAX
 
 
 def test_every_dtype_equals_item(with_backend):
@@ -116,6 +147,7 @@ def test_threads_each_read_their_own_values(with_backend):
 
 def test_blocked_stream_times_out_then_recovers(with_backend):
     x = torch.zeros((), device="cuda")
+    fast_item(x), fast_item(x)  # hot: the timeout is taken on the fast path
     torch.cuda._sleep(_cycles(1.0))
     x.fill_(5.0)
     t0 = time.perf_counter()
