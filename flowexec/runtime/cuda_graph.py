@@ -19,7 +19,9 @@ Example (needs CUDA)::
 """
 from __future__ import annotations
 
+import sys
 import weakref
+from sys import getrefcount
 from typing import Any, Callable, Sequence
 
 import torch
@@ -93,7 +95,10 @@ class CudaGraphRunner:
                 mark_stable(o)
                 if i not in skip:
                     self._protect.append(i)
-        self._handed: list[tuple[int, weakref.ref]] = []
+        # One persistent alias per protected output, handed out call after call; it is replaced
+        # (and the caller's copy moved to private memory) only when someone still holds it.
+        self._aliases = [outs[i].detach() for i in self._protect]
+        self._base_refs = sys.getrefcount(self._aliases[0]) if self._aliases else 0
         self.pool = self.graph.pool()
 
     def matches(self, args: Sequence[Any]) -> bool:
@@ -110,20 +115,19 @@ class CudaGraphRunner:
             a = args[i]
             if a.data_ptr() != s.data_ptr():
                 s.copy_(a)
-        for _, ref in self._handed:
-            held = ref()
-            if held is not None:  # the caller kept last call's output: give it its own copy
-                held.data = held.clone()
+        aliases = self._aliases
+        for k, alias in enumerate(aliases):
+            # Held by Python (refcount) or by C++ (e.g. a .grad that autograd stole): the holder
+            # keeps last call's value in its own copy; this call hands out a fresh alias.
+            if getrefcount(alias) > self._base_refs or alias._use_count() > 1:
+                alias.data = alias.clone()
+                aliases[k] = self.static_outputs[self._protect[k]].detach()
         if self.before_replay is not None:
             self.before_replay()
         self.graph.replay()
         for i in self._mutated_inputs:
             args[i].copy_(static[i])
         outs = list(self.static_outputs)
-        handed = []
-        for i in self._protect:
-            alias = outs[i].detach()
+        for i, alias in zip(self._protect, aliases):
             outs[i] = alias
-            handed.append((i, weakref.ref(alias)))
-        self._handed = handed
         return outs
