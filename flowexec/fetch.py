@@ -578,7 +578,7 @@ def _choose(device_index: int) -> str:
             else:
                 raise RuntimeError("no fetch backend works here:\n  " + "\n  ".join(failures))
             _backend_failures[:] = failures
-            if _backend_request == "auto" and not _chosen.startswith("kernel+"):
+            if _backend_request == "auto" and not _chosen.startswith(("graph+", "kernel+")):
                 warnings.warn(f"flowexec.fetch uses the {_chosen!r} path; faster paths failed:\n  "
                               + "\n  ".join(failures), RuntimeWarning, stacklevel=3)
     return _chosen
