@@ -203,11 +203,12 @@ def bench_hf(dev: torch.device, n: int, out: dict[str, Any], backends: list[str]
         base = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **cfg)).to(dev)
         ids = torch.randint(0, cfg["vocab_size"], (b, t), device=dev)
         r: dict[str, Any] = {}
-        for backend in backends:
+        # Eager runs again at the end: the spread between its two figures shows host drift.
+        for backend in backends + (["eager_again"] if "eager" in backends else []):
             torch._dynamo.reset()
             m = copy.deepcopy(base)
             opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-            if backend == "eager":
+            if backend.startswith("eager"):
                 fwd = m
             elif backend.startswith("flowexec"):
                 fwd = torch.compile(m, backend="flowexec", options={"mode": backend.split("_")[1]})
