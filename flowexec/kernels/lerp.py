@@ -47,20 +47,20 @@ _OP = "flowexec::lerp"
 
 @dataclasses.dataclass
 class LerpConfig:
-    """Tuning knobs of the Triton path (defaults chosen from measurements on an H200).
+    """Tuning knobs of the Triton path (defaults: the best of the sweep in docs/kernels.md, H200).
 
     ``tile``: elements per [BM, BN] tile by element size; ``programs_per_sm``: target programs
     per multiprocessor when the backward splits a reduced dim; ``fused_final_max``: partial
     sums up to this many elements are reduced by the kernel's last block instead of a second
-    launch; ``direct_launch``: reuse compiled kernels' launchers (see ``_launch``).
+    launch (0: always a separate final kernel, which measured as fast or faster on GPU time:
+    the counter and barrier every program pays cost more than the tiny final launch saves).
     """
 
     tile: dict[int, int] = dataclasses.field(default_factory=lambda: {2: 4096, 4: 2048, 8: 1024})
     fwd_warps: int = 4
     bwd_warps: int = 4
     programs_per_sm: int = 4
-    fused_final_max: int = 4096
-    direct_launch: bool = True
+    fused_final_max: int = 0
 
 
 config = LerpConfig()

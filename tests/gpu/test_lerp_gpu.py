@@ -92,7 +92,9 @@ def test_cuda_graph_replay(fused_max):
             out = lerp(x, y, w)
             return (out, *torch.autograd.grad(out, (x, y, w), g))
 
-        eager = step()
+        # Detached: a live eager graph would keep AccumulateGrad nodes bound to the default
+        # stream, and autograd would then sync with that stream during capture (an error).
+        eager = [t.detach() for t in step()]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
