@@ -9,6 +9,7 @@ Every case is first checked against float64. Prints a table and writes JSON.
 
     PYTHONPATH=. python3 benchmarks/ops.py                  # all cases -> benchmarks/results/ops.json
     PYTHONPATH=. python3 benchmarks/ops.py --sweep          # also kernel configs on the 4 reference cases
+    PYTHONPATH=. python3 benchmarks/ops.py --host           # host cost of the front doors, CPU only
 
 Ratios are what to compare: absolute times drift between machines.
 """
@@ -345,12 +346,61 @@ def sweep_table(sw: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def host_overhead() -> dict[str, float]:
+    """Host time of forward+backward through each front door, launches stubbed (runs on the CPU).
+
+    Compared with an empty autograd.Function and torch.lerp on tiny CPU tensors: what the
+    Python front door costs by itself, apart from the kernels and their launches.
+    """
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: float) -> torch.Tensor:
+            ctx.save_for_backward(a, b, c)
+            return a.new_empty(a.shape)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple:
+            return g, g, g, None
+
+    def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
+        for _ in range(200):
+            fn()
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            runs.append((time.perf_counter() - t0) / n * 1e6)
+        return sorted(runs)[2]
+
+    x, y = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    w, go = torch.rand(1, requires_grad=True), torch.randn(4, 8)
+    grad = lambda f: (lambda: torch.autograd.grad(f(), (x, y, w), go))  # noqa: E731
+    r = {"torch.lerp fwd+bwd (CPU kernels)": per_call(grad(lambda: torch.lerp(x, y, w))),
+         "empty autograd.Function fwd+bwd": per_call(grad(lambda: Empty.apply(x, y, w, 0.0)))}
+    real_call = launch.Launcher.__call__
+    launch.Launcher.__call__ = lambda self, args, aligned: None  # plans, allocations, arguments: all but the launch
+    try:
+        with L.triton_on_cpu():
+            r["flowexec lerp fwd+bwd, launches stubbed"] = per_call(grad(lambda: lerp(x, y, w)))
+            r["torch.ops.flowexec.lerp fwd+bwd, launches stubbed"] = per_call(
+                grad(lambda: torch.ops.flowexec.lerp(x, y, w, 0.0)), 2000)
+    finally:
+        launch.Launcher.__call__ = real_call
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ops.json"))
     ap.add_argument("--sweep", action="store_true", help="also time kernel configs on the reference cases")
     ap.add_argument("--cases", nargs="*", help="names of the cases to run (default: all)")
+    ap.add_argument("--host", action="store_true", help="only the front doors' host cost (CPU), printed")
     args = ap.parse_args()
+    if args.host:
+        for k, v in host_overhead().items():
+            print(f"{v:7.1f} µs  {k}")
+        return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/ops.py needs a CUDA device")
     import triton
