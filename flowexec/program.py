@@ -10,8 +10,8 @@ Example::
     >>> exe = flowexec.compile(lambda a, b: (a @ b).relu(), torch.randn(2, 3), torch.randn(3, 4))
     >>> print(exe.program)  # doctest: +ELLIPSIS
     program(a0: f32[2, 3] cpu, a1: f32[3, 4] cpu) -> (v3)
-      v2: f32[2, 4] = aten.mm.default(a0, a1)
-      v3: f32[2, 4] = aten.relu.default(v2)
+      v2: f32[2, 4] cpu = aten.mm.default(a0, a1)  # ...
+      v3: f32[2, 4] cpu = aten.relu.default(v2)  # ...
 """
 from __future__ import annotations
 

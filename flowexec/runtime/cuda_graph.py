@@ -13,13 +13,12 @@ the common loop that drops last step's results pays nothing.
 Example (needs CUDA)::
 
     >>> import torch, flowexec  # doctest: +SKIP
-    >>> w = torch.randn(64, 64, device="cuda")
-    >>> exe = flowexec.compile(lambda x: (x @ w).relu(), torch.randn(8, 64, device="cuda"), mode="graph")
-    >>> y = exe(torch.randn(8, 64, device="cuda"))
+    >>> w = torch.randn(64, 64, device="cuda")  # doctest: +SKIP
+    >>> exe = flowexec.compile(lambda x: (x @ w).relu(), torch.randn(8, 64, device="cuda"), mode="graph")  # doctest: +SKIP
+    >>> y = exe(torch.randn(8, 64, device="cuda"))  # doctest: +SKIP
 """
 from __future__ import annotations
 
-import sys
 import weakref
 from sys import getrefcount
 from typing import Any, Callable, Sequence
@@ -43,6 +42,49 @@ def is_stable(t: torch.Tensor) -> bool:
         or getattr(t, "_dynamo_static_input_type", None) is not None
         or t.data_ptr() in _STABLE
     )
+
+
+class HandedOutputs:
+    """The aliases of static output buffers that calls hand out, with copy-on-overwrite.
+
+    One alias per buffer is reused call after call. Before the buffers are overwritten,
+    ``release()`` moves any alias that someone still holds — a Python reference, or a C++ one
+    such as a ``.grad`` autograd stole — to private memory, and makes a fresh alias for later
+    calls. An alias nobody kept costs one reference-count check.
+
+    >>> import torch
+    >>> buf = torch.zeros(2)
+    >>> h = HandedOutputs([buf])
+    >>> kept = h.aliases[0]
+    >>> h.release(); buf.fill_(1.0)
+    tensor([1., 1.])
+    >>> kept, h.moved
+    (tensor([0., 0.]), 1)
+    """
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.buffers = list(buffers)
+        self.aliases = [b.detach() for b in self.buffers]
+        self.moved = 0  # how many held aliases were moved to private memory (for tests/stats)
+        self._base = self._refcounts()
+
+    def _refcounts(self) -> list[int]:
+        # Same access pattern as release(): the list, the local name, getrefcount's argument.
+        aliases = self.aliases
+        counts = []
+        for k in range(len(aliases)):
+            alias = aliases[k]
+            counts.append(getrefcount(alias))
+        return counts
+
+    def release(self) -> None:
+        aliases, base = self.aliases, self._base
+        for k in range(len(aliases)):
+            alias = aliases[k]
+            if getrefcount(alias) > base[k] or alias._use_count() > 1:
+                alias.data = alias.clone()
+                aliases[k] = self.buffers[k].detach()
+                self.moved += 1
 
 
 class CudaGraphRunner:
@@ -95,10 +137,7 @@ class CudaGraphRunner:
                 mark_stable(o)
                 if i not in skip:
                     self._protect.append(i)
-        # One persistent alias per protected output, handed out call after call; it is replaced
-        # (and the caller's copy moved to private memory) only when someone still holds it.
-        self._aliases = [outs[i].detach() for i in self._protect]
-        self._base_refs = sys.getrefcount(self._aliases[0]) if self._aliases else 0
+        self.outputs = HandedOutputs([outs[i] for i in self._protect])
         self.pool = self.graph.pool()
 
     def matches(self, args: Sequence[Any]) -> bool:
@@ -115,19 +154,13 @@ class CudaGraphRunner:
             a = args[i]
             if a.data_ptr() != s.data_ptr():
                 s.copy_(a)
-        aliases = self._aliases
-        for k, alias in enumerate(aliases):
-            # Held by Python (refcount) or by C++ (e.g. a .grad that autograd stole): the holder
-            # keeps last call's value in its own copy; this call hands out a fresh alias.
-            if getrefcount(alias) > self._base_refs or alias._use_count() > 1:
-                alias.data = alias.clone()
-                aliases[k] = self.static_outputs[self._protect[k]].detach()
+        self.outputs.release()
         if self.before_replay is not None:
             self.before_replay()
         self.graph.replay()
         for i in self._mutated_inputs:
             args[i].copy_(static[i])
         outs = list(self.static_outputs)
-        for i, alias in zip(self._protect, aliases):
+        for i, alias in zip(self._protect, self.outputs.aliases):
             outs[i] = alias
         return outs
