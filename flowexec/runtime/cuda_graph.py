@@ -112,6 +112,7 @@ class CudaGraphRunner:
                 self.static_inputs.append(a)
         self._staged = [i for i, (a, b) in enumerate(zip(example_inputs, self.borrow)) if isinstance(a, torch.Tensor) and not b]
         self._borrowed = [(i, a.data_ptr()) for i, (a, b) in enumerate(zip(example_inputs, self.borrow)) if isinstance(a, torch.Tensor) and b]
+        self._staged_ptrs = [(i, self.static_inputs[i].data_ptr()) for i in self._staged]
         self._mutated_inputs = [i for i in mutated_inputs if i in self._staged]
         # Replays and warm-up must not change the caller's state: snapshot what the program
         # writes in place and restore it after warm-up.
@@ -149,11 +150,10 @@ class CudaGraphRunner:
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         static = self.static_inputs
-        for i in self._staged:
-            s = static[i]
+        for i, ptr in self._staged_ptrs:
             a = args[i]
-            if a.data_ptr() != s.data_ptr():
-                s.copy_(a)
+            if a.data_ptr() != ptr:  # the caller may pass the static buffer itself
+                static[i].copy_(a)
         self.outputs.release()
         if self.before_replay is not None:
             self.before_replay()
