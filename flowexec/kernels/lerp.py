@@ -64,8 +64,9 @@ class LerpConfig:
 
 
 config = LerpConfig()
-# Tests set this (or FLOWEXEC_LERP_TRITON_CPU=1) to run the Triton kernels on CPU tensors
-# under TRITON_INTERPRET=1; normal CPU use takes the PyTorch implementation.
+# Tests set this (or FLOWEXEC_LERP_TRITON_CPU=1) to run the Triton kernels on CPU tensors in
+# Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported); normal CPU use takes the
+# PyTorch implementation.
 force_triton_on_cpu = os.environ.get("FLOWEXEC_LERP_TRITON_CPU", "0") == "1"
 _PLANS: dict[tuple, _Plan] = {}
 _COUNTERS: dict[tuple[int, int], Tensor] = {}
@@ -94,7 +95,7 @@ def configured(**changes: Any) -> Iterator[LerpConfig]:
 
 @contextlib.contextmanager
 def triton_on_cpu(enabled: bool = True) -> Iterator[None]:
-    """Run the Triton kernels on CPU tensors (needs ``TRITON_INTERPRET=1``); for tests."""
+    """Run the Triton kernels on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``); for tests."""
     global force_triton_on_cpu
     old = force_triton_on_cpu
     force_triton_on_cpu = enabled
@@ -244,7 +245,8 @@ class _Plan:
         self.w_scalar = ws is None
         self.numel = math.prod(self.out_shape)
         canon = canonicalize(self.out_shape, self.shapes) if self.numel else None
-        on_triton_device = device.type == "cuda" or (device.type == "cpu" and force_triton_on_cpu)
+        on_triton_device = device.type == "cuda" or (
+            device.type == "cpu" and force_triton_on_cpu and interpreter_active())
         self.use_triton = HAS_TRITON and on_triton_device and canon is not None
         self._backward: dict[tuple[bool, bool, bool], _Backward] = {}
         shapes = (tuple(xs), tuple(ys), tuple(ws) if ws is not None else None)
@@ -252,9 +254,7 @@ class _Plan:
         self.part_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         if not self.use_triton:
             return
-        from . import _lerp_triton
-
-        self.kernels = _lerp_triton
+        self.kernels = _kernels(device)
         self.device_index = device.index if device.type == "cuda" else None
         if device.type == "cuda" and self.device_index is None:
             self.device_index = torch.cuda.current_device()
@@ -268,7 +268,7 @@ class _Plan:
         self.big = self.numel >= 2**31 - 1
         self.vec = min(n3 & -n3, 16)  # largest power of two dividing the row length
         row_tiles = _cdiv(n2, self.bm)
-        self.fwd = self.launcher(_lerp_triton._lerp_fwd_kernel, n0 * n1 * row_tiles * self.nb3, config.fwd_warps)
+        self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * self.nb3, config.fwd_warps)
         self.fwd_tail = (n0, n1, n2, n3, row_tiles, self.nb3, self.bm, *self.masks, self.w_scalar,
                          self.acc_f64, self.big, self.vec, self.bm, self.bn)
 
@@ -280,6 +280,29 @@ class _Plan:
         if bw is None:
             bw = self._backward[needs] = _Backward(self, needs)
         return bw
+
+
+def interpreter_active() -> bool:
+    """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1`` set before Triton was imported)."""
+    if not HAS_TRITON:
+        return False
+    import triton.language.standard as tl_std
+
+    # Triton decides at import time: its own @jit library must be interpreted too, not just ours.
+    return type(tl_std.sum).__name__ == "InterpretedFunction"
+
+
+def _kernels(device: torch.device) -> Any:
+    from . import _lerp_triton
+
+    if device.type != "cuda" and not interpreter_active():
+        raise RuntimeError(f"{_OP}: running the Triton kernels on CPU tensors needs TRITON_INTERPRET=1 set "
+                           "before triton is imported")
+    if device.type != "cuda" and type(_lerp_triton._lerp_fwd_kernel).__name__ != "InterpretedFunction":
+        import importlib
+
+        importlib.reload(_lerp_triton)  # first imported before the interpreter was switched on
+    return _lerp_triton
 
 
 def _plan(x: Tensor, y: Tensor, w: Tensor | None) -> _Plan:
