@@ -32,17 +32,17 @@ import flowexec  # noqa: E402
 from flowexec.models import Block, lm_loss, make_mlp, make_step  # noqa: E402
 
 
-def med_us(fn: Callable[[], Any], sync: Callable[[], None], n: int, warm: int) -> float:
-    for _ in range(warm):
-        fn()
-    sync()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        fn()
-        sync()
-        ts.append(time.perf_counter_ns() - t0)
-    return statistics.median(ts) / 1e3
+def interleaved(fns: dict[str, Callable[[], Any]], sync: Callable[[], None], rounds: int, per_round: int) -> dict[str, float]:
+    """Median µs per call of each fn, timed in alternating rounds so host drift hits all alike."""
+    times: dict[str, list[int]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter_ns()
+                fn()
+                sync()
+                times[k].append(time.perf_counter_ns() - t0)
+    return {k: statistics.median(v) / 1e3 for k, v in times.items()}
 
 
 def peak_bytes(fn: Callable[[], Any], dev: torch.device) -> int | None:
@@ -81,6 +81,12 @@ def guarded(out: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
         return None
 
 
+def _rounds(n: int) -> tuple[int, int]:
+    """(rounds, calls per round) for about n timed calls per row."""
+    per = 10
+    return max(n // per, 3), per
+
+
 def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
@@ -95,12 +101,13 @@ def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
         return s
 
     r: dict[str, Any] = {}
+    fns: dict[str, Callable[[], Any]] = {}
     step = fresh()
-    r["eager_us"] = med_us(lambda: step(x, y), sync, n, 30)
-    r["eager_peak_bytes"] = peak_bytes(lambda: step(x, y), dev)
+    fns["eager"] = lambda: step(x, y)
+    r["eager_peak_bytes"] = peak_bytes(fns["eager"], dev)
     if dev.type == "cuda":
-        g = cuda_graph_of(lambda: step(x, y))
-        r["raw_cuda_graph_us"] = med_us(g, sync, n, 30)
+        raw = fresh()
+        fns["raw_cuda_graph"] = cuda_graph_of(lambda: raw(x, y))
 
     def fx_row() -> None:
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -112,20 +119,20 @@ def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
         r["make_fx_nodes"] = len(gm.graph.nodes)
 
         def run_gm() -> None:
-            with torch.no_grad():
+            with torch.no_grad():  # the graph holds its backward: no autograd needed
                 gm(x, y)
-        r["make_fx_python_us"] = med_us(run_gm, sync, n, 30)
+        fns["make_fx_python"] = run_gm
     guarded(r, "make_fx", fx_row)
 
     def compile_row() -> None:
-        torch._dynamo.reset()
         s = torch.compile(fresh())
         t0 = time.perf_counter()
         for _ in range(3):
             s(x, y)
         sync()
         r["inductor_warmup_s"] = time.perf_counter() - t0
-        r["inductor_us"] = med_us(lambda: s(x, y), sync, n, 30)
+        fns["inductor"] = lambda: s(x, y)
+    torch._dynamo.reset()
     guarded(r, "inductor", compile_row)
 
     for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
@@ -135,17 +142,15 @@ def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
             exe = flowexec.compile(s, x, y, mode=mode)
             sync()
             r[f"flowexec_{mode}_build_s"] = time.perf_counter() - t0
-            r[f"flowexec_{mode}_us"] = med_us(lambda: exe(x, y), sync, n, 30)
             r[f"flowexec_{mode}_peak_bytes"] = peak_bytes(lambda: exe(x, y), dev)
             r["plan"] = exe.plan.stats()
+            fns[f"flowexec_{mode}"] = lambda: exe(x, y)
         guarded(r, f"flowexec_{mode}", fx_mode)
-    # Build time alone (capture + plan + lower) for the trace executable.
-    def build_only() -> None:
-        s = fresh()
-        t0 = time.perf_counter()
-        flowexec.compile(s, x, y, mode="trace")
-        r["flowexec_build_s"] = time.perf_counter() - t0
-    guarded(r, "build", build_only)
+    for fn in fns.values():  # warm-up
+        for _ in range(20):
+            fn()
+    rounds, per = _rounds(n)
+    r.update({f"{k}_us": v for k, v in interleaved(fns, sync, rounds, per).items()})
     out["mlp"] = r
     print("mlp", json.dumps(r, indent=1), flush=True)
 
@@ -164,19 +169,20 @@ def bench_block(dev: torch.device, n: int, out: dict[str, Any]) -> None:
         return s
 
     r: dict[str, Any] = {}
+    fns: dict[str, Callable[[], Any]] = {}
     step = fresh()
-    r["eager_us"] = med_us(lambda: step(x, y), sync, n, 20)
-    r["eager_peak_bytes"] = peak_bytes(lambda: step(x, y), dev)
+    fns["eager"] = lambda: step(x, y)
+    r["eager_peak_bytes"] = peak_bytes(fns["eager"], dev)
 
     def compile_row() -> None:
-        torch._dynamo.reset()
         s = torch.compile(fresh())
         t0 = time.perf_counter()
         for _ in range(3):
             s(x, y)
         sync()
         r["inductor_warmup_s"] = time.perf_counter() - t0
-        r["inductor_us"] = med_us(lambda: s(x, y), sync, n, 20)
+        fns["inductor"] = lambda: s(x, y)
+    torch._dynamo.reset()
     guarded(r, "inductor", compile_row)
     for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
         def fx_mode(mode: str = mode) -> None:
@@ -185,37 +191,47 @@ def bench_block(dev: torch.device, n: int, out: dict[str, Any]) -> None:
             exe = flowexec.compile(s, x, y, mode=mode)
             sync()
             r[f"flowexec_{mode}_build_s"] = time.perf_counter() - t0
-            r[f"flowexec_{mode}_us"] = med_us(lambda: exe(x, y), sync, n, 20)
             r[f"flowexec_{mode}_peak_bytes"] = peak_bytes(lambda: exe(x, y), dev)
+            fns[f"flowexec_{mode}"] = lambda: exe(x, y)
         guarded(r, f"flowexec_{mode}", fx_mode)
+    for fn in fns.values():
+        for _ in range(10):
+            fn()
+    rounds, per = _rounds(n)
+    r.update({f"{k}_us": v for k, v in interleaved(fns, sync, rounds, per).items()})
     out["transformer_block"] = r
     print("block", json.dumps(r, indent=1), flush=True)
 
 
 def bench_hf(dev: torch.device, n: int, out: dict[str, Any], backends: list[str], profile: bool = False) -> None:
+    """GPT-2 training steps; every backend's model stays alive and the timing rounds alternate."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    for name in ("cache_size_limit", "recompile_limit"):  # one entry per backend on one class
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
     sizes = [("tiny", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=32), 2, 16),
              ("small", dict(n_layer=4, n_embd=256, n_head=4, vocab_size=5000, n_positions=128), 8, 128)]
     for tag, cfg, b, t in sizes:
+        torch._dynamo.reset()
         torch.manual_seed(0)
         base = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **cfg)).to(dev)
         ids = torch.randint(0, cfg["vocab_size"], (b, t), device=dev)
         r: dict[str, Any] = {}
-        # Eager runs again at the end: the spread between its two figures shows host drift.
-        for backend in backends + (["eager_again"] if "eager" in backends else []):
-            torch._dynamo.reset()
+        steps: dict[str, Callable[[], Any]] = {}
+        fwd_bwds: dict[str, Callable[[], Any]] = {}
+        for backend in backends:
             m = copy.deepcopy(base)
             opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-            if backend.startswith("eager"):
+            if backend == "eager":
                 fwd = m
             elif backend.startswith("flowexec"):
                 fwd = torch.compile(m, backend="flowexec", options={"mode": backend.split("_")[1]})
             else:
                 fwd = torch.compile(m, backend=backend)
 
-            def step() -> torch.Tensor:
+            def step(fwd: Any = fwd, opt: Any = opt) -> torch.Tensor:
                 opt.zero_grad(set_to_none=True)
                 logits = fwd(input_ids=ids, use_cache=False).logits
                 loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
@@ -223,28 +239,33 @@ def bench_hf(dev: torch.device, n: int, out: dict[str, Any], backends: list[str]
                 opt.step()
                 return loss
 
-            def row() -> None:
+            def fwd_bwd(fwd: Any = fwd, opt: Any = opt) -> None:  # the step without the optimizer
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(fwd(input_ids=ids, use_cache=False).logits.flatten(0, 1), ids.flatten()).backward()
+
+            def warm(backend: str = backend, step: Any = step) -> None:
                 t0 = time.perf_counter()
                 for _ in range(3):
                     step()
                 sync()
                 r[f"{backend}_warmup_s"] = time.perf_counter() - t0
-                r[f"{backend}_us"] = med_us(step, sync, n, 10)
-
-                def fwd_bwd() -> None:
-                    opt.zero_grad(set_to_none=True)
-                    F.cross_entropy(fwd(input_ids=ids, use_cache=False).logits.flatten(0, 1), ids.flatten()).backward()
-                r[f"{backend}_fwd_bwd_us"] = med_us(fwd_bwd, sync, n, 10)  # the step without the optimizer
-                if profile and tag == "tiny" and backend == "flowexec_graph":
-                    from torch.profiler import ProfilerActivity, profile as prof
-                    with prof(activities=[ProfilerActivity.CPU]) as p:
-                        for _ in range(5):
-                            step()
-                        sync()
-                    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-            guarded(r, backend, row)
+                for _ in range(10):
+                    step()
+            if guarded(r, backend, lambda: (warm(), True)[1]):
+                steps[backend], fwd_bwds[backend] = step, fwd_bwd
             print(tag, backend, {k: v for k, v in r.items() if k.startswith(backend)}, flush=True)
+        rounds, per = _rounds(n)
+        r.update({f"{k}_us": v for k, v in interleaved(steps, sync, rounds, per).items()})
+        r.update({f"{k}_fwd_bwd_us": v for k, v in interleaved(fwd_bwds, sync, max(rounds // 2, 3), per).items()})
+        if profile and "flowexec_graph" in steps:
+            from torch.profiler import ProfilerActivity, profile as prof
+            with prof(activities=[ProfilerActivity.CPU]) as p:
+                for _ in range(5):
+                    steps["flowexec_graph"]()
+                sync()
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
         out[f"hf_gpt2_{tag}"] = r
+        print(tag, json.dumps(r, indent=1), flush=True)
 
 
 def main() -> None:
@@ -272,9 +293,9 @@ def main() -> None:
     if "mlp" in only:
         bench_mlp(dev, args.n, out)
     if "block" in only:
-        bench_block(dev, max(args.n // 3, 30), out)
+        bench_block(dev, max(args.n // 2, 30), out)
     if "hf" in only:
-        bench_hf(dev, max(args.n // 3, 30), out, args.hf_backends.split(","), args.profile)
+        bench_hf(dev, max(args.n // 2, 30), out, args.hf_backends.split(","), args.profile)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "step_time.json" if dev.type == "cuda" else "step_time_cpu.json")
     with open(path, "w") as fh:
@@ -289,7 +310,7 @@ def summarize(out: dict[str, Any]) -> None:
         return f"{d[a] / d[b]:.2f}" if d.get(a) and d.get(b) else "n/a"
     print("\n== summary ==")
     print(f"MLP: eager/graph {ratio('eager_us', 'flowexec_graph_us', m)}x, graph/raw_graph {ratio('flowexec_graph_us', 'raw_cuda_graph_us', m)}, "
-          f"trace/make_fx {ratio('flowexec_trace_us', 'make_fx_python_us', m)}, build {m.get('flowexec_build_s', 'n/a')}, "
+          f"trace/make_fx {ratio('flowexec_trace_us', 'make_fx_python_us', m)}, build {m.get('flowexec_trace_build_s', 'n/a')} s, "
           f"peak trace/eager {ratio('flowexec_trace_peak_bytes', 'eager_peak_bytes', m)}")
     for tag in ("tiny", "small"):
         h = out.get(f"hf_gpt2_{tag}", {})
