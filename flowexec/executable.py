@@ -193,6 +193,19 @@ class Executable:
         return self
 
     @property
+    def input_buffers(self) -> list[torch.Tensor]:
+        """Graph mode: the static buffers the CUDA graph reads its per-call tensor inputs from.
+
+        Filling them in place (e.g. ``exe.input_buffers[0].copy_(batch)``) and passing them to
+        the call skips the staging copies; passing any other tensors copies them in.
+        """
+        assert self._last is not None
+        runner = self._last.runner
+        if self.mode != "graph":
+            raise OptionError("input_buffers exist in graph mode only; trace mode reads the caller's tensors directly")
+        return list(runner.static_inputs)  # type: ignore[attr-defined]
+
+    @property
     def program(self) -> Program:
         assert self._last is not None
         return self._last.plan.program

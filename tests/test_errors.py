@@ -114,3 +114,9 @@ def test_execution_error_names_op_and_line():
     with pytest.raises(ExecutionError, match=r"While executing op #0 .*aten.index.Tensor.*test_errors.py:\d+"):
         exe(torch.randn(4), torch.tensor([0, 7]))
 
+
+
+def test_input_buffers_only_in_graph_mode():
+    exe = flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4))
+    with pytest.raises(OptionError, match="graph mode only"):
+        exe.input_buffers

@@ -150,10 +150,16 @@ class CudaGraphRunner:
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         static = self.static_inputs
+        dst, src = [], []
         for i, ptr in self._staged_ptrs:
             a = args[i]
             if a.data_ptr() != ptr:  # the caller may pass the static buffer itself
-                static[i].copy_(a)
+                dst.append(static[i])
+                src.append(a)
+        if len(dst) == 1:
+            dst[0].copy_(src[0])
+        elif dst:
+            torch._foreach_copy_(dst, src)  # one call for all staged inputs
         self.outputs.release()
         if self.before_replay is not None:
             self.before_replay()

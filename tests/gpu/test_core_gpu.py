@@ -103,3 +103,16 @@ def test_fetch_handles_on_cuda(mode):
     handles = [exe(x, y) for x, y in data]
     want = [s1(x, y).item() for x, y in data]
     assert [h.result() for h in handles] == pytest.approx(want, rel=1e-5)
+
+
+def test_graph_input_buffers_skip_staging_and_stay_correct():
+    w = torch.randn(16, 16, device="cuda")
+    exe = flowexec.compile(lambda a, b: (a @ w + b).relu(), torch.randn(4, 16, device="cuda"),
+                           torch.randn(4, 16, device="cuda"), mode="graph")
+    ba, bb = exe.input_buffers
+    for _ in range(3):
+        a, b = torch.randn(4, 16, device="cuda"), torch.randn(4, 16, device="cuda")
+        ba.copy_(a), bb.copy_(b)
+        assert_close_rel(exe(ba, bb), (a @ w + b).relu())
+        a2 = torch.randn(4, 16, device="cuda")
+        assert_close_rel(exe(a2, b), (a2 @ w + b).relu())  # other tensors are staged in
