@@ -23,7 +23,7 @@ class Launcher:
 
     Example (on a CUDA machine)::
 
-        >>> launch = Launcher(my_kernel, grid=128, num_warps=4, device_index=0)
+        >>> launch = Launcher(my_kernel, grid=128, num_warps=4, device_index=0)  # doctest: +SKIP
         >>> launch((x, out, x.numel(), 1024), aligned=True)   # doctest: +SKIP
     """
 
