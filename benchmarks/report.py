@@ -1,0 +1,108 @@
+"""Print the README's performance tables (markdown) from benchmarks/results/*.json.
+
+    python3 benchmarks/report.py
+
+Every figure comes from a results file written by a benchmark script; nothing here measures.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def load(name: str) -> dict[str, Any]:
+    path = os.path.join(HERE, name)
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def us(v: Any) -> str:
+    return f"{v:,.0f} µs" if isinstance(v, (int, float)) else "–"
+
+
+def ratio(a: Any, b: Any) -> str:
+    return f"{a / b:.2f}×" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "–"
+
+
+def step_time() -> None:
+    d = load("step_time.json")
+    if not d:
+        return
+    print(f"Training steps — {d['device']}, torch {d['torch']}, {d['date'][:10]} "
+          f"(`{d['command']}`; rows of one table are timed in alternating rounds, median):\n")
+    m = d.get("mlp", {})
+    print("| MLP 8×256, batch 32, SGD | step | speed-up vs eager |")
+    print("|---|---|---|")
+    for key, label in [("eager", "eager"), ("inductor", "torch.compile (inductor)"),
+                       ("make_fx_python", "make_fx graph as Python"), ("flowexec_trace", "flowexec trace"),
+                       ("raw_cuda_graph", "raw CUDA graph of the eager step"), ("flowexec_graph", "flowexec graph"),
+                       ("flowexec_graph_static_inputs", "flowexec graph, inputs in its buffers")]:
+        if f"{key}_us" in m:
+            print(f"| {label} | {us(m[key + '_us'])} | {ratio(m['eager_us'], m[key + '_us'])} |")
+    print(f"\nflowexec graph / raw CUDA graph: {ratio(m.get('flowexec_graph_us'), m.get('raw_cuda_graph_us'))} "
+          f"(inputs in its buffers: {ratio(m.get('flowexec_graph_static_inputs_us'), m.get('raw_cuda_graph_us'))}); "
+          f"trace / make_fx Python: {ratio(m.get('flowexec_trace_us'), m.get('make_fx_python_us'))}; "
+          f"build (capture + plan + lower): {m.get('flowexec_trace_build_s', 0):.2f} s; "
+          f"peak memory of a step, trace / eager: {ratio(m.get('flowexec_trace_peak_bytes'), m.get('eager_peak_bytes'))} "
+          f"({m.get('flowexec_trace_peak_bytes', 0) / 2**20:.2f} / {m.get('eager_peak_bytes', 0) / 2**20:.2f} MiB).\n")
+    b = d.get("transformer_block", {})
+    if b:
+        print(f"Transformer block (Adam): eager {us(b.get('eager_us'))}, inductor {us(b.get('inductor_us'))}, "
+              f"flowexec trace {us(b.get('flowexec_trace_us'))}, flowexec graph {us(b.get('flowexec_graph_us'))} "
+              f"({ratio(b.get('eager_us'), b.get('flowexec_graph_us'))} faster than eager).\n")
+    print("| GPT-2 training step (torch.compile backend) | eager | inductor | cudagraphs | flowexec graph | vs eager / inductor / cudagraphs | warm-up: cudagraphs / flowexec |")
+    print("|---|---|---|---|---|---|---|")
+    for tag, label in (("tiny", "2 layers, 64 wide, batch 2×16"), ("small", "4 layers, 256 wide, batch 8×128")):
+        h = d.get(f"hf_gpt2_{tag}", {})
+        if not h:
+            continue
+        fx = h.get("flowexec_graph_us")
+        print(f"| {label} | {us(h.get('eager_us'))} | {us(h.get('inductor_us'))} | {us(h.get('cudagraphs_us'))} | {us(fx)} | "
+              f"{ratio(h.get('eager_us'), fx)} / {ratio(h.get('inductor_us'), fx)} / {ratio(h.get('cudagraphs_us'), fx)} | "
+              f"{h.get('cudagraphs_warmup_s', 0):.1f} s / {h.get('flowexec_graph_warmup_s', 0):.1f} s |")
+    print()
+
+
+def lerp() -> None:
+    d = load("ops.json")
+    if not d:
+        return
+    print(f"Fused lerp forward+backward — {d['device']}, {d['date'][:10]} (`{d['command']}`):\n")
+    print("| case | PyTorch GPU | flowexec GPU | speed-up | ÷ memory floor | wall (do_bench) PyTorch → flowexec |")
+    print("|---|---|---|---|---|---|")
+    for name in ("case1", "case2", "case3", "case4"):
+        c = d["cases"].get(name)
+        if not c:
+            continue
+        t, f = c["torch"], c["flowexec"]
+        print(f"| {name}: x {c['x']} y {c['y']} w {c['w']} {c['dtype']} | {t['gpu_fwd_bwd_us']:.1f} µs | {f['gpu_fwd_bwd_us']:.1f} µs | "
+              f"{t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}× | {c['flowexec_gpu_over_floor']:.2f} | "
+              f"{t['wall_fwd_bwd_us']:.0f} → {f['wall_fwd_bwd_us']:.0f} µs |")
+    print()
+
+
+def item() -> None:
+    d = load("item.json")
+    s = d.get("summary")
+    if not s:
+        return
+    meta = d["meta"]
+    print(f"Scalar readback — {meta['device']}, {meta['date'][:10]} (`{meta['command']}`, backend {s['backend']}):\n")
+    print("| figure | `.item()` | flowexec | ratio |")
+    print("|---|---|---|---|")
+    print(f"| idle CUDA scalar, `fast_item` | {s['item_idle_us']:.2f} µs | {s['fast_item_idle_us']:.2f} µs | {s['idle_ratio']:.2f} |")
+    print(f"| right after `(y*2).sum()` | {s['item_after_kernel_us']:.2f} µs | {s['fast_item_after_kernel_us']:.2f} µs | {s['after_kernel_ratio']:.2f} |")
+    t = d.get("training_loop_logging", {})
+    if "step_us" in t:
+        st = t["step_us"]
+        print(f"| MLP training loop logging the loss every step (flowexec graph + Fetch vs no logging) | "
+              f"eager +{t['eager_item_overhead'] * 100:.1f}% | {st['flowexec_graph_fetch_every_step']:.0f} vs {st['flowexec_graph']:.0f} µs/step | +{t['fetch_overhead'] * 100:.1f}% |")
+    print()
+
+
+if __name__ == "__main__":
+    step_time()
+    lerp()
+    item()
