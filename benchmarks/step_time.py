@@ -87,6 +87,45 @@ def _rounds(n: int) -> tuple[int, int]:
     return max(n // per, 3), per
 
 
+def add_compiled_rows(fns: dict[str, Callable[[], Any]], r: dict[str, Any], fresh: Callable[[], Callable[..., Any]],
+                      x: torch.Tensor, y: torch.Tensor, dev: torch.device, sync: Callable[[], None]) -> None:
+    """Rows for torch.compile (inductor) and flowexec trace/graph of the same step, plus their build facts."""
+    def compile_row() -> None:
+        s = torch.compile(fresh())
+        t0 = time.perf_counter()
+        for _ in range(3):
+            s(x, y)
+        sync()
+        r["inductor_warmup_s"] = time.perf_counter() - t0
+        fns["inductor"] = lambda: s(x, y)
+    torch._dynamo.reset()
+    guarded(r, "inductor", compile_row)
+
+    for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
+        def fx_mode(mode: str = mode) -> None:
+            s = fresh()
+            t0 = time.perf_counter()
+            exe = flowexec.compile(s, x, y, mode=mode)
+            sync()
+            r[f"flowexec_{mode}_build_s"] = time.perf_counter() - t0
+            r[f"flowexec_{mode}_peak_bytes"] = peak_bytes(lambda: exe(x, y), dev)
+            r[f"flowexec_{mode}_plan"] = exe.plan.stats()
+            fns[f"flowexec_{mode}"] = lambda: exe(x, y)
+            if mode == "graph":  # the graph's own input buffers, filled once: no staging copies
+                bx, by = exe.input_buffers
+                bx.copy_(x), by.copy_(y)
+                fns["flowexec_graph_static_inputs"] = lambda: exe(bx, by)
+        guarded(r, f"flowexec_{mode}", fx_mode)
+
+
+def time_rows(fns: dict[str, Callable[[], Any]], r: dict[str, Any], sync: Callable[[], None], n: int, warm: int) -> None:
+    for fn in fns.values():
+        for _ in range(warm):
+            fn()
+    rounds, per = _rounds(n)
+    r.update({f"{k}_us": v for k, v in interleaved(fns, sync, rounds, per).items()})
+
+
 def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
@@ -124,37 +163,8 @@ def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
         fns["make_fx_python"] = run_gm
     guarded(r, "make_fx", fx_row)
 
-    def compile_row() -> None:
-        s = torch.compile(fresh())
-        t0 = time.perf_counter()
-        for _ in range(3):
-            s(x, y)
-        sync()
-        r["inductor_warmup_s"] = time.perf_counter() - t0
-        fns["inductor"] = lambda: s(x, y)
-    torch._dynamo.reset()
-    guarded(r, "inductor", compile_row)
-
-    for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
-        def fx_mode(mode: str = mode) -> None:
-            s = fresh()
-            t0 = time.perf_counter()
-            exe = flowexec.compile(s, x, y, mode=mode)
-            sync()
-            r[f"flowexec_{mode}_build_s"] = time.perf_counter() - t0
-            r[f"flowexec_{mode}_peak_bytes"] = peak_bytes(lambda: exe(x, y), dev)
-            r["plan"] = exe.plan.stats()
-            fns[f"flowexec_{mode}"] = lambda: exe(x, y)
-            if mode == "graph":  # the graph's own input buffers, filled once: no staging copies
-                bx, by = exe.input_buffers
-                bx.copy_(x), by.copy_(y)
-                fns["flowexec_graph_static_inputs"] = lambda: exe(bx, by)
-        guarded(r, f"flowexec_{mode}", fx_mode)
-    for fn in fns.values():  # warm-up
-        for _ in range(20):
-            fn()
-    rounds, per = _rounds(n)
-    r.update({f"{k}_us": v for k, v in interleaved(fns, sync, rounds, per).items()})
+    add_compiled_rows(fns, r, fresh, x, y, dev, sync)
+    time_rows(fns, r, sync, n, 20)
     out["mlp"] = r
     print("mlp", json.dumps(r, indent=1), flush=True)
 
@@ -178,31 +188,8 @@ def bench_block(dev: torch.device, n: int, out: dict[str, Any]) -> None:
     fns["eager"] = lambda: step(x, y)
     r["eager_peak_bytes"] = peak_bytes(fns["eager"], dev)
 
-    def compile_row() -> None:
-        s = torch.compile(fresh())
-        t0 = time.perf_counter()
-        for _ in range(3):
-            s(x, y)
-        sync()
-        r["inductor_warmup_s"] = time.perf_counter() - t0
-        fns["inductor"] = lambda: s(x, y)
-    torch._dynamo.reset()
-    guarded(r, "inductor", compile_row)
-    for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
-        def fx_mode(mode: str = mode) -> None:
-            s = fresh()
-            t0 = time.perf_counter()
-            exe = flowexec.compile(s, x, y, mode=mode)
-            sync()
-            r[f"flowexec_{mode}_build_s"] = time.perf_counter() - t0
-            r[f"flowexec_{mode}_peak_bytes"] = peak_bytes(lambda: exe(x, y), dev)
-            fns[f"flowexec_{mode}"] = lambda: exe(x, y)
-        guarded(r, f"flowexec_{mode}", fx_mode)
-    for fn in fns.values():
-        for _ in range(10):
-            fn()
-    rounds, per = _rounds(n)
-    r.update({f"{k}_us": v for k, v in interleaved(fns, sync, rounds, per).items()})
+    add_compiled_rows(fns, r, fresh, x, y, dev, sync)
+    time_rows(fns, r, sync, n, 10)
     out["transformer_block"] = r
     print("block", json.dumps(r, indent=1), flush=True)
 
