@@ -22,11 +22,11 @@ import torch.fx as fx
 
 from .capture import program_from_graph
 from .errors import OptionError
-from .executable import MODES
+from .executable import MODES, rewrite_program
 from .plan import GC_MODES, build_plan
 from .runtime.interpreter import lower_trace
 
-BACKEND_OPTIONS = ("mode", "gc", "warmup")
+BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp")
 # Dynamo wraps compiled backward functions in a way that hides our _boxed_call flag; the
 # unboxed call it falls back to is correct, so its advice is noise for our users.
 warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd is returning a function that doesn't take boxed")
@@ -47,8 +47,9 @@ class GraphProgram:
 
     _boxed_call = True  # AOTAutograd passes the argument list itself
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int) -> None:
-        self.plan = build_plan(program_from_graph(gm, example_inputs), gc)
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
+                 fuse_lerp: bool | None = None) -> None:
+        self.plan = build_plan(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), gc)
         self.run = lower_trace(self.plan)
         self.mode = mode
         self.warmup = warmup
@@ -100,7 +101,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
     def compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
-        return GraphProgram(g, inputs, mode, gc, warmup)
+        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"))
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=compiler)(gm, example_inputs)
 

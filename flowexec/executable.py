@@ -38,6 +38,7 @@ OPTIONS = {
     "fetch": "True or output indices: return those one-element outputs as flowexec.Fetch handles "
              "(copied to the host on a side stream; .result() waits for that value only)",
     "fetch_slots": "pinned slots in the fetch ring (default 64)",
+    "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp (default: on in graph mode on CUDA)",
 }
 
 
@@ -85,6 +86,7 @@ class Executable:
         fetch = options.get("fetch", ())
         self.fetch: bool | tuple[int, ...] = fetch if isinstance(fetch, bool) else tuple(int(i) for i in fetch)
         self.fetch_slots = int(options.get("fetch_slots", 64))
+        self.fuse_lerp: bool | None = options.get("fuse_lerp")
         self._ring: Any = None
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
         self._first_sig: tuple[Any, ...] | None = None
@@ -94,7 +96,7 @@ class Executable:
     def _build(self, args: Sequence[Any]) -> _Compiled:
         t0 = time.perf_counter()
         cap = capture(self.fn, args)
-        plan = build_plan(cap.program, self.gc)
+        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc)
         run = lower_trace(plan)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
@@ -223,6 +225,15 @@ class Executable:
 
     def __repr__(self) -> str:
         return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)}>"
+
+
+def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | None) -> Program:
+    """The program-to-program passes an executable applies before planning."""
+    if fuse_lerp or (fuse_lerp is None and mode == "graph"):
+        from .passes.fuse_lerp import substitute_lerp
+
+        prog = substitute_lerp(prog)
+    return prog
 
 
 def _numel(shape: tuple[int, ...]) -> int:

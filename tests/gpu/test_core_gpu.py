@@ -116,3 +116,15 @@ def test_graph_input_buffers_skip_staging_and_stay_correct():
         assert_close_rel(exe(ba, bb), (a @ w + b).relu())
         a2 = torch.randn(4, 16, device="cuda")
         assert_close_rel(exe(a2, b), (a2 @ w + b).relu())  # other tensors are staged in
+
+
+def test_graph_mode_fuses_lerp_and_matches_eager():
+    def f(x, y, w):
+        return torch.lerp(torch.lerp(x, y, 0.3), y, w).square().mean()
+
+    args = (torch.randn(16, 256, device="cuda"), torch.randn(16, 256, device="cuda"), torch.rand(256, device="cuda"))
+    exe = flowexec.compile(f, *args, mode="graph")
+    assert [op.name for op in exe.program.ops].count("flowexec.lerp.default") == 2
+    for _ in range(3):
+        new = tuple(torch.randn_like(a) for a in args)
+        assert_close_rel(exe(*new), f(*new))
