@@ -1,6 +1,7 @@
 """Print the README's performance tables (markdown) from benchmarks/results/*.json.
 
-    python3 benchmarks/report.py
+    python3 benchmarks/report.py            # print
+    python3 benchmarks/report.py --readme   # rewrite the block between the report markers in README.md
 
 Every figure comes from a results file written by a benchmark script; nothing here measures.
 """
@@ -102,7 +103,26 @@ def item() -> None:
     print()
 
 
+def main() -> None:
+    import contextlib
+    import io
+    import sys
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        step_time()
+        lerp()
+        item()
+    text = buf.getvalue()
+    if "--readme" not in sys.argv:
+        print(text, end="")
+        return
+    readme = os.path.join(os.path.dirname(HERE), "..", "README.md")
+    s = open(readme).read()
+    begin, end = "<!-- report:begin -->", "<!-- report:end -->"
+    a, b = s.index(begin) + len(begin), s.index(end)
+    open(readme, "w").write(s[:a] + "\n" + text + s[b:])
+
+
 if __name__ == "__main__":
-    step_time()
-    lerp()
-    item()
+    main()
