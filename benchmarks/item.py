@@ -1,6 +1,7 @@
 """Scalar readback latency on CUDA: flowexec.fetch against Tensor.item(), side by side in one run.
 
     python3 benchmarks/item.py [--out benchmarks/results/item.json] [--n 20000]
+    python3 benchmarks/item.py --emulate [--against OLD_fetch.py]   # CPU only, see emulated()
 
 Sections (each figure is the median of many calls, timed with perf_counter_ns around one call,
 candidates interleaved round by round so that clock drift hits all of them alike):
@@ -214,6 +215,48 @@ def raw_paths(x: torch.Tensor, n: int) -> dict:
 
         assert graph_spin() == x.item()
         cand["CUDA graph (kernel) launch, spin on flag"] = graph_spin
+
+        # The same graph without the system fence: fx_ll4 writes value and flag in one 8-byte
+        # store (flag at +4 of the slot at host+96), so fenced vs LL isolates the fence's cost.
+        gl, gle = ctypes.c_void_p(), ctypes.c_void_p()
+        lp = (ctypes.c_uint64 * 3)(dp, dev + 96, 1)
+        la = ctypes.addressof(lp)
+        lparams = (ctypes.c_void_p * 3)(la, la + 8, la + 16)
+        nat.check(lib.cuStreamBeginCapture_v2(cap, 2), "cuStreamBeginCapture")
+        nat.check(d.cuLaunchKernel(fns[-4], 1, 1, 1, 1, 1, 1, 0, cap, lparams, None), "capture launch")
+        nat.check(lib.cuStreamEndCapture(cap, ctypes.byref(gl)), "cuStreamEndCapture")
+        nat.check(lib.cuGraphInstantiateWithFlags(ctypes.byref(gle), gl, 0), "cuGraphInstantiate")
+        llexec = gle.value
+        lflag, lval = ctypes.c_uint32.from_address(host + 100), ctypes.c_float.from_address(host + 96)
+
+        def ll_spin(launch=glaunch):
+            lflag.value = 0
+            launch(llexec, stream)
+            k = 0
+            while not lflag.value:
+                k = _guard(k)
+            return lval.value
+
+        assert ll_spin() == x.item()
+        cand["CUDA graph (LL kernel, no fence) launch, spin on flag"] = ll_spin
+        try:  # the graph launch call through cupy's Cython runtime binding instead of ctypes
+            from cupy.cuda import runtime as cupy_rt
+
+            def graph_spin_cupy(launch=cupy_rt.graphLaunch):
+                sv = gview.seq
+                sv.value = 0
+                launch(gexec, stream)
+                k = 0
+                while sv.value < 1:
+                    k = _guard(k)
+                return gview.f32.value
+
+            assert graph_spin_cupy() == ll_spin(cupy_rt.graphLaunch) == x.item()
+            cand["CUDA graph (kernel), cupy runtime.graphLaunch, spin"] = graph_spin_cupy
+            cand["CUDA graph (LL kernel), cupy runtime.graphLaunch, spin"] = (
+                lambda: ll_spin(cupy_rt.graphLaunch))
+        except Exception as e:  # noqa: BLE001
+            errors["graph cupy"] = f"{type(e).__name__}: {e}"[:300]
     except Exception as e:  # noqa: BLE001
         errors["graph"] = f"{type(e).__name__}: {e}"[:300]
 
@@ -372,13 +415,132 @@ def training_loop_logging(steps: int = 300, rounds: int = 5) -> dict:
     }
 
 
+# ------------------------------------------------------------------ CPU emulation
+def emulated(n: int, against: str | None = None) -> dict:
+    """fast_item's hot path timed on the CPU, with the driver emulated (no GPU needed).
+
+    The graph launch is a real C call made through ctypes with two pointer arguments, as
+    cuGraphLaunch is: libc ``gettimeofday(flag_address, NULL)``, which writes a non-zero word
+    where the flag is, so the poll ends at once. Tensors are CPU scalars with ``is_cuda``
+    overridden on the class (a plain attribute: ~40 ns cheaper than the real getter), and the
+    current stream comes from ``abs`` (a C builtin) instead of torch's call. So the figures are
+    the Python + ctypes cost of the hot path, not a latency: compare versions with them.
+    ``against``: the path of another fetch.py (e.g. ``git show REV:flowexec/fetch.py``), timed
+    side by side (it must keep its graph entries in ``_tls.hot``; its ctypes launch is taken
+    from ``driver().cuGraphLaunch`` or ``graph_launcher``, whichever it uses).
+    """
+    import importlib.util
+
+    gtod = ctypes.CDLL(None).gettimeofday
+    gtod.argtypes, gtod.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+
+    class Driver:
+        cuGraphLaunch = gtod
+
+    class FakeNative:
+        CUDA_ERROR_INVALID_CONTEXT = 201
+        LL_SIZES = (1, 2, 4)
+
+        def __init__(self) -> None:
+            self.bufs: list = []
+
+        def driver(self):
+            return Driver
+
+        def ensure_context(self, idx):
+            pass
+
+        def host_alloc(self, nbytes):
+            b = ctypes.create_string_buffer(nbytes)
+            self.bufs.append(b)
+            return ctypes.addressof(b), ctypes.addressof(b)
+
+        def event_create(self):
+            return 1
+
+        def stream_create(self):
+            return 7
+
+        def kernels(self, idx):
+            return {**{k: k for k in (1, 2, 4, 8, 16)}, **{-k: -k for k in self.LL_SIZES}}
+
+        def launcher(self, kind):
+            return None
+
+        def graph_launcher(self, kind):
+            return gtod, int
+
+        def graph_of_launch(self, fn, paddr, stream):
+            ptrs = (ctypes.c_void_p * 3).from_address(paddr)
+            src, dst, _ = (ctypes.c_uint64.from_address(p).value for p in ptrs)
+            ctypes.memmove(dst, src, abs(fn))  # the payload, once; a "launch" only sets the flag
+            return dst + (4 if fn < 0 else 16)  # the exec handle is the flag's address
+
+    mods = {"this tree": fetch}
+    if against:
+        spec = importlib.util.spec_from_file_location("fetch_against", against)
+        mods["against"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods["against"])
+    x = torch.tensor(3.25)
+    saved = {m: (m._native, m._raw_stream, m._get_device, m._tls) for m in mods.values()}
+    count = torch.cuda.device_count
+    torch.Tensor.is_cuda = True  # type: ignore[misc]
+    torch.cuda.device_count = lambda: 1
+    try:
+        fns: dict[str, Callable[[], object]] = {}
+        for name, m in mods.items():
+            fake = FakeNative()
+            m._native, m._raw_stream, m._get_device = (lambda f=fake: f), abs, (lambda: 0)
+            m._tls = m._Local()
+            r = m._GraphSlots(0, "emulated")
+            m._tls.readers[0] = r
+            e = m._tls.hot[(x.data_ptr(), x.dtype)] = r.entry(x.data_ptr(), m._SPECS[x.dtype])
+            assert m.fast_item(x) == 3.25 and r.graph_item(e, 0, x, None, None) == 3.25
+            fns[f"fast_item [{name}]"] = lambda m=m: m.fast_item(x)
+            fns[f"reader alone (graph_item) [{name}]"] = lambda r=r, e=e: r.graph_item(e, 0, x, None, None)
+        _, h, flag, cell = fetch._tls.hot[(x.data_ptr(), x.dtype)][:4]
+
+        def bare():
+            flag.value = 0
+            gtod(h, 0)
+            while not flag.value:
+                pass
+            return cell.value
+
+        fns["bare launch + poll + decode"] = bare
+        res = side_by_side(fns, n, rounds=20, warm=200)
+    finally:
+        del torch.Tensor.is_cuda
+        torch.cuda.device_count = count
+        for m, v in saved.items():
+            m._native, m._raw_stream, m._get_device, m._tls = v
+    timer = []
+    for _ in range(20000):
+        t0 = _ns()
+        timer.append(_ns() - t0)
+    return {"results": res, "timer_overhead_us": statistics.median(timer) / 1e3,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine()}
+
+
 # ------------------------------------------------------------------ main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--out", default=os.path.join(here, "results", "item.json"))
     ap.add_argument("--n", type=int, default=20000, help="timed calls per candidate")
+    ap.add_argument("--emulate", action="store_true",
+                    help="CPU only: time fast_item's hot path against an emulated driver")
+    ap.add_argument("--against", help="with --emulate: another fetch.py to time beside this one")
     args = ap.parse_args()
+    if args.emulate:
+        em = emulated(args.n, args.against)
+        print(f"emulated driver, Python {em['python']}, torch {em['torch']}; medians in ns, "
+              f"timer overhead ({em['timer_overhead_us'] * 1e3:.0f} ns) included")
+        for name, r in em["results"].items():
+            print(f"{name:45s} {r['median_us'] * 1e3:7.0f}  (p10 {r['p10_us'] * 1e3:.0f}, "
+                  f"p90 {r['p90_us'] * 1e3:.0f})")
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks/item.py needs CUDA; nothing measured", file=sys.stderr)
         return 2
@@ -396,7 +558,7 @@ def main() -> int:
             "n_per_candidate": args.n, "timer": "perf_counter_ns around each call; median",
             "backend_auto": fetch.backend(), "backend_failures": list(fetch._backend_failures),
             "spin_us": fetch._spin_s * 1e6, "timeout_s": fetch._timeout_s,
-            "command": "python3 benchmarks/item.py",
+            "command": "python3 benchmarks/item.py " + " ".join(sys.argv[1:]),
         }
     }
     guarded(out, "paths", lambda: raw_paths(x, args.n))

@@ -15,9 +15,16 @@ It was written as CUDA C (see ``_CUDA_SOURCE``) and lowered by hand to PTX ISA 6
 any driver since CUDA 9 can JIT it; ``tests/test_fetch.py`` checks it with ``ptxas`` where one
 is installed.
 
-Launchers: ``cuLaunchKernel`` is the hot call, so three ways to make it are offered and the
-benchmark (``benchmarks/item.py``) measures each: cupy's Cython ``driver.launchKernel`` (all
-arguments plain integers), ``cuda.bindings.driver.cuLaunchKernel``, and ctypes.
+A second family, ``fx_ll{1,2,4}``, serves the captured graphs of elements of at most 4 bytes (the
+usual float32/bf16/fp16 loss): it zero-extends the element to 32 bits and writes it together with
+a 32-bit flag as ONE aligned 8-byte store, and has no fence. An aligned 8-byte store reaches host
+memory in one piece (NCCL's LL protocol relies on the same property), so when the host sees the
+flag half it sees the payload half too. That saves the ``membar.sys`` round trip.
+
+Launchers: ``cuLaunchKernel`` is the hot call of the direct path, so three ways to make it are
+offered and the benchmark (``benchmarks/item.py``) measures each: cupy's Cython
+``driver.launchKernel`` (all arguments plain integers), ``cuda.bindings.driver.cuLaunchKernel``,
+and ctypes. ``graph_launcher`` does the same for ``cuGraphLaunch``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ template <class T> __global__ void fx_read(const T* src, volatile T* slot, unsig
   slot[0] = src[0];                      // 16-byte case: two 8-byte loads and stores
   __threadfence_system();                // payload visible to the host before the sequence number
   *(volatile unsigned long long*)((volatile char*)slot + 16) = seq;
+}
+// Graphs of elements of <= 4 bytes: payload and flag in one 8-byte store, no fence.
+template <class U> __global__ void fx_ll(const U* src, volatile unsigned long long* slot,
+                                         unsigned long long flag) {
+  *slot = (unsigned long long)src[0] | ((unsigned long long)(unsigned)flag << 32);
 }
 """
 
@@ -69,9 +81,30 @@ _PTX_BODY = {
 }
 
 
+_PTX_LL = """
+.visible .entry fx_ll{n}(.param .u64 p_src, .param .u64 p_slot, .param .u64 p_flag)
+{{
+\t.reg .b32 %r<3>;
+\t.reg .b64 %rd<7>;
+\tld.param.u64 %rd1, [p_src];
+\tld.param.u64 %rd2, [p_slot];
+\tld.param.u64 %rd3, [p_flag];
+\tcvta.to.global.u64 %rd4, %rd2;
+\tcvta.to.global.u64 %rd5, %rd1;
+\tld.global.u{bits} %r1, [%rd5];
+\tcvt.u32.u64 %r2, %rd3;
+\tmov.b64 %rd6, {{%r1, %r2}};
+\tst.volatile.global.u64 [%rd4], %rd6;
+\tret;
+}}
+"""
+LL_SIZES = (1, 2, 4)  # element sizes whose graphs use fx_ll (kernels() keys them as -n)
+
+
 def ptx() -> str:
-    """The PTX module holding ``fx_read1`` .. ``fx_read16``."""
-    return _PTX_HEAD + "".join(_PTX_ENTRY.format(n=n, body=_PTX_BODY[n]) for n in SIZES)
+    """The PTX module holding ``fx_read1`` .. ``fx_read16`` and ``fx_ll1`` .. ``fx_ll4``."""
+    return (_PTX_HEAD + "".join(_PTX_ENTRY.format(n=n, body=_PTX_BODY[n]) for n in SIZES)
+            + "".join(_PTX_LL.format(n=n, bits=8 * n) for n in LL_SIZES))
 
 
 CUDA_SUCCESS = 0
@@ -183,7 +216,8 @@ def ensure_context(device_index: int) -> None:
 
 
 def kernels(device_index: int) -> dict[int, int]:
-    """``{element bytes: CUfunction}`` for ``device_index``, JIT-compiled once per process."""
+    """``{element bytes: CUfunction}`` for ``device_index``, JIT-compiled once per process:
+    ``n`` is ``fx_read<n>``, ``-n`` is ``fx_ll<n>``."""
     fns = _kernels.get(device_index)
     if fns is None:
         with _lock:
@@ -199,6 +233,11 @@ def kernels(device_index: int) -> dict[int, int]:
                     check(d.cuModuleGetFunction(ctypes.byref(f), mod, f"fx_read{n}".encode()),
                           "cuModuleGetFunction")
                     fns[n] = f.value
+                for n in LL_SIZES:
+                    f = ctypes.c_void_p()
+                    check(d.cuModuleGetFunction(ctypes.byref(f), mod, f"fx_ll{n}".encode()),
+                          "cuModuleGetFunction")
+                    fns[-n] = f.value
                 _kernels[device_index] = fns
     return fns
 
@@ -296,4 +335,37 @@ def launcher(kind: str) -> Launch:
             return int(_f(f, 1, 1, 1, 1, 1, 1, 0, s, params, 0)[0])
 
         return launch
+    raise ValueError(f"unknown launcher {kind!r}: expected 'cupy', 'bindings' or 'ctypes'")
+
+
+GraphLaunch = Callable[[object, int], object]
+
+
+def graph_launcher(kind: str) -> tuple[GraphLaunch, Callable[[int], object]]:
+    """``(launch, handle)`` for ``cuGraphLaunch``: ``launch(handle(exec), stream)`` returns a
+    falsy value on success, and a CUresult or raises on failure.
+
+    ``kind`` as for :func:`launcher`. cupy: its Cython ``runtime.graphLaunch`` (two plain
+    integers; the runtime's ``cudaGraphExec_t`` is the driver's ``CUgraphExec``; raises
+    ``CUDARuntimeError``). ctypes: ``cuGraphLaunch`` with its argument types declared.
+    cuda.bindings: handle objects built once (the exec at capture, streams cached).
+    """
+    if kind == "ctypes":
+        return driver().cuGraphLaunch, int
+    if kind == "cupy":
+        from cupy.cuda import runtime as cupy_runtime
+
+        return cupy_runtime.graphLaunch, int
+    if kind == "bindings":
+        from cuda.bindings import driver as cb
+
+        streams: dict[int, object] = {}
+
+        def launch(h: object, stream: int, _f=cb.cuGraphLaunch) -> int:
+            s = streams.get(stream)
+            if s is None:
+                s = streams[stream] = cb.CUstream(stream)
+            return int(_f(h, s)[0])
+
+        return launch, cb.CUgraphExec
     raise ValueError(f"unknown launcher {kind!r}: expected 'cupy', 'bindings' or 'ctypes'")

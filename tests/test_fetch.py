@@ -66,7 +66,10 @@ def _decode_via_slot(t: torch.Tensor) -> object:
     """What the CUDA paths do after the copy: the element's bytes in a slot, then decoded."""
     buf = (ctypes.c_char * 32)()
     ctypes.memmove(buf, t.data_ptr(), t.element_size())
-    return fetch._SPECS[t.dtype].decode(fetch._SlotView(ctypes.addressof(buf)))
+    spec, view = fetch._SPECS[t.dtype], fetch._SlotView(ctypes.addressof(buf))
+    got = spec.decode(view)
+    assert _same(fetch._value_cell(spec, view).value, got)  # the hot path's way of decoding
+    return got
 
 
 def test_every_dtype_is_covered():
@@ -301,9 +304,11 @@ class _FakeNative:
 
     CUDA_ERROR_NOT_READY, CUDA_ERROR_INVALID_CONTEXT = 600, 201
     CudaDriverError = RuntimeError
+    LL_SIZES = (1, 2, 4)
 
     def __init__(self, deliver: bool = True) -> None:
         self.deliver, self._bufs, self.launches, self.graphs = deliver, [], 0, {}
+        self.graph_launches = 0
         fake = self
 
         class Driver:
@@ -324,10 +329,16 @@ class _FakeNative:
                 return 0
 
             def cuGraphLaunch(self, exec_, stream):
-                fn, src, dst = fake.graphs[exec_]  # parameters as they were at capture
-                if fake.deliver:
+                fn, src, dst, flag = fake.graphs[exec_]  # parameters as they were at capture
+                fake.graph_launches += 1
+                if not fake.deliver:
+                    return 0
+                if fn < 0:  # fx_ll: the element zero-extended, the flag above it, ONE 8-byte store
+                    word = int.from_bytes(ctypes.string_at(src, -fn), "little") | flag << 32
+                    ctypes.c_uint64.from_address(dst).value = word
+                else:  # fx_read: payload, fence, flag at +16
                     ctypes.memmove(dst, src, fn)
-                    ctypes.c_uint64.from_address(dst + 16).value = 1
+                    ctypes.c_uint64.from_address(dst + 16).value = flag
                 return 0
 
             def cuGraphExecDestroy(self, exec_):
@@ -368,14 +379,17 @@ class _FakeNative:
         ptrs = (ctypes.c_void_p * 3).from_address(paddr)
         src, dst, flag = (ctypes.c_uint64.from_address(p).value for p in ptrs)
         assert flag == 1
-        self.graphs[len(self.graphs) + 100] = (fn, src, dst)
+        self.graphs[len(self.graphs) + 100] = (fn, src, dst, flag)
         return len(self.graphs) + 99
 
-    def kernels(self, idx: int) -> dict[int, int]:
-        return {n: n for n in (1, 2, 4, 8, 16)}
+    def kernels(self, idx: int) -> dict[int, int]:  # the element size; -n: fx_ll<n>
+        return {**{n: n for n in (1, 2, 4, 8, 16)}, **{-n: -n for n in self.LL_SIZES}}
 
     def launcher(self, kind: str):
         return self._launch
+
+    def graph_launcher(self, kind: str):
+        return self._driver.cuGraphLaunch, int
 
     def check(self, err: int, call: str) -> None:
         if err:
@@ -435,3 +449,111 @@ def test_graph_reader_times_out_when_the_graph_never_writes(monkeypatch):
     e = slots.entry(t.data_ptr(), fetch._SPECS[t.dtype])
     with pytest.raises(FetchTimeoutError, match="fast_item of a torch.float32"):
         slots.graph_item(e, 0, t, 0.05, 10.0)
+
+
+def test_graph_reader_uses_the_fenceless_kernel_for_narrow_elements(monkeypatch):
+    fake = _FakeNative()
+    monkeypatch.setattr(fetch, "_native", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    slots = fetch._GraphSlots(0, "fake")
+    slot1 = slots._host + 32
+    for dt in (torch.bool, torch.int8, torch.float16, torch.bfloat16, torch.int32, torch.float32,
+               torch.complex32, torch.int64, torch.float64, torch.complex64, torch.complex128):
+        t = torch.ones((), dtype=dt)
+        e = slots.entry(t.data_ptr(), fetch._SPECS[dt])
+        fn, flag = fake.graphs[e[fetch._E_EXEC]][0], e[fetch._E_FLAG]
+        if dt.itemsize <= 4:  # fx_ll: flag in the high half of the payload's 8-byte word
+            assert fn == -dt.itemsize and ctypes.addressof(flag) == slot1 + 4
+        else:  # fx_read: fenced, flag at +16
+            assert fn == dt.itemsize and ctypes.addressof(flag) == slot1 + 16
+        assert _same(slots.graph_item(e, 0, t, 1.0, None), t.item())
+        slots.destroy(e)
+
+
+def test_graph_reader_never_returns_the_previous_value(monkeypatch):
+    """The flag is cleared before each replay: a replay that never lands times out instead of
+    returning the value the slot still holds from the read before."""
+    fake = _FakeNative()
+    monkeypatch.setattr(fetch, "_native", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    slots = fetch._GraphSlots(0, "fake")
+    for dt in (torch.float32, torch.float64):
+        t = torch.tensor(4.5, dtype=dt)
+        e = slots.entry(t.data_ptr(), fetch._SPECS[dt])
+        fake.deliver = True
+        assert slots.graph_item(e, 0, t, 1.0, None) == 4.5
+        fake.deliver = False
+        with pytest.raises(FetchTimeoutError):
+            slots.graph_item(e, 0, t, 0.02, 10.0)
+
+
+# ------------------------------------------------------------------ fast_item's hot path, emulated
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    """fast_item's hot path on CPU tensors: the tensor class claims CUDA, the current device and
+    stream are fixed, graphs are the fake driver's, and the slow path only records its calls."""
+    fake = _FakeNative()
+    monkeypatch.setattr(fetch, "_native", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", True, raising=False)
+    monkeypatch.setattr(fetch, "_raw_stream", lambda idx: 0)
+    monkeypatch.setattr(fetch, "_get_device", lambda: 0)
+    monkeypatch.setattr(fetch, "_tls", fetch._Local())
+    slow: list[torch.Tensor] = []
+    monkeypatch.setattr(fetch, "_fast_item_slow", lambda t, timeout, spin_us: slow.append(t))
+    slots = fetch._GraphSlots(0, "fake")
+    fetch._tls.readers[0] = slots
+
+    def make_hot(t: torch.Tensor) -> fetch._HotEntry:
+        e = fetch._tls.hot[(t.data_ptr(), t.dtype)] = slots.entry(t.data_ptr(), fetch._SPECS[t.dtype])
+        return e
+
+    return fake, slots, make_hot, slow
+
+
+def test_hot_path_reads_every_dtype(emulated_cuda):
+    fake, _, make_hot, slow = emulated_cuda
+    cases = _edge_cases()
+    for t in cases:
+        make_hot(t)
+        assert _same(fast_item(t), t.item()), t
+    assert not slow and fake.graph_launches == len(cases)
+
+
+def test_hot_path_declines_what_it_must_not_read(emulated_cuda, monkeypatch):
+    fake, _, make_hot, slow = emulated_cuda
+    x, z, big = torch.tensor(2.0), torch.tensor(1 + 2j), torch.zeros(4)
+    for t in (x, z, big[0]):
+        make_hot(t)
+    declined = [big, torch._neg_view(x), z.conj(), torch._neg_view(z), x.view(torch.int32)]
+    for t in declined:  # four elements; the negative / conjugate bit; another dtype there
+        fast_item(t)
+    assert len(slow) == len(declined) and fake.graph_launches == 0
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert fast_item(torch.Tensor._make_subclass(Sub, x)) == 2.0  # .item(), not the graph
+    assert fake.graph_launches == 0
+    e = make_hot(x)
+    two_gpus = e[:fetch._E_DEV] + (0,) + e[fetch._E_DEV + 1:]  # a process with two GPUs
+    fetch._tls.hot[(x.data_ptr(), x.dtype)] = two_gpus
+    monkeypatch.setattr(fetch, "_get_device", lambda: 1)  # ... whose current device is another
+    fast_item(x)
+    assert len(slow) == len(declined) + 1 and fake.graph_launches == 0
+    monkeypatch.setattr(fetch, "_get_device", lambda: 0)
+    assert fast_item(x) == 2.0 and fake.graph_launches == 1
+
+
+def test_hot_path_timeout_retires_the_reader_and_its_graphs(emulated_cuda):
+    fake, slots, make_hot, slow = emulated_cuda
+    x, y = torch.tensor(1.5), torch.tensor(7, dtype=torch.int64)
+    make_hot(x), make_hot(y)
+    assert fast_item(x) == 1.5
+    fake.deliver = False
+    with pytest.raises(FetchTimeoutError, match="fast_item of a torch.float32 tensor"):
+        fast_item(x, timeout=0.05, spin_us=10)
+    assert not fetch._tls.hot and 0 not in fetch._tls.readers  # y's graph went too
+    assert fetch._retired[-1] is slots  # kept, never reused: a late write lands there
+    fast_item(x)  # a fresh start: the slow path now
+    assert len(slow) == 1

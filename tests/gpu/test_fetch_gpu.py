@@ -93,6 +93,29 @@ def test_every_dtype_equals_item(with_backend):
         assert _same(fast_item(t), t.item()), (with_backend, t.dtype, t)
 
 
+def test_every_dtype_equals_item_when_hot(with_backend):
+    """Read three times: the second read builds the graph (fx_ll for <= 4 bytes, fx_read for 8
+    and 16), the third replays it."""
+    for t in _cases():
+        for _ in range(3):
+            assert _same(fast_item(t), t.item()), (with_backend, t.dtype, t)
+        assert _hot(t) == with_backend.startswith("graph+"), t.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.int32, torch.float32,
+                                   torch.float64])
+def test_hot_reads_follow_in_place_updates(with_backend, dtype):
+    """Each read comes after a kernel that changed the value in place: a payload seen before its
+    flag, or a flag left over from the read before, would show up as a stale value."""
+    x = torch.zeros((), dtype=dtype, device="cuda")
+    for k in range(400):
+        x.fill_(k % 100)
+        if k % 3 == 0:
+            x.add_(1)  # a second kernel between write and read
+        want = (k % 100) + (1 if k % 3 == 0 else 0)
+        assert fast_item(x) == want, (k, dtype)
+
+
 def test_views_offsets_and_autograd(with_backend):
     base = torch.arange(100, dtype=torch.float64, device="cuda")
     p = torch.nn.Parameter(torch.tensor(3.5, device="cuda"))
