@@ -70,8 +70,6 @@ def build_plan(prog: Program, gc: str = "fast") -> ExecutionPlan:
     lint(prog)
     groups = alias_groups(prog)
     deps = dependencies(prog, groups)
-    live = analyse_liveness(prog, groups)
-    if gc == "none":
-        live = Liveness(live.last_use, tuple(() for _ in prog.ops), live.live_after, live.peak_bytes, live.protected)
+    live = analyse_liveness(prog, groups, drop=(gc != "none"))
     instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)
     return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc)

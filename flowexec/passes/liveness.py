@@ -29,8 +29,11 @@ class Liveness:
     protected: frozenset[int]  # values never dropped
 
 
-def analyse_liveness(prog: Program, groups: tuple[int, ...]) -> Liveness:
-    """Last use of every value, the fast-GC free lists, live counts and planned peak bytes."""
+def analyse_liveness(prog: Program, groups: tuple[int, ...], drop: bool = True) -> Liveness:
+    """Last use of every value, the fast-GC free lists, live counts and planned peak bytes.
+
+    ``drop=False`` plans for a run that keeps every intermediate to the end (``gc="none"``).
+    """
     n_ops = len(prog.ops)
     last_use = [-1] * len(prog.values)
     producer = [-1] * len(prog.values)
@@ -46,7 +49,7 @@ def analyse_liveness(prog: Program, groups: tuple[int, ...]) -> Liveness:
     )
     frees: list[list[int]] = [[] for _ in range(n_ops)]
     for v in prog.values:
-        if v.id in protected or producer[v.id] < 0:
+        if v.id in protected or producer[v.id] < 0 or not drop:
             continue
         frees[max(last_use[v.id], producer[v.id])].append(v.id)
 
@@ -68,7 +71,7 @@ def analyse_liveness(prog: Program, groups: tuple[int, ...]) -> Liveness:
         g = groups[v.id]
         if v.role is not Role.TEMP or g in foreign:
             continue
-        end = n_ops if v.id in out_ids else max(last_use[v.id], producer[v.id])
+        end = n_ops if v.id in out_ids or not drop else max(last_use[v.id], producer[v.id])
         group_end[g] = max(group_end.get(g, -1), end)
         if g not in group_start or producer[v.id] < group_start[g]:
             group_start[g] = producer[v.id]
