@@ -72,6 +72,10 @@ class _Compiled:
     build_seconds: float
     fetch: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        # fn returned one tensor (not a container): hand it back without unflattening.
+        self.single = self.user_spec.is_leaf()
+
 
 class Executable:
     """A captured, planned and lowered function; call it like the original.
@@ -185,7 +189,7 @@ class Executable:
                 p.grad = g
         if c.fetch:
             self._submit(flat, c.fetch)
-        if c.n_user == 1 and c.user_spec.num_leaves == 1 and c.user_spec.is_leaf():
+        if c.single:
             return flat[0]
         return pytree.tree_unflatten(flat[: c.n_user], c.user_spec)
 
