@@ -47,15 +47,17 @@ class RecaptureWarning(UserWarning):
 
 
 def _signature(args: Sequence[Any]) -> tuple[Any, ...]:
+    # Strides belong to the signature: make_fx records reshape as view when the example was
+    # contiguous, which a strided call would break.
     return tuple(
-        (a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
+        (a.shape, a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
     )
 
 
 def _describe(sig_item: Any) -> str:
     if isinstance(sig_item[0], torch.Size):
-        shape, dtype, device = sig_item
-        return f"Tensor(shape={list(shape)}, dtype={dtype}, device={device})"
+        shape, dtype, device, stride = sig_item
+        return f"Tensor(shape={list(shape)}, dtype={dtype}, device={device}, stride={stride})"
     return f"{sig_item[0].__name__} {sig_item[1]!r}"
 
 
@@ -113,7 +115,7 @@ class Executable:
             mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
             targs = [args[i] for i in tensor_pos]
             bound = {i for _, i in cap.grad_bindings} | set(self._fetch_indices(cap.program, cap.n_user_outputs))
-            runner = CudaGraphRunner(run, targs, mutated, borrow=[False] * len(targs),
+            runner = CudaGraphRunner(run, targs, mutated, borrow=[False] * len(targs), state=prog.state.values(),
                                      mutated_inputs=mutated_inputs, unprotected_outputs=bound,
                                      warmup=self.warmup, before_replay=self._fence)
         user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))

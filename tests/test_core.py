@@ -147,3 +147,12 @@ def test_inference_forward_and_recapture_warning():
         y = exe(torch.randn(6, 16))
     assert y.shape == (6, 10)
 
+
+
+def test_strided_input_recaptures_instead_of_failing():
+    fn = lambda x: x.reshape(-1) * 2  # noqa: E731  (make_fx records a view for a contiguous example)
+    exe = flowexec.compile(fn, torch.randn(4, 6))
+    xt = torch.randn(6, 4).t()  # same shape, not contiguous
+    with pytest.warns(flowexec.RecaptureWarning, match="stride"):
+        got = exe(xt)
+    assert_close_rel(got, fn(xt))

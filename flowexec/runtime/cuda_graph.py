@@ -101,6 +101,7 @@ class CudaGraphRunner:
         pool: Any = None,
         warmup: int = 1,
         before_replay: Callable[[], None] | None = None,
+        state: Any = (),
     ) -> None:
         self.before_replay = before_replay
         self.borrow = tuple(borrow)
@@ -130,7 +131,8 @@ class CudaGraphRunner:
             for t, saved in snapshot:
                 t.copy_(saved)
         self.static_outputs = outs
-        input_storages = {a.untyped_storage().data_ptr() for a in self.static_inputs if isinstance(a, torch.Tensor)}
+        # Outputs that are the caller's own memory (inputs, state) are live views, never protected.
+        input_storages = {a.untyped_storage().data_ptr() for a in [*self.static_inputs, *state] if isinstance(a, torch.Tensor)}
         skip = set(unprotected_outputs)
         self._protect = []
         for i, o in enumerate(outs):
