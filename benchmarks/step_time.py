@@ -118,6 +118,14 @@ def add_compiled_rows(fns: dict[str, Callable[[], Any]], r: dict[str, Any], fres
         guarded(r, f"flowexec_{mode}", fx_mode)
 
 
+def eager_row(fresh: Callable[[], Callable[..., Any]], x: torch.Tensor, y: torch.Tensor,
+              dev: torch.device) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
+    """The table's first row (eager) and its peak memory."""
+    step = fresh()
+    fns: dict[str, Callable[[], Any]] = {"eager": lambda: step(x, y)}
+    return fns, {"eager_peak_bytes": peak_bytes(fns["eager"], dev)}
+
+
 def time_rows(fns: dict[str, Callable[[], Any]], r: dict[str, Any], sync: Callable[[], None], n: int, warm: int) -> None:
     for fn in fns.values():
         for _ in range(warm):
@@ -139,11 +147,7 @@ def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
         s(x, y)  # steady state, as eager's timed steps see it: the .grad tensors exist
         return s
 
-    r: dict[str, Any] = {}
-    fns: dict[str, Callable[[], Any]] = {}
-    step = fresh()
-    fns["eager"] = lambda: step(x, y)
-    r["eager_peak_bytes"] = peak_bytes(fns["eager"], dev)
+    fns, r = eager_row(fresh, x, y, dev)
     if dev.type == "cuda":
         raw = fresh()
         fns["raw_cuda_graph"] = cuda_graph_of(lambda: raw(x, y))
@@ -182,11 +186,7 @@ def bench_block(dev: torch.device, n: int, out: dict[str, Any]) -> None:
         s(x, y)  # Adam creates its state on the first step
         return s
 
-    r: dict[str, Any] = {}
-    fns: dict[str, Callable[[], Any]] = {}
-    step = fresh()
-    fns["eager"] = lambda: step(x, y)
-    r["eager_peak_bytes"] = peak_bytes(fns["eager"], dev)
+    fns, r = eager_row(fresh, x, y, dev)
 
     add_compiled_rows(fns, r, fresh, x, y, dev, sync)
     time_rows(fns, r, sync, n, 10)
