@@ -105,6 +105,7 @@ class Executable:
         plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc)
         run = lower_trace(plan)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
         if self.mode == "graph":
             from .runtime.cuda_graph import CudaGraphRunner
@@ -114,13 +115,13 @@ class Executable:
             input_index = {vid: k for k, vid in enumerate(prog.inputs)}
             mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
             targs = [args[i] for i in tensor_pos]
-            bound = {i for _, i in cap.grad_bindings} | set(self._fetch_indices(cap.program, cap.n_user_outputs))
+            bound = {i for _, i in cap.grad_bindings} | set(fetch)
             runner = CudaGraphRunner(run, targs, mutated, borrow=[False] * len(targs), state=prog.state.values(),
                                      mutated_inputs=mutated_inputs, unprotected_outputs=bound,
                                      warmup=self.warmup, before_replay=self._fence)
         user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
         return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
-                         time.perf_counter() - t0, self._fetch_indices(cap.program, cap.n_user_outputs))
+                         time.perf_counter() - t0, fetch)
 
     def _fetch_indices(self, prog: Program, n_user: int) -> tuple[int, ...]:
         """Flat output positions returned as Fetch handles."""
@@ -160,16 +161,15 @@ class Executable:
             for i, (got, want) in enumerate(zip(sig, first)):
                 if isinstance(want[0], torch.Size) != isinstance(got[0], torch.Size):
                     raise InputError(f"argument {i}: expected {_describe(want)}, got {_describe(got)}")
+            i, got, want = next((i, g, w) for i, (g, w) in enumerate(zip(sig, first)) if g != w)
             if len(self._cache) >= self.cache_size:
-                i, got, want = next((i, g, w) for i, (g, w) in enumerate(zip(sig, first)) if g != w)
                 raise InputError(
                     f"argument {i}: expected {_describe(want)}, got {_describe(got)} — "
                     f"{len(self._cache)} signature(s) compiled already (cache_size={self.cache_size})"
                 )
-            diff = next((i, g, w) for i, (g, w) in enumerate(zip(sig, first)) if g != w)
             warnings.warn(
-                f"flowexec: new input signature (argument {diff[0]}: {_describe(diff[1])}, compiled for "
-                f"{_describe(diff[2])}); capturing fn again", RecaptureWarning, stacklevel=3,
+                f"flowexec: new input signature (argument {i}: {_describe(got)}, compiled for "
+                f"{_describe(want)}); capturing fn again", RecaptureWarning, stacklevel=3,
             )
         compiled = self._build(args)
         if first is None:
