@@ -83,6 +83,11 @@ class Executable:
     """A captured, planned and lowered function; call it like the original.
 
     Attributes ``program`` and ``plan`` show the most recently built signature.
+
+    >>> import torch, flowexec
+    >>> exe = flowexec.compile(lambda x: x.cumsum(0), torch.ones(3))
+    >>> exe(torch.ones(3)), exe.plan.stats()["ops"]
+    (tensor([1., 2., 3.]), 1)
     """
 
     def __init__(self, fn: Callable[..., Any], mode: str, gc: str, options: dict[str, Any]) -> None:
