@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flowexec.kernels import lerp  # noqa: E402
+from flowexec.runtime.cuda_graph import capture_graph  # noqa: E402
 
 L = importlib.import_module("flowexec.kernels.lerp")
 launch = importlib.import_module("flowexec.kernels._launch")
@@ -101,16 +102,7 @@ def bench(fn: Callable[[], Any]) -> float:
 
 
 def graph_of(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    return capture_graph(fn)[0]
 
 
 def kernel_sum_us(fn: Callable[[], Any], reps: int = 20) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import datetime
 import json
 import os
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import flowexec  # noqa: E402
-from flowexec.models import Block, lm_loss, make_mlp, make_step  # noqa: E402
+from flowexec.runtime.cuda_graph import capture_graph  # noqa: E402
+from flowexec.models import Block, lm_loss, make_lm_step, make_mlp, make_step  # noqa: E402
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], sync: Callable[[], None], rounds: int, per_round: int) -> dict[str, float]:
@@ -58,18 +60,6 @@ def peak_bytes(fn: Callable[[], Any], dev: torch.device) -> int | None:
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
 
-
-def cuda_graph_of(step: Callable[[], Any]) -> Callable[[], Any]:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g.replay
 
 
 def guarded(out: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
@@ -150,7 +140,7 @@ def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
     fns, r = eager_row(fresh, x, y, dev)
     if dev.type == "cuda":
         raw = fresh()
-        fns["raw_cuda_graph"] = cuda_graph_of(lambda: raw(x, y))
+        fns["raw_cuda_graph"] = capture_graph(lambda: raw(x, y))[0].replay
 
     def fx_row() -> None:
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -222,13 +212,7 @@ def bench_hf(dev: torch.device, n: int, out: dict[str, Any], backends: list[str]
             else:
                 fwd = torch.compile(m, backend=backend)
 
-            def step(fwd: Any = fwd, opt: Any = opt) -> torch.Tensor:
-                opt.zero_grad(set_to_none=True)
-                logits = fwd(input_ids=ids, use_cache=False).logits
-                loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
-                loss.backward()
-                opt.step()
-                return loss
+            step = functools.partial(make_lm_step(fwd, opt), ids)
 
             def fwd_bwd(fwd: Any = fwd, opt: Any = opt) -> None:  # the step without the optimizer
                 opt.zero_grad(set_to_none=True)

@@ -72,5 +72,19 @@ def make_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..
     return step
 
 
+def make_lm_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A Hugging Face causal-LM training step on token ids (next-token loss over all positions)."""
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())

@@ -44,6 +44,24 @@ def is_stable(t: torch.Tensor) -> bool:
     )
 
 
+def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``fn`` up on a side stream, then capture one call of it; returns (graph, its outputs).
+
+    The warm-up lets lazily created library state (cuBLAS handles, workspaces) exist before
+    capture, where creating it is not allowed.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outs = fn()
+    return graph, outs
+
+
 class HandedOutputs:
     """The aliases of static output buffers that calls hand out, with copy-on-overwrite.
 
@@ -118,15 +136,7 @@ class CudaGraphRunner:
         # Replays and warm-up must not change the caller's state: snapshot what the program
         # writes in place and restore it after warm-up.
         snapshot = [(t, t.detach().clone()) for t in mutated]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                run(*self.static_inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            outs = run(*self.static_inputs)
+        self.graph, outs = capture_graph(lambda: run(*self.static_inputs), warmup, pool)
         with torch.no_grad():
             for t, saved in snapshot:
                 t.copy_(saved)

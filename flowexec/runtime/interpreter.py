@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from ..errors import ExecutionError
 from ..plan import ExecutionPlan
-from ..program import Op, Program, Ref, format_op
+from ..program import Program, Ref, format_op
 
 _counter = itertools.count()
 

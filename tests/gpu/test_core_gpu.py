@@ -8,21 +8,24 @@ import torch
 import torch.nn.functional as F
 
 import flowexec
-from flowexec.models import Block, lm_loss, make_mlp, make_step
+from flowexec.models import Block, lm_loss, make_lm_step, make_mlp, make_step
 
-from helpers import assert_close_rel, assert_same_state
+from helpers import assert_close_rel, assert_same_state, twin
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
+def sgd_twins(depth: int):
+    """Two identical MLPs (64 wide) on CUDA with their SGD training steps."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(make_mlp(64, depth).cuda(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    return m1, m2, make_step(m1, o1, F.cross_entropy), make_step(m2, o2, F.cross_entropy)
+
+
 @pytest.mark.parametrize("mode", ["trace", "graph"])
 def test_mlp_step_matches_eager(mode):
-    torch.manual_seed(0)
-    m1 = make_mlp(64, 3).cuda()
-    m2 = copy.deepcopy(m1)
-    s1 = make_step(m1, torch.optim.SGD(m1.parameters(), lr=0.1), F.cross_entropy)
-    s2 = make_step(m2, torch.optim.SGD(m2.parameters(), lr=0.1), F.cross_entropy)
+    m1, m2, s1, s2 = sgd_twins(depth=3)
     data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(3)]
     exe = flowexec.compile(s2, *data[0], mode=mode)
     assert_same_state(m1, m2, tol=0)  # neither capture nor graph warm-up changed the state
@@ -78,26 +81,17 @@ def test_hf_gpt2_backend_matches_eager(mode):
     torch._dynamo.reset()
     c2 = torch.compile(m2, backend="flowexec", options={"mode": mode})
 
-    def step(model, opt, ids):
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(input_ids=ids, use_cache=False).logits.flatten(0, 1), ids.flatten())
-        loss.backward()
-        opt.step()
-        return loss
+    step1, step2 = make_lm_step(m1, o1), make_lm_step(c2, o2)
 
     for _ in range(3):
         ids = torch.randint(0, 211, (2, 16), device="cuda")
-        assert_close_rel(step(c2, o2, ids), step(m1, o1, ids), tol=1e-5, what="loss")
+        assert_close_rel(step2(ids), step1(ids), tol=1e-5, what="loss")
     assert_same_state(m1, m2, tol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["trace", "graph"])
 def test_fetch_handles_on_cuda(mode):
-    torch.manual_seed(0)
-    m1 = make_mlp(64, 2).cuda()
-    m2 = copy.deepcopy(m1)
-    s1 = make_step(m1, torch.optim.SGD(m1.parameters(), lr=0.1), F.cross_entropy)
-    s2 = make_step(m2, torch.optim.SGD(m2.parameters(), lr=0.1), F.cross_entropy)
+    m1, m2, s1, s2 = sgd_twins(depth=2)
     data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(10)]
     exe = flowexec.compile(s2, *data[0], mode=mode, fetch=[0], fetch_slots=3)
     handles = [exe(x, y) for x, y in data]
