@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import flowexec  # noqa: E402
-from flowexec.runtime.cuda_graph import capture_graph  # noqa: E402
+from flowexec.runtime.cuda_graph import capture_graph, graph_node_count  # noqa: E402
 from flowexec.models import Block, lm_loss, make_lm_step, make_mlp, make_step  # noqa: E402
 
 
@@ -102,6 +102,8 @@ def add_compiled_rows(fns: dict[str, Callable[[], Any]], r: dict[str, Any], fres
             r[f"flowexec_{mode}_plan"] = exe.plan.stats()
             fns[f"flowexec_{mode}"] = lambda: exe(x, y)
             if mode == "graph":  # the graph's own input buffers, filled once: no staging copies
+                runner = exe._last.runner
+                r["flowexec_graph_nodes"] = graph_node_count(runner.graph) if runner.staging is not None else None
                 bx, by = exe.input_buffers
                 bx.copy_(x), by.copy_(y)
                 fns["flowexec_graph_static_inputs"] = lambda: exe(bx, by)
@@ -140,7 +142,9 @@ def bench_mlp(dev: torch.device, n: int, out: dict[str, Any]) -> None:
     fns, r = eager_row(fresh, x, y, dev)
     if dev.type == "cuda":
         raw = fresh()
-        fns["raw_cuda_graph"] = capture_graph(lambda: raw(x, y))[0].replay
+        raw_graph = capture_graph(lambda: raw(x, y), keep_graph=True)[0]
+        fns["raw_cuda_graph"] = raw_graph.replay
+        r["raw_cuda_graph_nodes"] = graph_node_count(raw_graph)
 
     def fx_row() -> None:
         from torch.fx.experimental.proxy_tensor import make_fx

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -43,18 +44,26 @@ def _static_input_indices() -> set[int]:
 
 
 class GraphProgram:
-    """One AOT graph, planned and lowered; graph mode captures lazily at the first real call."""
+    """One AOT graph, planned and lowered; graph mode captures lazily at the first real call.
+
+    A backward graph (``forward`` names its forward's GraphProgram) hands its gradients to
+    autograd as fresh aliases of its static buffers, so ``AccumulateGrad`` adopts them as
+    ``.grad`` instead of copying each one; before the next replay a ``.grad`` that still holds
+    a buffer is given a private copy (the forward's leaf inputs are where those are looked for).
+    """
 
     _boxed_call = True  # AOTAutograd passes the argument list itself
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
-                 fuse_lerp: bool | None = None) -> None:
+                 fuse_lerp: bool | None = None, forward: GraphProgram | None = None) -> None:
         self.plan = build_plan(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), gc)
         self.run = lower_trace(self.plan)
         self.mode = mode
         self.warmup = warmup
         self.static_idx = _static_input_indices()
         self.graph_runner: Any = None
+        self.forward = forward
+        self.leaf_inputs: list[Any] = []  # weak refs to the leaf tensors this graph reads (grad owners)
         if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
@@ -70,7 +79,12 @@ class GraphProgram:
         index = {vid: k for k, vid in enumerate(prog.inputs)}
         mutated_inputs = [index[v] for v in self.plan.mutated if v in index]
         mutated = [args[i] for i in mutated_inputs if borrow[i]]
-        self.graph_runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs, warmup=self.warmup)
+        self.leaf_inputs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
+        fwd = self.forward
+        fresh = range(len(prog.outputs)) if fwd is not None else ()
+        candidates = (lambda: [t for t in (r() for r in fwd.leaf_inputs) if t is not None]) if fwd is not None else None
+        self.graph_runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs,
+                                            warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates)
 
     def __call__(self, *args: Any) -> list[Any]:
         # AOTAutograd calls boxed (one list) where it sees _boxed_call, unboxed elsewhere.
@@ -100,10 +114,19 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     if mode == "graph" and not torch.cuda.is_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
+    forwards: list[GraphProgram] = []  # AOTAutograd compiles this graph's forward, then its backward
+
     def compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"))
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=compiler)(gm, example_inputs)
+    def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
+        forwards.append(compiler(g, inputs))
+        return forwards[-1]
+
+    def bw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
+        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None)
+
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)
 
 
 def _register() -> None:

@@ -49,9 +49,9 @@ class RecaptureWarning(UserWarning):
 def _signature(args: Sequence[Any]) -> tuple[Any, ...]:
     # Strides belong to the signature: make_fx records reshape as view when the example was
     # contiguous, which a strided call would break.
-    return tuple(
+    return tuple([
         (a.shape, a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
-    )
+    ])
 
 
 def _describe(sig_item: Any) -> str:
@@ -123,7 +123,7 @@ class Executable:
             bound = {i for _, i in cap.grad_bindings} | set(fetch)
             runner = CudaGraphRunner(run, targs, mutated, borrow=[False] * len(targs), state=prog.state.values(),
                                      mutated_inputs=mutated_inputs, unprotected_outputs=bound,
-                                     warmup=self.warmup, before_replay=self._fence)
+                                     warmup=self.warmup, before_replay=self._fence if fetch else None)
         user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
         return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
                          time.perf_counter() - t0, fetch)

@@ -1,6 +1,7 @@
 """Copy-on-overwrite of graph-mode outputs (the logic is device-independent)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flowexec.runtime.cuda_graph import HandedOutputs
@@ -39,3 +40,67 @@ def test_output_held_only_from_cpp_side_is_protected():
     h.release()
     buf.fill_(5.0)
     assert torch.equal(p.grad, torch.ones(2)) and h.moved == 1
+
+
+def _fresh(buf: torch.Tensor, params: list[torch.nn.Parameter]) -> HandedOutputs:
+    return HandedOutputs([buf], fresh=[0], candidates=lambda: params)
+
+
+def _call(h: HandedOutputs) -> torch.Tensor:
+    outs: list = [None]
+    h.hand_out(outs, [0])
+    return outs[0]
+
+
+def _backward_into(p: torch.nn.Parameter, h: HandedOutputs) -> None:
+    """A backward whose gradient for ``p`` is the graph's output, as AOTAutograd hands it to autograd."""
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x.sum()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            return _call(h)
+    Node.apply(p).backward()
+
+
+def test_fresh_output_is_adopted_by_accumulate_grad_without_a_copy():
+    buf = torch.full((3,), 2.0)
+    p = torch.nn.Parameter(torch.zeros(3))
+    h = _fresh(buf, [p])
+    _backward_into(p, h)  # AccumulateGrad adopts a gradient nobody else references
+    assert p.grad.data_ptr() == buf.data_ptr()
+    h.release()  # p.grad still holds the buffer: it gets a private copy first
+    buf.fill_(9.0)
+    assert torch.equal(p.grad, torch.full((3,), 2.0)) and p.grad.data_ptr() != buf.data_ptr() and h.moved == 1
+
+
+def test_fresh_output_dropped_by_zero_grad_costs_nothing():
+    buf = torch.ones(2)
+    p = torch.nn.Parameter(torch.zeros(2))
+    h = _fresh(buf, [p])
+    for _ in range(3):
+        _backward_into(p, h)
+        assert p.grad.data_ptr() == buf.data_ptr()
+        p.grad = None  # zero_grad(set_to_none=True)
+        h.release()
+    assert h.moved == 0
+
+
+def test_fresh_output_held_directly_is_moved():
+    buf = torch.ones(2)
+    h = _fresh(buf, [])
+    kept = _call(h)  # e.g. returned by torch.autograd.grad and kept
+    h.release()
+    buf.fill_(4.0)
+    assert torch.equal(kept, torch.ones(2)) and h.moved == 1
+
+
+def test_fresh_output_held_by_a_stranger_warns():
+    buf = torch.ones(2)
+    h = _fresh(buf, [])
+    stranger = _call(h).detach()  # a second tensor on the same memory, not findable
+    with pytest.warns(RuntimeWarning, match="clone gradients you keep"):
+        h.release()
+    assert stranger.data_ptr() == buf.data_ptr()

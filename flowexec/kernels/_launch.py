@@ -36,12 +36,15 @@ class Launcher:
         self.device_index = device_index  # None: CPU tensors (Triton interpreter)
         self._direct: tuple | None = None  # (launcher, function, packed metadata)
 
-    def __call__(self, args: tuple, aligned: bool) -> None:
+    def __call__(self, args: tuple, aligned: bool, ptrs: tuple = ()) -> None:
+        """Launch on the current stream. ``ptrs``: the data pointers of the leading tensor
+        arguments, passed to the direct launcher as integers (Triton then skips its per-pointer
+        ``data_ptr()`` call and driver query)."""
         d = self._direct
         if d is not None and aligned and DIRECT_LAUNCH and torch.cuda.current_device() == self.device_index:
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             try:
-                d[0](self.grid, 1, 1, stream, d[1], d[2], None, None, None, *args)
+                d[0](self.grid, 1, 1, stream, d[1], d[2], None, None, None, *ptrs, *args[len(ptrs):])
                 return
             except TypeError:  # a Triton whose launcher takes other arguments: use the normal path
                 self._direct = None

@@ -365,8 +365,9 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     like = plan.out_like
     out = torch.empty_like((x, y, wt)[like]) if like >= 0 else x.new_empty(plan.out_shape)
     hi, lo = _split_weight(wv, plan.acc_f64)
-    aligned = not ((x.data_ptr() | y.data_ptr() | wt.data_ptr()) & 15)
-    plan.fwd((x, y, wt, out, hi, lo, *plan.fwd_tail), aligned)
+    ptrs = (x.data_ptr(), y.data_ptr(), wt.data_ptr(), out.data_ptr())
+    aligned = not ((ptrs[0] | ptrs[1] | ptrs[2]) & 15)
+    plan.fwd((x, y, wt, out, hi, lo, *plan.fwd_tail), aligned, ptrs)
     return out
 
 
@@ -388,10 +389,12 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
     part = g.new_empty(bw.part_numel, dtype=plan.part_dtype) if bw.part_numel else g
     counter = _counter(plan.device_index) if bw.fused else g
     hi, lo = _split_weight(wv, plan.acc_f64)
-    aligned = not ((g.data_ptr() | x.data_ptr() | y.data_ptr() | wt.data_ptr()) & 15)
-    bw.main((g, x, y, wt, dx, dy, dw, part, counter, hi, lo, *bw.args_tail), aligned)
+    ptrs = (g.data_ptr(), x.data_ptr(), y.data_ptr(), wt.data_ptr(), dx.data_ptr(), dy.data_ptr(), dw.data_ptr(),
+            part.data_ptr(), counter.data_ptr())
+    aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
+    bw.main((g, x, y, wt, dx, dy, dw, part, counter, hi, lo, *bw.args_tail), aligned, ptrs)
     if bw.final is not None:
-        bw.final((part, dx, dy, dw, *bw.final_args_tail), True)
+        bw.final((part, dx, dy, dw, *bw.final_args_tail), True, (ptrs[7], ptrs[4], ptrs[5], ptrs[6]))
     return (dx if needs[0] else None, dy if needs[1] else None, dw if needs[2] else None)
 
 

@@ -122,3 +122,67 @@ def test_graph_mode_fuses_lerp_and_matches_eager():
     for _ in range(3):
         new = tuple(torch.randn_like(a) for a in args)
         assert_close_rel(exe(*new), f(*new))
+
+
+def test_graph_staging_nodes_follow_every_kind_of_input():
+    """In-graph staging: new addresses, the same address, the static buffer, a strided input."""
+    w = torch.randn(8, 8, device="cuda")
+    exe = flowexec.compile(lambda x: (x @ w).relu(), torch.randn(4, 8, device="cuda"), mode="graph")
+    runner = exe._last.runner
+    staging = runner.staging
+    if staging is None:
+        pytest.skip("cuda-bindings is not installed: inputs are staged from Python")
+    assert staging.index == [0]
+    x = torch.randn(4, 8, device="cuda")
+    for _ in range(2):  # new address, then the same address with new contents
+        assert_close_rel(exe(x), (x @ w).relu())
+        x.normal_()
+    buf = exe.input_buffers[0]
+    buf.copy_(x)
+    assert_close_rel(exe(buf), (x @ w).relu())  # the node is disabled: the buffer is read as is
+    big = torch.randn(4, 16, device="cuda")
+    strided = big[:, ::2]  # same shape, other strides: a new signature is captured
+    with pytest.warns(flowexec.RecaptureWarning):
+        assert_close_rel(exe(strided), (strided @ w).relu())
+    y = torch.randn(4, 8, device="cuda")
+    assert_close_rel(exe(y), (y @ w).relu())  # back to the first signature, re-pointed again
+    assert_close_rel(exe(x), (x @ w).relu())
+
+
+def test_backend_gradients_are_adopted_and_survive_accumulation():
+    """Backward graphs hand grads to AccumulateGrad without copies; accumulation stays exact."""
+    torch.manual_seed(0)
+    m1 = make_mlp(64, 2).cuda()
+    m2 = copy.deepcopy(m1)
+    c2 = torch.compile(m2, backend="flowexec", options={"mode": "graph"})
+    data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(6)]
+    for step, (x, y) in enumerate(data):
+        if step % 3 == 0:  # accumulate over three micro-batches, then start over
+            for p in (*m1.parameters(), *m2.parameters()):
+                p.grad = None
+        F.cross_entropy(m1(x), y).backward()
+        F.cross_entropy(c2(x), y).backward()
+        assert_same_state(m1, m2)
+    for p in m2.parameters():
+        p.grad = None
+    F.cross_entropy(c2(data[0][0]), data[0][1]).backward()  # the grads are the graph's buffers again
+    kept = [p.grad for p in m2.parameters()]  # a reference nobody can find: the user is told
+    for p in m2.parameters():
+        p.grad = None
+    with pytest.warns(RuntimeWarning, match="clone gradients you keep"):
+        F.cross_entropy(c2(data[0][0]), data[0][1]).backward()
+    del kept
+
+
+def test_backend_gradients_avoid_accumulate_grad_copies():
+    torch.manual_seed(0)
+    m = make_mlp(64, 2).cuda()
+    c = torch.compile(m, backend="flowexec", options={"mode": "graph"})
+    x, y = torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+    for _ in range(3):
+        for p in m.parameters():
+            p.grad = None
+        F.cross_entropy(c(x), y).backward()
+    from flowexec.runtime.cuda_graph import _STABLE
+    adopted = [p.grad.data_ptr() in _STABLE for p in m.parameters()]
+    assert all(adopted), adopted
