@@ -73,6 +73,7 @@ class _Compiled:
     grad_bindings: list[tuple[torch.Tensor, int]]
     build_seconds: float
     fetch: tuple[int, ...] = ()
+    all_tensors: bool = False  # every argument is a tensor: the runner takes the args tuple as is
 
     def __post_init__(self) -> None:
         # fn returned one tensor (not a container): hand it back without unflattening.
@@ -126,7 +127,7 @@ class Executable:
                                      warmup=self.warmup, before_replay=self._fence if fetch else None)
         user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
         return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
-                         time.perf_counter() - t0, fetch)
+                         time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))))
 
     def _fetch_indices(self, prog: Program, n_user: int) -> tuple[int, ...]:
         """Flat output positions returned as Fetch handles."""
@@ -188,8 +189,7 @@ class Executable:
         c = self._cache.get(_signature(args)) if self._cache else None
         if c is None:
             c = self._lookup(args)
-        targs = [args[i] for i in c.tensor_pos]
-        flat = c.runner(targs)
+        flat = c.runner(args if c.all_tensors else [args[i] for i in c.tensor_pos])
         for p, idx in c.grad_bindings:
             g = flat[idx]
             if p.grad is not g:

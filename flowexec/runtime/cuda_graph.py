@@ -19,6 +19,7 @@ Example (needs CUDA)::
 """
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
 from sys import getrefcount
@@ -221,19 +222,20 @@ class StagingNodes:
                 self.nodes.append(node)
                 self.dst.append(st.data_ptr())
                 self.nbytes.append(st.numel() * st.element_size())
+        self.pairs = list(enumerate(self.index))
         self.src = [example[i].data_ptr() for i in self.index]  # what each node reads now; -1: disabled
         self.statics = [statics[i] for i in self.index]
         self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
 
     def point(self, args: Sequence[Any]) -> None:
-        """Aim every node at this call's argument (hot path: one pointer compare per input)."""
+        """Aim every node at this call's argument (the runner inlines this loop)."""
         src = self.src
-        for k, i in enumerate(self.index):
-            a = args[i]
-            if a.data_ptr() != src[k]:
-                self._repoint(k, a)
+        for k, i in self.pairs:
+            if args[i].data_ptr() != src[k]:
+                self.repoint(k, args[i])
 
-    def _repoint(self, k: int, a: torch.Tensor) -> None:
+    def repoint(self, k: int, a: torch.Tensor) -> None:
+        """Aim node ``k`` at ``a``: re-point, disable (static buffer) or stage from Python (strided)."""
         rt, ptr = self.rt, a.data_ptr()
         if ptr == self.dst[k] or not a.is_contiguous():
             if self.src[k] != -1:
@@ -333,6 +335,10 @@ class CudaGraphRunner:
         self.outputs = HandedOutputs([outs[i] for i in self._protect],
                                      fresh=[k for k, i in enumerate(self._protect) if i in fresh], candidates=grad_candidates)
         self.pool = self.graph.pool()
+        # The C++ replay itself where torch's Python wrapper only checks a debug tracker (unset).
+        base = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
+        self._replay = (types.MethodType(base, self.graph)
+                        if base is not None and getattr(self.graph, "_tracker", "absent") is None else self.graph.replay)
 
     def matches(self, args: Sequence[Any]) -> bool:
         """Whether every borrowed input is still at its captured address."""
@@ -344,12 +350,16 @@ class CudaGraphRunner:
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if self._staged_ptrs:
             self._stage_from_python(args)
-        if self.staging is not None:
-            self.staging.point(args)
+        staging = self.staging
+        if staging is not None:
+            src = staging.src
+            for k, i in staging.pairs:
+                if args[i].data_ptr() != src[k]:
+                    staging.repoint(k, args[i])
         self.outputs.release()
         if self.before_replay is not None:
             self.before_replay()
-        self.graph.replay()
+        self._replay()
         for i in self._mutated_inputs:
             args[i].copy_(self.static_inputs[i])
         outs = list(self.static_outputs)
