@@ -14,6 +14,10 @@ from typing import Any
 
 import torch
 
+# The C call behind torch.cuda.current_device() (which adds a Python-level lazy-init check);
+# a Launcher with a direct handle has launched on this device, so CUDA is initialised.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
 # Set to False to always launch through ``kernel[grid](...)`` (for comparisons and debugging).
 DIRECT_LAUNCH = True
 
@@ -41,7 +45,7 @@ class Launcher:
         arguments, passed to the direct launcher as integers (Triton then skips its per-pointer
         ``data_ptr()`` call and driver query)."""
         d = self._direct
-        if d is not None and aligned and DIRECT_LAUNCH and torch.cuda.current_device() == self.device_index:
+        if d is not None and aligned and DIRECT_LAUNCH and _current_device() == self.device_index:
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             try:
                 d[0](self.grid, 1, 1, stream, d[1], d[2], None, None, None, *ptrs, *args[len(ptrs):])

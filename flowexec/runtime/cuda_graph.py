@@ -310,9 +310,22 @@ class CudaGraphRunner:
         snapshot = [(t, t.detach().clone()) for t in mutated]
         static = self.static_inputs
 
+        # One side stream per staged input: in the graph the copies are parallel branches that
+        # join before the first kernel, instead of a chain the program waits on copy by copy.
+        sides = {i: torch.cuda.Stream(device=example_inputs[i].device) for i in in_graph} if len(in_graph) > 1 else {}
+
         def body() -> list[Any]:
+            main = torch.cuda.current_stream()
             for i, a in in_graph.items():
-                static[i].copy_(a)
+                side = sides.get(i)
+                if side is None:
+                    static[i].copy_(a)
+                    continue
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    static[i].copy_(a)
+            for side in sides.values():
+                main.wait_stream(side)
             return run(*static)
         self.graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph))
         with torch.no_grad():
