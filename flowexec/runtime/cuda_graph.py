@@ -310,22 +310,11 @@ class CudaGraphRunner:
         snapshot = [(t, t.detach().clone()) for t in mutated]
         static = self.static_inputs
 
-        # One side stream per staged input: in the graph the copies are parallel branches that
-        # join before the first kernel, instead of a chain the program waits on copy by copy.
-        sides = {i: torch.cuda.Stream(device=example_inputs[i].device) for i in in_graph} if len(in_graph) > 1 else {}
-
+        # The copies stay one chain ahead of the program: parallel branches would end CUDA's
+        # constant-time launch of straight-line graphs (measured: 3.6 -> 4.4 µs per launch).
         def body() -> list[Any]:
-            main = torch.cuda.current_stream()
             for i, a in in_graph.items():
-                side = sides.get(i)
-                if side is None:
-                    static[i].copy_(a)
-                    continue
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    static[i].copy_(a)
-            for side in sides.values():
-                main.wait_stream(side)
+                static[i].copy_(a)
             return run(*static)
         self.graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph))
         with torch.no_grad():
