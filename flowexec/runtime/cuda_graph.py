@@ -19,6 +19,7 @@ Example (needs CUDA)::
 """
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 import weakref
@@ -175,11 +176,20 @@ class HandedOutputs:
                 outs[positions[k]] = alias
 
 
+@functools.lru_cache(maxsize=None)
 def _memcpy_runtime() -> Any:
-    """CUDA's runtime bindings (``cuda-bindings``) where installed: they re-point memcpy nodes."""
+    """CUDA's runtime bindings (``cuda-bindings``) where installed and torch keeps captured
+    graphs (``CUDAGraph(keep_graph=True)``, ``raw_cuda_graph_exec``): they re-point memcpy nodes.
+    None otherwise, and inputs are staged from Python."""
     try:
         from cuda.bindings import runtime
     except ImportError:
+        return None
+    if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        return None
+    try:
+        torch.cuda.CUDAGraph(keep_graph=True)
+    except (TypeError, RuntimeError):  # torch older than keep_graph, or no CUDA build
         return None
     return runtime
 
