@@ -1,0 +1,100 @@
+"""Where the host time of an eager lerp forward+backward goes, flowexec against PyTorch (CUDA).
+
+Small tensors ([16, 1024], w [1]) so that every figure is host-bound: each is the time per call
+of 3000 back-to-back calls followed by one synchronize.
+
+    PYTHONPATH=. python3 benchmarks/lerp_host.py --out benchmarks/results/lerp_host.json
+
+Figures: forward with grad-requiring inputs (``*_fwd_grad``), one forward launch with tensors
+or raw pointers as arguments, the backward implementation alone, forward + ``autograd.grad``
+(``*_fwd_grad3``) and ``autograd.grad`` alone on a retained graph (``*_grad3_only``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+L = importlib.import_module("flowexec.kernels.lerp")
+
+
+def loop_us(fn: Callable[[], Any], n: int = 3000, warm: int = 100) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def measure() -> dict[str, Any]:
+    dev = "cuda"
+    x = torch.randn(16, 1024, device=dev, requires_grad=True)
+    y = torch.randn(16, 1024, device=dev, requires_grad=True)
+    w = torch.rand(1, device=dev, requires_grad=True)
+    go = torch.randn(16, 1024, device=dev)
+    b: dict[str, Any] = {}
+    b["fx_fwd_grad"] = loop_us(lambda: L.lerp(x, y, w))
+    b["torch_fwd_grad"] = loop_us(lambda: torch.lerp(x, y, w))
+    with torch.no_grad():
+        p = L._plan(x, y, w)
+        xd, yd, wd = x.detach(), y.detach(), w.detach()
+        outd = torch.empty_like(xd)
+        b["fwd_launch_tensors"] = loop_us(lambda: p.fwd((xd, yd, wd, outd, 0.0, 0.0, *p.fwd_tail), True))
+        ptrs = (xd.data_ptr(), yd.data_ptr(), wd.data_ptr(), outd.data_ptr())
+        b["fwd_launch_ints"] = loop_us(lambda: p.fwd((xd, yd, wd, outd, 0.0, 0.0, *p.fwd_tail), True, ptrs))
+        b["direct_active"] = p.fwd._direct is not None
+        b["bwd_impl"] = loop_us(lambda: L._backward_impl(go, xd, yd, wd, 0.0, (True, True, True), p))
+    b["torch_fwd_grad3"] = loop_us(lambda: torch.autograd.grad(torch.lerp(x, y, w), (x, y, w), go))
+    b["fx_fwd_grad3"] = loop_us(lambda: torch.autograd.grad(L.lerp(x, y, w), (x, y, w), go))
+    o = L.lerp(x, y, w)
+    b["fx_grad3_only"] = loop_us(lambda: torch.autograd.grad(o, (x, y, w), go, retain_graph=True))
+    o2 = torch.lerp(x, y, w)
+    b["torch_grad3_only"] = loop_us(lambda: torch.autograd.grad(o2, (x, y, w), go, retain_graph=True))
+
+    class Noop(torch.autograd.Function):  # what any Python autograd node costs
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g
+    b["noop_fn_fwd"] = loop_us(lambda: Noop.apply(x))
+    b["noop_fn_grad"] = loop_us(lambda: torch.autograd.grad(Noop.apply(x), (x,), go))
+    b["torch_mul_grad"] = loop_us(lambda: torch.autograd.grad(x * 2.0, (x,), go))
+    return b
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "lerp_host.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("lerp_host.py measures CUDA launches; run it on a CUDA machine")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+           "command": "PYTHONPATH=. python3 benchmarks/lerp_host.py " + " ".join(sys.argv[1:]), "us": measure()}
+    print(json.dumps(out, indent=1))
+    with open(args.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
