@@ -17,7 +17,6 @@ import importlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -84,12 +83,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lerp_host.py measures CUDA launches; run it on a CUDA machine")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": "PYTHONPATH=. python3 benchmarks/lerp_host.py " + " ".join(sys.argv[1:]), "us": measure()}
     print(json.dumps(out, indent=1))
     with open(args.out, "w") as fh:
