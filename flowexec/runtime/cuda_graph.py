@@ -206,36 +206,40 @@ class StagingNodes:
     disables the node. Inputs that are not contiguous are copied from Python as before.
     """
 
-    def __init__(self, rt: Any, graph: torch.cuda.CUDAGraph, statics: dict[int, torch.Tensor],
-                 example: dict[int, torch.Tensor]) -> None:
+    def __init__(self, rt: Any, graph_exec: Any, entries: Sequence[tuple[int, Any, torch.Tensor, int]]) -> None:
+        """``entries``: (argument position, memcpy node, static buffer, source address now)."""
         self.rt = rt
-        self.exec = rt.cudaGraphExec_t(init_value=graph.raw_cuda_graph_exec())
+        self.exec = graph_exec
+        self.index = [i for i, _, _, _ in entries]  # argument positions staged by a node
+        self.nodes = [node for _, node, _, _ in entries]
+        self.statics = [st for _, _, st, _ in entries]
+        self.dst = [st.data_ptr() for st in self.statics]
+        self.nbytes = [st.numel() * st.element_size() for st in self.statics]
+        self.src = [src for _, _, _, src in entries]  # what each node reads now; -1: disabled
+        self.pairs = list(enumerate(self.index))
+        self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+
+    @classmethod
+    def from_graph(cls, rt: Any, graph: torch.cuda.CUDAGraph, statics: dict[int, torch.Tensor],
+                   example: dict[int, torch.Tensor]) -> StagingNodes:
+        """Find the memcpy node of each staged input by its (static buffer, example) addresses."""
         g = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
         err, _, n = rt.cudaGraphGetNodes(g, 0)
         err, nodes, n = rt.cudaGraphGetNodes(g, n)
         _check(rt, err, "cudaGraphGetNodes")
-        by_dst: dict[tuple[int, int], Any] = {}
+        by_addr: dict[tuple[int, int], Any] = {}
         for node in nodes:
             err, kind = rt.cudaGraphNodeGetType(node)
             if err == rt.cudaError_t.cudaSuccess and kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
                 err, prm = rt.cudaGraphMemcpyNodeGetParams(node)
                 if err == rt.cudaError_t.cudaSuccess:
-                    by_dst.setdefault((int(prm.dstPtr.ptr), int(prm.srcPtr.ptr)), node)
-        self.index: list[int] = []  # argument positions staged by a node
-        self.nodes: list[Any] = []
-        self.dst: list[int] = []
-        self.nbytes: list[int] = []
+                    by_addr.setdefault((int(prm.dstPtr.ptr), int(prm.srcPtr.ptr)), node)
+        entries = []
         for i, st in statics.items():
-            node = by_dst.get((st.data_ptr(), example[i].data_ptr()))
-            if node is not None:
-                self.index.append(i)
-                self.nodes.append(node)
-                self.dst.append(st.data_ptr())
-                self.nbytes.append(st.numel() * st.element_size())
-        self.pairs = list(enumerate(self.index))
-        self.src = [example[i].data_ptr() for i in self.index]  # what each node reads now; -1: disabled
-        self.statics = [statics[i] for i in self.index]
-        self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+            node = by_addr.get((st.data_ptr(), example[i].data_ptr()))
+            if node is not None:  # not found (e.g. torch copied with a kernel): staged from Python
+                entries.append((i, node, st, example[i].data_ptr()))
+        return cls(rt, rt.cudaGraphExec_t(init_value=graph.raw_cuda_graph_exec()), entries)
 
     def point(self, args: Sequence[Any]) -> None:
         """Aim every node at this call's argument (the runner inlines this loop)."""
@@ -320,17 +324,28 @@ class CudaGraphRunner:
         snapshot = [(t, t.detach().clone()) for t in mutated]
         static = self.static_inputs
 
-        # The copies stay one chain ahead of the program: parallel branches would end CUDA's
-        # constant-time launch of straight-line graphs (measured: 3.6 -> 4.4 µs per launch).
-        def body() -> list[Any]:
-            for i, a in in_graph.items():
-                static[i].copy_(a)
-            return run(*static)
-        self.graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph))
-        with torch.no_grad():
-            for t, saved in snapshot:
-                t.copy_(saved)
-        self.staging = StagingNodes(rt, self.graph, {i: static[i] for i in in_graph}, in_graph) if in_graph else None
+        def capture(in_graph: dict[int, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, Any]:
+            # The copies stay one chain ahead of the program: parallel branches would end CUDA's
+            # constant-time launch of straight-line graphs (measured: 3.6 -> 4.4 µs per launch).
+            def body() -> list[Any]:
+                for i, a in in_graph.items():
+                    static[i].copy_(a)
+                return run(*static)
+            graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph))
+            with torch.no_grad():
+                for t, saved in snapshot:
+                    t.copy_(saved)
+            return graph, outs
+
+        self.graph, outs = capture(in_graph)
+        self.staging: StagingNodes | None = None
+        if in_graph:
+            staging = StagingNodes.from_graph(rt, self.graph, {i: static[i] for i in in_graph}, in_graph)
+            if len(staging.index) == len(in_graph):
+                self.staging = staging
+            else:  # a copy became something other than a memcpy node: stage every input from Python
+                del staging, outs
+                self.graph, outs = capture({})
         in_nodes = set(self.staging.index) if self.staging is not None else set()
         self._staged_ptrs = [(i, static[i].data_ptr()) for i in self._staged if i not in in_nodes]
         self.static_outputs = outs
