@@ -523,4 +523,6 @@ def lerp(x: Tensor, y: Tensor, weight: Tensor | float) -> Tensor:
         return torch.ops.flowexec.lerp(x, y, w, wv)
     if torch._C._are_functorch_transforms_active():
         return _LerpFunction.apply(x, y, w, wv)
+    if not torch.is_grad_enabled() or not (x.requires_grad or y.requires_grad or (w is not None and w.requires_grad)):
+        return _forward_impl(x, y, w, wv)  # nothing to differentiate: no autograd node
     return _apply(x, y, w, wv)
