@@ -371,7 +371,7 @@ def host_overhead() -> dict[str, float]:
     r = {"torch.lerp fwd+bwd (CPU kernels)": per_call(grad(lambda: torch.lerp(x, y, w))),
          "empty autograd.Function fwd+bwd": per_call(grad(lambda: Empty.apply(x, y, w, 0.0)))}
     real_call = launch.Launcher.__call__
-    launch.Launcher.__call__ = lambda self, args, aligned: None  # plans, allocations, arguments: all but the launch
+    launch.Launcher.__call__ = lambda self, args, aligned, ptrs=(): None  # plans, allocations, arguments: all but the launch
     try:
         with L.triton_on_cpu():
             r["flowexec lerp fwd+bwd, launches stubbed"] = per_call(grad(lambda: lerp(x, y, w)))
