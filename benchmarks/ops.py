@@ -28,7 +28,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-import torch
+if "--host" in sys.argv:  # the Triton path on CPU tensors runs in Triton's interpreter, chosen at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flowexec.kernels import lerp  # noqa: E402
@@ -374,6 +377,8 @@ def host_overhead() -> dict[str, float]:
     launch.Launcher.__call__ = lambda self, args, aligned, ptrs=(): None  # plans, allocations, arguments: all but the launch
     try:
         with L.triton_on_cpu():
+            if not L._plan(x, y, w).use_triton:
+                raise RuntimeError("--host measures the Triton path: run it with TRITON_INTERPRET=1")
             r["flowexec lerp fwd+bwd, launches stubbed"] = per_call(grad(lambda: lerp(x, y, w)))
             r["torch.ops.flowexec.lerp fwd+bwd, launches stubbed"] = per_call(
                 grad(lambda: torch.ops.flowexec.lerp(x, y, w, 0.0)), 2000)
