@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowexec.runtime.cuda_graph import HandedOutputs
+from flowexec.runtime.outputs import HandedOutputs
 
 
 def test_unheld_outputs_are_reused_without_copies():

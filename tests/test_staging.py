@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowexec.runtime import cuda_graph as CG
-from flowexec.runtime.cuda_graph import StagingNodes
+from flowexec.runtime.staging import StagingNodes
 
 
 class FakeRuntime:
@@ -93,7 +93,7 @@ def test_runner_stages_from_python_when_a_copy_is_no_memcpy_node(monkeypatch):
     def fake_capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None, keep_graph: bool = False):
         captures.append(keep_graph)
         return FakeGraph(fn), fn()
-    monkeypatch.setattr(CG, "_memcpy_runtime", lambda: FakeRuntime())
+    monkeypatch.setattr(CG, "memcpy_runtime", lambda: FakeRuntime())
     monkeypatch.setattr(CG, "capture_graph", fake_capture)
     monkeypatch.setattr(StagingNodes, "from_graph", classmethod(lambda cls, rt, g, statics, ex: cls(rt, None, [])))
     out = torch.zeros(3)
