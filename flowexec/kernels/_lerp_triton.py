@@ -124,12 +124,10 @@ def _scalar_weight(w_hi, w_lo, ACC_F64: tl.constexpr):
 
 
 @triton.jit
-def _lerp_fwd_kernel(
-    x_ptr, y_ptr, w_ptr, out_ptr, w_hi, w_lo,
-    n0, n1, n2, n3, S, NB3, rows_per_split,
-    MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
-    ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-):
+def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1, n2, n3, S, NB3,
+                   VEC: tl.constexpr, BIG: tl.constexpr):
+    """What forward and backward programs both start from: coordinates, the row length as
+    Triton may see it, each operand's row stride, element count and base offset."""
     i0, i1, s, jn = _program_coords(n1, S, NB3)
     if VEC > 1:
         # n3 % VEC == 0, written so that Triton can see it: row starts and the column mask are
@@ -142,10 +140,19 @@ def _lerp_fwd_kernel(
     sy0, sy1, sy2, ky = _dims(MY, n0, n1, n2, n3)
     sw0, sw1, sw2, kw = _dims(MW, n0, n1, n2, n3)
     so0, so1, so2, ko = _dims(15, n0, n1, n2, n3)
-    bx = i0 * sx0 + i1 * sx1
-    by = i0 * sy0 + i1 * sy1
-    bw = i0 * sw0 + i1 * sw1
-    bo = i0 * so0 + i1 * so1
+    return (i0, i1, s, jn, n3, sx2, sy2, sw2, so2, kx, ky, kw,
+            i0 * sx0 + i1 * sx1, i0 * sy0 + i1 * sy1, i0 * sw0 + i1 * sw1, i0 * so0 + i1 * so1)
+
+
+@triton.jit
+def _lerp_fwd_kernel(
+    x_ptr, y_ptr, w_ptr, out_ptr, w_hi, w_lo,
+    n0, n1, n2, n3, S, NB3, rows_per_split,
+    MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
+    ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    i0, i1, s, jn, n3, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo = _program_setup(
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, VEC, BIG)
     cols = jn * BN + tl.arange(0, BN)
     cm = cols < n3
     row_lo = s * rows_per_split
@@ -262,22 +269,8 @@ def _lerp_bwd_kernel(
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr,
 ):
-    i0, i1, s, jn = _program_coords(n1, S, NB3)
-    if VEC > 1:
-        # n3 % VEC == 0, written so that Triton can see it: row starts and the column mask are
-        # then known to be VEC-aligned and masked loads vectorize (a hint on an argument is lost).
-        n3 = (n3 // VEC) * VEC
-    if BIG:
-        i0 = i0.to(tl.int64)
-        i1 = i1.to(tl.int64)
-    sx0, sx1, sx2, kx = _dims(MX, n0, n1, n2, n3)
-    sy0, sy1, sy2, ky = _dims(MY, n0, n1, n2, n3)
-    sw0, sw1, sw2, kw = _dims(MW, n0, n1, n2, n3)
-    so0, so1, so2, ko = _dims(15, n0, n1, n2, n3)
-    bx = i0 * sx0 + i1 * sx1
-    by = i0 * sy0 + i1 * sy1
-    bw = i0 * sw0 + i1 * sw1
-    bo = i0 * so0 + i1 * so1
+    i0, i1, s, jn, n3, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo = _program_setup(
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, VEC, BIG)
     # Where this program's partial row starts inside each operand's [P, K] partial block.
     rx = _partial_row(MX, i0, i1, s, jn, n0, n1, S, NB3) * kx
     ry = _partial_row(MY, i0, i1, s, jn, n0, n1, S, NB3) * ky

@@ -489,8 +489,7 @@ def _tracing(x: Tensor, y: Tensor, w: Tensor | None) -> bool:
     if torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling():
         return True
     for t in (x, y, w):
-        if t is not None and type(t) is not Tensor and type(t) is not torch.nn.Parameter \
-                and not isinstance(t, torch.nn.Parameter):
+        if t is not None and type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
             return True
     return False
 

@@ -98,15 +98,12 @@ class CudaGraphRunner:
         stage_in_graph: bool = True,
     ) -> None:
         self.before_replay = before_replay
-        self.borrow = tuple(borrow)
-        self.static_inputs: list[Any] = []
-        for a, b in zip(example_inputs, self.borrow):
-            if isinstance(a, torch.Tensor) and not b:
-                self.static_inputs.append(a.detach().clone())
-            else:
-                self.static_inputs.append(a)
-        self._staged = [i for i, (a, b) in enumerate(zip(example_inputs, self.borrow)) if isinstance(a, torch.Tensor) and not b]
-        self._borrowed = [(i, a.data_ptr()) for i, (a, b) in enumerate(zip(example_inputs, self.borrow)) if isinstance(a, torch.Tensor) and b]
+        tensors = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
+        self._staged = [i for i in tensors if not borrow[i]]
+        self._borrowed = [(i, example_inputs[i].data_ptr()) for i in tensors if borrow[i]]
+        self.static_inputs: list[Any] = list(example_inputs)
+        for i in self._staged:
+            self.static_inputs[i] = example_inputs[i].detach().clone()
         self._mutated_inputs = [i for i in mutated_inputs if i in self._staged]
         rt = memcpy_runtime() if stage_in_graph else None
         # In-graph staging reads the caller's tensor at replay: contiguous, and not one the graph writes.
@@ -141,7 +138,6 @@ class CudaGraphRunner:
                 self.graph, outs = capture({})
         in_nodes = set(self.staging.index) if self.staging is not None else set()
         self._staged_ptrs = [(i, static[i].data_ptr()) for i in self._staged if i not in in_nodes]
-        self.static_outputs = outs
         # Outputs that are the caller's own memory (inputs, state) are live views, never protected.
         input_storages = {a.untyped_storage().data_ptr() for a in [*example_inputs, *static, *state] if isinstance(a, torch.Tensor)}
         skip = set(unprotected_outputs)
@@ -153,8 +149,8 @@ class CudaGraphRunner:
                     self._protect.append(i)
         fresh = set(fresh_outputs)
         self.outputs = HandedOutputs([outs[i] for i in self._protect],
-                                     fresh=[k for k, i in enumerate(self._protect) if i in fresh], candidates=grad_candidates)
-        self.pool = self.graph.pool()
+                                     fresh=[k for k, i in enumerate(self._protect) if i in fresh], candidates=grad_candidates,
+                                     outputs=outs, positions=self._protect)
         # The C++ replay itself where torch's Python wrapper only checks a debug tracker (unset).
         base = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
         self._replay = (types.MethodType(base, self.graph)
@@ -170,21 +166,15 @@ class CudaGraphRunner:
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if self._staged_ptrs:
             self._stage_from_python(args)
-        staging = self.staging
-        if staging is not None:
-            src = staging.src
-            for k, i in staging.pairs:
-                if args[i].data_ptr() != src[k]:
-                    staging.repoint(k, args[i])
+        if self.staging is not None:
+            self.staging.point(args)
         self.outputs.release()
         if self.before_replay is not None:
             self.before_replay()
         self._replay()
         for i in self._mutated_inputs:
             args[i].copy_(self.static_inputs[i])
-        outs = list(self.static_outputs)
-        self.outputs.hand_out(outs, self._protect)
-        return outs
+        return self.outputs.hand_out()
 
     def _stage_from_python(self, args: Sequence[Any]) -> None:
         static = self.static_inputs

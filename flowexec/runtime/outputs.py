@@ -38,11 +38,21 @@ class HandedOutputs:
     """
 
     def __init__(self, buffers: Sequence[torch.Tensor], fresh: Sequence[int] = (),
-                 candidates: Callable[[], Sequence[torch.Tensor]] | None = None) -> None:
+                 candidates: Callable[[], Sequence[torch.Tensor]] | None = None,
+                 outputs: Sequence[Any] | None = None, positions: Sequence[int] | None = None) -> None:
+        """``buffers`` sit at ``positions`` of a call's ``outputs`` (default: they are the outputs);
+        ``fresh`` indexes the buffers handed out fresh, ``candidates()`` their possible owners."""
         self.buffers = list(buffers)
-        self.aliases = [b.detach() for b in self.buffers]
-        self.moved = 0  # how many held outputs were moved to private memory (for tests/stats)
+        self.positions = list(range(len(self.buffers))) if positions is None else list(positions)
         self.fresh = sorted(set(fresh))
+        self.kept = [k for k in range(len(self.buffers)) if k not in set(self.fresh)]
+        self.aliases: list[Any] = [None] * len(self.buffers)
+        # What a call returns, kept aliases in place; only a move changes it (fresh ones are
+        # filled in per call), so a call copies one list.
+        self.template = list(self.buffers) if outputs is None else list(outputs)
+        for k in self.kept:
+            self.aliases[k] = self.template[self.positions[k]] = self.buffers[k].detach()
+        self.moved = 0  # how many held outputs were moved to private memory (for tests/stats)
         self.candidates = candidates
         self._base = self._refcounts()
         self._storages = [self.buffers[k].untyped_storage()._cdata for k in self.fresh]
@@ -54,20 +64,20 @@ class HandedOutputs:
     def _refcounts(self) -> list[int]:
         # Same access pattern as release(): the list, the local name, getrefcount's argument.
         aliases = self.aliases
-        counts = []
-        for k in range(len(aliases)):
+        counts = [0] * len(aliases)
+        for k in self.kept:
             alias = aliases[k]
-            counts.append(getrefcount(alias))
+            counts[k] = getrefcount(alias)
         return counts
 
     def release(self) -> None:
         """Make every output the next replay overwrites private to whoever still holds it."""
         aliases, base = self.aliases, self._base
-        for k in range(len(aliases)):
+        for k in self.kept:
             alias = aliases[k]
             if getrefcount(alias) > base[k] or alias._use_count() > 1:
                 alias.data = alias.clone()
-                aliases[k] = self.buffers[k].detach()
+                aliases[k] = self.template[self.positions[k]] = self.buffers[k].detach()
                 self.moved += 1
         use_count, storage_base = torch._C._storage_Use_Count, self._storage_base
         for j, cdata in enumerate(self._storages):
@@ -106,14 +116,13 @@ class HandedOutputs:
                 return c
         return None
 
-    def hand_out(self, outs: list[Any], positions: Sequence[int]) -> None:
-        """Put this call's aliases into ``outs`` at ``positions`` (one per buffer)."""
-        aliases = self.aliases
-        for k, i in enumerate(positions):
-            outs[i] = aliases[k]
-        if self.fresh:  # after the kept ones: a fresh alias replaces its kept one in outs
-            last, buffers = self._last, self.buffers
+    def hand_out(self) -> list[Any]:
+        """This call's outputs: the template, with a new alias for every fresh buffer."""
+        outs = list(self.template)
+        if self.fresh:
+            last, buffers, positions = self._last, self.buffers, self.positions
             for j, k in enumerate(self.fresh):
                 alias = buffers[k].detach()
                 last[j] = weakref.ref(alias)
                 outs[positions[k]] = alias
+        return outs

@@ -73,7 +73,7 @@ class StagingNodes:
         return cls(rt, rt.cudaGraphExec_t(init_value=graph.raw_cuda_graph_exec()), entries)
 
     def point(self, args: Sequence[Any]) -> None:
-        """Aim every node at this call's argument (the runner inlines this loop)."""
+        """Aim every node at this call's argument (hot path: one pointer compare per input)."""
         src = self.src
         for k, i in self.pairs:
             if args[i].data_ptr() != src[k]:
