@@ -124,10 +124,10 @@ def _scalar_weight(w_hi, w_lo, ACC_F64: tl.constexpr):
 
 
 @triton.jit
-def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1, n2, n3, S, NB3,
-                   VEC: tl.constexpr, BIG: tl.constexpr):
-    """What forward and backward programs both start from: coordinates, the row length as
-    Triton may see it, each operand's row stride, element count and base offset."""
+def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1, n2, n3, S, NB3, rows_per_split,
+                   VEC: tl.constexpr, BIG: tl.constexpr, BN: tl.constexpr):
+    """What forward and backward programs both start from: coordinates; each operand's row
+    stride, element count and base offset; the columns (and their mask) and rows it owns."""
     i0, i1, s, jn = _program_coords(n1, S, NB3)
     if VEC > 1:
         # n3 % VEC == 0, written so that Triton can see it: row starts and the column mask are
@@ -140,8 +140,20 @@ def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1,
     sy0, sy1, sy2, ky = _dims(MY, n0, n1, n2, n3)
     sw0, sw1, sw2, kw = _dims(MW, n0, n1, n2, n3)
     so0, so1, so2, ko = _dims(15, n0, n1, n2, n3)
-    return (i0, i1, s, jn, n3, sx2, sy2, sw2, so2, kx, ky, kw,
-            i0 * sx0 + i1 * sx1, i0 * sy0 + i1 * sy1, i0 * sw0 + i1 * sw1, i0 * so0 + i1 * so1)
+    cols = jn * BN + tl.arange(0, BN)
+    row_lo = s * rows_per_split
+    return (i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw,
+            i0 * sx0 + i1 * sx1, i0 * sy0 + i1 * sy1, i0 * sw0 + i1 * sw1, i0 * so0 + i1 * so1,
+            cols, cols < n3, row_lo, tl.minimum(row_lo + rows_per_split, n2))
+
+
+@triton.jit
+def _row_tile(r0, row_hi, BM: tl.constexpr, BIG: tl.constexpr):
+    """The BM rows from r0 and their mask."""
+    rows = r0 + tl.arange(0, BM)
+    if BIG:
+        rows = rows.to(tl.int64)
+    return rows, rows < row_hi
 
 
 @triton.jit
@@ -151,19 +163,12 @@ def _lerp_fwd_kernel(
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
-    i0, i1, s, jn, n3, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo = _program_setup(
-        MX, MY, MW, n0, n1, n2, n3, S, NB3, VEC, BIG)
-    cols = jn * BN + tl.arange(0, BN)
-    cm = cols < n3
-    row_lo = s * rows_per_split
-    row_hi = tl.minimum(row_lo + rows_per_split, n2)
+    i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN)
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
-        rows = r0 + tl.arange(0, BM)
-        if BIG:
-            rows = rows.to(tl.int64)
-        rm = rows < row_hi
+        rows, rm = _row_tile(r0, row_hi, BM, BIG)
         xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64)
         yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64)
         if W_SCALAR:
@@ -269,16 +274,12 @@ def _lerp_bwd_kernel(
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr,
 ):
-    i0, i1, s, jn, n3, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo = _program_setup(
-        MX, MY, MW, n0, n1, n2, n3, S, NB3, VEC, BIG)
+    i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN)
     # Where this program's partial row starts inside each operand's [P, K] partial block.
     rx = _partial_row(MX, i0, i1, s, jn, n0, n1, S, NB3) * kx
     ry = _partial_row(MY, i0, i1, s, jn, n0, n1, S, NB3) * ky
     rw = _partial_row(MW, i0, i1, s, jn, n0, n1, S, NB3) * kw
-    cols = jn * BN + tl.arange(0, BN)
-    cm = cols < n3
-    row_lo = s * rows_per_split
-    row_hi = tl.minimum(row_lo + rows_per_split, n2)
     if ACC_F64:
         zero = tl.zeros([1, BN], tl.float64)
     else:
@@ -289,10 +290,7 @@ def _lerp_bwd_kernel(
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
-        rows = r0 + tl.arange(0, BM)
-        if BIG:
-            rows = rows.to(tl.int64)
-        rm = rows < row_hi
+        rows, rm = _row_tile(r0, row_hi, BM, BIG)
         g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64)
         if NEED_X or NEED_Y:
             if W_SCALAR:
