@@ -245,6 +245,120 @@ def test_double_backward_uses_differentiable_formulas():
 
 
 
+# ----------------------------------------------------------------------------- native front door
+# The C++ forward and autograd node (flowexec/kernels/csrc/lerp_native.cpp), CPU flavour: its
+# launches reach the same Triton kernels in the interpreter through a hook that decodes the
+# parameter blocks the C++ side packed. The first call of a shape runs in Python and plans the
+# forward natively, the second plans the backward, the third is native both ways.
+_native = importlib.import_module("flowexec.kernels._native")
+needs_native = pytest.mark.skipif(not _native.ENABLED, reason="FLOWEXEC_NATIVE=0")
+NATIVE_CASES = {
+    "case1": ((4, 96), (4, 96), (1,), torch.float32),
+    "case3": ((4, 1, 1, 1), (4, 3, 12, 12), (3, 1, 12), torch.float32),
+    "case4": ((4, 96), (4, 96), (4, 96), torch.float32),
+    "float-weight-f64": ((5, 33), (5, 33), None, torch.float64),
+    "bf16-rows": ((6, 1), (6, 40), (1, 40), torch.bfloat16),
+    "scalar-operands": ((), (7,), (), torch.float16),
+}
+
+
+def _native_plan(x, y, w):
+    plan = L._plan(x, y, w if isinstance(w, torch.Tensor) else None)
+    assert plan.use_triton and plan.native is not None, "the native path was not installed"
+    return plan
+
+
+@needs_triton
+@needs_native
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(NATIVE_CASES))
+def test_native_front_door_matches_float64(name):
+    xs, ys, ws, dtype = NATIVE_CASES[name]
+    with L.triton_on_cpu(native=True):
+        for call in range(3):
+            x, y, w = make_inputs(xs, ys, ws, dtype, (True, True, True), seed=call)
+            check(x, y, w, dtype)
+        out = lerp(x, y, w)
+        assert out.grad_fn.name() == "FlowexecLerpBackward"
+        check(x, y, w, dtype)
+        mask = 3 if ws is None else 7
+        assert _native_plan(x, y, w).native.has_backward(mask)
+
+
+@needs_triton
+@needs_native
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True),
+                                   (True, False, True)])
+def test_native_computes_only_required_gradients(needs):
+    with L.triton_on_cpu(native=True):
+        for seed in range(3):
+            x, y, w = make_inputs((3, 1, 8), (3, 5, 8), (5, 1), torch.float32, needs, seed=seed)
+            check(x, y, w, torch.float32)
+        mask = sum(1 << i for i, n in enumerate(needs) if n)
+        assert _native_plan(x, y, w).native.has_backward(mask)
+        assert not _native_plan(x, y, w).native.has_backward(7)
+        # autograd.grad(inputs=[w]) asks the node for w's gradient only, although x needs one too
+        x, y, w = make_inputs((3, 1, 8), (3, 5, 8), (5, 1), torch.float32, (True, True, True))
+        for _ in range(2):
+            (dw,) = torch.autograd.grad(lerp(x, y, w), [w], torch.ones(3, 5, 8))
+        assert _native_plan(x, y, w).native.has_backward(4)
+        ref = torch.autograd.grad(torch.lerp(x, y, w), [w], torch.ones(3, 5, 8))[0]
+        torch.testing.assert_close(dw, ref)
+
+
+@needs_triton
+@needs_native
+def test_native_node_semantics():
+    with L.triton_on_cpu(native=True):
+        x, y, w = make_inputs((4, 10), (4, 10), (10,), torch.float64, (True, True, True))
+        for _ in range(3):
+            lerp(x, y, w).sum().backward()
+        assert lerp(x, y, w).grad_fn.name() == "FlowexecLerpBackward"
+        # accumulation into .grad over the three backward calls
+        torch.testing.assert_close(w.grad, 3 * (y - x).detach().sum(0))
+        # double backward: the node switches to differentiable formulas
+        assert torch.autograd.gradgradcheck(lambda a, b, c: lerp(a, b, c), (x, y, w))
+        # a saved input modified in place is reported, as for any autograd op
+        out = lerp(x, y, w)
+        with torch.no_grad():
+            y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward(torch.ones_like(out))
+        # no grad mode: no node
+        with torch.no_grad():
+            assert lerp(x, y, w).grad_fn is None
+        # retain_graph: two backward passes through one node
+        out = lerp(x, y, w)
+        g1 = torch.autograd.grad(out, [x], torch.ones_like(out), retain_graph=True)[0]
+        g2 = torch.autograd.grad(out, [x], torch.ones_like(out))[0]
+        torch.testing.assert_close(g1, g2)
+
+
+@needs_triton
+@needs_native
+def test_native_takes_unusual_tensors_back_to_python():
+    with L.triton_on_cpu(native=True):
+        for seed in range(3):
+            x, y, w = make_inputs((6, 9), (6, 9), (9,), torch.float32, (True, True, True), seed=seed)
+            check(x, y, w, torch.float32)
+        # a transposed (non-contiguous) input is made contiguous natively
+        yt = torch.randn(9, 6).t().requires_grad_()
+        check(x, yt, w, torch.float32)
+        assert lerp(x, yt, w).grad_fn.name() == "FlowexecLerpBackward"
+        # a view 4 bytes into its storage is not 16-byte aligned: the Python path takes it
+        xm = torch.randn(6 * 9 + 1)[1:].view(6, 9).requires_grad_()
+        check(xm, y, w, torch.float32)
+        assert lerp(xm, y, w).grad_fn.name() != "FlowexecLerpBackward"
+        # the plan cache cleared while a native graph is alive: the node plans its backward again
+        out = lerp(x, y, w)
+        L._PLANS.clear()
+        g = torch.ones_like(out)
+        got = torch.autograd.grad(out, [x, y, w], g)
+        want = torch.autograd.grad(torch.lerp(x, y, w), [x, y, w], g)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
 @pytest.mark.skipif(L.interpreter_active() or not L.HAS_TRITON or torch.cuda.is_available(),
                     reason="the Triton-kernel tests ran in this process")
 def test_triton_kernels_in_a_fresh_interpreter_process():

@@ -31,7 +31,7 @@ class Launcher:
         >>> launch((x, out, x.numel(), 1024), aligned=True)   # doctest: +SKIP
     """
 
-    __slots__ = ("fn", "grid", "num_warps", "device_index", "_direct")
+    __slots__ = ("fn", "grid", "num_warps", "device_index", "_direct", "compiled")
 
     def __init__(self, fn: Any, grid: int, num_warps: int, device_index: int | None) -> None:
         self.fn = fn
@@ -39,6 +39,7 @@ class Launcher:
         self.num_warps = num_warps
         self.device_index = device_index  # None: CPU tensors (Triton interpreter)
         self._direct: tuple | None = None  # (launcher, function, packed metadata)
+        self.compiled: Any = None  # the CompiledKernel of the first aligned launch (for _native)
 
     def __call__(self, args: tuple, aligned: bool, ptrs: tuple = ()) -> None:
         """Launch on the current stream. ``ptrs``: the data pointers of the leading tensor
@@ -58,12 +59,13 @@ class Launcher:
             return
         compiled = self.fn[(self.grid,)](*args, num_warps=self.num_warps)
         if self.device_index is not None and aligned and self._direct is None:
+            if hasattr(compiled, "result"):  # asynchronous compilation returns a future
+                compiled = compiled.result()
+            self.compiled = compiled
             self._direct = _direct_handle(compiled)
 
 
 def _direct_handle(compiled: Any) -> tuple | None:
-    if hasattr(compiled, "result"):  # asynchronous compilation returns a future
-        compiled = compiled.result()
     try:
         run = compiled.run  # property: loads the module on first access
         return (run, compiled.function, compiled.packed_metadata)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _native
 from ._launch import Launcher
 
 try:  # Triton is optional: without it every device uses the PyTorch implementation.
@@ -67,6 +68,9 @@ config = LerpConfig()
 # Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported); normal CPU use takes the
 # PyTorch implementation.
 force_triton_on_cpu = os.environ.get("FLOWEXEC_LERP_TRITON_CPU", "0") == "1"
+# The native front door (``_native``) is used on CUDA; on CPU tensors in the interpreter only when
+# a test asks (``triton_on_cpu(native=True)``): building the CPU flavour takes ~30 s.
+native_on_cpu = False
 _PLANS: dict[tuple, _Plan] = {}
 _COUNTERS: dict[tuple[int, int], Tensor] = {}
 _SM_COUNT: dict[int, int] = {}
@@ -93,16 +97,20 @@ def configured(**changes: Any) -> Iterator[LerpConfig]:
 
 
 @contextlib.contextmanager
-def triton_on_cpu(enabled: bool = True) -> Iterator[None]:
-    """Run the Triton kernels on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``); for tests."""
-    global force_triton_on_cpu
-    old = force_triton_on_cpu
-    force_triton_on_cpu = enabled
+def triton_on_cpu(enabled: bool = True, native: bool = False) -> Iterator[None]:
+    """Run the Triton kernels on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``); for tests.
+
+    ``native=True`` also sends eager calls through the native front door's CPU flavour, whose
+    launches run in the interpreter from the parameter blocks the C++ side packs.
+    """
+    global force_triton_on_cpu, native_on_cpu
+    old = force_triton_on_cpu, native_on_cpu
+    force_triton_on_cpu, native_on_cpu = enabled, native
     _PLANS.clear()
     try:
         yield
     finally:
-        force_triton_on_cpu = old
+        force_triton_on_cpu, native_on_cpu = old
         _PLANS.clear()
 
 
@@ -248,6 +256,8 @@ class _Plan:
             device.type == "cpu" and force_triton_on_cpu and interpreter_active())
         self.use_triton = HAS_TRITON and on_triton_device and canon is not None
         self._backward: dict[tuple[bool, bool, bool], _Backward] = {}
+        self.native: Any = None  # the C++ LerpPlan once the forward is installed there
+        self.native_pending = self.use_triton and _native.ENABLED and (device.type == "cuda" or native_on_cpu)
         shapes = (tuple(xs), tuple(ys), tuple(ws) if ws is not None else None)
         self.out_like = next((i for i, sh in enumerate(shapes) if sh == tuple(self.out_shape)), -1)
         self.part_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -280,6 +290,43 @@ class _Plan:
             bw = self._backward[needs] = _Backward(self, needs)
         return bw
 
+    # -- the native front door: programs built from launches Triton has compiled
+    def install_native_forward(self, args: tuple) -> None:
+        """Hand the forward to the C++ side after its first launch (``args``: that launch's)."""
+        self.native_pending = False
+        mod = _native.load(cuda=self.device.type == "cuda")
+        if mod is None:
+            return
+        weight = (4, 5) if self.w_scalar else None
+        launch = _native.native_launch(self.fwd, args, {0: 0, 1: 1, 2: 2, 3: 3}, weight)
+        if launch is None:
+            return
+        import weakref
+
+        ref = weakref.ref(self)  # the C++ plan holds this callback: no cycle through C++
+        nat = mod.LerpPlan(-1 if self.device_index is None else self.device_index, self.w_scalar, self.acc_f64,
+                           lambda g, x, y, w, wv, needs: _native_backward(ref, g, x, y, w, wv, needs))
+        like = self.out_like
+        shape = [] if like >= 0 else list(self.out_shape)
+        mod.install(nat, -1, 4, [(3, like, shape, self.dtype)], [launch])
+        self.native_forward = mod.forward
+        self.native = nat
+
+    def install_native_backward(self, bw: _Backward, main_args: tuple, final_args: tuple) -> None:
+        if self.native is None or bw.fused:  # the last-block counter is not planned natively
+            return
+        mod = _native.load(cuda=self.device.type == "cuda")
+        weight = (9, 10) if self.w_scalar else None
+        launches = [_native.native_launch(bw.main, main_args, {i: i for i in range(9)}, weight)]
+        if bw.final is not None:
+            launches.append(_native.native_launch(bw.final, final_args, {0: 7, 1: 4, 2: 5, 3: 6}, None))
+        if mod is None or any(la is None for la in launches):
+            return
+        allocs = [(4 + i, 1 + i, [], self.dtype) for i in range(3) if bw.needs[i]]
+        if bw.part_numel:
+            allocs.append((7, -1, [bw.part_numel], self.part_dtype))
+        mask = sum(1 << i for i in range(3) if bw.needs[i])
+        mod.install(self.native, mask, 9, allocs, launches)
 
 def interpreter_active() -> bool:
     """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1`` set before Triton was imported)."""
@@ -366,12 +413,16 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     hi, lo = _split_weight(wv, plan.acc_f64)
     ptrs = (x.data_ptr(), y.data_ptr(), wt.data_ptr(), out.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2]) & 15)
-    plan.fwd((x, y, wt, out, hi, lo, *plan.fwd_tail), aligned, ptrs)
+    args = (x, y, wt, out, hi, lo, *plan.fwd_tail)
+    plan.fwd(args, aligned, ptrs)
+    if plan.native_pending and aligned:
+        plan.install_native_forward(args)
     return out
 
 
 def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float, needs: tuple[bool, bool, bool],
-                   plan: _Plan | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                   plan: _Plan | None = None, native_install: bool = False
+                   ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return _backward_torch(g, x, y, w if w is not None else wv, needs)
@@ -391,10 +442,25 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
     ptrs = (g.data_ptr(), x.data_ptr(), y.data_ptr(), wt.data_ptr(), dx.data_ptr(), dy.data_ptr(), dw.data_ptr(),
             part.data_ptr(), counter.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
-    bw.main((g, x, y, wt, dx, dy, dw, part, counter, hi, lo, *bw.args_tail), aligned, ptrs)
+    main_args = (g, x, y, wt, dx, dy, dw, part, counter, hi, lo, *bw.args_tail)
+    bw.main(main_args, aligned, ptrs)
+    final_args: tuple = ()
     if bw.final is not None:
-        bw.final((part, dx, dy, dw, *bw.final_args_tail), True, (ptrs[7], ptrs[4], ptrs[5], ptrs[6]))
+        final_args = (part, dx, dy, dw, *bw.final_args_tail)
+        bw.final(final_args, True, (ptrs[7], ptrs[4], ptrs[5], ptrs[6]))
+    if native_install and aligned:
+        plan.install_native_backward(bw, main_args, final_args)
     return (dx if needs[0] else None, dy if needs[1] else None, dw if needs[2] else None)
+
+
+def _native_backward(ref: Any, g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
+                     needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The C++ node's way back: a set of gradients not planned natively yet (planned now for next
+    time), or tensors the native path does not take (misaligned, another current device)."""
+    plan = ref()
+    if plan is None:  # the plan cache was cleared while the graph lived
+        plan = _plan(x, y, w)
+    return _backward_impl(g, x, y, w, wv, needs, plan, native_install=True)
 
 
 def _backward_torch(g: Tensor, x: Tensor, y: Tensor, w: Tensor | float, needs: Sequence[bool]
@@ -522,6 +588,11 @@ def lerp(x: Tensor, y: Tensor, weight: Tensor | float) -> Tensor:
         return torch.ops.flowexec.lerp(x, y, w, wv)
     if torch._C._are_functorch_transforms_active():
         return _LerpFunction.apply(x, y, w, wv)
+    plan = _plan(x, y, w)
+    if plan.native is not None:  # C++ forward and autograd node
+        out = plan.native_forward(plan.native, x, y, w, wv)
+        if out is not None:
+            return out
     if not torch.is_grad_enabled() or not (x.requires_grad or y.requires_grad or (w is not None and w.requires_grad)):
-        return _forward_impl(x, y, w, wv)  # nothing to differentiate: no autograd node
+        return _forward_impl(x, y, w, wv, plan)  # nothing to differentiate: no autograd node
     return _apply(x, y, w, wv)

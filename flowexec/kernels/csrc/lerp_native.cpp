@@ -1,0 +1,371 @@
+// Native front door of flowexec::lerp: planned launches of the Triton kernels and a C++ autograd
+// node, so that an eager forward+backward pays no Python autograd.Function and no Python
+// launcher (see docs/kernels.md, "Native launch path").
+//
+// Python plans everything (shapes, grids, compiled kernels, argument values) and hands this file
+// *programs*: which buffers to allocate and which kernels to launch with which parameter
+// values. A call only makes inputs contiguous, allocates, patches data pointers (and a Python
+// float weight) into a copy of the parameter block, and calls cuLaunchKernel. A backward for a
+// set of required gradients that was never planned, a misaligned tensor or another current
+// device goes back to Python (`LerpPlan.py_backward`), which plans it for next time.
+//
+// Built by torch.utils.cpp_extension (flowexec/kernels/_native.py). With FLOWEXEC_WITH_CUDA the
+// launches go to the driver; without it (CPU tests) to a Python hook that runs the same kernels
+// in Triton's interpreter, so the packing and the autograd node are tested without a GPU.
+
+#include <torch/extension.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <ATen/ExpandUtils.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#ifdef FLOWEXEC_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <dlfcn.h>
+#endif
+
+namespace py = pybind11;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+namespace flowexec {
+
+constexpr int kMaxParams = 64;
+
+#ifdef FLOWEXEC_WITH_CUDA
+// cuLaunchKernel from the driver torch already loaded: no link-time dependency on libcuda.
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                         void**, void**);
+LaunchFn driver_launch() {
+  static LaunchFn fn = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    TORCH_CHECK(lib != nullptr, "flowexec::lerp: cannot open libcuda.so.1: ", dlerror());
+    auto f = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+    TORCH_CHECK(f != nullptr, "flowexec::lerp: libcuda.so.1 has no cuLaunchKernel");
+    return f;
+  }();
+  return fn;
+}
+#else
+py::object& test_hook() {  // CPU build: (test_id, grid, [(kind, value)], buffers) -> None
+  static py::object* hook = new py::object();  // leaked: outlives interpreter shutdown ordering
+  return *hook;
+}
+#endif
+
+// One planned kernel launch: a parameter block with one 8-byte slot per kernel parameter.
+struct Launch {
+  int64_t function = 0;  // CUfunction (CUDA build) or the test id (CPU build)
+  unsigned grid = 1, block = 128, shared = 0;
+  std::vector<uint64_t> values;
+  std::vector<char> kinds;                      // per parameter: p i l f d n H L
+  std::vector<std::pair<int, int>> ptr_slots;   // (parameter, buffer)
+  int w_hi = -1, w_lo = -1;                     // parameters that take the call's float weight
+
+  void run(const std::vector<at::Tensor>& bufs, float hi, float lo, int device) const {
+    const size_t n = values.size();
+    uint64_t vals[kMaxParams];
+    void* ptrs[kMaxParams];
+    std::memcpy(vals, values.data(), n * sizeof(uint64_t));
+    for (const auto& [p, b] : ptr_slots) vals[p] = reinterpret_cast<uint64_t>(bufs[b].data_ptr());
+    if (w_hi >= 0) std::memcpy(&vals[w_hi], &hi, sizeof(float));
+    if (w_lo >= 0) std::memcpy(&vals[w_lo], &lo, sizeof(float));
+    for (size_t i = 0; i < n; ++i) ptrs[i] = &vals[i];
+#ifdef FLOWEXEC_WITH_CUDA
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    int err = driver_launch()(reinterpret_cast<void*>(function), grid, 1, 1, block, 1, 1, shared, stream, ptrs,
+                              nullptr);
+    TORCH_CHECK(err == 0, "flowexec::lerp: cuLaunchKernel failed with CUresult ", err);
+#else
+    (void)device;
+    (void)ptrs;
+    py::gil_scoped_acquire gil;
+    py::list params;
+    for (size_t i = 0; i < n; ++i) {
+      const char k = kinds[i];
+      if (k == 'i') {
+        int32_t v;
+        std::memcpy(&v, &vals[i], 4);
+        params.append(py::make_tuple("i", v));
+      } else if (k == 'f' || k == 'H' || k == 'L') {
+        float v;
+        std::memcpy(&v, &vals[i], 4);
+        params.append(py::make_tuple("f", v));
+      } else if (k == 'd') {
+        double v;
+        std::memcpy(&v, &vals[i], 8);
+        params.append(py::make_tuple("d", v));
+      } else {  // pointers and 64-bit integers: the raw slot
+        params.append(py::make_tuple(std::string(1, k), static_cast<int64_t>(vals[i])));
+      }
+    }
+    py::list b;
+    for (const auto& t : bufs) b.append(t);
+    test_hook()(function, grid, params, b);
+#endif
+  }
+};
+
+// An allocation of a program: empty_like(buffer `like`) or empty(shape, dtype) on the first
+// buffer's device.
+struct Alloc {
+  int buffer = 0;
+  int like = -1;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
+// Buffers 0..n_inputs-1 are the call's inputs; allocations fill others; the rest alias buffer 0.
+struct Program {
+  int n_buffers = 0;
+  std::vector<Alloc> allocs;
+  std::vector<Launch> launches;
+
+  void run(std::vector<at::Tensor>& bufs, float hi, float lo, int device) const {
+    for (const auto& a : allocs) {
+      bufs[a.buffer] = a.like >= 0 ? at::empty_like(bufs[a.like])
+                                   : at::empty(a.shape, bufs[0].options().dtype(a.dtype));
+    }
+    for (auto& t : bufs)
+      if (!t.defined()) t = bufs[0];
+    for (const auto& l : launches) l.run(bufs, hi, lo, device);
+  }
+};
+
+struct LerpPlan {
+  int device = -1;  // CUDA device index; -1: CPU tensors (test build)
+  bool w_scalar = false;
+  bool f64 = false;
+  std::atomic<Program*> fwd{nullptr};
+  std::array<std::atomic<Program*>, 8> bwd{};  // by needs mask: bit 0 dx, bit 1 dy, bit 2 dw
+  py::object py_backward;  // (g, x, y, w | None, wv, (nx, ny, nw)) -> (dx, dy, dw)
+  std::mutex lock;
+  std::vector<std::unique_ptr<Program>> owned;
+
+  LerpPlan(int device_, bool w_scalar_, bool f64_, py::object py_backward_)
+      : device(device_), w_scalar(w_scalar_), f64(f64_), py_backward(std::move(py_backward_)) {
+    for (auto& b : bwd) b.store(nullptr);
+  }
+  ~LerpPlan() {
+    // The last owner may be an autograd node freed on an engine thread: take the GIL for the
+    // Python callable, or leak it if Python is already gone.
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      py_backward = py::object();
+    } else {
+      py_backward.release();
+    }
+  }
+
+  void install(int slot, std::unique_ptr<Program> p) {
+    std::lock_guard<std::mutex> g(lock);
+    Program* raw = p.get();
+    owned.push_back(std::move(p));
+    if (slot < 0)
+      fwd.store(raw);
+    else
+      bwd.at(slot).store(raw);
+  }
+
+  bool on_device(const at::Tensor& t) const {
+#ifdef FLOWEXEC_WITH_CUDA
+    return t.is_cuda() && t.get_device() == device && c10::cuda::current_device() == device;
+#else
+    return t.is_cpu() && device == -1;
+#endif
+  }
+
+  std::pair<float, float> split(double wv) const {
+    const float hi = static_cast<float>(wv);
+    return {hi, f64 ? static_cast<float>(wv - static_cast<double>(hi)) : 0.0f};
+  }
+};
+
+bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
+
+at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+template <class N>
+auto make_node() {
+  // torch >= 2.12 holds autograd nodes in intrusive pointers, earlier versions in shared_ptr.
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, N>) {
+    return c10::make_intrusive<N>();
+  } else {
+    return std::make_shared<N>();
+  }
+}
+
+struct LerpBackward : public Node {
+  SavedVariable x_, y_, w_;
+  double wv = 0.0;
+  std::shared_ptr<LerpPlan> plan;
+
+  std::string name() const override { return "FlowexecLerpBackward"; }
+
+  void release_variables() override {
+    x_.reset_data();
+    y_.reset_data();
+    w_.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(3);
+    const at::Tensor& g = grads[0];
+    if (!g.defined()) return out;
+    const bool nx = task_should_compute_output(0), ny = task_should_compute_output(1);
+    const bool nw = !plan->w_scalar && task_should_compute_output(2);
+    if (!(nx || ny || nw)) return out;
+    at::Tensor x = x_.unpack(), y = y_.unpack(), w = plan->w_scalar ? at::Tensor() : w_.unpack();
+    if (at::GradMode::is_enabled()) {  // create_graph=True: differentiable formulas
+      auto one_minus = plan->w_scalar ? at::Tensor() : 1 - w;
+      if (nx) out[0] = at::sum_to(plan->w_scalar ? g * (1 - wv) : g * one_minus, x.sym_sizes());
+      if (ny) out[1] = at::sum_to(plan->w_scalar ? g * wv : g * w, y.sym_sizes());
+      if (nw) out[2] = at::sum_to(g * (y - x), w.sym_sizes());
+      return out;
+    }
+    const int mask = int(nx) | (int(ny) << 1) | (int(nw) << 2);
+    Program* p = plan->bwd[mask].load();
+    if (p != nullptr && plan->on_device(g)) {
+      std::vector<at::Tensor> bufs(p->n_buffers);
+      bufs[0] = contiguous(g);
+      bufs[1] = contiguous(x);
+      bufs[2] = contiguous(y);
+      bufs[3] = plan->w_scalar ? bufs[1] : contiguous(w);
+      if (aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]) && aligned(bufs[3])) {
+        const auto [hi, lo] = plan->split(wv);
+        p->run(bufs, hi, lo, plan->device);
+        if (nx) out[0] = bufs[4];
+        if (ny) out[1] = bufs[5];
+        if (nw) out[2] = bufs[6];
+        return out;
+      }
+    }
+    py::gil_scoped_acquire gil;  // first use of this mask, or an unusual tensor: Python plans it
+    py::object wobj = plan->w_scalar ? py::none() : py::cast(w);
+    py::tuple r = plan->py_backward(g, x, y, wobj, wv, py::make_tuple(nx, ny, nw));
+    for (int i = 0; i < 3; ++i)
+      if (!r[i].is_none()) out[i] = r[i].cast<at::Tensor>();
+    return out;
+  }
+};
+
+// The eager forward. Returns an undefined tensor (None in Python) when it cannot take the call;
+// the caller then uses the Python path.
+at::Tensor forward(const std::shared_ptr<LerpPlan>& plan, const at::Tensor& x, const at::Tensor& y,
+                   const std::optional<at::Tensor>& w_opt, double wv) {
+  Program* p = plan->fwd.load();
+  if (p == nullptr || !plan->on_device(x)) return {};
+  const at::Tensor w = w_opt.has_value() ? *w_opt : at::Tensor();
+  const bool requires_grad = torch::autograd::compute_requires_grad(x, y, w);
+  if (requires_grad && (x._fw_grad(0).defined() || y._fw_grad(0).defined() || (w.defined() && w._fw_grad(0).defined())))
+    return {};  // forward-mode AD: the Python autograd.Function reports it
+  std::vector<at::Tensor> bufs(p->n_buffers);
+  {
+    at::NoGradGuard no_grad;  // contiguous() copies must not enter the autograd graph
+    bufs[0] = contiguous(x);
+    bufs[1] = contiguous(y);
+    bufs[2] = w.defined() ? contiguous(w) : bufs[0];
+    if (!(aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]))) return {};
+    const auto [hi, lo] = plan->split(wv);
+    p->run(bufs, hi, lo, plan->device);
+  }
+  at::Tensor out = bufs[3];
+  if (requires_grad) {
+    auto node = make_node<LerpBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, y, w));
+    node->x_ = SavedVariable(x, false);
+    node->y_ = SavedVariable(y, false);
+    if (w.defined()) node->w_ = SavedVariable(w, false);
+    node->wv = wv;
+    node->plan = plan;
+    torch::autograd::set_history(out, node);
+  }
+  return out;
+}
+
+Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned shared, const py::list& params) {
+  Launch l;
+  l.function = function;
+  l.grid = grid;
+  l.block = block;
+  l.shared = shared;
+  TORCH_CHECK(params.size() <= static_cast<size_t>(kMaxParams), "flowexec::lerp: too many kernel parameters");
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto item = params[i].cast<py::tuple>();
+    const auto kind = item[0].cast<std::string>();
+    TORCH_CHECK(kind.size() == 1, "flowexec::lerp: bad parameter kind ", kind);
+    const char k = kind[0];
+    uint64_t slot = 0;
+    switch (k) {
+      case 'p': l.ptr_slots.emplace_back(static_cast<int>(i), item[1].cast<int>()); break;
+      case 'i': { int32_t v = item[1].cast<int32_t>(); std::memcpy(&slot, &v, 4); break; }
+      case 'l': { int64_t v = item[1].cast<int64_t>(); std::memcpy(&slot, &v, 8); break; }
+      case 'f': { float v = item[1].cast<float>(); std::memcpy(&slot, &v, 4); break; }
+      case 'd': { double v = item[1].cast<double>(); std::memcpy(&slot, &v, 8); break; }
+      case 'n': break;
+      case 'H': l.w_hi = static_cast<int>(i); break;
+      case 'L': l.w_lo = static_cast<int>(i); break;
+      default: TORCH_CHECK(false, "flowexec::lerp: bad parameter kind ", kind);
+    }
+    l.values.push_back(slot);
+    l.kinds.push_back(k);
+  }
+  return l;
+}
+
+// Python: install(plan, slot, n_buffers, allocs=[(buffer, like, shape, dtype)],
+//                 launches=[(function, grid, block, shared, [(kind, value)])]); slot -1: forward.
+void install(const std::shared_ptr<LerpPlan>& plan, int slot, int n_buffers, const py::list& allocs,
+             const py::list& launches) {
+  auto p = std::make_unique<Program>();
+  p->n_buffers = n_buffers;
+  for (const auto& a : allocs) {
+    auto t = a.cast<py::tuple>();
+    Alloc al;
+    al.buffer = t[0].cast<int>();
+    al.like = t[1].cast<int>();
+    al.shape = t[2].cast<std::vector<int64_t>>();
+    al.dtype = t[3].cast<at::ScalarType>();
+    TORCH_CHECK(al.buffer >= 0 && al.buffer < n_buffers && al.like < n_buffers, "flowexec::lerp: bad allocation");
+    p->allocs.push_back(std::move(al));
+  }
+  for (const auto& lo : launches) {
+    auto t = lo.cast<py::tuple>();
+    Launch l = make_launch(t[0].cast<int64_t>(), t[1].cast<unsigned>(), t[2].cast<unsigned>(), t[3].cast<unsigned>(),
+                           t[4].cast<py::list>());
+    for (const auto& [param, buf] : l.ptr_slots)
+      TORCH_CHECK(buf >= 0 && buf < n_buffers, "flowexec::lerp: parameter ", param, " names buffer ", buf);
+    p->launches.push_back(std::move(l));
+  }
+  plan->install(slot, std::move(p));
+}
+
+}  // namespace flowexec
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using flowexec::LerpPlan;
+  py::class_<LerpPlan, std::shared_ptr<LerpPlan>>(m, "LerpPlan")
+      .def(py::init<int, bool, bool, py::object>(), py::arg("device"), py::arg("w_scalar"), py::arg("f64"),
+           py::arg("py_backward"))
+      .def("has_forward", [](const LerpPlan& p) { return p.fwd.load() != nullptr; })
+      .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; });
+  m.def("install", &flowexec::install);
+  m.def("forward", &flowexec::forward, py::arg("plan"), py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
+#ifdef FLOWEXEC_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+  m.def("set_test_hook", [](py::object f) { flowexec::test_hook() = std::move(f); });
+#endif
+}
