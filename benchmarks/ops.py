@@ -189,6 +189,28 @@ def measure(case: Case, impl: str, dev: str, full: bool = True) -> dict[str, flo
     return r
 
 
+def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5) -> dict[str, list[float]]:
+    """Wall times of both implementations measured in alternating rounds (the host's speed drifts
+    by tens of percent within a run; alternating puts both sides under the same drift). The
+    medians over rounds replace the single figures ``measure`` took; the rounds are returned."""
+    fns: dict[str, dict[str, Callable[[], Any]]] = {}
+    for impl in ("torch", "flowexec"):
+        x, y, w, go = make_inputs(case, dev)
+        ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
+        f = torch.lerp if impl == "torch" else lerp
+        fns[impl] = {"wall_fwd_bwd_us": (lambda f=f, x=x, y=y, w=w, ins=ins, go=go: torch.autograd.grad(f(x, y, w), ins, go)),
+                     "wall_fwd_us": (lambda f=f, x=x, y=y, w=w: f(x, y, w))}
+    got: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for impl in (("torch", "flowexec") if r % 2 == 0 else ("flowexec", "torch")):
+            for key, fn in fns[impl].items():
+                got.setdefault(f"{impl}:{key}", []).append(bench(fn))
+    for name, vals in got.items():
+        impl, key = name.split(":")
+        row[impl][key] = sorted(vals)[len(vals) // 2]
+    return got
+
+
 def loop_us(fn: Callable[[], Any], n: int = 200) -> float:
     """Time per call of n back-to-back calls, then one sync (host and device overlapped, L2 warm).
 
@@ -228,6 +250,7 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
             row["max_rel_err"] = check_case(case, dev)
             for impl in ("torch", "flowexec"):
                 row[impl] = measure(case, impl, dev)
+            row["wall_rounds"] = interleaved_walls(case, dev, row)
         except Exception:  # keep going: the other cases still tell something
             row["error"] = traceback.format_exc(limit=4)
             res[case.name] = row
@@ -411,7 +434,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": "PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else ""),
-        "copy_bandwidth_TBps": bw / 1e12,
+        "copy_bandwidth_TBps": bw / 1e12, "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
     }
     cases = [c for c in REFERENCE + EXTRA if not args.cases or c.name in args.cases]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -434,6 +457,7 @@ def main() -> None:
         result["cases"] = {}
         run_cases(cases, dev, bw, log, result["cases"], save)
         result["direct_launch_active"] = direct_launch_active()
+        result["native_front_door_active"] = importlib.import_module("flowexec.kernels._native").front_door is not None
     save()
     if args.sweep:
         print("\nsweep (µs):\n" + sweep_table(result["sweep"]))

@@ -96,17 +96,18 @@ def broadcast_cases(draw):
     needs = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
     tile = draw(st.sampled_from([2, 4, 16, 4096]))
     fused_max = draw(st.sampled_from([0, 1 << 30]))
-    return xs, ys, ws, dtype, needs, tile, fused_max
+    full = draw(st.booleans())
+    return xs, ys, ws, dtype, needs, tile, (fused_max, full)
 
 
 @needs_triton
 @SETTINGS
 @given(broadcast_cases())
 def test_triton_kernels_match_float64(case):
-    xs, ys, ws, dtype, needs, tile, fused_max = case
+    xs, ys, ws, dtype, needs, tile, (fused_max, full) = case
     x, y, w = make_inputs(xs, ys, ws, dtype, needs)
     with L.triton_on_cpu(), L.configured(tile={2: tile, 4: tile, 8: tile}, fused_final_max=fused_max,
-                                          programs_per_sm=2):
+                                          programs_per_sm=2, full_tile_loads=full):
         plan = L._plan(x, y, w if isinstance(w, torch.Tensor) else None)
         assert plan.use_triton or plan.numel == 0  # the test must exercise the kernels
         check(x, y, w, dtype)
@@ -336,6 +337,26 @@ def test_native_node_semantics():
 
 @needs_triton
 @needs_native
+def test_native_front_door_steps_aside_for_tracing_and_transforms():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.func import grad, vmap
+
+    with L.triton_on_cpu(native=True):
+        for seed in range(3):
+            x, y, w = make_inputs((3, 4), (3, 4), (4,), torch.float64, (True, True, True), seed=seed)
+            check(x, y, w, torch.float64)
+        assert lerp(x, y, w).grad_fn.name() == "FlowexecLerpBackward"
+        xd, yd, wd = (t.detach() for t in (x, y, w))
+        gm = make_fx(lambda a, b, c: lerp(a, b, c))(xd, yd, wd)  # a dispatch mode is active
+        assert any(n.target is torch.ops.flowexec.lerp.default for n in gm.graph.nodes)
+        got = grad(lambda a: lerp(a, yd, wd).sum())(xd)  # functorch transform
+        torch.testing.assert_close(got, (1 - wd).expand(3, 4))
+        got = vmap(lambda a, b: lerp(a, b, wd))(xd, yd)
+        torch.testing.assert_close(got, torch.lerp(xd, yd, wd))
+
+
+@needs_triton
+@needs_native
 def test_native_takes_unusual_tensors_back_to_python():
     with L.triton_on_cpu(native=True):
         for seed in range(3):
@@ -349,12 +370,14 @@ def test_native_takes_unusual_tensors_back_to_python():
         xm = torch.randn(6 * 9 + 1)[1:].view(6, 9).requires_grad_()
         check(xm, y, w, torch.float32)
         assert lerp(xm, y, w).grad_fn.name() != "FlowexecLerpBackward"
-        # the plan cache cleared while a native graph is alive: the node plans its backward again
+        # plans forgotten while a native graph is alive: a gradient set never planned goes back to
+        # Python, which plans the call afresh
         out = lerp(x, y, w)
-        L._PLANS.clear()
+        assert out.grad_fn.name() == "FlowexecLerpBackward"
+        L.clear_plans()
         g = torch.ones_like(out)
-        got = torch.autograd.grad(out, [x, y, w], g)
-        want = torch.autograd.grad(torch.lerp(x, y, w), [x, y, w], g)
+        got = torch.autograd.grad(out, [x, w], g)
+        want = torch.autograd.grad(torch.lerp(x, y, w), [x, w], g)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
 

@@ -87,12 +87,27 @@ def _tile_mask(M: tl.constexpr, rm, cm):
 
 
 @triton.jit
-def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr, ACC_F64: tl.constexpr):
-    offs = _tile_offsets(M, base, rows, cols, s2, VEC)
-    if (M & 3) == 0:
-        v = tl.load(ptr + offs)
+def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr, ACC_F64: tl.constexpr,
+          FULL: tl.constexpr):
+    """Load an operand's tile as float32 (float64 for ACC_F64), zero outside the masks.
+
+    With ``FULL`` an operand that keeps only one of d2, d3 is loaded as a whole [BM, BN] tile with
+    stride 0 along the other: its repeated elements come from L1, and the tile then has the
+    same register layout as the full operands, so combining them needs no layout conversion
+    through shared memory (on sm_90 the case-3 backward's loop had 6 barriers for that).
+    """
+    if FULL and (M & 3) == 1:
+        if VEC > 1:
+            base = tl.multiple_of(base, VEC)
+        offs = base + (rows * 0)[:, None] + cols[None, :]
+        v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
+    elif FULL and (M & 3) == 2:
+        offs = base + (rows * s2)[:, None] + (cols * 0)[None, :]
+        v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
+    elif (M & 3) == 0:
+        v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC))
     else:
-        v = tl.load(ptr + offs, mask=_tile_mask(M, rm, cm), other=0.0)
+        v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0)
     if ACC_F64:
         v = v.to(tl.float64)
     else:
@@ -162,6 +177,7 @@ def _lerp_fwd_kernel(
     n0, n1, n2, n3, S, NB3, rows_per_split,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN)
@@ -169,12 +185,12 @@ def _lerp_fwd_kernel(
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG)
-        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64)
-        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64)
+        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
+        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
         if W_SCALAR:
             wv = w_s
         else:
-            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64)
+            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
         d = yv - xv
         # Same two-sided formula as ATen: exact at both ends (w = 0 gives x, w = 1 gives y).
         res = tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv))
@@ -212,8 +228,10 @@ def _grad_out(
     """Store or accumulate one [BM, BN] gradient tile for an operand with keep-mask M.
 
     If the operand keeps d2, its rows are distinct elements: reduce over d3 if it broadcasts
-    there and store now. Otherwise add the column sums into ``acc`` ([1, BN]), which
-    ``_grad_flush`` writes once after the row loop.
+    there and store now. Otherwise add the tile into ``acc`` ([BM, BN]) as it is; ``_grad_flush``
+    reduces it and writes once after the row loop. Summing across rows here instead would cost a
+    cross-warp reduction (shared memory and barriers) per row tile; an elementwise add costs none.
+    Rows and columns outside the tile's mask add zero: g is loaded as 0 there.
     """
     if M & 2:
         if M & 1:
@@ -226,22 +244,25 @@ def _grad_out(
         else:
             tl.store(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm))
     else:
-        acc += tl.sum(gt, axis=0)[None, :]
+        acc += gt
     return acc
 
 
 @triton.jit
 def _grad_flush(acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, cols, cm,
                 VEC: tl.constexpr):
+    """Reduce the [BM, BN] accumulator of an operand that broadcasts d2 (over rows, and over
+    columns too if it broadcasts d3) and write it: the program's only cross-warp reductions."""
     if (M & 2) == 0:
         if M & 1:
+            v = tl.sum(acc, axis=0)[None, :]
             offs = _tile_offsets(M, base, cols, cols, 0, VEC)
             if RED:
-                tl.store(part_ptr + off_p + offs, acc, mask=cm[None, :])
+                tl.store(part_ptr + off_p + offs, v, mask=cm[None, :])
             else:
-                tl.store(dst_ptr + offs, acc, mask=cm[None, :])
+                tl.store(dst_ptr + offs, v, mask=cm[None, :])
         else:
-            v = tl.sum(tl.sum(acc, axis=1), axis=0)  # masked columns hold zeros
+            v = tl.sum(tl.sum(acc, axis=1), axis=0)  # masked rows and columns hold zeros
             if RED:
                 tl.store(part_ptr + off_p + base, v)
             else:
@@ -272,7 +293,7 @@ def _lerp_bwd_kernel(
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_W: tl.constexpr,
     RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FBR: tl.constexpr, FBK: tl.constexpr,
+    FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN)
@@ -280,10 +301,12 @@ def _lerp_bwd_kernel(
     rx = _partial_row(MX, i0, i1, s, jn, n0, n1, S, NB3) * kx
     ry = _partial_row(MY, i0, i1, s, jn, n0, n1, S, NB3) * ky
     rw = _partial_row(MW, i0, i1, s, jn, n0, n1, S, NB3) * kw
+    # Row-summed gradients accumulate whole tiles (reduced once, in _grad_flush); an operand
+    # that keeps d2 leaves its accumulator untouched and the compiler drops it.
     if ACC_F64:
-        zero = tl.zeros([1, BN], tl.float64)
+        zero = tl.zeros([BM, BN], tl.float64)
     else:
-        zero = tl.zeros([1, BN], tl.float32)
+        zero = tl.zeros([BM, BN], tl.float32)
     acc_x = zero
     acc_y = zero
     acc_w = zero
@@ -291,12 +314,12 @@ def _lerp_bwd_kernel(
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG)
-        g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64)
+        g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL)
         if NEED_X or NEED_Y:
             if W_SCALAR:
                 wv = w_s
             else:
-                wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64)
+                wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
             if NEED_X:
                 acc_x = _grad_out(g * (1.0 - wv), acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X,
                                   bx, rows, cols, sx2, rm, cm, VEC)
@@ -304,8 +327,8 @@ def _lerp_bwd_kernel(
                 acc_y = _grad_out(g * wv, acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y,
                                   by, rows, cols, sy2, rm, cm, VEC)
         if NEED_W:
-            xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64)
-            yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64)
+            xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
+            yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
             acc_w = _grad_out(g * (yv - xv), acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W,
                               bw, rows, cols, sw2, rm, cm, VEC)
     if NEED_X:

@@ -32,6 +32,8 @@ _MODULES: dict[bool, Any] = {}
 _FAILED: dict[bool, str] = {}
 # CPU build only: test id -> (Launcher, args template, positions of kernel parameters).
 _TEST_LAUNCHES: dict[int, tuple[Any, tuple, list[int]]] = {}
+# The loaded extension's lerp(x, y, w, wv) -> Tensor | None: the eager front door.
+front_door: Any = None
 
 _WEIGHT_KINDS = ("H", "L")
 
@@ -76,7 +78,15 @@ def load(cuda: bool) -> Any | None:
     if not cuda:
         mod.set_test_hook(_test_hook)
     _MODULES[cuda] = mod
+    global front_door
+    front_door = mod.lerp
     return mod
+
+
+def clear_plans() -> None:
+    """Empty the front door's plan registry of every loaded flavour."""
+    for mod in _MODULES.values():
+        mod.clear_plans()
 
 
 def _index(src: Any, key: Any) -> int:

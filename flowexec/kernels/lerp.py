@@ -61,6 +61,7 @@ class LerpConfig:
     bwd_warps: int = 4
     programs_per_sm: int = 4
     fused_final_max: int = 0
+    full_tile_loads: bool = True
 
 
 config = LerpConfig()
@@ -88,12 +89,12 @@ def configured(**changes: Any) -> Iterator[LerpConfig]:
     global config
     old = config
     config = dataclasses.replace(config, **changes)
-    _PLANS.clear()
+    clear_plans()
     try:
         yield config
     finally:
         config = old
-        _PLANS.clear()
+        clear_plans()
 
 
 @contextlib.contextmanager
@@ -106,12 +107,18 @@ def triton_on_cpu(enabled: bool = True, native: bool = False) -> Iterator[None]:
     global force_triton_on_cpu, native_on_cpu
     old = force_triton_on_cpu, native_on_cpu
     force_triton_on_cpu, native_on_cpu = enabled, native
-    _PLANS.clear()
+    clear_plans()
     try:
         yield
     finally:
         force_triton_on_cpu, native_on_cpu = old
-        _PLANS.clear()
+        clear_plans()
+
+
+def clear_plans() -> None:
+    """Forget every plan (Python's and the native front door's); the next calls plan again."""
+    _PLANS.clear()
+    _native.clear_plans()
 
 
 # ----------------------------------------------------------------------------- planning
@@ -225,7 +232,7 @@ class _Backward:
         self.args_tail = (
             n0, n1, n2, n3, s, nb3, rows_per_split, gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
-            self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk,
+            self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
         )
         self.final = None
         self.final_args_tail = ()
@@ -279,7 +286,7 @@ class _Plan:
         row_tiles = _cdiv(n2, self.bm)
         self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * self.nb3, config.fwd_warps)
         self.fwd_tail = (n0, n1, n2, n3, row_tiles, self.nb3, self.bm, *self.masks, self.w_scalar,
-                         self.acc_f64, self.big, self.vec, self.bm, self.bn)
+                         self.acc_f64, self.big, self.vec, self.bm, self.bn, config.full_tile_loads)
 
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
@@ -309,7 +316,7 @@ class _Plan:
         like = self.out_like
         shape = [] if like >= 0 else list(self.out_shape)
         mod.install(nat, -1, 4, [(3, like, shape, self.dtype)], [launch])
-        self.native_forward = mod.forward
+        mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
         self.native = nat
 
     def install_native_backward(self, bw: _Backward, main_args: tuple, final_args: tuple) -> None:
@@ -549,6 +556,9 @@ def _op_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
 _lerp_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _tracing(x: Tensor, y: Tensor, w: Tensor | None) -> bool:
     # Dispatch modes (make_fx's proxy mode, fake/functional modes) and Dynamo need the op, not
     # our launches; so do tensor subclasses (a Parameter is a plain tensor here).
@@ -584,15 +594,20 @@ def lerp(x: Tensor, y: Tensor, weight: Tensor | float) -> Tensor:
         w, wv = weight, 0.0
     else:
         w, wv = None, float(weight)
+    front = _native.front_door
+    if (front is not None and type(x) in _PLAIN and type(y) in _PLAIN and (w is None or type(w) in _PLAIN)
+            and not torch.compiler.is_compiling()):
+        # C++ from here: dispatch-mode and functorch checks, plan lookup, forward and autograd
+        # node. None: not planned natively yet, or a call it leaves to the paths below.
+        out = front(x, y, w, wv)
+        if out is not None:
+            return out
     if _tracing(x, y, w):
         return torch.ops.flowexec.lerp(x, y, w, wv)
     if torch._C._are_functorch_transforms_active():
-        return _LerpFunction.apply(x, y, w, wv)
+        # vmap/grad/jvp see through ATen's lerp, which computes the same formula
+        return torch.lerp(x, y, weight)
     plan = _plan(x, y, w)
-    if plan.native is not None:  # C++ forward and autograd node
-        out = plan.native_forward(plan.native, x, y, w, wv)
-        if out is not None:
-            return out
     if not torch.is_grad_enabled() or not (x.requires_grad or y.requires_grad or (w is not None and w.requires_grad)):
         return _forward_impl(x, y, w, wv, plan)  # nothing to differentiate: no autograd node
     return _apply(x, y, w, wv)

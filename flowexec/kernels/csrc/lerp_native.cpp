@@ -18,6 +18,8 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <ATen/ExpandUtils.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <array>
 #include <atomic>
@@ -25,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #ifdef FLOWEXEC_WITH_CUDA
@@ -294,6 +297,77 @@ at::Tensor forward(const std::shared_ptr<LerpPlan>& plan, const at::Tensor& x, c
   return out;
 }
 
+// ---------------------------------------------------------------------------- plan registry
+// The eager front door looks plans up here by (dtype, device, shapes), so that a call that was
+// planned before never builds a Python key. Python registers a plan once it is installed and
+// clears the registry with its own cache. Only touched with the GIL held.
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const {
+    size_t h = k.size();
+    for (int64_t v : k) h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+using Registry = std::unordered_map<std::vector<int64_t>, std::shared_ptr<LerpPlan>, KeyHash>;
+Registry& registry() {
+  static Registry* r = new Registry();  // leaked: plans may outlive static destruction order
+  return *r;
+}
+
+void append_key(std::vector<int64_t>& key, const at::Tensor& t) {
+  key.push_back(t.dim());
+  for (int64_t s : t.sizes()) key.push_back(s);
+}
+
+std::vector<int64_t> key_of(const at::Tensor& x, const at::Tensor& y, const at::Tensor& w) {
+  std::vector<int64_t> key;
+  key.reserve(16);
+  key.push_back(static_cast<int64_t>(x.scalar_type()));
+  key.push_back(static_cast<int64_t>(x.device().type()));
+  key.push_back(x.device().index());
+  append_key(key, x);
+  append_key(key, y);
+  if (w.defined())
+    append_key(key, w);
+  else
+    key.push_back(-1);
+  return key;
+}
+
+// Tensors the native path leaves to Python: subclasses with __torch_dispatch__, functorch
+// wrappers, functionalization, anything not dense.
+bool plain(const at::Tensor& t) {
+  constexpr c10::DispatchKeySet unusual({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                          c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                          c10::DispatchKey::Functionalize, c10::DispatchKey::Conjugate,
+                                          c10::DispatchKey::Negative});
+  return t.layout() == at::kStrided && !t.key_set().has_any(unusual);
+}
+
+void register_plan(const std::shared_ptr<LerpPlan>& plan, const at::Tensor& x, const at::Tensor& y,
+                   const std::optional<at::Tensor>& w) {
+  registry()[key_of(x, y, w.has_value() ? *w : at::Tensor())] = plan;
+}
+
+// The eager front door: the checks Python's lerp() would make, the plan lookup and the call.
+// An undefined result (None) sends the call down the Python path, which plans it or reports
+// what is wrong with it.
+at::Tensor lerp(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& w_opt, double wv) {
+  // Dispatch modes (make_fx, fake tensors) and functorch transforms (which include their front
+  // key in the thread-local set while any transform is active) need the registered op.
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
+    return {};
+  const at::Tensor w = w_opt.has_value() ? *w_opt : at::Tensor();
+  if (!plain(x) || !plain(y) || (w.defined() && !plain(w))) return {};
+  if (y.scalar_type() != x.scalar_type() || y.device() != x.device()) return {};
+  if (w.defined() && (w.scalar_type() != x.scalar_type() || w.device() != x.device())) return {};
+  auto& reg = registry();
+  auto it = reg.find(key_of(x, y, w));
+  if (it == reg.end()) return {};
+  return forward(it->second, x, y, w_opt, wv);
+}
+
 Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned shared, const py::list& params) {
   Launch l;
   l.function = function;
@@ -361,6 +435,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("has_forward", [](const LerpPlan& p) { return p.fwd.load() != nullptr; })
       .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; });
   m.def("install", &flowexec::install);
+  m.def("register_plan", &flowexec::register_plan);
+  m.def("clear_plans", [] { flowexec::registry().clear(); });
+  m.def("lerp", &flowexec::lerp, py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
   m.def("forward", &flowexec::forward, py::arg("plan"), py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
 #ifdef FLOWEXEC_WITH_CUDA
   m.attr("with_cuda") = true;
