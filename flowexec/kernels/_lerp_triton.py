@@ -88,7 +88,7 @@ def _tile_mask(M: tl.constexpr, rm, cm):
 
 @triton.jit
 def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr, ACC_F64: tl.constexpr,
-          FULL: tl.constexpr):
+          FULL: tl.constexpr, EVICT: tl.constexpr = False):
     """Load an operand's tile as float32 (float64 for ACC_F64), zero outside the masks.
 
     With ``FULL`` an operand that keeps only one of d2, d3 is loaded as a whole [BM, BN] tile with
@@ -106,6 +106,9 @@ def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr,
         v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
     elif (M & 3) == 0:
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC))
+    elif EVICT and (M & 3) == 3:  # streamed once: leave L2 to the operands that are reused
+        v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0,
+                    eviction_policy="evict_first")
     else:
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0)
     if ACC_F64:
@@ -177,7 +180,7 @@ def _lerp_fwd_kernel(
     n0, n1, n2, n3, S, NB3, rows_per_split,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FULL: tl.constexpr,
+    FULL: tl.constexpr, STREAM: tl.constexpr, EVICT: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN)
@@ -185,12 +188,12 @@ def _lerp_fwd_kernel(
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG)
-        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
-        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
+        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL, EVICT)
+        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL, EVICT)
         if W_SCALAR:
             wv = w_s
         else:
-            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
+            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL, EVICT)
         d = yv - xv
         # Same two-sided formula as ATen: exact at both ends (w = 0 gives x, w = 1 gives y).
         res = tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv))
@@ -199,7 +202,10 @@ def _lerp_fwd_kernel(
         else:
             res = res + tl.zeros([BM, BN], tl.float32)
         offs = _tile_offsets(15, bo, rows, cols, so2, VEC)
-        tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :])
+        if STREAM:  # written once, read by nobody soon: do not keep it in the caches
+            tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :], cache_modifier=".cs")
+        else:
+            tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :])
 
 
 @triton.jit
