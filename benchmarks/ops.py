@@ -108,8 +108,8 @@ def graph_of(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     return capture_graph(fn)[0]
 
 
-def kernel_sum_us(fn: Callable[[], Any], reps: int = 20) -> float:
-    """Median over reps of the summed durations of the kernels fn launches (L2 flushed before each).
+def kernel_times(fn: Callable[[], Any], reps: int = 20) -> list[list[tuple[str, float]]]:
+    """Per repetition, the (name, µs) of each kernel fn launches, L2 flushed before each.
 
     Each repetition is: flush (zero a 256 MiB buffer), a marker kernel (bitwise_not on one byte,
     which no implementation launches), fn. Kernels are read back from the profiler's trace.
@@ -132,14 +132,20 @@ def kernel_sum_us(fn: Callable[[], Any], reps: int = 20) -> float:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    sums: list[float] = []
+    reps_seen: list[list[tuple[str, float]]] = []
     for e in kernels:
         name = e.get("name", "")
         if "bitwise_not" in name:
-            sums.append(0.0)
-        elif sums and "FillFunctor<int>" not in name:
-            sums[-1] += e["dur"]
-    return sorted(sums)[len(sums) // 2] if sums else float("nan")
+            reps_seen.append([])
+        elif reps_seen and "FillFunctor<int>" not in name:
+            reps_seen[-1].append((name, float(e["dur"])))
+    return reps_seen
+
+
+def kernel_sum_us(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Median over reps of the summed durations of the kernels fn launches (L2 flushed before each)."""
+    sums = sorted(sum(d for _, d in rep) for rep in kernel_times(fn, reps))
+    return sums[len(sums) // 2] if sums else float("nan")
 
 
 def check_case(case: Case, dev: str) -> float:

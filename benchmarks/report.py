@@ -70,17 +70,21 @@ def lerp() -> None:
     d = load("ops.json")
     if not d:
         return
-    print(f"Fused lerp forward+backward — {d['device']}, {d['date'][:10]} (`{d['command']}`):\n")
-    print("| case | PyTorch GPU | flowexec GPU | speed-up | ÷ memory floor | wall (do_bench) PyTorch → flowexec |")
-    print("|---|---|---|---|---|---|")
+    print(f"Fused lerp forward+backward — {d['device']}, {d['date'][:10]}, commit {d.get('commit', '?')} "
+          f"(`{d['command']}`):\n")
+    print("| case | GPU fwd+bwd PyTorch → flowexec | ÷ memory floor (graph / kernels) "
+          "| wall fwd+bwd (do_bench) PyTorch → flowexec | wall fwd PyTorch → flowexec |")
+    print("|---|---|---|---|---|")
     for name in ("case1", "case2", "case3", "case4"):
         c = d["cases"].get(name)
         if not c:
             continue
         t, f = c["torch"], c["flowexec"]
-        print(f"| {name}: x {c['x']} y {c['y']} w {c['w']} {c['dtype']} | {t['gpu_fwd_bwd_us']:.1f} µs | {f['gpu_fwd_bwd_us']:.1f} µs | "
-              f"{t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}× | {c['flowexec_gpu_over_floor']:.2f} | "
-              f"{t['wall_fwd_bwd_us']:.0f} → {f['wall_fwd_bwd_us']:.0f} µs |")
+        print(f"| {name}: x {c['x']} y {c['y']} w {c['w']} {c['dtype']} "
+              f"| {t['gpu_fwd_bwd_us']:.1f} → {f['gpu_fwd_bwd_us']:.1f} µs ({t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}×) "
+              f"| {c['flowexec_gpu_over_floor']:.2f} / {c['flowexec_kernels_over_floor']:.2f} "
+              f"| {t['wall_fwd_bwd_us']:.0f} → {f['wall_fwd_bwd_us']:.0f} µs ({t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}×) "
+              f"| {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
     print()
 
 

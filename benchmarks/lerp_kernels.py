@@ -1,0 +1,97 @@
+"""Kernel-by-kernel GPU time of the fused lerp, its tuning variants, PyTorch and a yardstick (CUDA).
+
+For each reference case (and the float16/bfloat16 variants of cases 3 and 4): the durations of
+the kernels of one forward + ``autograd.grad`` (profiler, L2 flushed before each repetition,
+median per kernel), for PyTorch, for flowexec with ``LerpConfig()`` as shipped and with one knob
+changed at a time, and for a plain ``g * y`` — an elementwise kernel that moves the bytes of the
+backward's largest stream (read ``g`` and ``y``, write one output): what a simple kernel achieves
+against the memory floor at these sizes.
+
+    PYTHONPATH=. python3 benchmarks/lerp_kernels.py --out benchmarks/results/lerp_kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from ops import EXTRA, REFERENCE, Case, copy_bandwidth, floor_bytes, kernel_times, make_inputs  # noqa: E402
+
+L = importlib.import_module("flowexec.kernels.lerp")
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "shipped": {},
+    "no full-tile loads": {"full_tile_loads": False},
+    "no streaming store": {"fwd_stream_store": False},
+    "final pass 4096/step": {"final_block": 4096},
+    "tile ÷2": {"tile": {2: 2048, 4: 1024, 8: 512}},
+    "tile ×2": {"tile": {2: 8192, 4: 4096, 8: 2048}},
+    "8 programs / SM": {"programs_per_sm": 8},
+    "last-block final": {"fused_final_max": 1 << 30},
+}
+
+
+def per_kernel(fn: Callable[[], Any]) -> dict[str, float]:
+    """Median duration per kernel position (µs), and their sum."""
+    by_pos: dict[str, list[float]] = {}
+    for rep in kernel_times(fn, reps=30):
+        for i, (name, dur) in enumerate(rep):
+            short = name.split("(")[0].split("<")[0].replace("void ", "")[:40]
+            by_pos.setdefault(f"{i}:{short}", []).append(dur)
+    out = {k: round(statistics.median(v), 2) for k, v in by_pos.items()}
+    out["total"] = round(sum(out.values()), 2)
+    return out
+
+
+def measure(case: Case, bw: float) -> dict[str, Any]:
+    x, y, w, go = make_inputs(case, "cuda")
+    ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor)]
+    fb, bb = floor_bytes(case)
+    row: dict[str, Any] = {"floor_fwd_bwd_us": (fb + bb) / bw * 1e6}
+    row["torch"] = per_kernel(lambda: torch.autograd.grad(torch.lerp(x, y, w), ins, go))
+    yd = y.detach()
+    row["yardstick g*y"] = per_kernel(lambda: go * yd)
+    row["yardstick g*y floor_us"] = 3 * go.numel() * go.element_size() / bw * 1e6
+    for name, change in VARIANTS.items():
+        with L.configured(**change):
+            row[name] = per_kernel(lambda: torch.autograd.grad(L.lerp(x, y, w), ins, go))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "lerp_kernels.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/lerp_kernels.py needs a CUDA device")
+    import triton
+
+    bw = copy_bandwidth("cuda")
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "command": "PYTHONPATH=. python3 benchmarks/lerp_kernels.py", "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
+        "copy_bandwidth_TBps": bw / 1e12, "cases": {},
+    }
+    wanted = {"case1", "case2", "case3", "case4", "case3-f16", "case4-bf16"}
+    for case in [c for c in REFERENCE + EXTRA if c.name in wanted]:
+        res["cases"][case.name] = row = measure(case, bw)
+        print(f"{case.name}: floor {row['floor_fwd_bwd_us']:.1f} µs, torch {row['torch']['total']:.1f}, "
+              + ", ".join(f"{k} {row[k]['total']:.1f}" for k in VARIANTS), flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
