@@ -7,17 +7,21 @@ over broadcast dims fused in (block partials, then a tiny final reduction done b
 block or by one small kernel). Only the gradients autograd asks for are computed, and ``x`` and
 ``y`` are read only when ``w`` needs a gradient. On the CPU a PyTorch implementation is used.
 
-Two front doors share one implementation:
+Front doors, one implementation:
 
-* :func:`lerp` — eager calls go through a lean ``torch.autograd.Function`` (no dispatcher
-  round trip); under tracing (make_fx, Dynamo, fake tensors) it calls the registered op.
+* :func:`lerp` — eager calls. Once a call's shapes are planned and its kernels compiled, they run
+  in C++ (``csrc/lerp_native.cpp`` via ``_native``): planned launches and a C++ autograd node.
+  The first call of a shape, and anything the native path leaves (misaligned tensors, forward
+  AD, a build that failed, ``FLOWEXEC_NATIVE=0``), go through a lean ``torch.autograd.Function``.
+  Under tracing (make_fx, Dynamo, fake tensors) it calls the registered op; under functorch
+  transforms ATen's ``torch.lerp``.
 * ``torch.ops.flowexec.lerp(x, y, weight: Tensor | None, weight_value: float)`` — the
   ``torch.library`` op with autograd and fake (meta) support, for captured programs. Its
   backward is the op ``torch.ops.flowexec.lerp_backward``.
 
 Launch costs dominate small calls, so everything that depends only on shapes, dtype and
 device (canonical dims, block sizes, grids, launch arguments, compiled kernels) is planned once
-per signature and cached; a call does a dict lookup, allocates its outputs and launches.
+per signature and cached; a call looks its plan up, allocates its outputs and launches.
 """
 from __future__ import annotations
 
@@ -49,11 +53,15 @@ _OP = "flowexec::lerp"
 class LerpConfig:
     """Tuning knobs of the Triton path (defaults: the best of the sweep in docs/kernels.md, H200).
 
-    ``tile``: elements per [BM, BN] tile by element size; ``programs_per_sm``: target programs
-    per multiprocessor when the backward splits a reduced dim; ``fused_final_max``: partial
-    sums up to this many elements are reduced by the kernel's last block instead of a second
-    launch (0: always a separate final kernel; on the H200 it measured no slower — case 1
-    19.5 vs 20.6 µs — presumably because every program then pays a barrier and an atomic).
+    ``tile``: elements per [BM, BN] tile by element size (``fwd_tile``: the forward's, when it
+    should differ); ``programs_per_sm``: target programs per multiprocessor when the backward
+    splits a reduced dim; ``fused_final_max``: partial sums up to this many elements are reduced
+    by the kernel's last block instead of a second launch (0: always a separate final kernel,
+    which measured faster: case 3 21.9 vs 38.5 µs); ``full_tile_loads``: load operands that keep
+    only rows or only columns as whole tiles (no layout conversions); ``fwd_stream_store``: store
+    the forward's output with the streaming hint; ``fwd_evict_first``: evict-first loads in the
+    forward (measured no faster); ``final_block``: partials the final pass reads per program step.
+    Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
 
     tile: dict[int, int] = dataclasses.field(default_factory=lambda: {2: 4096, 4: 2048, 8: 1024})
@@ -515,8 +523,8 @@ class _LerpFunction(torch.autograd.Function):
 
 
 # autograd.Function.apply's C++ half, bound to our class. The Python half only binds default
-# arguments (we have none) and unwraps functorch wrappers (only under functorch transforms,
-# which lerp() sends through the full apply): about 3 µs of a ~10 µs call saved.
+# arguments (we have none) and unwraps functorch wrappers (lerp() sends functorch transforms to
+# torch.lerp): about 3 µs of a ~10 µs call saved.
 _apply = super(torch.autograd.Function, _LerpFunction).apply
 
 
@@ -586,8 +594,9 @@ def lerp(x: Tensor, y: Tensor, weight: Tensor | float) -> Tensor:
     """``x + weight * (y - x)`` with broadcasting and a fused backward.
 
     ``x``, ``y`` and a tensor ``weight`` broadcast against each other and must share dtype
-    (float16, bfloat16, float32, float64) and device. Eager calls run a lean autograd
-    function; under tracing the call records ``torch.ops.flowexec.lerp``.
+    (float16, bfloat16, float32, float64) and device. Eager CUDA calls run natively (C++
+    launches and autograd node) once their shapes are planned, else a lean autograd function;
+    under tracing the call records ``torch.ops.flowexec.lerp``.
 
     Example::
 

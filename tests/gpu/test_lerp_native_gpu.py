@@ -14,10 +14,10 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from test_lerp_gpu import SHAPES, assert_matches, inputs  # noqa: E402  (tests/gpu is on sys.path: rootdir import)
+
 if torch.cuda.is_available():
     from flowexec.kernels import lerp
-
-    from test_lerp_gpu import SHAPES, assert_matches, inputs  # tests/gpu is on sys.path (rootdir import)
 
     L = importlib.import_module("flowexec.kernels.lerp")
     _native = importlib.import_module("flowexec.kernels._native")
