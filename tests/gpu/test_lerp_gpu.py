@@ -17,6 +17,7 @@ if torch.cuda.is_available():
 
     L = importlib.import_module("flowexec.kernels.lerp")
     launch = importlib.import_module("flowexec.kernels._launch")
+    _native = importlib.import_module("flowexec.kernels._native")
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5, torch.float64: 1e-10}
 SHAPES = [  # (x, y, w or None for a float weight): each reference pattern and odd sizes
@@ -98,8 +99,12 @@ def test_cuda_graph_replay(fused_max):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            step()
+            for _ in range(3):  # by the third call a call is native both ways (final-pass plans)
+                step()
         torch.cuda.current_stream().wait_stream(s)
+        native = L._plan(x, y, w).native
+        if fused_max == 0 and _native.ENABLED:  # so the capture below records native launches
+            assert native is not None and native.has_backward(7)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = step()

@@ -102,28 +102,3 @@ def test_native_on_a_side_stream_and_misaligned_views():
     out, grads, g = run(xm, y, w)
     assert out.grad_fn.name() != "FlowexecLerpBackward"
     assert_matches(xm, y, w, out, grads, g)
-
-
-def test_native_under_cuda_graph_capture():
-    x, y, w = inputs((16, 1, 1, 1), (16, 3, 24, 24), (3, 1, 24), torch.float32)
-    g = torch.randn(16, 3, 24, 24, device="cuda")
-
-    def step():
-        out = lerp(x, y, w)
-        return (out, *torch.autograd.grad(out, (x, y, w), g))
-
-    eager = [t.detach() for t in step()]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    assert native_plan(x, y, w).has_backward(7)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(static, eager):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
