@@ -357,6 +357,67 @@ def test_native_front_door_steps_aside_for_tracing_and_transforms():
 
 @needs_triton
 @needs_native
+def test_native_and_python_paths_with_hooks_dual_and_negated_tensors():
+    import gc
+
+    import torch.autograd.forward_ad as fwAD
+
+    with L.triton_on_cpu(native=True):
+        for seed in range(3):
+            x, y, w = make_inputs((4, 96), (4, 96), (96,), torch.float32, (True, True, True), seed=seed)
+            check(x, y, w, torch.float32)
+        assert lerp(x, y, w).grad_fn.name() == "FlowexecLerpBackward"
+        g = torch.randn(4, 96)
+        want = torch.autograd.grad(torch.lerp(x, y, w), [x, y, w], g)
+        # a saved-tensor hook that forgets every plan while the native forward runs
+        calls: list[int] = []
+
+        def pack(t):
+            if not calls:
+                L.clear_plans()
+                gc.collect()
+            calls.append(1)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = lerp(x, y, w)
+        assert calls, "the native forward saved no tensors through the hook"
+        for a, b in zip(torch.autograd.grad(out, [x, y, w], g), want):
+            torch.testing.assert_close(a, b)
+        for seed in range(3):  # plan again
+            check(*make_inputs((4, 96), (4, 96), (96,), torch.float32, (True, True, True), seed=seed), torch.float32)
+        # saved tensors that come back from an unpack hook in another dtype: ATen formulas, not kernels
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.to(torch.bfloat16), lambda t: t):
+            out = lerp(x, y, w)
+        assert out.grad_fn.name() == "FlowexecLerpBackward"
+        for a, b in zip(torch.autograd.grad(out, [x, y, w], g), want):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * (1 + b.abs().max().item()))
+        # forward-mode AD: tangents as torch.lerp gives them
+        xd, yd, wd = (t.detach() for t in (x, y, w))
+        tx = torch.randn(4, 96)
+        with fwAD.dual_level():
+            got = fwAD.unpack_dual(lerp(fwAD.make_dual(xd, tx), yd, wd)).tangent
+            ref = fwAD.unpack_dual(torch.lerp(fwAD.make_dual(xd, tx), yd, wd)).tangent
+        torch.testing.assert_close(got, ref)
+        # negated views, forward (native, then the Python path) and as the output gradient
+        xn = torch._neg_view(xd)
+        torch.testing.assert_close(lerp(xn, yd, wd), torch.lerp(-xd, yd, wd))
+        for seed in range(3):
+            xs, ys = torch.randn(5, 33), torch.randn(5, 33)
+            torch.testing.assert_close(lerp(torch._neg_view(xs), ys, 0.25), torch.lerp(-xs, ys, 0.25))
+        out = lerp(x, y, w)
+        got = torch.autograd.grad(out, [x, y, w], torch._neg_view(g))
+        for a, b in zip(got, torch.autograd.grad(torch.lerp(x, y, w), [x, y, w], -g)):
+            torch.testing.assert_close(a, b)
+        # vmap over the backward (batched gradients) through the native node
+        xg, yg, wg = (t.detach().double().requires_grad_() for t in (x[:2, :5], y[:2, :5], w[:5]))
+        for _ in range(3):
+            lerp(xg, yg, wg).sum().backward()
+        assert torch.autograd.gradcheck(lambda a, b, c: lerp(a, b, c), (xg, yg, wg), check_batched_grad=True)
+
+
+@needs_triton
+@needs_native
 def test_native_takes_unusual_tensors_back_to_python():
     with L.triton_on_cpu(native=True):
         for seed in range(3):

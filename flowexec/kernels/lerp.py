@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad as _fwAD
 
 from . import _native
 from ._launch import Launcher
@@ -431,6 +432,7 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return torch.lerp(x, y, w if w is not None else wv)
+    x, y, w = _resolved(x), _resolved(y), _resolved(w)
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
     wt = x if w is None else (w if w.is_contiguous() else w.contiguous())
@@ -447,6 +449,11 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     return out
 
 
+def _resolved(t: Tensor | None) -> Tensor | None:
+    """A negated view (``torch._neg_view``) as real values: the kernels read raw memory."""
+    return t.resolve_neg() if t is not None and t.is_neg() else t
+
+
 def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float, needs: tuple[bool, bool, bool],
                    plan: _Plan | None = None, native_install: bool = False
                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -456,6 +463,7 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
     if not any(needs):
         return None, None, None
     bw = plan.backward_plan(needs)
+    g, x, y, w = _resolved(g), _resolved(x), _resolved(y), _resolved(w)
     g = g if g.is_contiguous() else g.contiguous()
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
@@ -517,7 +525,9 @@ class _LerpFunction(torch.autograd.Function):
         x, y, w = ctx.saved_tensors
         n = ctx.needs_input_grad
         needs = (n[0], n[1], n[2])
-        if torch.is_grad_enabled():  # create_graph=True: differentiable PyTorch formulas
+        # create_graph=True, or a batched gradient (vmap over the backward, as in
+        # jacobian(vectorize=True); it has no storage): differentiable PyTorch formulas
+        if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() or not torch._C._has_storage(g):
             return (*_backward_torch(g, x, y, w if w is not None else ctx.wv, needs), None)
         return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan), None)
 
@@ -615,6 +625,8 @@ def lerp(x: Tensor, y: Tensor, weight: Tensor | float) -> Tensor:
         w, wv = weight, 0.0
     else:
         w, wv = None, float(weight)
+    if _fwAD._current_level >= 0:  # a dual level is open: ATen's lerp carries the tangents
+        return torch.lerp(x, y, weight)
     front = _native.front_door
     if (front is not None and type(x) in _PLAIN and type(y) in _PLAIN and (w is None or type(w) in _PLAIN)
             and not torch.compiler.is_compiling()):

@@ -1,6 +1,6 @@
 // Native front door of flowexec::lerp: planned launches of the Triton kernels and a C++ autograd
 // node, so that an eager forward+backward pays no Python autograd.Function and no Python
-// launcher (see docs/kernels.md, "Native launch path").
+// launcher (see docs/kernels.md, "Native front door").
 //
 // Python plans everything (shapes, grids, compiled kernels, argument values) and hands this file
 // *programs*: which buffers to allocate and which kernels to launch with which parameter
@@ -60,6 +60,32 @@ LaunchFn driver_launch() {
   }();
   return fn;
 }
+
+// The calling thread must have a current context (a new thread may not have one yet, and the
+// caching allocator can serve it without any CUDA call). Triton's launcher makes sure of the
+// same before every launch; here once per thread and device: the primary context, as torch uses.
+void ensure_context(int device) {
+  thread_local int ready_for = -1;
+  if (ready_for == device) return;
+  using GetCurrent = int (*)(void**);
+  using DeviceGet = int (*)(int*, int);
+  using Retain = int (*)(void**, int);
+  using SetCurrent = int (*)(void*);
+  static void* lib = dlopen("libcuda.so.1", RTLD_NOW);
+  static auto get_current = reinterpret_cast<GetCurrent>(dlsym(lib, "cuCtxGetCurrent"));
+  static auto device_get = reinterpret_cast<DeviceGet>(dlsym(lib, "cuDeviceGet"));
+  static auto retain = reinterpret_cast<Retain>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+  static auto set_current = reinterpret_cast<SetCurrent>(dlsym(lib, "cuCtxSetCurrent"));
+  TORCH_CHECK(get_current && device_get && retain && set_current, "flowexec::lerp: libcuda.so.1 lacks context calls");
+  void* ctx = nullptr;
+  TORCH_CHECK(get_current(&ctx) == 0, "flowexec::lerp: cuCtxGetCurrent failed");
+  if (ctx == nullptr) {
+    int dev = 0;
+    TORCH_CHECK(device_get(&dev, device) == 0 && retain(&ctx, dev) == 0 && set_current(ctx) == 0,
+                "flowexec::lerp: cannot make the primary context of device ", device, " current");
+  }
+  ready_for = device;
+}
 #else
 py::object& test_hook() {  // CPU build: (test_id, grid, [(kind, value)], buffers) -> None
   static py::object* hook = new py::object();  // leaked: outlives interpreter shutdown ordering
@@ -86,6 +112,7 @@ struct Launch {
     if (w_lo >= 0) std::memcpy(&vals[w_lo], &lo, sizeof(float));
     for (size_t i = 0; i < n; ++i) ptrs[i] = &vals[i];
 #ifdef FLOWEXEC_WITH_CUDA
+    ensure_context(device);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     int err = driver_launch()(reinterpret_cast<void*>(function), grid, 1, 1, block, 1, 1, shared, stream, ptrs,
                               nullptr);
@@ -155,6 +182,15 @@ struct LerpPlan {
   py::object py_backward;  // (g, x, y, w | None, wv, (nx, ny, nw)) -> (dx, dy, dw)
   std::mutex lock;
   std::vector<std::unique_ptr<Program>> owned;
+  // What the programs were planned for (set when the plan is registered): a saved tensor that
+  // comes back from an unpack hook as something else is not launched on.
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> x_sizes, y_sizes, w_sizes;
+
+  bool planned_for(const at::Tensor& x, const at::Tensor& y, const at::Tensor& w) const {
+    return x.scalar_type() == dtype && y.scalar_type() == dtype && x.sizes().equals(x_sizes) &&
+           y.sizes().equals(y_sizes) && (w_scalar || (w.scalar_type() == dtype && w.sizes().equals(w_sizes)));
+  }
 
   LerpPlan(int device_, bool w_scalar_, bool f64_, py::object py_backward_)
       : device(device_), w_scalar(w_scalar_), f64(f64_), py_backward(std::move(py_backward_)) {
@@ -199,6 +235,18 @@ bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_p
 
 at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
+// Tensors the native kernels do not take: subclasses with __torch_dispatch__, functorch
+// wrappers and batched gradients (a vmapped backward: no storage), functionalization, negated or
+// conjugated views, anything not dense.
+bool plain(const at::Tensor& t) {
+  constexpr c10::DispatchKeySet unusual({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                          c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                          c10::DispatchKey::Functionalize, c10::DispatchKey::Conjugate,
+                                          c10::DispatchKey::Negative, c10::DispatchKey::Batched});
+  return t.layout() == at::kStrided && !t.key_set().has_any(unusual) && t.has_storage();
+}
+
+
 template <class N>
 auto make_node() {
   // torch >= 2.12 holds autograd nodes in intrusive pointers, earlier versions in shared_ptr.
@@ -230,7 +278,10 @@ struct LerpBackward : public Node {
     const bool nw = !plan->w_scalar && task_should_compute_output(2);
     if (!(nx || ny || nw)) return out;
     at::Tensor x = x_.unpack(), y = y_.unpack(), w = plan->w_scalar ? at::Tensor() : w_.unpack();
-    if (at::GradMode::is_enabled()) {  // create_graph=True: differentiable formulas
+    // Differentiable ATen formulas: for create_graph=True, and for what the kernels do not take
+    // (a batched or negated gradient, saved tensors an unpack hook changed).
+    if (at::GradMode::is_enabled() || !plain(g) || !plain(x) || !plain(y) || (w.defined() && !plain(w)) ||
+        !plan->planned_for(x, y, w)) {
       auto one_minus = plan->w_scalar ? at::Tensor() : 1 - w;
       if (nx) out[0] = at::sum_to(plan->w_scalar ? g * (1 - wv) : g * one_minus, x.sym_sizes());
       if (ny) out[1] = at::sum_to(plan->w_scalar ? g * wv : g * w, y.sym_sizes());
@@ -265,14 +316,14 @@ struct LerpBackward : public Node {
 
 // The eager forward. Returns an undefined tensor (None in Python) when it cannot take the call;
 // the caller then uses the Python path.
-at::Tensor forward(const std::shared_ptr<LerpPlan>& plan, const at::Tensor& x, const at::Tensor& y,
+at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at::Tensor& y,
                    const std::optional<at::Tensor>& w_opt, double wv) {
   Program* p = plan->fwd.load();
   if (p == nullptr || !plan->on_device(x)) return {};
   const at::Tensor w = w_opt.has_value() ? *w_opt : at::Tensor();
   const bool requires_grad = torch::autograd::compute_requires_grad(x, y, w);
-  if (requires_grad && (x._fw_grad(0).defined() || y._fw_grad(0).defined() || (w.defined() && w._fw_grad(0).defined())))
-    return {};  // forward-mode AD: the Python autograd.Function reports it
+  if (x._fw_grad(0).defined() || y._fw_grad(0).defined() || (w.defined() && w._fw_grad(0).defined()))
+    return {};  // forward-mode AD: the Python side hands dual tensors to ATen's lerp
   std::vector<at::Tensor> bufs(p->n_buffers);
   {
     at::NoGradGuard no_grad;  // contiguous() copies must not enter the autograd graph
@@ -334,18 +385,12 @@ std::vector<int64_t> key_of(const at::Tensor& x, const at::Tensor& y, const at::
   return key;
 }
 
-// Tensors the native path leaves to Python: subclasses with __torch_dispatch__, functorch
-// wrappers, functionalization, anything not dense.
-bool plain(const at::Tensor& t) {
-  constexpr c10::DispatchKeySet unusual({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
-                                          c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
-                                          c10::DispatchKey::Functionalize, c10::DispatchKey::Conjugate,
-                                          c10::DispatchKey::Negative});
-  return t.layout() == at::kStrided && !t.key_set().has_any(unusual);
-}
-
 void register_plan(const std::shared_ptr<LerpPlan>& plan, const at::Tensor& x, const at::Tensor& y,
                    const std::optional<at::Tensor>& w) {
+  plan->dtype = x.scalar_type();
+  plan->x_sizes = x.sizes().vec();
+  plan->y_sizes = y.sizes().vec();
+  plan->w_sizes = w.has_value() ? w->sizes().vec() : std::vector<int64_t>();
   registry()[key_of(x, y, w.has_value() ? *w : at::Tensor())] = plan;
 }
 
@@ -365,7 +410,9 @@ at::Tensor lerp(const at::Tensor& x, const at::Tensor& y, const std::optional<at
   auto& reg = registry();
   auto it = reg.find(key_of(x, y, w));
   if (it == reg.end()) return {};
-  return forward(it->second, x, y, w_opt, wv);
+  // A copy: the registry entry can go (clear_plans from a saved-tensor hook) while forward runs.
+  std::shared_ptr<LerpPlan> plan = it->second;
+  return forward(std::move(plan), x, y, w_opt, wv);
 }
 
 Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned shared, const py::list& params) {
@@ -438,7 +485,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_plan", &flowexec::register_plan);
   m.def("clear_plans", [] { flowexec::registry().clear(); });
   m.def("lerp", &flowexec::lerp, py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
-  m.def("forward", &flowexec::forward, py::arg("plan"), py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
 #ifdef FLOWEXEC_WITH_CUDA
   m.attr("with_cuda") = true;
 #else
