@@ -1,7 +1,8 @@
 """Op benchmark harness (after Paddle's OP Benchmark): flowexec kernels vs PyTorch, one run.
 
 Per case and implementation: forward, backward and forward+backward wall time as a user calls
-them (``triton.testing.do_bench``, median, autograd included), GPU time of forward and of
+them (``triton.testing.do_bench``, median, autograd included; forward and forward+backward in
+five rounds alternating PyTorch and flowexec, median of the rounds), GPU time of forward and of
 forward+backward (one CUDA graph replayed; backward = the difference) and the sum of the
 forward+backward kernels' own durations (profiler), the bytes the case must move against the
 device-to-device copy bandwidth measured in the same run (memory floor), and speed-ups.

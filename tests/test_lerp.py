@@ -263,6 +263,14 @@ NATIVE_CASES = {
 }
 
 
+def _warm_native(xs, ys, ws, dtype, needs=(True, True, True)):
+    """Three checked calls of one shape (Python; native forward; native both ways): the last inputs."""
+    for seed in range(3):
+        x, y, w = make_inputs(xs, ys, ws, dtype, needs, seed=seed)
+        check(x, y, w, dtype)
+    return x, y, w
+
+
 def _native_plan(x, y, w):
     plan = L._plan(x, y, w if isinstance(w, torch.Tensor) else None)
     assert plan.use_triton and plan.native is not None, "the native path was not installed"
@@ -292,9 +300,7 @@ def test_native_front_door_matches_float64(name):
                                    (True, False, True)])
 def test_native_computes_only_required_gradients(needs):
     with L.triton_on_cpu(native=True):
-        for seed in range(3):
-            x, y, w = make_inputs((3, 1, 8), (3, 5, 8), (5, 1), torch.float32, needs, seed=seed)
-            check(x, y, w, torch.float32)
+        x, y, w = _warm_native((3, 1, 8), (3, 5, 8), (5, 1), torch.float32, needs)
         mask = sum(1 << i for i, n in enumerate(needs) if n)
         assert _native_plan(x, y, w).native.has_backward(mask)
         assert not _native_plan(x, y, w).native.has_backward(7)
@@ -342,9 +348,7 @@ def test_native_front_door_steps_aside_for_tracing_and_transforms():
     from torch.func import grad, vmap
 
     with L.triton_on_cpu(native=True):
-        for seed in range(3):
-            x, y, w = make_inputs((3, 4), (3, 4), (4,), torch.float64, (True, True, True), seed=seed)
-            check(x, y, w, torch.float64)
+        x, y, w = _warm_native((3, 4), (3, 4), (4,), torch.float64)
         assert lerp(x, y, w).grad_fn.name() == "FlowexecLerpBackward"
         xd, yd, wd = (t.detach() for t in (x, y, w))
         gm = make_fx(lambda a, b, c: lerp(a, b, c))(xd, yd, wd)  # a dispatch mode is active
@@ -363,9 +367,7 @@ def test_native_and_python_paths_with_hooks_dual_and_negated_tensors():
     import torch.autograd.forward_ad as fwAD
 
     with L.triton_on_cpu(native=True):
-        for seed in range(3):
-            x, y, w = make_inputs((4, 96), (4, 96), (96,), torch.float32, (True, True, True), seed=seed)
-            check(x, y, w, torch.float32)
+        x, y, w = _warm_native((4, 96), (4, 96), (96,), torch.float32)
         assert lerp(x, y, w).grad_fn.name() == "FlowexecLerpBackward"
         g = torch.randn(4, 96)
         want = torch.autograd.grad(torch.lerp(x, y, w), [x, y, w], g)
@@ -384,8 +386,7 @@ def test_native_and_python_paths_with_hooks_dual_and_negated_tensors():
         assert calls, "the native forward saved no tensors through the hook"
         for a, b in zip(torch.autograd.grad(out, [x, y, w], g), want):
             torch.testing.assert_close(a, b)
-        for seed in range(3):  # plan again
-            check(*make_inputs((4, 96), (4, 96), (96,), torch.float32, (True, True, True), seed=seed), torch.float32)
+        _warm_native((4, 96), (4, 96), (96,), torch.float32)  # plan again
         # saved tensors that come back from an unpack hook in another dtype: ATen formulas, not kernels
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.to(torch.bfloat16), lambda t: t):
             out = lerp(x, y, w)
@@ -420,9 +421,7 @@ def test_native_and_python_paths_with_hooks_dual_and_negated_tensors():
 @needs_native
 def test_native_takes_unusual_tensors_back_to_python():
     with L.triton_on_cpu(native=True):
-        for seed in range(3):
-            x, y, w = make_inputs((6, 9), (6, 9), (9,), torch.float32, (True, True, True), seed=seed)
-            check(x, y, w, torch.float32)
+        x, y, w = _warm_native((6, 9), (6, 9), (9,), torch.float32)
         # a transposed (non-contiguous) input is made contiguous natively
         yt = torch.randn(9, 6).t().requires_grad_()
         check(x, yt, w, torch.float32)
