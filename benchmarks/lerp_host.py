@@ -67,14 +67,8 @@ def measure() -> dict[str, Any]:
         b[k] = sorted(v)[1]
         b[k + "_rounds"] = v
     b["native_active"] = L.lerp(x, y, w).grad_fn.name() == "FlowexecLerpBackward"
-    native = importlib.import_module("flowexec.kernels._native")
-    front, native.ENABLED, native.front_door = native.front_door, False, None
-    L.clear_plans()
-    b["python_fwd_grad3"] = loop_us(lambda: torch.autograd.grad(L.lerp(x, y, w), (x, y, w), go))
-    native.ENABLED, native.front_door = True, front
-    L.clear_plans()
-    for _ in range(3):
-        L.lerp(x, y, w).sum().backward()
+    with importlib.import_module("flowexec.kernels._native").python_path():
+        b["python_fwd_grad3"] = loop_us(lambda: torch.autograd.grad(L.lerp(x, y, w), (x, y, w), go))
     o = L.lerp(x, y, w)
     b["fx_grad3_only"] = loop_us(lambda: torch.autograd.grad(o, (x, y, w), go, retain_graph=True))
     o2 = torch.lerp(x, y, w)

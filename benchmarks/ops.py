@@ -17,6 +17,7 @@ Ratios are what to compare: absolute times drift between machines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -167,20 +168,21 @@ def check_case(case: Case, dev: str) -> float:
     return worst
 
 
-def measure(case: Case, impl: str, dev: str, full: bool = True) -> dict[str, float]:
+def calls(case: Case, impl: str, dev: str) -> tuple[Callable[[], Any], Callable[[], Any], list[torch.Tensor], torch.Tensor]:
+    """Fresh inputs and the two calls timed: forward, and forward + ``autograd.grad``."""
     x, y, w, go = make_inputs(case, dev)
     ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
     f = torch.lerp if impl == "torch" else lerp
+    return (lambda: f(x, y, w)), (lambda: torch.autograd.grad(f(x, y, w), ins, go)), ins, go
 
-    def fwd() -> torch.Tensor:
-        return f(x, y, w)
 
-    def fwd_bwd() -> Any:
-        return torch.autograd.grad(f(x, y, w), ins, go)
-
+def measure(case: Case, impl: str, dev: str, full: bool = True, walls: bool = True) -> dict[str, float]:
+    """GPU, loop and (unless ``walls`` is False: ``interleaved_walls`` takes them) wall times."""
+    fwd, fwd_bwd, ins, go = calls(case, impl, dev)
     r: dict[str, float] = {}
-    r["wall_fwd_bwd_us"] = bench(fwd_bwd)
-    r["wall_fwd_us"] = bench(fwd)
+    if walls:
+        r["wall_fwd_bwd_us"] = bench(fwd_bwd)
+        r["wall_fwd_us"] = bench(fwd)
     gf, gfb = graph_of(fwd), graph_of(fwd_bwd)
     r["gpu_fwd_us"] = bench(gf.replay)
     r["gpu_fwd_bwd_us"] = bench(gfb.replay)
@@ -199,14 +201,11 @@ def measure(case: Case, impl: str, dev: str, full: bool = True) -> dict[str, flo
 def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5) -> dict[str, list[float]]:
     """Wall times of both implementations measured in alternating rounds (the host's speed drifts
     by tens of percent within a run; alternating puts both sides under the same drift). The
-    medians over rounds replace the single figures ``measure`` took; the rounds are returned."""
+    medians over rounds go into ``row[impl]``; the rounds are returned."""
     fns: dict[str, dict[str, Callable[[], Any]]] = {}
     for impl in ("torch", "flowexec"):
-        x, y, w, go = make_inputs(case, dev)
-        ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
-        f = torch.lerp if impl == "torch" else lerp
-        fns[impl] = {"wall_fwd_bwd_us": (lambda f=f, x=x, y=y, w=w, ins=ins, go=go: torch.autograd.grad(f(x, y, w), ins, go)),
-                     "wall_fwd_us": (lambda f=f, x=x, y=y, w=w: f(x, y, w))}
+        fwd, fwd_bwd, _, _ = calls(case, impl, dev)
+        fns[impl] = {"wall_fwd_bwd_us": fwd_bwd, "wall_fwd_us": fwd}
     got: dict[str, list[float]] = {}
     for r in range(rounds):
         for impl in (("torch", "flowexec") if r % 2 == 0 else ("flowexec", "torch")):
@@ -256,7 +255,7 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
         try:
             row["max_rel_err"] = check_case(case, dev)
             for impl in ("torch", "flowexec"):
-                row[impl] = measure(case, impl, dev)
+                row[impl] = measure(case, impl, dev, walls=False)
             row["wall_rounds"] = interleaved_walls(case, dev, row)
         except Exception:  # keep going: the other cases still tell something
             row["error"] = traceback.format_exc(limit=4)
@@ -318,11 +317,14 @@ def choose(sweep: dict[str, Any]) -> str:
 
 def run_sweep(dev: str, bw: float, log: Callable[[str], None]) -> dict[str, Any]:
     out: dict[str, Any] = {"torch": {c.name: measure(c, "torch", dev, full=False) for c in REFERENCE}}
+    # "no-direct-launch": the Python front door launching through kernel[grid] every call (the
+    # native front door, which never uses Triton's launcher, is off for it)
     variants = [(name, cfg, True) for name, cfg in SWEEP.items()] + [("no-direct-launch", {}, False)]
+    native = importlib.import_module("flowexec.kernels._native")
     for name, cfg, direct in variants:
         launch.DIRECT_LAUNCH = direct
         try:
-            with L.configured(**cfg):
+            with L.configured(**cfg), (contextlib.nullcontext() if direct else native.python_path()):
                 out[name] = {}
                 for c in REFERENCE:
                     err = check_case(c, dev)

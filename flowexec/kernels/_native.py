@@ -19,9 +19,11 @@ Example (on a CUDA machine; the first call builds the extension)::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,8 +34,11 @@ _MODULES: dict[bool, Any] = {}
 _FAILED: dict[bool, str] = {}
 # CPU build only: test id -> (Launcher, args template, positions of kernel parameters).
 _TEST_LAUNCHES: dict[int, tuple[Any, tuple, list[int]]] = {}
-# The loaded extension's lerp(x, y, w, wv) -> Tensor | None: the eager front door.
+# The loaded extension's lerp(x, y, w, wv) -> Tensor | None: the eager front door (None while
+# python_path() is active).
 front_door: Any = None
+_loaded_front: Any = None
+_suspended = 0
 
 _WEIGHT_KINDS = ("H", "L")
 
@@ -78,9 +83,33 @@ def load(cuda: bool) -> Any | None:
     if not cuda:
         mod.set_test_hook(_test_hook)
     _MODULES[cuda] = mod
-    global front_door
-    front_door = mod.lerp
+    global front_door, _loaded_front
+    _loaded_front = mod.lerp
+    if not _suspended:
+        front_door = _loaded_front
     return mod
+
+
+@contextlib.contextmanager
+def python_path() -> Iterator[None]:
+    """Eager calls take the Python front door meanwhile (plans are still installed natively);
+    for comparisons in tests and benchmarks.
+
+    Example::
+
+        >>> from flowexec.kernels import _native
+        >>> with _native.python_path():
+        ...     assert _native.front_door is None
+    """
+    global front_door, _suspended
+    _suspended += 1
+    front_door = None
+    try:
+        yield
+    finally:
+        _suspended -= 1
+        if not _suspended:
+            front_door = _loaded_front
 
 
 def clear_plans() -> None:

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -329,32 +330,29 @@ class _Plan:
         launch = _native.native_launch(self.fwd, args, {0: 0, 1: 1, 2: 2, 3: 3}, weight)
         if launch is None:
             return
-        import weakref
-
         ref = weakref.ref(self)  # the C++ plan holds this callback: no cycle through C++
         nat = mod.LerpPlan(-1 if self.device_index is None else self.device_index, self.w_scalar, self.acc_f64,
                            lambda g, x, y, w, wv, needs: _native_backward(ref, g, x, y, w, wv, needs))
         like = self.out_like
         shape = [] if like >= 0 else list(self.out_shape)
-        mod.install(nat, -1, 4, [(3, like, shape, self.dtype)], [launch])
+        nat.install(-1, 4, [(3, like, shape, self.dtype)], [launch])
         mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
         self.native = nat
 
     def install_native_backward(self, bw: _Backward, main_args: tuple, final_args: tuple) -> None:
         if self.native is None or bw.fused:  # the last-block counter is not planned natively
             return
-        mod = _native.load(cuda=self.device.type == "cuda")
         weight = (9, 10) if self.w_scalar else None
         launches = [_native.native_launch(bw.main, main_args, {i: i for i in range(9)}, weight)]
         if bw.final is not None:
             launches.append(_native.native_launch(bw.final, final_args, {0: 7, 1: 4, 2: 5, 3: 6}, None))
-        if mod is None or any(la is None for la in launches):
+        if any(la is None for la in launches):
             return
         allocs = [(4 + i, 1 + i, [], self.dtype) for i in range(3) if bw.needs[i]]
         if bw.part_numel:
             allocs.append((7, -1, [bw.part_numel], self.part_dtype))
         mask = sum(1 << i for i in range(3) if bw.needs[i])
-        mod.install(self.native, mask, 9, allocs, launches)
+        self.native.install(mask, 9, allocs, launches)
 
 def interpreter_active() -> bool:
     """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1`` set before Triton was imported)."""
@@ -513,8 +511,7 @@ class _LerpFunction(torch.autograd.Function):
     """Eager front door: one Python autograd node, no dispatcher round trip."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, y: Tensor, w: Tensor | None, wv: float) -> Tensor:
-        plan = _plan(x, y, w)
+    def forward(ctx: Any, x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan) -> Tensor:
         ctx.save_for_backward(x, y, w)
         ctx.wv = wv
         ctx.plan = plan
@@ -528,8 +525,8 @@ class _LerpFunction(torch.autograd.Function):
         # create_graph=True, or a batched gradient (vmap over the backward, as in
         # jacobian(vectorize=True); it has no storage): differentiable PyTorch formulas
         if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() or not torch._C._has_storage(g):
-            return (*_backward_torch(g, x, y, w if w is not None else ctx.wv, needs), None)
-        return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan), None)
+            return (*_backward_torch(g, x, y, w if w is not None else ctx.wv, needs), None, None)
+        return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan), None, None)
 
 
 # autograd.Function.apply's C++ half, bound to our class. The Python half only binds default
@@ -643,4 +640,4 @@ def lerp(x: Tensor, y: Tensor, weight: Tensor | float) -> Tensor:
     plan = _plan(x, y, w)
     if not torch.is_grad_enabled() or not (x.requires_grad or y.requires_grad or (w is not None and w.requires_grad)):
         return _forward_impl(x, y, w, wv, plan)  # nothing to differentiate: no autograd node
-    return _apply(x, y, w, wv)
+    return _apply(x, y, w, wv, plan)

@@ -119,15 +119,14 @@ def test_direct_and_normal_launch_agree():
     x, y, w = inputs((16, 1, 1, 1), (16, 3, 64, 64), (3, 1, 64), torch.float32)
     g = torch.randn(16, 3, 64, 64, device="cuda")
     results = []
-    front, _native.front_door = _native.front_door, None  # the Python front door's launch paths
-    for direct in (False, True, True):
-        launch.DIRECT_LAUNCH = direct
-        try:
-            out = lerp(x, y, w)
-            results.append((out, *torch.autograd.grad(out, (x, y, w), g)))
-        finally:
-            launch.DIRECT_LAUNCH = True
-            _native.front_door = front
+    with _native.python_path():  # the Python front door's launch paths
+        for direct in (False, True, True):
+            launch.DIRECT_LAUNCH = direct
+            try:
+                out = lerp(x, y, w)
+                results.append((out, *torch.autograd.grad(out, (x, y, w), g)))
+            finally:
+                launch.DIRECT_LAUNCH = True
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # deterministic: same bits

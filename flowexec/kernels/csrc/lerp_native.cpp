@@ -322,8 +322,6 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
   if (p == nullptr || !plan->on_device(x)) return {};
   const at::Tensor w = w_opt.has_value() ? *w_opt : at::Tensor();
   const bool requires_grad = torch::autograd::compute_requires_grad(x, y, w);
-  if (x._fw_grad(0).defined() || y._fw_grad(0).defined() || (w.defined() && w._fw_grad(0).defined()))
-    return {};  // forward-mode AD: the Python side hands dual tensors to ATen's lerp
   std::vector<at::Tensor> bufs(p->n_buffers);
   {
     at::NoGradGuard no_grad;  // contiguous() copies must not enter the autograd graph
@@ -394,7 +392,8 @@ void register_plan(const std::shared_ptr<LerpPlan>& plan, const at::Tensor& x, c
   registry()[key_of(x, y, w.has_value() ? *w : at::Tensor())] = plan;
 }
 
-// The eager front door: the checks Python's lerp() would make, the plan lookup and the call.
+// The eager front door: the checks Python's lerp() would make, the plan lookup and the call
+// (dual tensors never get here: lerp() sends an open forward-AD level to ATen first).
 // An undefined result (None) sends the call down the Python path, which plans it or reports
 // what is wrong with it.
 at::Tensor lerp(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& w_opt, double wv) {
@@ -445,10 +444,9 @@ Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned sha
   return l;
 }
 
-// Python: install(plan, slot, n_buffers, allocs=[(buffer, like, shape, dtype)],
-//                 launches=[(function, grid, block, shared, [(kind, value)])]); slot -1: forward.
-void install(const std::shared_ptr<LerpPlan>& plan, int slot, int n_buffers, const py::list& allocs,
-             const py::list& launches) {
+// Python: plan.install(slot, n_buffers, allocs=[(buffer, like, shape, dtype)],
+//                      launches=[(function, grid, block, shared, [(kind, value)])]); slot -1: forward.
+void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, const py::list& launches) {
   auto p = std::make_unique<Program>();
   p->n_buffers = n_buffers;
   for (const auto& a : allocs) {
@@ -469,7 +467,7 @@ void install(const std::shared_ptr<LerpPlan>& plan, int slot, int n_buffers, con
       TORCH_CHECK(buf >= 0 && buf < n_buffers, "flowexec::lerp: parameter ", param, " names buffer ", buf);
     p->launches.push_back(std::move(l));
   }
-  plan->install(slot, std::move(p));
+  plan.install(slot, std::move(p));
 }
 
 }  // namespace flowexec
@@ -480,8 +478,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int, bool, bool, py::object>(), py::arg("device"), py::arg("w_scalar"), py::arg("f64"),
            py::arg("py_backward"))
       .def("has_forward", [](const LerpPlan& p) { return p.fwd.load() != nullptr; })
-      .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; });
-  m.def("install", &flowexec::install);
+      .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; })
+      .def("install", &flowexec::install);
   m.def("register_plan", &flowexec::register_plan);
   m.def("clear_plans", [] { flowexec::registry().clear(); });
   m.def("lerp", &flowexec::lerp, py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
