@@ -3,9 +3,11 @@
 For each reference case (and the float16/bfloat16 variants of cases 3 and 4): the durations of
 the kernels of one forward + ``autograd.grad`` (profiler, L2 flushed before each repetition,
 median per kernel), for PyTorch, for flowexec with ``LerpConfig()`` as shipped and with one knob
-changed at a time, and for a plain ``g * y`` — an elementwise kernel that moves the bytes of the
-backward's largest stream (read ``g`` and ``y``, write one output): what a simple kernel achieves
-against the memory floor at these sizes.
+changed at a time, and for three yardsticks: a plain ``g * y`` (an elementwise kernel that moves
+the bytes of the backward's largest stream: read ``g`` and ``y``, write one output), one PyTorch
+kernel with the forward's streams (read each output-sized input, write the output) and a
+1024-element kernel (what any extra launch costs on the GPU). They show what simple kernels
+achieve against the memory floor at these sizes.
 
     PYTHONPATH=. python3 benchmarks/lerp_kernels.py --out benchmarks/results/lerp_kernels.json
 """
@@ -31,12 +33,15 @@ L = importlib.import_module("flowexec.kernels.lerp")
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "shipped": {},
+    "no flat programs": {"flat_programs": False},
     "no full-tile loads": {"full_tile_loads": False},
     "no streaming store": {"fwd_stream_store": False},
-    "final pass 4096/step": {"final_block": 4096},
+    "backward reversed": {"bwd_reverse": True},
+    "final pass 16 columns": {"final_cols": 16},
     "tile ÷2": {"tile": {2: 2048, 4: 1024, 8: 512}},
     "tile ×2": {"tile": {2: 8192, 4: 4096, 8: 2048}},
     "8 programs / SM": {"programs_per_sm": 8},
+    "backward 8 warps": {"bwd_warps": 8},
     "last-block final": {"fused_final_max": 1 << 30},
 }
 
@@ -62,6 +67,14 @@ def measure(case: Case, bw: float) -> dict[str, Any]:
     yd = y.detach()
     row["yardstick g*y"] = per_kernel(lambda: go * yd)
     row["yardstick g*y floor_us"] = 3 * go.numel() * go.element_size() / bw * 1e6
+    # The forward's streams as one PyTorch kernel: read each output-sized input, write the output.
+    full = [t.detach() for t in (x, y, w) if isinstance(t, torch.Tensor) and t.shape == go.shape]
+    fwd_like = {1: lambda: torch.neg(full[0]), 2: lambda: torch.mul(full[0], full[1]),
+                3: lambda: torch.addcmul(full[0], full[1], full[2])}[len(full)]
+    row["yardstick fwd-like"] = per_kernel(fwd_like)
+    row["yardstick fwd-like floor_us"] = (len(full) + 1) * go.numel() * go.element_size() / bw * 1e6
+    tiny = torch.zeros(1024, device="cuda")
+    row["yardstick tiny kernel"] = per_kernel(lambda: torch.neg(tiny))
     for name, change in VARIANTS.items():
         with L.configured(**change):
             row[name] = per_kernel(lambda: torch.autograd.grad(L.lerp(x, y, w), ins, go))

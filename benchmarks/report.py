@@ -73,19 +73,21 @@ def lerp() -> None:
     print(f"Fused lerp forward+backward — {d['device']}, {d['date'][:10]}, commit {d.get('commit', '?')} "
           f"(`{d['command']}`):\n")
     print("| case | GPU fwd+bwd PyTorch → flowexec | ÷ memory floor (graph / kernels) "
-          "| wall fwd+bwd (do_bench) PyTorch → flowexec | wall fwd PyTorch → flowexec |")
-    print("|---|---|---|---|---|")
+          "| wall fwd+bwd (do_bench) PyTorch → flowexec | wall bound | wall fwd PyTorch → flowexec |")
+    print("|---|---|---|---|---|---|")
     for name in ("case1", "case2", "case3", "case4"):
         c = d["cases"].get(name)
         if not c:
             continue
         t, f = c["torch"], c["flowexec"]
+        bound = f"{c['wall_speedup_bound']:.2f}×" if "wall_speedup_bound" in c else "–"
         print(f"| {name}: x {c['x']} y {c['y']} w {c['w']} {c['dtype']} "
               f"| {t['gpu_fwd_bwd_us']:.1f} → {f['gpu_fwd_bwd_us']:.1f} µs ({t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}×) "
               f"| {c['flowexec_gpu_over_floor']:.2f} / {c['flowexec_kernels_over_floor']:.2f} "
               f"| {t['wall_fwd_bwd_us']:.0f} → {f['wall_fwd_bwd_us']:.0f} µs ({t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}×) "
-              f"| {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
-    print()
+              f"| {bound} | {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
+    print("\nWall bound: PyTorch's wall time over that of `t * 2` and its backward on one output-sized tensor "
+          "(measured in the same rounds), the most any implementation could gain by wall time there.\n")
 
 
 def item() -> None:

@@ -119,9 +119,15 @@ def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr,
 
 
 @triton.jit
-def _program_coords(n1, S, NB3):
-    # Column blocks vary fastest so neighbouring programs touch neighbouring memory.
+def _program_coords(n1, S, NB3, REV: tl.constexpr = False, FLAT: tl.constexpr = False):
+    # Column blocks vary fastest so neighbouring programs touch neighbouring memory. REV walks
+    # the programs from the end. FLAT (n0 = n1 = n2 = 1, the same-shape and scalar-weight
+    # cases): the program is its column block, and no runtime divisions delay the first load.
     pid = tl.program_id(0)
+    if REV:
+        pid = tl.num_programs(0) - 1 - pid
+    if FLAT:
+        return pid * 0, pid * 0, pid * 0, pid
     jn = pid % NB3
     t = pid // NB3
     s = t % S
@@ -143,10 +149,11 @@ def _scalar_weight(w_hi, w_lo, ACC_F64: tl.constexpr):
 
 @triton.jit
 def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1, n2, n3, S, NB3, rows_per_split,
-                   VEC: tl.constexpr, BIG: tl.constexpr, BN: tl.constexpr):
+                   VEC: tl.constexpr, BIG: tl.constexpr, BN: tl.constexpr, REV: tl.constexpr = False,
+                   FLAT: tl.constexpr = False):
     """What forward and backward programs both start from: coordinates; each operand's row
     stride, element count and base offset; the columns (and their mask) and rows it owns."""
-    i0, i1, s, jn = _program_coords(n1, S, NB3)
+    i0, i1, s, jn = _program_coords(n1, S, NB3, REV, FLAT)
     if VEC > 1:
         # n3 % VEC == 0, written so that Triton can see it: row starts and the column mask are
         # then known to be VEC-aligned and masked loads vectorize (a hint on an argument is lost).
@@ -154,6 +161,7 @@ def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1,
     if BIG:
         i0 = i0.to(tl.int64)
         i1 = i1.to(tl.int64)
+        jn = jn.to(tl.int64)  # jn * BN passes 2**31 in a long flat row
     sx0, sx1, sx2, kx = _dims(MX, n0, n1, n2, n3)
     sy0, sy1, sy2, ky = _dims(MY, n0, n1, n2, n3)
     sw0, sw1, sw2, kw = _dims(MW, n0, n1, n2, n3)
@@ -180,10 +188,10 @@ def _lerp_fwd_kernel(
     n0, n1, n2, n3, S, NB3, rows_per_split,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FULL: tl.constexpr, STREAM: tl.constexpr, EVICT: tl.constexpr,
+    FULL: tl.constexpr, STREAM: tl.constexpr, EVICT: tl.constexpr, FLAT: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
-        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN)
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, False, FLAT)
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
@@ -299,10 +307,11 @@ def _lerp_bwd_kernel(
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_W: tl.constexpr,
     RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr,
+    FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, STAGES: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
-        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN)
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT)
     # Where this program's partial row starts inside each operand's [P, K] partial block.
     rx = _partial_row(MX, i0, i1, s, jn, n0, n1, S, NB3) * kx
     ry = _partial_row(MY, i0, i1, s, jn, n0, n1, S, NB3) * ky
@@ -318,7 +327,11 @@ def _lerp_bwd_kernel(
     acc_w = zero
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
-    for r0 in range(row_lo, row_hi, BM):
+    last = (tl.cdiv(row_hi - row_lo, BM) - 1) * BM + row_lo
+    for r in tl.range(row_lo, row_hi, BM, num_stages=STAGES):
+        r0 = r
+        if REV:  # rows from the last tile down
+            r0 = last - (r - row_lo)
         rows, rm = _row_tile(r0, row_hi, BM, BIG)
         g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL)
         if NEED_X or NEED_Y:

@@ -76,6 +76,10 @@ class LerpConfig:
     fwd_stream_store: bool = True
     fwd_evict_first: bool = False
     final_block: int = 8192
+    final_cols: int = 32
+    bwd_reverse: bool = False
+    bwd_stages: int = 1
+    flat_programs: bool = True
 
 
 config = LerpConfig()
@@ -237,7 +241,7 @@ class _Backward:
         self.fused = 0 < off <= config.fused_final_max
         red = [g for g in grads if g is not None and g.red]
         # Narrow column blocks: more programs share the final sums, each in one or two steps.
-        fbk = min(_pow2(max((g.k for g in red), default=1)), 32)
+        fbk = min(_pow2(max((g.k for g in red), default=1)), config.final_cols)
         fbr = min(_pow2(max((g.p for g in red), default=1)), max(1, config.final_block // fbk))
         grid = n0 * n1 * s * nb3
         self.main = plan.launcher(plan.kernels._lerp_bwd_kernel, grid, config.bwd_warps)
@@ -247,6 +251,7 @@ class _Backward:
             n0, n1, n2, n3, s, nb3, rows_per_split, gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
+            config.bwd_reverse, config.bwd_stages, plan.flat,
         )
         self.final = None
         self.final_args_tail = ()
@@ -297,6 +302,7 @@ class _Plan:
         self.acc_f64 = dtype == torch.float64
         self.big = self.numel >= 2**31 - 1
         self.vec = min(n3 & -n3, 16)  # largest power of two dividing the row length
+        self.flat = config.flat_programs and n0 == n1 == n2 == 1
         # The forward has no reductions; its tile is chosen on its own (``fwd_tile``).
         ftile = (config.fwd_tile or config.tile)[dtype.itemsize]
         fbn = min(_pow2(n3), ftile)
@@ -308,7 +314,7 @@ class _Plan:
         self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
         self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *self.masks, self.w_scalar,
                          self.acc_f64, self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
-                         config.fwd_evict_first)
+                         config.fwd_evict_first, self.flat)
 
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)

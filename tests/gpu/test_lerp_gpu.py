@@ -148,3 +148,20 @@ def test_registered_op_on_cuda():
     out = torch.ops.flowexec.lerp(x, y, w, 0.0)
     g = torch.randn_like(out)
     assert_matches(x, y, w, out, torch.autograd.grad(out, (x, y, w), g), g)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 48 * 2**30,
+                    reason="needs about 40 GiB of GPU memory")
+def test_more_than_2_to_the_31_elements():
+    # One flat row longer than 2**31: column offsets must be computed in 64 bits.
+    n = 2**31 + 3 * 4096 + 8
+    x = torch.randn(n, device="cuda", dtype=torch.float16).requires_grad_()
+    y = torch.randn(n, device="cuda", dtype=torch.float16).requires_grad_()
+    out = lerp(x, y, 0.3)
+    worst = (out.float() - torch.lerp(x.detach(), y.detach(), 0.3).float()).abs().max().item()
+    assert worst <= 2e-3, worst
+    tail = slice(n - 5000, n)  # past 2**31
+    assert torch.equal(out[tail], torch.lerp(x.detach()[tail], y.detach()[tail], 0.3))
+    g = torch.ones_like(out)
+    dx, dy = torch.autograd.grad(out, (x, y), g)
+    assert torch.all(dx == 0.7).item() and torch.all(dy == 0.3).item()
