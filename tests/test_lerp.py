@@ -96,18 +96,19 @@ def broadcast_cases(draw):
     needs = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
     tile = draw(st.sampled_from([2, 4, 16, 4096]))
     fused_max = draw(st.sampled_from([0, 1 << 30]))
-    full = draw(st.booleans())
-    return xs, ys, ws, dtype, needs, tile, (fused_max, full)
+    knobs = dict(full_tile_loads=draw(st.booleans()), bwd_reverse=draw(st.booleans()),
+                 flat_programs=draw(st.booleans()), final_cols=draw(st.sampled_from([1, 16])))
+    return xs, ys, ws, dtype, needs, tile, (fused_max, knobs)
 
 
 @needs_triton
 @SETTINGS
 @given(broadcast_cases())
 def test_triton_kernels_match_float64(case):
-    xs, ys, ws, dtype, needs, tile, (fused_max, full) = case
+    xs, ys, ws, dtype, needs, tile, (fused_max, knobs) = case
     x, y, w = make_inputs(xs, ys, ws, dtype, needs)
     with L.triton_on_cpu(), L.configured(tile={2: tile, 4: tile, 8: tile}, fused_final_max=fused_max,
-                                          programs_per_sm=2, full_tile_loads=full):
+                                          programs_per_sm=2, **knobs):
         plan = L._plan(x, y, w if isinstance(w, torch.Tensor) else None)
         assert plan.use_triton or plan.numel == 0  # the test must exercise the kernels
         check(x, y, w, dtype)

@@ -121,7 +121,8 @@ def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr,
 @triton.jit
 def _program_coords(n1, S, NB3, REV: tl.constexpr = False, FLAT: tl.constexpr = False):
     # Column blocks vary fastest so neighbouring programs touch neighbouring memory. REV walks
-    # the programs from the end. FLAT (n0 = n1 = n2 = 1, the same-shape and scalar-weight
+    # the programs from the end: a backward that runs in several waves then starts on what the
+    # forward read last, still in L2. FLAT (n0 = n1 = n2 = 1, the same-shape and scalar-weight
     # cases): the program is its column block, and no runtime divisions delay the first load.
     pid = tl.program_id(0)
     if REV:
@@ -307,8 +308,7 @@ def _lerp_bwd_kernel(
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_W: tl.constexpr,
     RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, STAGES: tl.constexpr,
-    FLAT: tl.constexpr,
+    FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT)
@@ -327,11 +327,7 @@ def _lerp_bwd_kernel(
     acc_w = zero
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
-    last = (tl.cdiv(row_hi - row_lo, BM) - 1) * BM + row_lo
-    for r in tl.range(row_lo, row_hi, BM, num_stages=STAGES):
-        r0 = r
-        if REV:  # rows from the last tile down
-            r0 = last - (r - row_lo)
+    for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG)
         g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL)
         if NEED_X or NEED_Y:

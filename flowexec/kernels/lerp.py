@@ -76,9 +76,8 @@ class LerpConfig:
     fwd_stream_store: bool = True
     fwd_evict_first: bool = False
     final_block: int = 8192
-    final_cols: int = 32
-    bwd_reverse: bool = False
-    bwd_stages: int = 1
+    final_cols: int = 16
+    bwd_reverse: bool | None = None
     flat_programs: bool = True
 
 
@@ -93,6 +92,7 @@ native_on_cpu = False
 _PLANS: dict[tuple, _Plan] = {}
 _COUNTERS: dict[tuple[int, int], Tensor] = {}
 _SM_COUNT: dict[int, int] = {}
+_L2_BYTES: dict[int, int] = {}
 
 
 @contextlib.contextmanager
@@ -194,6 +194,15 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def _l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 62  # interpreter: tests choose the order through config.bwd_reverse
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _L2_BYTES:
+        _L2_BYTES[idx] = getattr(torch.cuda.get_device_properties(idx), "L2_cache_size", 1 << 62)
+    return _L2_BYTES[idx]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Grad:
     """Where one gradient goes: direct (``red`` False) or via [p, k] partials at ``off``."""
@@ -251,7 +260,7 @@ class _Backward:
             n0, n1, n2, n3, s, nb3, rows_per_split, gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
-            config.bwd_reverse, config.bwd_stages, plan.flat,
+            plan.reverse_backward, plan.flat,
         )
         self.final = None
         self.final_args_tail = ()
@@ -303,6 +312,12 @@ class _Plan:
         self.big = self.numel >= 2**31 - 1
         self.vec = min(n3 & -n3, 16)  # largest power of two dividing the row length
         self.flat = config.flat_programs and n0 == n1 == n2 == 1
+        # Walk the backward's programs from the end when the forward's bytes exceed L2: the
+        # backward then starts on the inputs the forward read last, still cached (case 2:
+        # backward 32.0 -> 28.8 µs). Data that fits measured slightly slower reversed.
+        fwd_bytes = (sum(math.prod(sh) for sh in self.shapes if sh is not None) + self.numel) * dtype.itemsize
+        self.reverse_backward = (config.bwd_reverse if config.bwd_reverse is not None
+                                 else fwd_bytes > _l2_bytes(device))
         # The forward has no reductions; its tile is chosen on its own (``fwd_tile``).
         ftile = (config.fwd_tile or config.tile)[dtype.itemsize]
         fbn = min(_pow2(n3), ftile)
