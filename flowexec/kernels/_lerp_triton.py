@@ -88,7 +88,7 @@ def _tile_mask(M: tl.constexpr, rm, cm):
 
 @triton.jit
 def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr, ACC_F64: tl.constexpr,
-          FULL: tl.constexpr, EVICT: tl.constexpr = False):
+          FULL: tl.constexpr, EVICT: tl.constexpr = 0):
     """Load an operand's tile as float32 (float64 for ACC_F64), zero outside the masks.
 
     With ``FULL`` an operand that keeps only one of d2, d3 is loaded as a whole [BM, BN] tile with
@@ -106,9 +106,12 @@ def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr,
         v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
     elif (M & 3) == 0:
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC))
-    elif EVICT and (M & 3) == 3:  # streamed once: leave L2 to the operands that are reused
+    elif EVICT == 1 and (M & 3) == 3:  # streamed once: leave L2 to the operands that are reused
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0,
                     eviction_policy="evict_first")
+    elif EVICT == 2 and (M & 3) == 3:  # streamed once: not cached in L1
+        v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0,
+                    cache_modifier=".cg")
     else:
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0)
     if ACC_F64:
@@ -151,7 +154,7 @@ def _scalar_weight(w_hi, w_lo, ACC_F64: tl.constexpr):
 @triton.jit
 def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1, n2, n3, S, NB3, rows_per_split,
                    VEC: tl.constexpr, BIG: tl.constexpr, BN: tl.constexpr, REV: tl.constexpr = False,
-                   FLAT: tl.constexpr = False):
+                   FLAT: tl.constexpr = False, EVEN: tl.constexpr = False):
     """What forward and backward programs both start from: coordinates; each operand's row
     stride, element count and base offset; the columns (and their mask) and rows it owns."""
     i0, i1, s, jn = _program_coords(n1, S, NB3, REV, FLAT)
@@ -171,16 +174,29 @@ def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1,
     row_lo = s * rows_per_split
     return (i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw,
             i0 * sx0 + i1 * sx1, i0 * sy0 + i1 * sy1, i0 * sw0 + i1 * sw1, i0 * so0 + i1 * so1,
-            cols, cols < n3, row_lo, tl.minimum(row_lo + rows_per_split, n2))
+            cols, _col_mask(cols, n3, BN, EVEN), row_lo, tl.minimum(row_lo + rows_per_split, n2))
 
 
 @triton.jit
-def _row_tile(r0, row_hi, BM: tl.constexpr, BIG: tl.constexpr):
-    """The BM rows from r0 and their mask."""
+def _col_mask(cols, n3, BN: tl.constexpr, EVEN: tl.constexpr):
+    # EVEN (flat, and BN divides n3): every tile is whole, and a constant mask lets Triton drop
+    # the predicates from the loads and stores.
+    if EVEN:
+        return tl.full([BN], 1, tl.int1)
+    else:
+        return cols < n3
+
+
+@triton.jit
+def _row_tile(r0, row_hi, BM: tl.constexpr, BIG: tl.constexpr, EVEN: tl.constexpr = False):
+    """The BM rows from r0 and their mask (EVEN: the single row of a flat program, always valid)."""
     rows = r0 + tl.arange(0, BM)
     if BIG:
         rows = rows.to(tl.int64)
-    return rows, rows < row_hi
+    if EVEN:
+        return rows, tl.full([BM], 1, tl.int1)
+    else:
+        return rows, rows < row_hi
 
 
 @triton.jit
@@ -189,14 +205,14 @@ def _lerp_fwd_kernel(
     n0, n1, n2, n3, S, NB3, rows_per_split,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FULL: tl.constexpr, STREAM: tl.constexpr, EVICT: tl.constexpr, FLAT: tl.constexpr,
+    FULL: tl.constexpr, STREAM: tl.constexpr, EVICT: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
-        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, False, FLAT)
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, False, FLAT, EVEN)
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
-        rows, rm = _row_tile(r0, row_hi, BM, BIG)
+        rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
         xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL, EVICT)
         yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL, EVICT)
         if W_SCALAR:
@@ -309,9 +325,10 @@ def _lerp_bwd_kernel(
     RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
-        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT)
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT, EVEN)
     # Where this program's partial row starts inside each operand's [P, K] partial block.
     rx = _partial_row(MX, i0, i1, s, jn, n0, n1, S, NB3) * kx
     ry = _partial_row(MY, i0, i1, s, jn, n0, n1, S, NB3) * ky
@@ -328,7 +345,7 @@ def _lerp_bwd_kernel(
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
-        rows, rm = _row_tile(r0, row_hi, BM, BIG)
+        rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
         g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL)
         if NEED_X or NEED_Y:
             if W_SCALAR:

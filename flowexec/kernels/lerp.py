@@ -61,8 +61,8 @@ class LerpConfig:
     by the kernel's last block instead of a second launch (0: always a separate final kernel,
     which measured faster: case 3 21.9 vs 38.5 µs); ``full_tile_loads``: load operands that keep
     only rows or only columns as whole tiles (no layout conversions); ``fwd_stream_store``: store
-    the forward's output with the streaming hint; ``fwd_evict_first``: evict-first loads in the
-    forward (measured no faster); ``final_block``: partials the final pass reads per program step.
+    the forward's output with the streaming hint; ``fwd_load_hint``: "evict_first" or ".cg" on the
+    forward's streamed loads (both measured no faster); ``final_block``: partials the final pass reads per program step.
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
 
@@ -74,11 +74,12 @@ class LerpConfig:
     full_tile_loads: bool = True
     fwd_tile: dict[int, int] | None = None
     fwd_stream_store: bool = True
-    fwd_evict_first: bool = False
+    fwd_load_hint: str = ""
     final_block: int = 8192
     final_cols: int = 16
     bwd_reverse: bool | None = None
     flat_programs: bool = True
+    even_tiles: bool = True
 
 
 config = LerpConfig()
@@ -260,7 +261,7 @@ class _Backward:
             n0, n1, n2, n3, s, nb3, rows_per_split, gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
-            plan.reverse_backward, plan.flat,
+            plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
         )
         self.final = None
         self.final_args_tail = ()
@@ -329,7 +330,8 @@ class _Plan:
         self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
         self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *self.masks, self.w_scalar,
                          self.acc_f64, self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
-                         config.fwd_evict_first, self.flat)
+                         {"": 0, "evict_first": 1, ".cg": 2}[config.fwd_load_hint], self.flat,
+                         self.flat and config.even_tiles and n3 % fbn == 0)
 
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
