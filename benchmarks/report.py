@@ -86,8 +86,9 @@ def lerp() -> None:
               f"| {c['flowexec_gpu_over_floor']:.2f} / {c['flowexec_kernels_over_floor']:.2f} "
               f"| {t['wall_fwd_bwd_us']:.0f} → {f['wall_fwd_bwd_us']:.0f} µs ({t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}×) "
               f"| {bound} | {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
-    print("\nWall bound: PyTorch's wall time over that of `t * 2` and its backward on one output-sized tensor "
-          "(measured in the same rounds), the most any implementation could gain by wall time there.\n")
+    print("\nWall bound: PyTorch's median wall time over that of `t * 2` and its backward on one output-sized "
+          "tensor, measured in the same alternating rounds. Any implementation needs at least those launches and "
+          "the engine's `autograd.grad`, so this is about the most any could gain by wall time on that host.\n")
 
 
 def item() -> None:
