@@ -39,6 +39,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "backward reversed": {"bwd_reverse": True},
     "backward in order": {"bwd_reverse": False},
     "final pass 32 columns": {"final_cols": 32},
+    "backward loads after stores": {"bwd_loads_first": False},
     "tile ÷2": {"tile": {2: 2048, 4: 1024, 8: 512}},
     "tile ×2": {"tile": {2: 8192, 4: 4096, 8: 2048}},
     "8 programs / SM": {"programs_per_sm": 8},

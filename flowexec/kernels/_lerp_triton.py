@@ -325,7 +325,7 @@ def _lerp_bwd_kernel(
     RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT, EVEN)
@@ -347,6 +347,12 @@ def _lerp_bwd_kernel(
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
         g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL)
+        if NEED_W and LOADS_FIRST:
+            # Issue every load before the first store: the compiler cannot move a load above a
+            # store to memory that may alias it, so loading x and y after dx/dy were stored costs
+            # a second DRAM round trip per row tile.
+            xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
+            yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
         if NEED_X or NEED_Y:
             if W_SCALAR:
                 wv = w_s
@@ -359,8 +365,9 @@ def _lerp_bwd_kernel(
                 acc_y = _grad_out(g * wv, acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y,
                                   by, rows, cols, sy2, rm, cm, VEC)
         if NEED_W:
-            xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
-            yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
+            if not LOADS_FIRST:
+                xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
+                yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
             acc_w = _grad_out(g * (yv - xv), acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W,
                               bw, rows, cols, sw2, rm, cm, VEC)
     if NEED_X:

@@ -80,6 +80,7 @@ class LerpConfig:
     bwd_reverse: bool | None = None
     flat_programs: bool = True
     even_tiles: bool = True
+    bwd_loads_first: bool = True
 
 
 config = LerpConfig()
@@ -262,6 +263,7 @@ class _Backward:
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
             plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
+            config.bwd_loads_first,
         )
         self.final = None
         self.final_args_tail = ()
