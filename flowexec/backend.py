@@ -55,7 +55,7 @@ class GraphProgram:
     _boxed_call = True  # AOTAutograd passes the argument list itself
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
-                 fuse_lerp: bool | None = None, forward: GraphProgram | None = None) -> None:
+                 fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None) -> None:
         self.plan = build_plan(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), gc)
         self.run = lower_trace(self.plan)
         self.mode = mode

@@ -38,7 +38,8 @@ OPTIONS = {
     "fetch": "True or output indices: return those one-element outputs as flowexec.Fetch handles "
              "(copied to the host on a side stream; .result() waits for that value only)",
     "fetch_slots": "pinned slots in the fetch ring (default 64)",
-    "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp (default: on in graph mode on CUDA)",
+    "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp (default: on in graph mode on CUDA; "
+                 "'all': also for the in-place aten.lerp_)",
 }
 
 
@@ -98,7 +99,7 @@ class Executable:
         fetch = options.get("fetch", ())
         self.fetch: bool | tuple[int, ...] = fetch if isinstance(fetch, bool) else tuple(int(i) for i in fetch)
         self.fetch_slots = int(options.get("fetch_slots", 64))
-        self.fuse_lerp: bool | None = options.get("fuse_lerp")
+        self.fuse_lerp: bool | str | None = options.get("fuse_lerp")
         self._ring: Any = None
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
         self._first_sig: tuple[Any, ...] | None = None
@@ -238,12 +239,14 @@ class Executable:
         return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)}>"
 
 
-def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | None) -> Program:
+def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> Program:
     """The program-to-program passes an executable applies before planning."""
+    if fuse_lerp not in (None, True, False, "all"):
+        raise ValueError(f"fuse_lerp must be None, True, False or 'all', not {fuse_lerp!r}")
     if fuse_lerp or (fuse_lerp is None and mode == "graph"):
         from .passes.fuse_lerp import substitute_lerp
 
-        prog = substitute_lerp(prog)
+        prog = substitute_lerp(prog, inplace=fuse_lerp == "all")
     return prog
 
 

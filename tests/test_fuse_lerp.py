@@ -1,10 +1,12 @@
 """The lerp substitution pass: which ops it rewrites, and that programs still equal eager."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flowexec
 from flowexec.capture import capture
+from flowexec.passes.dependencies import alias_groups, mutated_state, read_write_sets
 from flowexec.passes.fuse_lerp import substitute_lerp
 from flowexec.plan import build_plan
 from flowexec.runtime.interpreter import lower_trace
@@ -14,7 +16,7 @@ from helpers import assert_close_rel
 def f(x, y, w):
     a = torch.lerp(x, y, 0.3)           # Scalar weight: rewritten
     b = torch.lerp(a, y, w)             # Tensor weight, broadcast: rewritten
-    c = b.clone().lerp_(x, 0.5)         # in place: left to ATen
+    c = b.clone().lerp_(x, 0.5)         # in place: rewritten only with inplace=True
     d = torch.lerp(x.double(), y.double(), 0.5)  # f64: rewritten
     return b.sum() + c.sum() + d.sum().float()
 
@@ -41,3 +43,43 @@ def test_option_controls_the_pass():
     names = lambda exe: [op.name for op in exe.program.ops]  # noqa: E731
     assert "aten.lerp.Scalar" in names(flowexec.compile(f, *args))  # trace mode on CPU: off
     assert "aten.lerp.Scalar" in names(flowexec.compile(f, *args, fuse_lerp=True))  # CPU values: not eligible
+
+
+
+def ema_step(p, ema):
+    ema.lerp_(p, 0.1)                   # an EMA / Adam-moment update of a caller's tensor
+    return (ema * 2).sum()
+
+
+def test_inplace_rewrite_keeps_aliasing_and_mutation():
+    args = (torch.randn(4, 8), torch.randn(4, 8))
+    prog = capture(ema_step, args).program
+    assert substitute_lerp(prog, devices=("cpu",)) is prog  # in place is opt-in
+    new = substitute_lerp(prog, devices=("cpu",), inplace=True)
+    names = [op.name for op in new.ops]
+    assert "flowexec.lerp_.default" in names and "aten.lerp_.Scalar" not in names
+    # The fused op declares the same alias as aten.lerp_: same groups, same reads and writes,
+    # and the caller's tensor is still known to be written.
+    assert alias_groups(new) == alias_groups(prog)
+    assert read_write_sets(new) == read_write_sets(prog)
+    assert mutated_state(new) == mutated_state(prog) != ()
+
+
+def test_inplace_rewritten_program_mutates_like_eager():
+    torch.manual_seed(0)
+    p, ema = torch.randn(4, 8), torch.randn(4, 8)
+    prog = substitute_lerp(capture(ema_step, (p, ema.clone())).program, devices=("cpu",), inplace=True)
+    run = lower_trace(build_plan(prog))
+    mine, theirs = ema.clone(), ema.clone()
+    got = run(p, mine)[0]
+    want = ema_step(p, theirs)
+    assert_close_rel(got, want)
+    torch.testing.assert_close(mine, theirs)  # the caller's tensor was updated in place
+
+
+def test_fuse_lerp_all_option_and_bad_values():
+    args = (torch.randn(4, 8), torch.randn(4, 8))
+    exe = flowexec.compile(ema_step, *args, fuse_lerp="all")  # CPU values: nothing is eligible
+    assert "aten.lerp_.Scalar" in [op.name for op in exe.program.ops]
+    with pytest.raises(ValueError, match="fuse_lerp"):
+        flowexec.compile(ema_step, *args, fuse_lerp="yes")

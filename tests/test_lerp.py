@@ -208,6 +208,9 @@ def test_opcheck():
     x, y, w = make_inputs((3, 4), (4,), (3, 1), torch.float32, (True, True, True))
     torch.library.opcheck(torch.ops.flowexec.lerp.default, (x, y, w, 0.0))
     torch.library.opcheck(torch.ops.flowexec.lerp.default, (x, y, None, 0.25))
+    m = torch.randn(3, 4)  # the in-place op: schema (mutation, alias), autograd, fake, AOT dispatch
+    torch.library.opcheck(torch.ops.flowexec.lerp_.default, (m, y.detach(), None, 0.25))
+    torch.library.opcheck(torch.ops.flowexec.lerp_.default, (m, torch.randn(3, 4), w.detach(), 0.0))
 
 
 @pytest.mark.parametrize("mode", ["real", "fake"])
@@ -455,3 +458,84 @@ def test_triton_kernels_in_a_fresh_interpreter_process():
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "needs triton" not in proc.stdout, proc.stdout[-2000:]  # the kernel tests really ran
+
+
+# ----------------------------------------------------------------------------- the in-place op
+
+INPLACE_SHAPES = [  # (x, y, w or None for a float weight); x has the broadcast shape, as lerp_ needs
+    ((4, 3, 12, 12), (4, 3, 12, 12), (3, 1, 12)),
+    ((4, 500), (4, 500), (1,)),
+    ((4, 500), (500,), None),
+    ((6, 7), (6, 7), (6, 7)),
+    ((), (), None),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shapes", INPLACE_SHAPES, ids=lambda s: "x".join(map(str, s[0])) or "0d")
+def test_inplace_op_runs_the_kernel_into_self(shapes, dtype, monkeypatch):
+    xs, ys, ws = shapes
+    x, y, w = make_inputs(xs, ys, ws, dtype, (False, False, False), seed=3)
+    want = x.clone().lerp_(y, w)
+    launched = []
+    real = L._forward_impl
+    monkeypatch.setattr(L, "_forward_impl", lambda *a, **k: launched.append(k.get("out")) or real(*a, **k))
+    v0 = x._version
+    with L.triton_on_cpu(), L.configured(tile={2: 64, 4: 64, 8: 64}):
+        wt, wv = (None, w) if isinstance(w, float) else (w, 0.0)
+        got = torch.ops.flowexec.lerp_(x, y, wt, wv)
+    assert got is x and x._version > v0
+    assert len(launched) == 1 and launched[0] is x  # the kernel wrote into x, not a copy
+    tol = TOL[dtype]
+    torch.testing.assert_close(x.double(), want.double(), rtol=tol, atol=tol)
+
+
+@needs_triton
+def test_inplace_op_leaves_what_the_kernel_does_not_take_to_aten(monkeypatch):
+    launched = []
+    real = L._forward_impl
+    monkeypatch.setattr(L, "_forward_impl", lambda *a, **k: launched.append(1) or real(*a, **k))
+    with L.triton_on_cpu():
+        x, y = torch.randn(6, 8).t(), torch.randn(8, 6)  # non-contiguous self: ATen computes it
+        want = x.clone().lerp_(y, 0.3)
+        torch.ops.flowexec.lerp_(x, y, None, 0.3)
+        torch.testing.assert_close(x, want)
+        buf = torch.randn(48)
+        errors = {  # ATen's own errors reach the caller
+            "end overlaps self in part": (buf[:47], buf[1:48]),
+            "self smaller than the broadcast": (torch.randn(8), torch.randn(6, 8)),
+            "another dtype": (torch.randn(8), torch.randn(8, dtype=torch.float64)),
+        }
+        for name, (x, y) in errors.items():
+            with pytest.raises(RuntimeError):
+                torch.ops.flowexec.lerp_(x, y, None, 0.3)
+    assert launched == []  # every call went to ATen
+
+
+def test_inplace_op_with_autograd_and_fake_tensors():
+    # grad needed: ATen's lerp_ records the node, and the gradient flows
+    a = torch.randn(5, requires_grad=True)
+    x = a * 1.0
+    y = torch.randn(5, requires_grad=True)
+    torch.ops.flowexec.lerp_(x, y, None, 0.25)
+    x.sum().backward()
+    torch.testing.assert_close(a.grad, torch.full((5,), 0.75))
+    torch.testing.assert_close(y.grad, torch.full((5,), 0.25))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        f = torch.empty(3, 4)
+        assert torch.ops.flowexec.lerp_(f, torch.empty(4), None, 0.5) is f
+
+
+@needs_triton
+def test_inplace_op_bumps_the_version_autograd_checks():
+    # A tensor saved for backward and then updated by the kernel: autograd must notice.
+    w = torch.randn(4, requires_grad=True)
+    m = torch.randn(4)
+    out = (w * m).sum()  # saves m
+    with torch.no_grad(), L.triton_on_cpu():
+        torch.ops.flowexec.lerp_(m, torch.ones(4), None, 0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()

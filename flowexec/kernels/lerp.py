@@ -451,7 +451,9 @@ def _counter(device_index: int | None) -> Tensor:
 
 # ----------------------------------------------------------------------------- implementations
 
-def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan | None = None) -> Tensor:
+def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan | None = None,
+                  out: Tensor | None = None) -> Tensor:
+    """The forward on a planned call; ``out`` (in place: ``x`` itself, contiguous) or a new tensor."""
     plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return torch.lerp(x, y, w if w is not None else wv)
@@ -459,15 +461,17 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     x = x if x.is_contiguous() else x.contiguous()
     y = y if y.is_contiguous() else y.contiguous()
     wt = x if w is None else (w if w.is_contiguous() else w.contiguous())
-    # empty_like costs about a third of empty(shape, dtype=, device=) from Python.
-    like = plan.out_like
-    out = torch.empty_like((x, y, wt)[like]) if like >= 0 else x.new_empty(plan.out_shape)
+    fresh = out is None
+    if out is None:
+        # empty_like costs about a third of empty(shape, dtype=, device=) from Python.
+        like = plan.out_like
+        out = torch.empty_like((x, y, wt)[like]) if like >= 0 else x.new_empty(plan.out_shape)
     hi, lo = _split_weight(wv, plan.acc_f64)
     ptrs = (x.data_ptr(), y.data_ptr(), wt.data_ptr(), out.data_ptr())
-    aligned = not ((ptrs[0] | ptrs[1] | ptrs[2]) & 15)
+    aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
     args = (x, y, wt, out, hi, lo, *plan.fwd_tail)
     plan.fwd(args, aligned, ptrs)
-    if plan.native_pending and aligned:
+    if plan.native_pending and aligned and fresh:  # the native program allocates its output
         plan.install_native_forward(args)
     return out
 
@@ -606,6 +610,64 @@ def _op_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
 
 
 _lerp_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+# The in-place op: the forward kernel writing into ``self``. Defined through the low-level
+# Library API because its return aliases a mutated input (``Tensor(a!)``, as aten.lerp_ has),
+# which the dependency and memory passes read from the schema; ``custom_op`` cannot declare that.
+_LIB = torch.library.Library("flowexec", "FRAGMENT")
+_LIB.define("lerp_(Tensor(a!) self, Tensor end, Tensor? weight, float weight_value=0.0) -> Tensor(a!)")
+
+
+def _lerp_inplace(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float = 0.0) -> Tensor:
+    """``x.lerp_(y, weight)`` with the fused forward kernel writing into ``x``.
+
+    ATen's ``lerp_`` takes what the kernel does not: autograd (an input needs grad), tracing and
+    functorch, non-contiguous or negated ``x``, an operand that overlaps ``x`` other than ``x``
+    itself, dtypes or devices that differ, and devices without the Triton path.
+
+    Example::
+
+        >>> import torch
+        >>> import flowexec.kernels  # registers the op
+        >>> m = torch.zeros(4)
+        >>> torch.ops.flowexec.lerp_(m, torch.ones(4), None, 0.1)
+        tensor([0.1000, 0.1000, 0.1000, 0.1000])
+    """
+    w = weight
+    aten = lambda: x.lerp_(y, w if w is not None else weight_value)  # noqa: E731
+    ops = (x, y) if w is None else (x, y, w)
+    if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
+            or any(type(t) not in _PLAIN for t in ops)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in ops))):
+        return aten()
+    if any(t.dtype != x.dtype or t.device != x.device for t in ops) or x.dtype not in SUPPORTED_DTYPES:
+        return aten()
+    if not x.is_contiguous() or x.is_neg() or x.is_conj() or any(_overlaps(t, x) for t in ops[1:]):
+        return aten()
+    try:
+        shape = torch.broadcast_shapes(*(t.shape for t in ops))
+    except RuntimeError:
+        return aten()  # ATen's own error
+    if tuple(shape) != tuple(x.shape):
+        return aten()
+    plan = _plan(x, y, w)
+    if not plan.use_triton:
+        return aten()
+    _forward_impl(x, y, w, weight_value, plan, out=x)
+    torch.autograd.graph.increment_version(x)  # the kernel wrote through a raw pointer
+    return x
+
+
+def _overlaps(t: Tensor, x: Tensor) -> bool:
+    """Whether ``t`` shares memory with ``x`` other than as the very same elements (an identical
+    view is fine: each element is read and written by one thread)."""
+    if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return False
+    return not (t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.stride() == x.stride())
+
+
+_LIB.impl("lerp_", _lerp_inplace, "CompositeImplicitAutograd")
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)

@@ -2,11 +2,14 @@
 
 ``aten.lerp.Scalar`` / ``aten.lerp.Tensor`` on eligible values (a CUDA device, float16,
 bfloat16, float32 or float64, one dtype for all operands) become ``flowexec::lerp``, whose
-kernel loads each operand at its own broadcast shape. The in-place ``lerp_`` is left alone:
-the fused op is out of place, and a copy back would cost more memory traffic than it saves.
-Executables apply the pass in graph mode on CUDA by default (there the kernel's GPU time is
-what counts, and it measured at or below ATen's forward in benchmarks/results/ops.json);
-``fuse_lerp=True/False`` forces it either way.
+kernel loads each operand at its own broadcast shape. With ``inplace=True`` the in-place
+``aten.lerp_`` (an Adam-style moment update, ``exp_avg.lerp_(grad, 1 - beta1)``) becomes
+``flowexec::lerp_``: the same forward kernel writing into ``self``, with the same alias schema,
+so dependencies and liveness read it as they read ATen's. Executables apply the out-of-place
+rewrite in graph mode on CUDA by default (there the kernel's GPU time is what counts, and it
+measured at or below ATen's forward in benchmarks/results/ops.json); ``fuse_lerp=True/False``
+forces it either way, and ``fuse_lerp="all"`` adds the in-place rewrite, which is opt-in until
+it is measured on a GPU in a training step.
 
 Example::
 
@@ -26,10 +29,11 @@ from ..program import Op, Program, Ref
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TARGETS = ("aten.lerp.Scalar", "aten.lerp.Tensor")
+_INPLACE_TARGETS = ("aten.lerp_.Scalar", "aten.lerp_.Tensor")
 
 
-def _eligible(op: Op, prog: Program, devices: tuple[str, ...]) -> bool:
-    if op.name not in _TARGETS or op.kwargs or len(op.args) != 3:
+def _eligible(op: Op, prog: Program, devices: tuple[str, ...], targets: tuple[str, ...]) -> bool:
+    if op.name not in targets or op.kwargs or len(op.args) != 3 or not isinstance(op.args[0], Ref):
         return False
     operands = [a for a in op.args if isinstance(a, Ref)]
     metas = [prog.values[a.id].meta for a in operands] + [prog.values[op.outputs[0]].meta]
@@ -40,15 +44,17 @@ def _eligible(op: Op, prog: Program, devices: tuple[str, ...]) -> bool:
         and all(len(m.shape) <= 4 for m in metas)
 
 
-def substitute_lerp(prog: Program, devices: tuple[str, ...] = ("cuda",)) -> Program:
-    """A new Program with eligible ``aten.lerp`` ops replaced by ``flowexec::lerp``."""
-    from .. import kernels  # noqa: F401  registers torch.ops.flowexec.lerp
+def substitute_lerp(prog: Program, devices: tuple[str, ...] = ("cuda",), inplace: bool = False) -> Program:
+    """A new Program with eligible ``aten.lerp`` ops replaced by ``flowexec::lerp`` (and, with
+    ``inplace``, ``aten.lerp_`` by ``flowexec::lerp_``)."""
+    from .. import kernels  # noqa: F401  registers torch.ops.flowexec.lerp and lerp_
 
-    fused = torch.ops.flowexec.lerp.default
+    targets = _TARGETS + (_INPLACE_TARGETS if inplace else ())
     ops = []
     changed = False
     for op in prog.ops:
-        if _eligible(op, prog, devices):
+        if _eligible(op, prog, devices, targets):
+            fused = torch.ops.flowexec.lerp_.default if op.name in _INPLACE_TARGETS else torch.ops.flowexec.lerp.default
             x, y, w = op.args
             args = (x, y, None, float(w)) if op.name.endswith("Scalar") else (x, y, w, 0.0)
             op = Op(op.index, fused, args, (), op.outputs, False, op.source)

@@ -165,3 +165,36 @@ def test_more_than_2_to_the_31_elements():
     g = torch.ones_like(out)
     dx, dy = torch.autograd.grad(out, (x, y), g)
     assert torch.all(dx == 0.7).item() and torch.all(dy == 0.3).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shapes", [((16, 3, 44, 44), (16, 3, 44, 44), (3, 1, 44)), ((7, 333), (333,), None),
+                                    ((4, 1000), (4, 1000), (4, 1000))], ids=["bcast-w", "float-w", "full"])
+def test_inplace_op_matches_aten(shapes, dtype):
+    xs, ys, ws = shapes
+    x, y, w = inputs(xs, ys, ws, dtype, needs=(False, False, False))
+    wt, wv = (None, w) if isinstance(w, float) else (w, 0.0)
+    for _ in range(2):  # the second call launches directly
+        want = x.clone().lerp_(y, w)
+        got = torch.ops.flowexec.lerp_(x, y, wt, wv)
+        assert got is x
+        torch.testing.assert_close(x, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_inplace_rewrite_in_a_graph_mode_step():
+    import flowexec
+
+    def ema_step(p, ema):
+        ema.lerp_(p, 0.1)
+        return (ema * 2).sum()
+
+    p = torch.randn(64, 256, device="cuda")
+    ema = torch.randn(64, 256, device="cuda")
+    exe = flowexec.compile(ema_step, p, ema.clone(), mode="graph", fuse_lerp="all")
+    assert "flowexec.lerp_.default" in [op.name for op in exe.program.ops]
+    mine, theirs = ema.clone(), ema.clone()
+    for _ in range(3):
+        got = exe(p, mine)
+        want = ema_step(p, theirs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
