@@ -55,14 +55,23 @@ _OP = "flowexec::lerp"
 class LerpConfig:
     """Tuning knobs of the Triton path (defaults: the best of the sweep in docs/kernels.md, H200).
 
-    ``tile``: elements per [BM, BN] tile by element size (``fwd_tile``: the forward's, when it
-    should differ); ``programs_per_sm``: target programs per multiprocessor when the backward
-    splits a reduced dim; ``fused_final_max``: partial sums up to this many elements are reduced
-    by the kernel's last block instead of a second launch (0: always a separate final kernel,
-    which measured faster: case 3 21.9 vs 38.5 µs); ``full_tile_loads``: load operands that keep
-    only rows or only columns as whole tiles (no layout conversions); ``fwd_stream_store``: store
-    the forward's output with the streaming hint; ``fwd_load_hint``: "evict_first" or ".cg" on the
-    forward's streamed loads (both measured no faster); ``final_block``: partials the final pass reads per program step.
+    * ``tile``: elements per [BM, BN] tile by element size (``fwd_tile``: the forward's, when it
+      should differ); ``fwd_warps``, ``bwd_warps``: warps per program.
+    * ``programs_per_sm``: target programs per multiprocessor when the backward splits a reduced dim.
+    * ``fused_final_max``: partial sums up to this many elements are reduced by the kernel's last
+      block instead of a second launch (0: always a separate final kernel, which measured faster).
+    * ``full_tile_loads``: load operands that keep only rows or only columns as whole tiles (no
+      layout conversions).
+    * ``fwd_stream_store``: store the forward's output with the streaming hint;
+      ``fwd_load_hint``: "evict_first" or ".cg" on the forward's streamed loads (no faster).
+    * ``final_block``, ``final_cols``: partials the final pass reads per program step, and the
+      columns each of its programs sums.
+    * ``bwd_reverse``: walk the backward's programs from the end (None: when the forward's bytes
+      exceed L2).
+    * ``flat_programs``, ``even_tiles``: a one-row canonical shape indexes programs by column
+      block, and whole tiles get constant masks.
+    * ``bwd_loads_first``: the backward issues every load of a row tile before its stores.
+
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
 

@@ -1,0 +1,103 @@
+"""Two probes behind docs/kernels.md's case-3 and forward analyses (CUDA).
+
+``l2``: does the backward find the forward's inputs in L2? Per-kernel times of forward +
+``autograd.grad`` with the backward right after the forward ("adjacent") and with a 256 MiB
+memset between them ("flushed between"), for cases 1, 3 and 4 and three configs; and PyTorch's
+``g * y`` right after ``-y`` (the same main bytes as case 3's forward and backward, warm).
+
+``forward``: the forward kernel alone against PyTorch's under load and store hints, tiles and
+whole-tile masks, for the flat cases.
+
+    PYTHONPATH=. python3 benchmarks/lerp_probes.py l2 --out benchmarks/results/probes/lerp_l2.json
+    PYTHONPATH=. python3 benchmarks/lerp_probes.py forward --out benchmarks/results/probes/lerp_forward.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lerp_kernels import per_kernel  # noqa: E402
+from ops import EXTRA, REFERENCE, make_inputs  # noqa: E402
+
+L = importlib.import_module("flowexec.kernels.lerp")
+CASES = {c.name: c for c in REFERENCE + EXTRA}
+
+
+def probe_l2() -> dict[str, Any]:
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
+    res: dict[str, Any] = {}
+    for name in ("case1", "case3", "case4"):
+        x, y, w, go = make_inputs(CASES[name], "cuda")
+        ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor)]
+        for vn, ch in {"shipped": {}, "no .cs": {"fwd_stream_store": False}, "reverse": {"bwd_reverse": True}}.items():
+            with L.configured(**ch):
+                def adjacent() -> Any:
+                    return torch.autograd.grad(L.lerp(x, y, w), ins, go)
+
+                def flushed() -> Any:
+                    out = L.lerp(x, y, w)
+                    flush.zero_()  # per_kernel leaves this fill kernel out of the times
+                    return torch.autograd.grad(out, ins, go)
+
+                res[f"{name} {vn}"] = {"adjacent": per_kernel(adjacent), "flushed between": per_kernel(flushed)}
+            print(name, vn, res[f"{name} {vn}"], flush=True)
+        yd = y.detach()
+
+        def warm_gy() -> Any:
+            torch.neg(yd)
+            return go * yd
+
+        res[f"{name} neg-then-gy"] = per_kernel(warm_gy)
+    return res
+
+
+FORWARD_VARIANTS: dict[str, dict[str, Any]] = {
+    "shipped": {}, "no even tiles": {"even_tiles": False}, "evict_first": {"fwd_load_hint": "evict_first"},
+    ".cg": {"fwd_load_hint": ".cg"}, ".cg tile1024": {"fwd_load_hint": ".cg", "fwd_tile": {2: 2048, 4: 1024, 8: 512}},
+    "no .cs store": {"fwd_stream_store": False},
+}
+
+
+def probe_forward() -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for name in ("case4", "case4-bf16", "float-weight", "case1"):
+        x, y, w, _ = make_inputs(CASES[name], "cuda")
+        xd, yd = x.detach(), y.detach()
+        wd = w.detach() if isinstance(w, torch.Tensor) else w
+        row = res[name] = {"torch": per_kernel(lambda: torch.lerp(xd, yd, wd))["total"]}
+        for vn, ch in FORWARD_VARIANTS.items():
+            with L.configured(**ch):
+                row[vn] = per_kernel(lambda: L.lerp(xd, yd, wd))["total"]
+        row["torch again"] = per_kernel(lambda: torch.lerp(xd, yd, wd))["total"]
+        print(name, row, flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("probe", choices=("l2", "forward"))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/lerp_probes.py needs a CUDA device")
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
+           "command": f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}",
+           "us": probe_l2() if args.probe == "l2" else probe_forward()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
