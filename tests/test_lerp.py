@@ -507,6 +507,9 @@ def test_inplace_op_leaves_what_the_kernel_does_not_take_to_aten(monkeypatch):
             "self smaller than the broadcast": (torch.randn(8), torch.randn(6, 8)),
             "another dtype": (torch.randn(8), torch.randn(8, dtype=torch.float64)),
         }
+        with torch.inference_mode():
+            inference = torch.randn(8)
+        errors["inference tensor outside inference mode"] = (inference, torch.randn(8))
         for name, (x, y) in errors.items():
             with pytest.raises(RuntimeError):
                 torch.ops.flowexec.lerp_(x, y, None, 0.3)

@@ -654,6 +654,8 @@ def _lerp_inplace(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: flo
         return aten()
     if not x.is_contiguous() or x.is_neg() or x.is_conj() or any(_overlaps(t, x) for t in ops[1:]):
         return aten()
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        return aten()  # ATen refuses to update an inference tensor outside inference mode
     try:
         shape = torch.broadcast_shapes(*(t.shape for t in ops))
     except RuntimeError:
