@@ -40,6 +40,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "backward in order": {"bwd_reverse": False},
     "final pass 32 columns": {"final_cols": 32},
     "backward loads after stores": {"bwd_loads_first": False},
+    "forward over flat planes": {"fwd_plane": True},
     "tile ÷2": {"tile": {2: 2048, 4: 1024, 8: 512}},
     "tile ×2": {"tile": {2: 8192, 4: 4096, 8: 2048}},
     "8 programs / SM": {"programs_per_sm": 8},

@@ -234,6 +234,86 @@ def _lerp_fwd_kernel(
 
 
 @triton.jit
+def _plane_load(ptr, M: tl.constexpr, i0, i1, n0, n1, n2, plane, e, row, col, m, N3: tl.constexpr,
+                ACC_F64: tl.constexpr):
+    """An operand's values at plane positions ``e`` (rows ``row``, columns ``col``) of (i0, i1)."""
+    if (M & 3) == 3:
+        # Its planes are contiguous and ``plane`` long: written from ``plane`` so that Triton sees
+        # the base's alignment and the loads vectorize.
+        base = i0 * 0
+        if M & 4:
+            base = i1 * plane
+        if M & 8:
+            if M & 4:
+                base = base + i0 * (n1 * plane)
+            else:
+                base = base + i0 * plane
+        v = tl.load(ptr + base + e, mask=m, other=0.0)
+    else:
+        s0, s1, s2, k = _dims(M, n0, n1, n2, N3)
+        base = i0 * s0 + i1 * s1
+        if M & 2:
+            v = tl.load(ptr + base + row * s2, mask=m, other=0.0)
+        elif M & 1:
+            v = tl.load(ptr + base + col, mask=m, other=0.0)
+        else:
+            v = tl.load(ptr + base)
+    if ACC_F64:
+        v = v.to(tl.float64)
+    else:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _lerp_fwd_plane_kernel(
+    x_ptr, y_ptr, w_ptr, out_ptr, w_hi, w_lo,
+    n0, n1, n2, plane, NBP,
+    MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
+    ACC_F64: tl.constexpr, BIG: tl.constexpr, VECP: tl.constexpr, N3: tl.constexpr, BLOCK: tl.constexpr,
+    STREAM: tl.constexpr,
+):
+    """The forward over each (i0, i1) plane of d2 x d3 walked flat, ``BLOCK`` elements a program.
+
+    For row lengths that leave part of a power-of-two tile idle (case 3: 244 of 256): the
+    output and full operands are read as one contiguous run; an operand that keeps only rows or
+    only columns is gathered through ``e // N3`` and ``e % N3``, cheap with ``N3`` a constant.
+    """
+    pid = tl.program_id(0)
+    c = pid % NBP
+    t = pid // NBP
+    i1 = t % n1
+    i0 = t // n1
+    if BIG:
+        i0 = i0.to(tl.int64)
+        i1 = i1.to(tl.int64)
+        c = c.to(tl.int64)
+    if VECP > 1:
+        plane = (plane // VECP) * VECP  # plane % VECP == 0, said so that Triton can see it
+    e = c * BLOCK + tl.arange(0, BLOCK)
+    m = e < plane
+    row = e // N3
+    col = e - row * N3
+    xv = _plane_load(x_ptr, MX, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64)
+    yv = _plane_load(y_ptr, MY, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64)
+    if W_SCALAR:
+        wv = _scalar_weight(w_hi, w_lo, ACC_F64)
+    else:
+        wv = _plane_load(w_ptr, MW, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64)
+    d = yv - xv
+    res = tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv))
+    if ACC_F64:
+        res = res + tl.zeros([BLOCK], tl.float64)
+    else:
+        res = res + tl.zeros([BLOCK], tl.float32)
+    offs = (i0 * n1 + i1) * plane + e
+    if STREAM:
+        tl.store(out_ptr + offs, res, mask=m, cache_modifier=".cs")
+    else:
+        tl.store(out_ptr + offs, res, mask=m)
+
+
+@triton.jit
 def _reduce_rows(src, dst, P, K, kb, FBR: tl.constexpr, FBK: tl.constexpr, ACC_F64: tl.constexpr):
     """dst[k] = sum_r src[r, k] for the FBK columns of block kb (src is [P, K], row-major)."""
     ks = kb * FBK + tl.arange(0, FBK)

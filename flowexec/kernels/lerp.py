@@ -71,6 +71,8 @@ class LerpConfig:
     * ``flat_programs``, ``even_tiles``: a one-row canonical shape indexes programs by column
       block, and whole tiles get constant masks.
     * ``bwd_loads_first``: the backward issues every load of a row tile before its stores.
+    * ``fwd_plane``: a forward whose rows leave part of a tile idle walks each d2 x d3 plane flat
+      (not measured on a GPU yet).
 
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
@@ -90,6 +92,7 @@ class LerpConfig:
     flat_programs: bool = True
     even_tiles: bool = True
     bwd_loads_first: bool = True
+    fwd_plane: bool = False
 
 
 config = LerpConfig()
@@ -343,6 +346,14 @@ class _Plan:
                          self.acc_f64, self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
                          {"": 0, "evict_first": 1, ".cg": 2}[config.fwd_load_hint], self.flat,
                          self.flat and config.even_tiles and n3 % fbn == 0)
+        if config.fwd_plane and not self.flat and n2 > 1 and n3 % fbn:
+            # Rows that leave part of the tile idle: walk each plane flat instead (one compile
+            # per row length, which the kernel takes as a constant).
+            plane = n2 * n3
+            nbp = _cdiv(plane, ftile)
+            self.fwd = self.launcher(self.kernels._lerp_fwd_plane_kernel, n0 * n1 * nbp, config.fwd_warps)
+            self.fwd_tail = (n0, n1, n2, plane, nbp, *self.masks, self.w_scalar, self.acc_f64, self.big,
+                             min(plane & -plane, 16), n3, ftile, config.fwd_stream_store)
 
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
