@@ -87,6 +87,15 @@ def _tile_mask(M: tl.constexpr, rm, cm):
 
 
 @triton.jit
+def _to_acc(v, ACC_F64: tl.constexpr):
+    """Loaded values in the accumulation type: float32, or float64 for float64 tensors."""
+    if ACC_F64:
+        return v.to(tl.float64)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
 def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr, ACC_F64: tl.constexpr,
           FULL: tl.constexpr, EVICT: tl.constexpr = 0):
     """Load an operand's tile as float32 (float64 for ACC_F64), zero outside the masks.
@@ -114,11 +123,7 @@ def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr,
                     cache_modifier=".cg")
     else:
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0)
-    if ACC_F64:
-        v = v.to(tl.float64)
-    else:
-        v = v.to(tl.float32)
-    return v
+    return _to_acc(v, ACC_F64)
 
 
 @triton.jit
@@ -258,11 +263,7 @@ def _plane_load(ptr, M: tl.constexpr, i0, i1, n0, n1, n2, plane, e, row, col, m,
             v = tl.load(ptr + base + col, mask=m, other=0.0)
         else:
             v = tl.load(ptr + base)
-    if ACC_F64:
-        v = v.to(tl.float64)
-    else:
-        v = v.to(tl.float32)
-    return v
+    return _to_acc(v, ACC_F64)
 
 
 @triton.jit
