@@ -542,3 +542,54 @@ def test_inplace_op_bumps_the_version_autograd_checks():
         torch.ops.flowexec.lerp_(m, torch.ones(4), None, 0.5)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+
+
+@needs_triton
+@pytest.mark.parametrize("dual", ["self", "end", "weight"])
+def test_inplace_op_carries_forward_ad_tangents(dual):
+    import torch.autograd.forward_ad as fwAD
+
+    p, y, w = torch.randn(6), torch.randn(6), torch.rand(6)
+    results = []
+    with L.triton_on_cpu(), fwAD.dual_level():
+        for use_aten in (True, False):
+            x = fwAD.make_dual(p.clone(), torch.ones(6)) if dual == "self" else p.clone()
+            e = fwAD.make_dual(y, torch.ones(6)) if dual == "end" else y
+            wt = fwAD.make_dual(w, torch.ones(6)) if dual == "weight" else w
+            if use_aten:
+                x.lerp_(e, wt)
+            else:
+                torch.ops.flowexec.lerp_(x, e, wt, 0.0)
+            results.append((x.detach().clone(), fwAD.unpack_dual(x).tangent))
+    (want, want_t), (got, got_t) = results
+    torch.testing.assert_close(got, want)
+    assert got_t is not None
+    torch.testing.assert_close(got_t, want_t)
+
+
+@needs_triton
+def test_big_offsets_are_64_bit():
+    # Past 2**32 elements with several (i0, i1) planes, strides are products of int32 sizes:
+    # the BIG path must form them in 64 bits. Computed offsets only; no memory that size.
+    import triton
+    import triton.language as tl
+
+    global _KERNELS  # the jit function below finds its callees among this module's globals
+    _KERNELS = L._kernels(torch.device("cpu"))
+
+    @triton.jit
+    def offsets(out_ptr, n0, n1, n2, n3, S, NB3, rows_per_split):
+        i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _KERNELS._program_setup(
+            15, 14, 8, n0, n1, n2, n3, S, NB3, rows_per_split, 1, True, 4)
+        tl.store(out_ptr + 0, by)
+        tl.store(out_ptr + 1, bo)
+        tl.store(out_ptr + 2, ky)
+
+    n0, n1, n2, n3 = 3, 4, 2**29 + 1, 3
+    out = torch.zeros(3, dtype=torch.int64)
+    pid_last = n0 * n1 * 1 * 1 - 1  # the program of (i0, i1) = (2, 3): grid S = NB3 = 1
+    with L.triton_on_cpu():
+        offsets[(pid_last + 1,)](out, n0, n1, n2, n3, 1, 1, n2)
+    plane = n2 * n3
+    # y keeps d0, d1 and d2 (mask 14): its (i0, i1) = (2, 3) block of n2 rows starts at (2 * n1 + 3) * n2
+    assert out.tolist() == [(2 * n1 + 3) * n2, (2 * n1 + 3) * plane, n0 * n1 * n2]

@@ -642,8 +642,8 @@ _LIB.define("lerp_(Tensor(a!) self, Tensor end, Tensor? weight, float weight_val
 def _lerp_inplace(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: float = 0.0) -> Tensor:
     """``x.lerp_(y, weight)`` with the fused forward kernel writing into ``x``.
 
-    ATen's ``lerp_`` takes what the kernel does not: autograd (an input needs grad), tracing and
-    functorch, non-contiguous or negated ``x``, an operand that overlaps ``x`` other than ``x``
+    ATen's ``lerp_`` takes what the kernel does not: autograd (an input needs grad), forward AD,
+    tracing and functorch, non-contiguous or negated ``x``, an operand that overlaps ``x`` other than ``x``
     itself, dtypes or devices that differ, and devices without the Triton path.
 
     Example::
@@ -658,6 +658,7 @@ def _lerp_inplace(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: flo
     aten = lambda: x.lerp_(y, w if w is not None else weight_value)  # noqa: E731
     ops = (x, y) if w is None else (x, y, w)
     if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
+            or _fwAD._current_level >= 0  # a dual level is open: ATen's lerp_ carries the tangents
             or any(type(t) not in _PLAIN for t in ops)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in ops))):
         return aten()
