@@ -171,11 +171,12 @@ def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1,
         i0 = i0.to(tl.int64)
         i1 = i1.to(tl.int64)
         jn = jn.to(tl.int64)  # jn * BN passes 2**31 in a long flat row
-        # and the strides (products of the sizes) pass 2**31 in a big tensor of several planes
-        n0 = n0.to(tl.int64)
-        n1 = n1.to(tl.int64)
-        n2 = n2.to(tl.int64)
-        n3 = n3.to(tl.int64)
+        # and the strides (products of the sizes) pass 2**31 in a big tensor of several planes.
+        # tl.cast, not .to: Triton turns an integer argument equal to 1 into a constant.
+        n0 = tl.cast(n0, tl.int64)
+        n1 = tl.cast(n1, tl.int64)
+        n2 = tl.cast(n2, tl.int64)
+        n3 = tl.cast(n3, tl.int64)
     sx0, sx1, sx2, kx = _dims(MX, n0, n1, n2, n3)
     sy0, sy1, sy2, ky = _dims(MY, n0, n1, n2, n3)
     sw0, sw1, sw2, kw = _dims(MW, n0, n1, n2, n3)
@@ -294,10 +295,10 @@ def _lerp_fwd_plane_kernel(
         i0 = i0.to(tl.int64)
         i1 = i1.to(tl.int64)
         c = c.to(tl.int64)
-        n0 = n0.to(tl.int64)
-        n1 = n1.to(tl.int64)
-        n2 = n2.to(tl.int64)
-        plane = plane.to(tl.int64)
+        n0 = tl.cast(n0, tl.int64)
+        n1 = tl.cast(n1, tl.int64)
+        n2 = tl.cast(n2, tl.int64)
+        plane = tl.cast(plane, tl.int64)
     if VECP > 1:
         plane = (plane // VECP) * VECP  # plane % VECP == 0, said so that Triton can see it
     e = c * BLOCK + tl.arange(0, BLOCK)

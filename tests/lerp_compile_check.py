@@ -1,0 +1,102 @@
+"""Compile the lerp kernels for sm_90 on a machine without a GPU, as a launch would specialise them.
+
+The interpreter runs kernels as Python, so code that only fails when Triton compiles it for a GPU
+(for example calling ``.to`` on an argument that Triton turned into a constant because it equals
+1) passes every CPU test. This script plans real calls with the planning code (``_Plan``, with a
+fake 132-SM device), builds each kernel's signature the way Triton's launcher specialises it
+(integers equal to 1 become constants, multiples of 16 and 16-byte-aligned pointers get the
+divisibility hint) and compiles it to a cubin for sm_90. Run in a process without
+TRITON_INTERPRET; ``tests/test_lerp_compile.py`` does that.
+
+    python tests/lerp_compile_check.py    # prints one line per kernel, exits 1 on a failure
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import importlib  # noqa: E402
+
+from flowexec.kernels import _lerp_triton  # noqa: E402
+
+L = importlib.import_module("flowexec.kernels.lerp")  # the module (``flowexec.kernels.lerp`` is the function)
+
+L._sm_count = lambda device: 132  # an H200, without asking a GPU
+L._l2_bytes = lambda device: 50 << 20
+L._kernels = lambda device: _lerp_triton
+
+CASES = {  # name: (x, y, w or None, dtype, config changes)
+    "case1": ((16, 102400), (16, 102400), (1,), torch.float32, {}),
+    "case2": ((16, 204800), (16, 204800), (1,), torch.float64, {}),
+    "case3": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {}),
+    "case3 plane": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float16, {"fwd_plane": True}),
+    "case4": ((16, 102400), (16, 102400), (16, 102400), torch.bfloat16, {}),
+    "float weight": ((7, 333), (333,), None, torch.float32, {}),
+    "last-block final": ((16, 1, 1, 1), (16, 3, 24, 24), (3, 1, 24), torch.float32, {"fused_final_max": 1 << 30}),
+    "big flat": ((2**31 + 8,), (2**31 + 8,), None, torch.float16, {}),
+    "big planes": ((2, 3, 2**29 + 1, 3), (2, 3, 2**29 + 1, 3), (3, 1, 3), torch.float16, {"fwd_plane": True}),
+}
+PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}
+
+
+def signature(fn, args: tuple, dtype: torch.dtype, n_ptrs: int, ptr_dtypes: dict[int, str]) -> ASTSource:
+    sig, consts, attrs = {}, {}, {}
+    for i, (p, v) in enumerate(zip(fn.params, args)):
+        if i < n_ptrs:
+            sig[p.name] = ptr_dtypes.get(i, PTR[dtype])
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif p.is_constexpr:
+            sig[p.name] = "constexpr"
+            consts[(i,)] = v
+        elif isinstance(v, bool) or (isinstance(v, int) and v == 1):
+            sig[p.name] = "constexpr"  # what Triton's launcher does with an integer equal to 1
+            consts[(i,)] = v
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            sig[p.name] = "i64" if abs(v) >= 2**31 else "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+
+def compile_one(label: str, launcher, args: tuple, dtype: torch.dtype, n_ptrs: int, ptr_dtypes=None) -> bool:
+    try:
+        triton.compile(signature(launcher.fn, args, dtype, n_ptrs, ptr_dtypes or {}), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": launcher.num_warps})
+        print(f"ok      {label}")
+        return True
+    except Exception as e:  # report every kernel, then fail
+        lines = [ln.strip() for ln in str(e).splitlines() if any(c.isalpha() for c in ln)]
+        print(f"FAILED  {label}: {type(e).__name__}: {' | '.join(lines[-3:])[:400]}")
+        return False
+
+
+def main() -> int:
+    ok = True
+    for name, (xs, ys, ws, dtype, changes) in CASES.items():
+        with L.configured(**changes):
+            plan = L._Plan(torch.Size(xs), torch.Size(ys), torch.Size(ws) if ws is not None else None, dtype,
+                           torch.device("cuda", 0))
+            assert plan.use_triton, name
+            ok &= compile_one(f"{name}: forward ({plan.fwd.fn.__name__})", plan.fwd, (0,) * 4 + (0.25, 0.0) + plan.fwd_tail,
+                              dtype, 4)
+            needs = (True, True, ws is not None)
+            bw = plan.backward_plan(needs)
+            part = PTR[plan.part_dtype]
+            ok &= compile_one(f"{name}: backward", bw.main, (0,) * 9 + (0.25, 0.0) + bw.args_tail, dtype, 9,
+                              {7: part, 8: "*i32"})
+            if bw.final is not None:
+                ok &= compile_one(f"{name}: final pass", bw.final, (0,) * 4 + bw.final_args_tail, dtype, 4, {0: part})
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
