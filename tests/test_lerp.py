@@ -224,6 +224,8 @@ def test_tracing_records_the_op(mode):
 
 
 def test_clear_errors():
+    with pytest.raises(ValueError, match="powers of two.*final_cols"):
+        L.LerpConfig(final_cols=24)
     x = torch.randn(3)
     with pytest.raises(TypeError, match="flowexec::lerp.*dtype"):
         lerp(x, torch.randn(3, dtype=torch.float64), 0.5)

@@ -94,6 +94,15 @@ class LerpConfig:
     bwd_loads_first: bool = True
     fwd_plane: bool = False
 
+    def __post_init__(self) -> None:
+        # Triton's tl.arange takes powers of two: a bad knob fails here, not inside a kernel.
+        sizes = {"final_cols": self.final_cols, "final_block": self.final_block,
+                 **{f"tile[{k}]": v for k, v in self.tile.items()},
+                 **{f"fwd_tile[{k}]": v for k, v in (self.fwd_tile or {}).items()}}
+        bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0)}
+        if bad:
+            raise ValueError(f"LerpConfig: these must be powers of two: {bad}")
+
 
 config = LerpConfig()
 # Tests set this (or FLOWEXEC_LERP_TRITON_CPU=1) to run the Triton kernels on CPU tensors in
