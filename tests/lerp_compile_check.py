@@ -28,8 +28,7 @@ from flowexec.kernels import _lerp_triton  # noqa: E402
 
 L = importlib.import_module("flowexec.kernels.lerp")  # the module (``flowexec.kernels.lerp`` is the function)
 
-L._sm_count = lambda device: 132  # an H200, without asking a GPU
-L._l2_bytes = lambda device: 50 << 20
+L._device_property = lambda device, name, default: {"multi_processor_count": 132, "L2_cache_size": 50 << 20}[name]
 L._kernels = lambda device: _lerp_triton
 
 CASES = {  # name: (x, y, w or None, dtype, config changes)

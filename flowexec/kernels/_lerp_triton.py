@@ -157,6 +157,13 @@ def _scalar_weight(w_hi, w_lo, ACC_F64: tl.constexpr):
 
 
 @triton.jit
+def _int64(a, b, c, d):
+    """Sizes in 64 bits for a big tensor: their products (strides) pass 2**31 with several planes.
+    tl.cast, not .to: Triton turns an integer argument equal to 1 into a constant."""
+    return tl.cast(a, tl.int64), tl.cast(b, tl.int64), tl.cast(c, tl.int64), tl.cast(d, tl.int64)
+
+
+@triton.jit
 def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1, n2, n3, S, NB3, rows_per_split,
                    VEC: tl.constexpr, BIG: tl.constexpr, BN: tl.constexpr, REV: tl.constexpr = False,
                    FLAT: tl.constexpr = False, EVEN: tl.constexpr = False):
@@ -171,12 +178,7 @@ def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1,
         i0 = i0.to(tl.int64)
         i1 = i1.to(tl.int64)
         jn = jn.to(tl.int64)  # jn * BN passes 2**31 in a long flat row
-        # and the strides (products of the sizes) pass 2**31 in a big tensor of several planes.
-        # tl.cast, not .to: Triton turns an integer argument equal to 1 into a constant.
-        n0 = tl.cast(n0, tl.int64)
-        n1 = tl.cast(n1, tl.int64)
-        n2 = tl.cast(n2, tl.int64)
-        n3 = tl.cast(n3, tl.int64)
+        n0, n1, n2, n3 = _int64(n0, n1, n2, n3)
     sx0, sx1, sx2, kx = _dims(MX, n0, n1, n2, n3)
     sy0, sy1, sy2, ky = _dims(MY, n0, n1, n2, n3)
     sw0, sw1, sw2, kw = _dims(MW, n0, n1, n2, n3)
@@ -295,10 +297,7 @@ def _lerp_fwd_plane_kernel(
         i0 = i0.to(tl.int64)
         i1 = i1.to(tl.int64)
         c = c.to(tl.int64)
-        n0 = tl.cast(n0, tl.int64)
-        n1 = tl.cast(n1, tl.int64)
-        n2 = tl.cast(n2, tl.int64)
-        plane = tl.cast(plane, tl.int64)
+        n0, n1, n2, plane = _int64(n0, n1, n2, plane)
     if VECP > 1:
         plane = (plane // VECP) * VECP  # plane % VECP == 0, said so that Triton can see it
     e = c * BLOCK + tl.arange(0, BLOCK)

@@ -114,8 +114,7 @@ force_triton_on_cpu = os.environ.get("FLOWEXEC_LERP_TRITON_CPU", "0") == "1"
 native_on_cpu = False
 _PLANS: dict[tuple, _Plan] = {}
 _COUNTERS: dict[tuple[int, int], Tensor] = {}
-_SM_COUNT: dict[int, int] = {}
-_L2_BYTES: dict[int, int] = {}
+_DEVICE_PROPS: dict[tuple[int, str], int] = {}
 
 
 @contextlib.contextmanager
@@ -208,22 +207,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _sm_count(device: torch.device) -> int:
+def _device_property(device: torch.device, name: str, default: int) -> int:
+    """A CUDA device property, read once per device (``default`` for the interpreter on CPU)."""
     if device.type != "cuda":
-        return 4  # interpreter: keep grids small
+        return default
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def _l2_bytes(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1 << 62  # interpreter: tests choose the order through config.bwd_reverse
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _L2_BYTES:
-        _L2_BYTES[idx] = getattr(torch.cuda.get_device_properties(idx), "L2_cache_size", 1 << 62)
-    return _L2_BYTES[idx]
+    key = (idx, name)
+    if key not in _DEVICE_PROPS:
+        _DEVICE_PROPS[key] = getattr(torch.cuda.get_device_properties(idx), name, default)
+    return _DEVICE_PROPS[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +244,7 @@ class _Backward:
         s = row_tiles
         if sums_rows:
             base = n0 * n1 * nb3
-            target = config.programs_per_sm * _sm_count(plan.device)
+            target = config.programs_per_sm * _device_property(plan.device, "multi_processor_count", 4)
             s = min(max(_cdiv(target, base), 1), row_tiles)
             s = _cdiv(row_tiles, _cdiv(row_tiles, s))
         rows_per_split = _cdiv(row_tiles, s) * bm
@@ -317,8 +309,7 @@ class _Plan:
         self._backward: dict[tuple[bool, bool, bool], _Backward] = {}
         self.native: Any = None  # the C++ LerpPlan once the forward is installed there
         self.native_pending = self.use_triton and _native.ENABLED and (device.type == "cuda" or native_on_cpu)
-        shapes = (tuple(xs), tuple(ys), tuple(ws) if ws is not None else None)
-        self.out_like = next((i for i, sh in enumerate(shapes) if sh == tuple(self.out_shape)), -1)
+        self.out_like = next((i for i, sh in enumerate(self.shapes) if sh == tuple(self.out_shape)), -1)
         self.part_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         if not self.use_triton:
             return
@@ -341,7 +332,7 @@ class _Plan:
         # backward 32.0 -> 28.8 µs). Data that fits measured slightly slower reversed.
         fwd_bytes = (sum(math.prod(sh) for sh in self.shapes if sh is not None) + self.numel) * dtype.itemsize
         self.reverse_backward = (config.bwd_reverse if config.bwd_reverse is not None
-                                 else fwd_bytes > _l2_bytes(device))
+                                 else fwd_bytes > _device_property(device, "L2_cache_size", 1 << 62))
         # The forward has no reductions; its tile is chosen on its own (``fwd_tile``).
         ftile = (config.fwd_tile or config.tile)[dtype.itemsize]
         fbn = min(_pow2(n3), ftile)
@@ -350,11 +341,6 @@ class _Plan:
         # At most 16 elements per thread: 2-byte types' 4096-element tiles get 8 warps (H200,
         # all-[16,102400] bf16 forward: 5.95 µs with 4 warps, 5.46 with 8; PyTorch 5.47).
         warps = max(config.fwd_warps, ftile // 512) if fbm == 1 else config.fwd_warps
-        self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
-        self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *self.masks, self.w_scalar,
-                         self.acc_f64, self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
-                         {"": 0, "evict_first": 1, ".cg": 2}[config.fwd_load_hint], self.flat,
-                         self.flat and config.even_tiles and n3 % fbn == 0)
         if config.fwd_plane and not self.flat and n2 > 1 and n3 % fbn:
             # Rows that leave part of the tile idle: walk each plane flat instead (one compile
             # per row length, which the kernel takes as a constant).
@@ -363,6 +349,12 @@ class _Plan:
             self.fwd = self.launcher(self.kernels._lerp_fwd_plane_kernel, n0 * n1 * nbp, config.fwd_warps)
             self.fwd_tail = (n0, n1, n2, plane, nbp, *self.masks, self.w_scalar, self.acc_f64, self.big,
                              min(plane & -plane, 16), n3, ftile, config.fwd_stream_store)
+        else:
+            self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
+            self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *self.masks, self.w_scalar, self.acc_f64,
+                             self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
+                             {"": 0, "evict_first": 1, ".cg": 2}[config.fwd_load_hint], self.flat,
+                             self.flat and config.even_tiles and n3 % fbn == 0)
 
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
@@ -486,10 +478,7 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return torch.lerp(x, y, w if w is not None else wv)
-    x, y, w = _resolved(x), _resolved(y), _resolved(w)
-    x = x if x.is_contiguous() else x.contiguous()
-    y = y if y.is_contiguous() else y.contiguous()
-    wt = x if w is None else (w if w.is_contiguous() else w.contiguous())
+    x, y, wt = _operands(x, y, w)
     fresh = out is None
     if out is None:
         # empty_like costs about a third of empty(shape, dtype=, device=) from Python.
@@ -510,6 +499,17 @@ def _resolved(t: Tensor | None) -> Tensor | None:
     return t.resolve_neg() if t is not None and t.is_neg() else t
 
 
+def _contiguous(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _operands(x: Tensor, y: Tensor, w: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """x, y and the weight as the kernels read them: resolved and contiguous; a float weight's
+    pointer argument is ``x`` (never read)."""
+    x, y = _contiguous(_resolved(x)), _contiguous(_resolved(y))
+    return x, y, x if w is None else _contiguous(_resolved(w))
+
+
 def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float, needs: tuple[bool, bool, bool],
                    plan: _Plan | None = None, native_install: bool = False
                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -519,11 +519,8 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
     if not any(needs):
         return None, None, None
     bw = plan.backward_plan(needs)
-    g, x, y, w = _resolved(g), _resolved(x), _resolved(y), _resolved(w)
-    g = g if g.is_contiguous() else g.contiguous()
-    x = x if x.is_contiguous() else x.contiguous()
-    y = y if y.is_contiguous() else y.contiguous()
-    wt = x if w is None else (w if w.is_contiguous() else w.contiguous())
+    g = _contiguous(_resolved(g))
+    x, y, wt = _operands(x, y, w)
     dx = torch.empty_like(x) if needs[0] else g
     dy = torch.empty_like(y) if needs[1] else g
     dw = torch.empty_like(wt) if needs[2] else g
@@ -666,25 +663,18 @@ def _lerp_inplace(x: Tensor, y: Tensor, weight: Tensor | None, weight_value: flo
     w = weight
     aten = lambda: x.lerp_(y, w if w is not None else weight_value)  # noqa: E731
     ops = (x, y) if w is None else (x, y, w)
-    if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
-            or _fwAD._current_level >= 0  # a dual level is open: ATen's lerp_ carries the tangents
-            or any(type(t) not in _PLAIN for t in ops)
+    if (_tracing(x, y, w) or _transforming()
             or (torch.is_grad_enabled() and any(t.requires_grad for t in ops))):
-        return aten()
-    if any(t.dtype != x.dtype or t.device != x.device for t in ops) or x.dtype not in SUPPORTED_DTYPES:
         return aten()
     if not x.is_contiguous() or x.is_neg() or x.is_conj() or any(_overlaps(t, x) for t in ops[1:]):
         return aten()
     if x.is_inference() and not torch.is_inference_mode_enabled():
         return aten()  # ATen refuses to update an inference tensor outside inference mode
-    try:
-        shape = torch.broadcast_shapes(*(t.shape for t in ops))
-    except RuntimeError:
+    try:  # the plan checks dtypes, devices and broadcasting once per signature
+        plan = _plan(x, y, w)
+    except (TypeError, ValueError):
         return aten()  # ATen's own error
-    if tuple(shape) != tuple(x.shape):
-        return aten()
-    plan = _plan(x, y, w)
-    if not plan.use_triton:
+    if not plan.use_triton or plan.out_shape != x.shape:
         return aten()
     _forward_impl(x, y, w, weight_value, plan, out=x)
     torch.autograd.graph.increment_version(x)  # the kernel wrote through a raw pointer
@@ -703,6 +693,12 @@ _LIB.impl("lerp_", _lerp_inplace, "CompositeImplicitAutograd")
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _transforming() -> bool:
+    """Forward AD (an open dual level) or a functorch transform: ATen's lerp carries tangents
+    and batching, with the same formula."""
+    return _fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
 def _tracing(x: Tensor, y: Tensor, w: Tensor | None) -> bool:
