@@ -8,8 +8,13 @@ memset between them ("flushed between"), for cases 1, 3 and 4 and three configs;
 ``forward``: the forward kernel alone against PyTorch's under load and store hints, tiles and
 whole-tile masks, for the flat cases.
 
+``inplace``: ``torch.ops.flowexec.lerp_`` against ATen's ``lerp_`` (kernel time and wall) on
+Adam/EMA-like shapes and weights, and a graph-mode step of two in-place lerps with the default
+rewrite and with ``fuse_lerp="all"``: what ``passes/fuse_lerp.py``'s default rests on.
+
     PYTHONPATH=. python3 benchmarks/lerp_probes.py l2 --out benchmarks/results/probes/lerp_l2.json
     PYTHONPATH=. python3 benchmarks/lerp_probes.py forward --out benchmarks/results/probes/lerp_forward.json
+    PYTHONPATH=. python3 benchmarks/lerp_probes.py inplace --out benchmarks/results/probes/lerp_inplace.json
 """
 from __future__ import annotations
 
@@ -82,9 +87,67 @@ def probe_forward() -> dict[str, Any]:
     return res
 
 
+INPLACE_SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype, Any]] = {  # self's shape, dtype, weight
+    "[16,102400] f32 w=0.1": ((16, 102400), torch.float32, 0.1),
+    "[16,102400] f32 w[1]": ((16, 102400), torch.float32, (1,)),
+    "[16,102400] f32 w full": ((16, 102400), torch.float32, "full"),
+    "[16,204800] f64 w=0.1": ((16, 204800), torch.float64, 0.1),
+    "[16,102400] f16 w=0.1": ((16, 102400), torch.float16, 0.1),
+    "[16,102400] bf16 w=0.1": ((16, 102400), torch.bfloat16, 0.1),
+    "[16,3,244,244] f32 w[3,1,244]": ((16, 3, 244, 244), torch.float32, (3, 1, 244)),
+    "[4096,4096] f32 w[4096]": ((4096, 4096), torch.float32, (4096,)),
+    "[256,256] f32 w[256]": ((256, 256), torch.float32, (256,)),
+    "[64,256] f32 w=0.1": ((64, 256), torch.float32, 0.1),
+}
+
+
+def probe_inplace() -> dict[str, Any]:
+    import flowexec
+    from ops import bench
+
+    res: dict[str, Any] = {}
+    for name, (shape, dt, wk) in INPLACE_SHAPES.items():
+        a = torch.randn(shape, device="cuda", dtype=dt)
+        b = torch.randn(shape, device="cuda", dtype=dt)
+        wt = None if isinstance(wk, float) else torch.rand(shape if wk == "full" else wk, device="cuda", dtype=dt)
+        wv = wk if isinstance(wk, float) else 0.0
+        aw = wv if wt is None else wt
+        want = a.clone().lerp_(b, aw)
+        got = a.clone()
+        torch.ops.flowexec.lerp_(got, b, wt, wv)
+        row = res[name] = {"max_abs_diff": (want.double() - got.double()).abs().max().item()}
+        for rnd in range(2):  # two alternating rounds
+            row[f"torch kernels {rnd}"] = per_kernel(lambda: a.lerp_(b, aw))["total"]
+            row[f"flowexec kernels {rnd}"] = per_kernel(lambda: torch.ops.flowexec.lerp_(a, b, wt, wv))["total"]
+        row["torch wall"] = bench(lambda: a.lerp_(b, aw))
+        row["flowexec wall"] = bench(lambda: torch.ops.flowexec.lerp_(a, b, wt, wv))
+        print(name, row, flush=True)
+
+    def step(p: Any, g: Any, m: Any, w: Any, ema: Any) -> Any:
+        m.lerp_(g, w)        # a moment update with a per-column weight (broadcast)
+        ema.lerp_(p, 0.01)   # an EMA with a float weight (all operands full-size)
+        return (m * ema).sum()
+
+    steps: dict[str, Any] = {}
+    for shape in ((16, 102400), (4096, 4096)):
+        ts = [torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda"),
+              torch.rand(shape[-1], device="cuda"), torch.randn(shape, device="cuda")]
+        r: dict[str, Any] = {}
+        for opt in (False, None, "all"):
+            exe = flowexec.compile(step, *[t.clone() for t in ts], mode="graph", fuse_lerp=opt)
+            args = [t.clone() for t in ts]
+            exe(*args)
+            r[str(opt)] = {"lerp ops": [op.name for op in exe.program.ops if "lerp" in op.name],
+                           "kernels": per_kernel(lambda: exe(*args))["total"], "wall": bench(lambda: exe(*args))}
+        steps[str(shape)] = r
+        print("graph step", shape, r, flush=True)
+    res["graph-mode step"] = steps
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe", choices=("l2", "forward"))
+    ap.add_argument("probe", choices=("l2", "forward", "inplace"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -93,7 +156,7 @@ def main() -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
            "command": f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}",
-           "us": probe_l2() if args.probe == "l2" else probe_forward()}
+           "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

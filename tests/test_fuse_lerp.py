@@ -46,6 +46,29 @@ def test_option_controls_the_pass():
 
 
 
+def test_only_faster_keeps_full_size_and_small_lerps_on_aten():
+    def g(x, y, w, ema, small):
+        a = torch.lerp(x, y, 0.3)       # every operand full-size: ATen's kernel ties
+        b = torch.lerp(a, y, w)         # broadcast weight, 2**16 elements: rewritten
+        ema.lerp_(y, w)                 # the same in place: rewritten
+        ema.lerp_(x, x)                 # full-size weight: ATen's wins, kept
+        small.lerp_(small, w[:8])       # broadcast but 64 elements: kept
+        return b.sum() + ema.sum() + small.sum()
+
+    args = (torch.randn(256, 256), torch.randn(256, 256), torch.rand(256), torch.randn(256, 256),
+            torch.randn(8, 8))
+    prog = capture(g, args).program
+    new = substitute_lerp(prog, devices=("cpu",), inplace=True, only_faster=True)
+    names = [op.name for op in new.ops]
+    assert names.count("flowexec.lerp.default") == 1 and names.count("aten.lerp.Scalar") == 1
+    assert names.count("flowexec.lerp_.default") == 1 and names.count("aten.lerp_.Tensor") == 2
+    run = lower_trace(build_plan(new))
+    mine, theirs = [a.clone() for a in args], [a.clone() for a in args]
+    assert_close_rel(run(*mine)[0], g(*theirs))
+    torch.testing.assert_close(mine[3], theirs[3])
+    torch.testing.assert_close(mine[4], theirs[4])
+
+
 def ema_step(p, ema):
     ema.lerp_(p, 0.1)                   # an EMA / Adam-moment update of a caller's tensor
     return (ema * 2).sum()

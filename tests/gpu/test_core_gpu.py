@@ -112,16 +112,23 @@ def test_graph_input_buffers_skip_staging_and_stay_correct():
         assert_close_rel(exe(a2, b), (a2 @ w + b).relu())  # other tensors are staged in
 
 
-def test_graph_mode_fuses_lerp_and_matches_eager():
-    def f(x, y, w):
+def test_graph_mode_fuses_lerp_where_measured_faster_and_matches_eager():
+    def f(x, y, w, ema):
+        ema.lerp_(y, w)        # broadcast weight: rewritten by default
+        ema.lerp_(x, 0.1)      # every operand full-size: ATen's kernel ties, left alone
         return torch.lerp(torch.lerp(x, y, 0.3), y, w).square().mean()
 
-    args = (torch.randn(16, 256, device="cuda"), torch.randn(16, 256, device="cuda"), torch.rand(256, device="cuda"))
-    exe = flowexec.compile(f, *args, mode="graph")
-    assert [op.name for op in exe.program.ops].count("flowexec.lerp.default") == 2
+    args = (torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda"),
+            torch.rand(1024, device="cuda"), torch.randn(256, 1024, device="cuda"))
+    exe = flowexec.compile(f, *(a.clone() for a in args), mode="graph")
+    names = [op.name for op in exe.program.ops]
+    assert names.count("flowexec.lerp.default") == 1 and names.count("aten.lerp.Scalar") == 1
+    assert names.count("flowexec.lerp_.default") == 1 and names.count("aten.lerp_.Scalar") == 1
     for _ in range(3):
         new = tuple(torch.randn_like(a) for a in args)
-        assert_close_rel(exe(*new), f(*new))
+        mine, theirs = new[3].clone(), new[3].clone()
+        assert_close_rel(exe(*new[:3], mine), f(*new[:3], theirs))
+        assert_close_rel(mine, theirs)
 
 
 def test_graph_staging_nodes_follow_every_kind_of_input():
