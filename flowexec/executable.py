@@ -39,7 +39,7 @@ OPTIONS = {
              "(copied to the host on a side stream; .result() waits for that value only)",
     "fetch_slots": "pinned slots in the fetch ring (default 64)",
     "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp / aten.lerp_ (default: in graph mode "
-                 "on CUDA, where it measured faster: a broadcast operand, >= 2**16 elements; True: every "
+                 "on CUDA, where it measured faster: a broadcast operand, >= 2**20 elements; True: every "
                  "out-of-place lerp; 'all': every lerp and lerp_; False: none)",
 }
 

@@ -49,13 +49,13 @@ def test_option_controls_the_pass():
 def test_only_faster_keeps_full_size_and_small_lerps_on_aten():
     def g(x, y, w, ema, small):
         a = torch.lerp(x, y, 0.3)       # every operand full-size: ATen's kernel ties
-        b = torch.lerp(a, y, w)         # broadcast weight, 2**16 elements: rewritten
+        b = torch.lerp(a, y, w)         # broadcast weight, 2**20 elements: rewritten
         ema.lerp_(y, w)                 # the same in place: rewritten
         ema.lerp_(x, x)                 # full-size weight: ATen's wins, kept
         small.lerp_(small, w[:8])       # broadcast but 64 elements: kept
         return b.sum() + ema.sum() + small.sum()
 
-    args = (torch.randn(256, 256), torch.randn(256, 256), torch.rand(256), torch.randn(256, 256),
+    args = (torch.randn(1024, 1024), torch.randn(1024, 1024), torch.rand(1024), torch.randn(1024, 1024),
             torch.randn(8, 8))
     prog = capture(g, args).program
     new = substitute_lerp(prog, devices=("cpu",), inplace=True, only_faster=True)

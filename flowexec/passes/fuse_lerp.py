@@ -11,11 +11,14 @@ Executables rewrite by default in graph mode on CUDA, where the kernel's GPU tim
 counts, and only where the fused kernel measured faster than ATen's (``only_faster``): an
 operand tensor broadcasts (it is smaller than the output, so ATen's strided iterator loads it
 element by element while the fused kernel loads it at its own shape) and the output has at
-least 2**16 elements. On the H200 (benchmarks/results/probes/lerp_inplace.json and ops.json):
-weight ``[1]`` 6.4 against 7.9 µs in place, 6.7 against 8.2 µs out of place at [16, 102400];
-the case-3 pattern 12.2 against 13.6 µs in place. Where every operand has the output's shape,
-ATen's kernel ties or wins (float weight 6.46 against 6.46 µs; full weight 8.5 against 8.3 µs;
-a [64, 256] tensor 1.97 against 1.46 µs), so those stay ATen's. ``fuse_lerp=True`` rewrites every
+least 2**20 elements. On the H200 (benchmarks/results/probes/lerp_inplace.json, fifth session):
+in place, weight ``[1]`` at [16, 102400] 6.6 against 7.9 µs, the case-3 pattern 11.2 against
+13.4 µs, [4096, 4096] with a [4096] weight 49.8 against 62.3 µs; out of place (lerp_kernels.json)
+the case-1 and case-3 forwards 6.6 against 8.2 and 7.8 against 12.7 µs. Smaller tensors lose:
+[256, 256] with a [256] weight 3.3 against 2.5 µs (sizes between 2**16 and 1.6 million
+elements were not measured; the threshold sits at 2**20). Where every operand has the output's
+shape ATen's kernel ties or wins (float weight 6.46 against 6.46 µs; full weight 8.6 against
+8.4 µs), so those stay ATen's. ``fuse_lerp=True`` rewrites every
 eligible out-of-place lerp, ``"all"`` every eligible lerp and lerp_, ``False`` none.
 
 Example::
@@ -52,7 +55,7 @@ def _eligible(op: Op, prog: Program, devices: tuple[str, ...], targets: tuple[st
         and all(len(m.shape) <= 4 for m in metas)
 
 
-MIN_NUMEL = 1 << 16  # smaller outputs: not measured faster, left to ATen under only_faster
+MIN_NUMEL = 1 << 20  # smaller outputs: not measured faster, left to ATen under only_faster
 
 
 def _measured_faster(op: Op, prog: Program) -> bool:

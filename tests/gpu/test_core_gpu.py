@@ -118,8 +118,8 @@ def test_graph_mode_fuses_lerp_where_measured_faster_and_matches_eager():
         ema.lerp_(x, 0.1)      # every operand full-size: ATen's kernel ties, left alone
         return torch.lerp(torch.lerp(x, y, 0.3), y, w).square().mean()
 
-    args = (torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda"),
-            torch.rand(1024, device="cuda"), torch.randn(256, 1024, device="cuda"))
+    args = (torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda"),
+            torch.rand(1024, device="cuda"), torch.randn(1024, 1024, device="cuda"))
     exe = flowexec.compile(f, *(a.clone() for a in args), mode="graph")
     names = [op.name for op in exe.program.ops]
     assert names.count("flowexec.lerp.default") == 1 and names.count("aten.lerp.Scalar") == 1
