@@ -40,6 +40,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "backward in order": {"bwd_reverse": False},
     "final pass 32 columns": {"final_cols": 32},
     "backward loads after stores": {"bwd_loads_first": False},
+    "backward without cache hints": {"bwd_stream": False},
+    "dx and dw flushed apart": {"bwd_joint_flush": False},
     "forward in tiles": {"fwd_plane": False},
     "plane tile ×2": {"plane_tile": {2: 4096, 4: 2048, 8: 1024}},
     "tile ÷2": {"tile": {2: 2048, 4: 1024, 8: 512}},

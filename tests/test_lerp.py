@@ -98,7 +98,8 @@ def broadcast_cases(draw):
     fused_max = draw(st.sampled_from([0, 1 << 30]))
     knobs = dict(full_tile_loads=draw(st.booleans()), bwd_reverse=draw(st.booleans()),
                  flat_programs=draw(st.booleans()), even_tiles=draw(st.booleans()),
-                 bwd_loads_first=draw(st.booleans()), fwd_plane=draw(st.booleans()), final_cols=draw(st.sampled_from([1, 16])))
+                 bwd_loads_first=draw(st.booleans()), bwd_stream=draw(st.booleans()),
+                 bwd_joint_flush=draw(st.booleans()), fwd_plane=draw(st.booleans()), final_cols=draw(st.sampled_from([1, 16])))
     return xs, ys, ws, dtype, needs, tile, (fused_max, knobs)
 
 

@@ -344,7 +344,7 @@ def _reduce_rows(src, dst, P, K, kb, FBR: tl.constexpr, FBK: tl.constexpr, ACC_F
 @triton.jit
 def _grad_out(
     gt, acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, rows, cols, s2, rm, cm,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, STREAM: tl.constexpr = False,
 ):
     """Store or accumulate one [BM, BN] gradient tile for an operand with keep-mask M.
 
@@ -362,6 +362,8 @@ def _grad_out(
         offs = _tile_offsets(M, base, rows, cols, s2, VEC)
         if RED:
             tl.store(part_ptr + off_p + offs, t, mask=_tile_mask(M, rm, cm))
+        elif STREAM and (M & 3) == 3:  # a full gradient, written once: leave L2 to the inputs
+            tl.store(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm), cache_modifier=".cs")
         else:
             tl.store(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm))
     else:
@@ -376,18 +378,36 @@ def _grad_flush(acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexp
     columns too if it broadcasts d3) and write it: the program's only cross-warp reductions."""
     if (M & 2) == 0:
         if M & 1:
-            v = tl.sum(acc, axis=0)[None, :]
-            offs = _tile_offsets(M, base, cols, cols, 0, VEC)
-            if RED:
-                tl.store(part_ptr + off_p + offs, v, mask=cm[None, :])
-            else:
-                tl.store(dst_ptr + offs, v, mask=cm[None, :])
+            _flush_cols(tl.sum(acc, axis=0), dst_ptr, part_ptr, off_p, M, RED, base, cols, cm, VEC)
         else:
             v = tl.sum(tl.sum(acc, axis=1), axis=0)  # masked rows and columns hold zeros
             if RED:
                 tl.store(part_ptr + off_p + base, v)
             else:
                 tl.store(dst_ptr + base, v)
+
+
+@triton.jit
+def _flush_cols(colsum, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, cols, cm,
+                VEC: tl.constexpr):
+    """Write an operand's row-summed [BN] gradient (summed over columns too if it broadcasts d3)."""
+    if M & 1:
+        offs = _tile_offsets(M, base, cols, cols, 0, VEC)
+        if RED:
+            tl.store(part_ptr + off_p + offs, colsum[None, :], mask=cm[None, :])
+        else:
+            tl.store(dst_ptr + offs, colsum[None, :], mask=cm[None, :])
+    else:
+        v = tl.sum(colsum, axis=0)
+        if RED:
+            tl.store(part_ptr + off_p + base, v)
+        else:
+            tl.store(dst_ptr + base, v)
+
+
+@triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
 
 
 @triton.jit
@@ -415,7 +435,7 @@ def _lerp_bwd_kernel(
     RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
-    EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr,
+    EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr = False, JOINT: tl.constexpr = False,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT, EVEN)
@@ -436,7 +456,7 @@ def _lerp_bwd_kernel(
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
-        g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL)
+        g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL, 1 if STREAM else 0)
         if NEED_W and LOADS_FIRST:
             # Issue every load before the first store: the compiler cannot move a load above a
             # store to memory that may alias it, so loading x and y after dx/dy were stored costs
@@ -450,22 +470,28 @@ def _lerp_bwd_kernel(
                 wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
             if NEED_X:
                 acc_x = _grad_out(g * (1.0 - wv), acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X,
-                                  bx, rows, cols, sx2, rm, cm, VEC)
+                                  bx, rows, cols, sx2, rm, cm, VEC, STREAM)
             if NEED_Y:
                 acc_y = _grad_out(g * wv, acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y,
-                                  by, rows, cols, sy2, rm, cm, VEC)
+                                  by, rows, cols, sy2, rm, cm, VEC, STREAM)
         if NEED_W:
             if not LOADS_FIRST:
                 xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
                 yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
             acc_w = _grad_out(g * (yv - xv), acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W,
-                              bw, rows, cols, sw2, rm, cm, VEC)
-    if NEED_X:
-        _grad_flush(acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC)
+                              bw, rows, cols, sw2, rm, cm, VEC, STREAM)
+    if JOINT and NEED_X and NEED_W and (MX & 2) == 0 and (MW & 2) == 0:
+        # dx and dw both sum over rows (case 3): one two-value reduction, one set of barriers.
+        cx, cw = tl.reduce((acc_x, acc_w), 0, _add_pairs)
+        _flush_cols(cx, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC)
+        _flush_cols(cw, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC)
+    else:
+        if NEED_X:
+            _grad_flush(acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC)
+        if NEED_W:
+            _grad_flush(acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC)
     if NEED_Y:
         _grad_flush(acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y, by, cols, cm, VEC)
-    if NEED_W:
-        _grad_flush(acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC)
     if FUSED_FINAL:
         # The last program to finish sums the partials: one launch fewer than a separate pass.
         # The barrier orders every thread's partial stores before the (acq_rel, gpu-scope) count.
