@@ -38,9 +38,9 @@ OPTIONS = {
     "fetch": "True or output indices: return those one-element outputs as flowexec.Fetch handles "
              "(copied to the host on a side stream; .result() waits for that value only)",
     "fetch_slots": "pinned slots in the fetch ring (default 64)",
-    "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp / aten.lerp_ (default: in graph mode "
-                 "on CUDA, where it measured faster: a broadcast operand, >= 2**20 elements; True: every "
-                 "out-of-place lerp; 'all': every lerp and lerp_; False: none)",
+    "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp / aten.lerp_ on CUDA where it measured "
+                 "faster (a broadcast operand, >= 2**20 elements): by default in graph mode, with True in every "
+                 "mode; 'all': every eligible lerp and lerp_; False: none",
 }
 
 
@@ -247,8 +247,9 @@ def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> P
     if fuse_lerp or (fuse_lerp is None and mode == "graph"):
         from .passes.fuse_lerp import substitute_lerp
 
-        # Default: in place too, but only where the fused kernel measured faster than ATen's.
-        prog = substitute_lerp(prog, inplace=fuse_lerp in (None, "all"), only_faster=fuse_lerp is None)
+        # None and True: lerp and lerp_ where the fused kernel measured faster than ATen's
+        # (True also outside graph mode); "all": every eligible one.
+        prog = substitute_lerp(prog, inplace=True, only_faster=fuse_lerp != "all")
     return prog
 
 

@@ -109,8 +109,8 @@ def broadcast_cases(draw):
 def test_triton_kernels_match_float64(case):
     xs, ys, ws, dtype, needs, tile, (fused_max, knobs) = case
     x, y, w = make_inputs(xs, ys, ws, dtype, needs)
-    with L.triton_on_cpu(), L.configured(tile={2: tile, 4: tile, 8: tile}, fused_final_max=fused_max,
-                                          programs_per_sm=2, **knobs):
+    with L.triton_on_cpu(), L.configured(tile={2: tile, 4: tile, 8: tile}, plane_tile={2: tile, 4: tile, 8: tile},
+                                          fused_final_max=fused_max, programs_per_sm=2, **knobs):
         plan = L._plan(x, y, w if isinstance(w, torch.Tensor) else None)
         assert plan.use_triton or plan.numel == 0  # the test must exercise the kernels
         check(x, y, w, dtype)

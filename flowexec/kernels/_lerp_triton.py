@@ -344,7 +344,7 @@ def _reduce_rows(src, dst, P, K, kb, FBR: tl.constexpr, FBK: tl.constexpr, ACC_F
 @triton.jit
 def _grad_out(
     gt, acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, rows, cols, s2, rm, cm,
-    VEC: tl.constexpr, STREAM: tl.constexpr = False,
+    VEC: tl.constexpr, STREAM: tl.constexpr,
 ):
     """Store or accumulate one [BM, BN] gradient tile for an operand with keep-mask M.
 
@@ -376,15 +376,8 @@ def _grad_flush(acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexp
                 VEC: tl.constexpr):
     """Reduce the [BM, BN] accumulator of an operand that broadcasts d2 (over rows, and over
     columns too if it broadcasts d3) and write it: the program's only cross-warp reductions."""
-    if (M & 2) == 0:
-        if M & 1:
-            _flush_cols(tl.sum(acc, axis=0), dst_ptr, part_ptr, off_p, M, RED, base, cols, cm, VEC)
-        else:
-            v = tl.sum(tl.sum(acc, axis=1), axis=0)  # masked rows and columns hold zeros
-            if RED:
-                tl.store(part_ptr + off_p + base, v)
-            else:
-                tl.store(dst_ptr + base, v)
+    if (M & 2) == 0:  # masked rows and columns hold zeros
+        _flush_cols(tl.sum(acc, axis=0), dst_ptr, part_ptr, off_p, M, RED, base, cols, cm, VEC)
 
 
 @triton.jit
@@ -407,6 +400,7 @@ def _flush_cols(colsum, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.const
 
 @triton.jit
 def _add_pairs(a0, b0, a1, b1):
+    """Combine step of a two-value sum (``tl.reduce`` over a pair of tensors)."""
     return a0 + a1, b0 + b1
 
 
@@ -435,7 +429,7 @@ def _lerp_bwd_kernel(
     RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
-    EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr = False, JOINT: tl.constexpr = False,
+    EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr, JOINT: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT, EVEN)

@@ -71,9 +71,9 @@ class LerpConfig:
     * ``flat_programs``, ``even_tiles``: a one-row canonical shape indexes programs by column
       block, and whole tiles get constant masks.
     * ``bwd_loads_first``: the backward issues every load of a row tile before its stores.
-    * ``bwd_stream``: the backward loads ``g`` evict-first and stores full gradients with the
-      streaming hint, so that L2 keeps the forward's inputs it reads again (case 3: 19.55 ->
-      18.83 µs on the H200).
+    * ``bwd_stream``: the backward loads ``g`` evict-first and stores gradients that keep both
+      tile dims (non-flat layouts, e.g. case 3's ``dy``) with the streaming hint, so that L2
+      keeps the forward's inputs it reads again (case 3: 19.55 -> 18.83 µs on the H200).
     * ``bwd_joint_flush``: when dx and dw both sum over rows, one two-value reduction for both
       (half the shuffles; case 3 float16 13.11 -> 12.93 µs).
     * ``fwd_plane``: a forward whose rows leave part of a tile idle walks each d2 x d3 plane flat,

@@ -11,15 +11,10 @@ Executables rewrite by default in graph mode on CUDA, where the kernel's GPU tim
 counts, and only where the fused kernel measured faster than ATen's (``only_faster``): an
 operand tensor broadcasts (it is smaller than the output, so ATen's strided iterator loads it
 element by element while the fused kernel loads it at its own shape) and the output has at
-least 2**20 elements. On the H200 (benchmarks/results/probes/lerp_inplace.json, fifth session):
-in place, weight ``[1]`` at [16, 102400] 6.6 against 7.9 µs, the case-3 pattern 11.2 against
-13.4 µs, [4096, 4096] with a [4096] weight 49.8 against 62.3 µs; out of place (lerp_kernels.json)
-the case-1 and case-3 forwards 6.6 against 8.2 and 7.8 against 12.7 µs. Smaller tensors lose:
-[256, 256] with a [256] weight 3.3 against 2.5 µs (sizes between 2**16 and 1.6 million
-elements were not measured; the threshold sits at 2**20). Where every operand has the output's
-shape ATen's kernel ties or wins (float weight 6.46 against 6.46 µs; full weight 8.6 against
-8.4 µs), so those stay ATen's. ``fuse_lerp=True`` rewrites every
-eligible out-of-place lerp, ``"all"`` every eligible lerp and lerp_, ``False`` none.
+least 2**20 elements. Smaller tensors, and lerps whose operands all have the output's shape, tie
+or lose against ATen's kernel; the measurements are in docs/kernels.md ("In place and the program
+pass"). ``fuse_lerp=True`` applies the same selection in every mode, ``"all"`` rewrites every
+eligible lerp and lerp_, ``False`` none.
 
 Example::
 
