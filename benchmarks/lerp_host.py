@@ -11,6 +11,12 @@ or raw pointers as arguments, the backward implementation alone, forward + ``aut
 PyTorch; ``python_fwd_grad3``: the Python path with the native one switched off) and
 ``autograd.grad`` alone on a retained graph (``*_grad3_only``). ``torch_mul_grad`` (``x * 2``
 and its backward) is about the least any CUDA autograd op costs on the machine.
+
+The ``parts`` entries split flowexec's cost against that least cost: the native forward called
+without the Python wrapper (``native_fwd_direct``), ``autograd.grad`` on retained graphs for one
+gradient at a time (``fx_grad_only_y``: one launch, one allocation; ``fx_grad_only_w``: the main
+and the final launch, the gradient and the partials; ``fx_grad_only_x``), the same for ``x * 2``
+and an empty Python autograd function, one ``empty_like`` and one tiny ``add_``.
 """
 from __future__ import annotations
 
@@ -85,7 +91,32 @@ def measure() -> dict[str, Any]:
     b["noop_fn_fwd"] = loop_us(lambda: Noop.apply(x))
     b["noop_fn_grad"] = loop_us(lambda: torch.autograd.grad(Noop.apply(x), (x,), go))
     b["torch_mul_grad"] = loop_us(lambda: torch.autograd.grad(x * 2.0, (x,), go))
+    b["parts"] = parts(x, y, w, go, Noop)
     return b
+
+
+def parts(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor, noop: Any) -> dict[str, float]:
+    """Host cost by component (see the module docstring), each a loop_us figure."""
+    nat = importlib.import_module("flowexec.kernels._native")
+    r: dict[str, float] = {}
+    front = nat.front_door
+    if front is not None:
+        assert front(x, y, w, 0.0) is not None, "the shape must be planned natively by now"
+        r["native_fwd_direct"] = loop_us(lambda: front(x, y, w, 0.0))
+    r["fx_fwd_grad"] = loop_us(lambda: L.lerp(x, y, w))
+    o = L.lerp(x, y, w)
+    for name, t in (("x", x), ("y", y), ("w", w)):
+        torch.autograd.grad(o, (t,), go, retain_graph=True)  # plans this gradient set first
+        r[f"fx_grad_only_{name}"] = loop_us(lambda: torch.autograd.grad(o, (t,), go, retain_graph=True))
+    m = x * 2.0
+    r["torch_mul_grad_only"] = loop_us(lambda: torch.autograd.grad(m, (x,), go, retain_graph=True))
+    n = noop.apply(x)
+    r["noop_grad_only"] = loop_us(lambda: torch.autograd.grad(n, (x,), go, retain_graph=True))
+    xd = x.detach()
+    r["empty_like"] = loop_us(lambda: torch.empty_like(xd))
+    tiny = torch.zeros(1, device=x.device)
+    r["torch_add_"] = loop_us(lambda: tiny.add_(1.0))
+    return r
 
 
 def main() -> None:
