@@ -66,8 +66,7 @@ def probe_l2() -> dict[str, Any]:
 
 
 FORWARD_VARIANTS: dict[str, dict[str, Any]] = {
-    "shipped": {}, "no even tiles": {"even_tiles": False}, "evict_first": {"fwd_load_hint": "evict_first"},
-    ".cg": {"fwd_load_hint": ".cg"}, ".cg tile1024": {"fwd_load_hint": ".cg", "fwd_tile": {2: 2048, 4: 1024, 8: 512}},
+    "shipped": {}, "no even tiles": {"even_tiles": False}, "tile1024": {"fwd_tile": {2: 2048, 4: 1024, 8: 512}},
     "no .cs store": {"fwd_stream_store": False},
 }
 

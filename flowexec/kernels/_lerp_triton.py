@@ -96,8 +96,16 @@ def _to_acc(v, ACC_F64: tl.constexpr):
 
 
 @triton.jit
+def _lerp_values(xv, yv, wv, zero):
+    """ATen's two-sided formula (exact at both ends: w = 0 gives x, w = 1 gives y), broadcast to
+    the shape of ``zero``, a zero tensor in the accumulation type."""
+    d = yv - xv
+    return tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv)) + zero
+
+
+@triton.jit
 def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr, ACC_F64: tl.constexpr,
-          FULL: tl.constexpr, EVICT: tl.constexpr = 0):
+          FULL: tl.constexpr, EVICT: tl.constexpr = False):
     """Load an operand's tile as float32 (float64 for ACC_F64), zero outside the masks.
 
     With ``FULL`` an operand that keeps only one of d2, d3 is loaded as a whole [BM, BN] tile with
@@ -115,12 +123,9 @@ def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr,
         v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
     elif (M & 3) == 0:
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC))
-    elif EVICT == 1 and (M & 3) == 3:  # streamed once: leave L2 to the operands that are reused
+    elif EVICT and (M & 3) == 3:  # streamed once: leave L2 to the operands that are reused
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0,
                     eviction_policy="evict_first")
-    elif EVICT == 2 and (M & 3) == 3:  # streamed once: not cached in L1
-        v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0,
-                    cache_modifier=".cg")
     else:
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0)
     return _to_acc(v, ACC_F64)
@@ -218,7 +223,7 @@ def _lerp_fwd_kernel(
     n0, n1, n2, n3, S, NB3, rows_per_split,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FULL: tl.constexpr, STREAM: tl.constexpr, EVICT: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
+    FULL: tl.constexpr, STREAM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, False, FLAT, EVEN)
@@ -226,19 +231,13 @@ def _lerp_fwd_kernel(
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
-        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL, EVICT)
-        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL, EVICT)
+        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
+        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
         if W_SCALAR:
             wv = w_s
         else:
-            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL, EVICT)
-        d = yv - xv
-        # Same two-sided formula as ATen: exact at both ends (w = 0 gives x, w = 1 gives y).
-        res = tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv))
-        if ACC_F64:
-            res = res + tl.zeros([BM, BN], tl.float64)
-        else:
-            res = res + tl.zeros([BM, BN], tl.float32)
+            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
+        res = _lerp_values(xv, yv, wv, _to_acc(tl.zeros([BM, BN], tl.float32), ACC_F64))
         offs = _tile_offsets(15, bo, rows, cols, so2, VEC)
         if STREAM:  # written once, read by nobody soon: do not keep it in the caches
             tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :], cache_modifier=".cs")
@@ -310,12 +309,7 @@ def _lerp_fwd_plane_kernel(
         wv = _scalar_weight(w_hi, w_lo, ACC_F64)
     else:
         wv = _plane_load(w_ptr, MW, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64)
-    d = yv - xv
-    res = tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv))
-    if ACC_F64:
-        res = res + tl.zeros([BLOCK], tl.float64)
-    else:
-        res = res + tl.zeros([BLOCK], tl.float32)
+    res = _lerp_values(xv, yv, wv, _to_acc(tl.zeros([BLOCK], tl.float32), ACC_F64))
     offs = (i0 * n1 + i1) * plane + e
     if STREAM:
         tl.store(out_ptr + offs, res, mask=m, cache_modifier=".cs")
@@ -439,10 +433,7 @@ def _lerp_bwd_kernel(
     rw = _partial_row(MW, i0, i1, s, jn, n0, n1, S, NB3) * kw
     # Row-summed gradients accumulate whole tiles (reduced once, in _grad_flush); an operand
     # that keeps d2 leaves its accumulator untouched and the compiler drops it.
-    if ACC_F64:
-        zero = tl.zeros([BM, BN], tl.float64)
-    else:
-        zero = tl.zeros([BM, BN], tl.float32)
+    zero = _to_acc(tl.zeros([BM, BN], tl.float32), ACC_F64)
     acc_x = zero
     acc_y = zero
     acc_w = zero
@@ -450,7 +441,7 @@ def _lerp_bwd_kernel(
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
-        g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL, 1 if STREAM else 0)
+        g = _load(g_ptr, 15, bo, rows, cols, so2, rm, cm, VEC, ACC_F64, FULL, STREAM)
         if NEED_W and LOADS_FIRST:
             # Issue every load before the first store: the compiler cannot move a load above a
             # store to memory that may alias it, so loading x and y after dx/dy were stored costs

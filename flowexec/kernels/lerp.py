@@ -62,8 +62,7 @@ class LerpConfig:
       block instead of a second launch (0: always a separate final kernel, which measured faster).
     * ``full_tile_loads``: load operands that keep only rows or only columns as whole tiles (no
       layout conversions).
-    * ``fwd_stream_store``: store the forward's output with the streaming hint;
-      ``fwd_load_hint``: "evict_first" or ".cg" on the forward's streamed loads (no faster).
+    * ``fwd_stream_store``: store the forward's output with the streaming hint.
     * ``final_block``, ``final_cols``: partials the final pass reads per program step, and the
       columns each of its programs sums.
     * ``bwd_reverse``: walk the backward's programs from the end (None: when the forward's bytes
@@ -90,7 +89,6 @@ class LerpConfig:
     full_tile_loads: bool = True
     fwd_tile: dict[int, int] | None = None
     fwd_stream_store: bool = True
-    fwd_load_hint: str = ""
     final_block: int = 8192
     final_cols: int = 16
     bwd_reverse: bool | None = None
@@ -363,8 +361,7 @@ class _Plan:
             self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
             self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *self.masks, self.w_scalar, self.acc_f64,
                              self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
-                             {"": 0, "evict_first": 1, ".cg": 2}[config.fwd_load_hint], self.flat,
-                             self.flat and config.even_tiles and n3 % fbn == 0)
+                             self.flat, self.flat and config.even_tiles and n3 % fbn == 0)
 
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
