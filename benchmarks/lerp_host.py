@@ -16,7 +16,9 @@ The ``parts`` entries split flowexec's cost against that least cost: the native 
 without the Python wrapper (``native_fwd_direct``), ``autograd.grad`` on retained graphs for one
 gradient at a time (``fx_grad_only_y``: one launch, one allocation; ``fx_grad_only_w``: the main
 and the final launch, the gradient and the partials; ``fx_grad_only_x``), the same for ``x * 2``
-and an empty Python autograd function, one ``empty_like`` and one tiny ``add_``.
+and an empty Python autograd function, one ``empty_like`` and one tiny ``add_``; ``st_*``: some of
+those with autograd's multithreading off, which shows what the engine's hand-off to its CUDA
+worker thread costs.
 """
 from __future__ import annotations
 
@@ -116,6 +118,13 @@ def parts(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor, n
     r["empty_like"] = loop_us(lambda: torch.empty_like(xd))
     tiny = torch.zeros(1, device=x.device)
     r["torch_add_"] = loop_us(lambda: tiny.add_(1.0))
+    # The engine's hand-off to its CUDA worker thread and back: the same backwards with
+    # autograd's multithreading off (every node then runs on the calling thread).
+    with torch.autograd.set_multithreading_enabled(False):
+        r["st_noop_grad_only"] = loop_us(lambda: torch.autograd.grad(n, (x,), go, retain_graph=True))
+        r["st_torch_mul_grad_only"] = loop_us(lambda: torch.autograd.grad(m, (x,), go, retain_graph=True))
+        r["st_fx_grad3_only"] = loop_us(lambda: torch.autograd.grad(o, (x, y, w), go, retain_graph=True))
+    r["fx_grad3_only"] = loop_us(lambda: torch.autograd.grad(o, (x, y, w), go, retain_graph=True))
     return r
 
 
