@@ -99,15 +99,13 @@ class LerpConfig:
     bwd_joint_flush: bool = True
     fwd_plane: bool = True
     plane_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {2: 2048, 4: 1024, 8: 512})
-    bwd_cols: int | None = None
 
     def __post_init__(self) -> None:
         # Triton's tl.arange takes powers of two: a bad knob fails here, not inside a kernel.
         sizes = {"final_cols": self.final_cols, "final_block": self.final_block,
                  **{f"tile[{k}]": v for k, v in self.tile.items()},
                  **{f"fwd_tile[{k}]": v for k, v in (self.fwd_tile or {}).items()},
-                 **{f"plane_tile[{k}]": v for k, v in self.plane_tile.items()},
-                 **({"bwd_cols": self.bwd_cols} if self.bwd_cols is not None else {})}
+                 **{f"plane_tile[{k}]": v for k, v in self.plane_tile.items()}}
         bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0)}
         if bad:
             raise ValueError(f"LerpConfig: these must be powers of two: {bad}")
@@ -329,7 +327,7 @@ class _Plan:
         self.sizes, self.masks = canon
         n0, n1, n2, n3 = self.sizes
         tile = config.tile[dtype.itemsize]
-        self.bn = min(_pow2(n3), tile, config.bwd_cols or tile)
+        self.bn = min(_pow2(n3), tile)
         self.bm = min(_pow2(n2), max(1, tile // self.bn))
         self.nb3 = _cdiv(n3, self.bn)
         self.acc_f64 = dtype == torch.float64
