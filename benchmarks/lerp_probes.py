@@ -15,6 +15,13 @@ rewrite and with ``fuse_lerp="all"``: what ``passes/fuse_lerp.py``'s default res
     PYTHONPATH=. python3 benchmarks/lerp_probes.py l2 --out benchmarks/results/probes/lerp_l2.json
     PYTHONPATH=. python3 benchmarks/lerp_probes.py forward --out benchmarks/results/probes/lerp_forward.json
     PYTHONPATH=. python3 benchmarks/lerp_probes.py inplace --out benchmarks/results/probes/lerp_inplace.json
+
+``persistent``: a persistent flat forward (``num_SMs * k`` programs striding over blocks, Triton's
+software pipelining over ``num_stages``) against PyTorch's forward and ours, per kernel, for 45
+blocks/programs/stages/warps settings; the question was whether a forward can beat PyTorch's
+vectorized kernel on the flat cases (it did not: ``probes/lerp_flat_forward_persistent_852d96f.json``).
+
+    PYTHONPATH=. python3 benchmarks/lerp_probes.py persistent --out benchmarks/results/probes/lerp_flat_forward_persistent.json
 """
 from __future__ import annotations
 
@@ -144,9 +151,65 @@ def probe_inplace() -> dict[str, Any]:
     return res
 
 
+def probe_persistent() -> dict[str, Any]:
+    import itertools
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fwd_persistent(x_ptr, y_ptr, w_ptr, o_ptr, w_s, N, W_MODE: tl.constexpr, BLOCK: tl.constexpr,
+                       STAGES: tl.constexpr):
+        # W_MODE 0: full weight, 1: a one-element tensor, 2: the float w_s.
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        if W_MODE == 1:
+            wsc = tl.load(w_ptr).to(tl.float32)
+        else:
+            wsc = w_s
+        for b in tl.range(pid, N // BLOCK, nprog, num_stages=STAGES):
+            offs = b * BLOCK + tl.arange(0, BLOCK)
+            xv = tl.load(x_ptr + offs).to(tl.float32)
+            yv = tl.load(y_ptr + offs).to(tl.float32)
+            wv = tl.load(w_ptr + offs).to(tl.float32) if W_MODE == 0 else wsc
+            d = yv - xv
+            r = tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv))
+            tl.store(o_ptr + offs, r.to(o_ptr.dtype.element_ty), cache_modifier=".cs")
+
+    res: dict[str, Any] = {}
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in ("case4", "float-weight", "case1"):
+        x, y, w, _ = make_inputs(CASES[name], "cuda")
+        xd, yd = x.detach(), y.detach()
+        wd = w.detach() if isinstance(w, torch.Tensor) else w
+        mode = 2 if not isinstance(wd, torch.Tensor) else (1 if wd.numel() == 1 else 0)
+        wt = wd if isinstance(wd, torch.Tensor) else xd
+        ws = float(wd) if mode == 2 else 0.0
+        o, n = torch.empty_like(xd), xd.numel()
+        ref = torch.lerp(xd, yd, wd)
+        settings = [(b, k, s, nw) for b, k, s, nw in itertools.product((1024, 2048, 4096), (1, 2, 4), (1, 2, 3), (4, 8))
+                    if n % b == 0 and not (b == 1024 and nw == 8)]
+        row: dict[str, list[float]] = {}
+        res[name] = row
+        for rnd in range(2):  # two alternating rounds
+            row.setdefault("torch", []).append(per_kernel(lambda: torch.lerp(xd, yd, wd))["total"])
+            row.setdefault("shipped", []).append(per_kernel(lambda: L.lerp(xd, yd, wd))["total"])
+            for b, k, s, nw in settings:
+                grid = (min(nsm * k, n // b),)
+
+                def fn(b: int = b, s: int = s, nw: int = nw, grid: tuple = grid) -> None:
+                    fwd_persistent[grid](xd, yd, wt, o, ws, n, mode, b, s, num_warps=nw)
+                if rnd == 0:
+                    fn()
+                    torch.testing.assert_close(o, ref)
+                row.setdefault(f"b{b} k{k} s{s} w{nw}", []).append(per_kernel(fn)["total"])
+        print(name, sorted((sum(v) / 2, k) for k, v in row.items())[:6], flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe", choices=("l2", "forward", "inplace"))
+    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -155,7 +218,8 @@ def main() -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
            "command": f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}",
-           "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace}[args.probe]()}
+           "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
+                  "persistent": probe_persistent}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
