@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/ExpandUtils.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -31,6 +32,7 @@
 #include <vector>
 
 #ifdef FLOWEXEC_WITH_CUDA
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <dlfcn.h>
@@ -147,8 +149,22 @@ struct Launch {
   }
 };
 
-// An allocation of a program: empty_like(buffer `like`) or empty(shape, dtype) on the first
-// buffer's device.
+// Allocations go straight to the caching allocator, as ATen's own kernels allocate their outputs:
+// at::empty_like is two dispatcher round trips (empty_like, then empty_strided) per buffer, and a
+// backward allocates up to four. `dispatch_alloc` restores them, for comparisons.
+bool dispatch_alloc = false;
+
+at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& on) {
+  if (dispatch_alloc) return at::empty(sizes, on.options().dtype(dtype));
+#ifdef FLOWEXEC_WITH_CUDA
+  return at::Tensor(at::detail::empty_cuda(sizes, dtype, on.device(), std::nullopt));
+#else
+  return at::Tensor(at::detail::empty_cpu(sizes, dtype, false, std::nullopt));
+#endif
+}
+
+// An allocation of a program: a contiguous tensor shaped like buffer `like` (which is contiguous:
+// inputs are made so) or of `shape`, in `dtype`, on the first buffer's device.
 struct Alloc {
   int buffer = 0;
   int like = -1;
@@ -163,10 +179,8 @@ struct Program {
   std::vector<Launch> launches;
 
   void run(std::vector<at::Tensor>& bufs, float hi, float lo, int device) const {
-    for (const auto& a : allocs) {
-      bufs[a.buffer] = a.like >= 0 ? at::empty_like(bufs[a.like])
-                                   : at::empty(a.shape, bufs[0].options().dtype(a.dtype));
-    }
+    for (const auto& a : allocs)
+      bufs[a.buffer] = allocate(a.like >= 0 ? bufs[a.like].sizes() : at::IntArrayRef(a.shape), a.dtype, bufs[0]);
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
     for (const auto& l : launches) l.run(bufs, hi, lo, device);
@@ -482,6 +496,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("install", &flowexec::install);
   m.def("register_plan", &flowexec::register_plan);
   m.def("clear_plans", [] { flowexec::registry().clear(); });
+  m.def("set_dispatch_alloc", [](bool on) { flowexec::dispatch_alloc = on; });
   m.def("lerp", &flowexec::lerp, py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
 #ifdef FLOWEXEC_WITH_CUDA
   m.attr("with_cuda") = true;
