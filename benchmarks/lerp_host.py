@@ -12,13 +12,12 @@ PyTorch; ``python_fwd_grad3``: the Python path with the native one switched off)
 ``autograd.grad`` alone on a retained graph (``*_grad3_only``). ``torch_mul_grad`` (``x * 2``
 and its backward) is about the least any CUDA autograd op costs on the machine.
 
-The ``parts`` entries split flowexec's cost against that least cost: the native forward called
-without the Python wrapper (``native_fwd_direct``), ``autograd.grad`` on retained graphs for one
-gradient at a time (``fx_grad_only_y``: one launch, one allocation; ``fx_grad_only_w``: the main
-and the final launch, the gradient and the partials; ``fx_grad_only_x``), the same for ``x * 2``
-and an empty Python autograd function, one ``empty_like`` and one tiny ``add_``; ``st_*``: some of
-those with autograd's multithreading off, which shows what the engine's hand-off to its CUDA
-worker thread costs.
+``split`` times the pieces against the floor op ``t * 2`` in five alternating rounds, with
+autograd's multithreading on and off: the forwards alone; ``autograd.grad`` on retained graphs
+for flowexec's gradients one set at a time (``x``, ``y``, ``w``, ``xy``, ``xyw``), for ``t * 2``
+and for empty Python nodes returning one or three gradients (``noop1``, ``noop3``); and forward
++ ``autograd.grad``. With multithreading off every node runs on the calling thread, so the
+difference between the two is the engine's hand-off to its CUDA worker thread and back.
 """
 from __future__ import annotations
 
@@ -93,39 +92,52 @@ def measure() -> dict[str, Any]:
     b["noop_fn_fwd"] = loop_us(lambda: Noop.apply(x))
     b["noop_fn_grad"] = loop_us(lambda: torch.autograd.grad(Noop.apply(x), (x,), go))
     b["torch_mul_grad"] = loop_us(lambda: torch.autograd.grad(x * 2.0, (x,), go))
-    b["parts"] = parts(x, y, w, go, Noop)
+    b["split"] = split(x, y, w, go, Noop)
     return b
 
 
-def parts(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor, noop: Any) -> dict[str, float]:
-    """Host cost by component (see the module docstring), each a loop_us figure."""
-    nat = importlib.import_module("flowexec.kernels._native")
-    r: dict[str, float] = {}
-    front = nat.front_door
-    if front is not None:
-        assert front(x, y, w, 0.0) is not None, "the shape must be planned natively by now"
-        r["native_fwd_direct"] = loop_us(lambda: front(x, y, w, 0.0))
-    r["fx_fwd_grad"] = loop_us(lambda: L.lerp(x, y, w))
-    o = L.lerp(x, y, w)
-    for name, t in (("x", x), ("y", y), ("w", w)):
-        torch.autograd.grad(o, (t,), go, retain_graph=True)  # plans this gradient set first
-        r[f"fx_grad_only_{name}"] = loop_us(lambda: torch.autograd.grad(o, (t,), go, retain_graph=True))
-    m = x * 2.0
-    r["torch_mul_grad_only"] = loop_us(lambda: torch.autograd.grad(m, (x,), go, retain_graph=True))
-    n = noop.apply(x)
-    r["noop_grad_only"] = loop_us(lambda: torch.autograd.grad(n, (x,), go, retain_graph=True))
-    xd = x.detach()
-    r["empty_like"] = loop_us(lambda: torch.empty_like(xd))
-    tiny = torch.zeros(1, device=x.device)
-    r["torch_add_"] = loop_us(lambda: tiny.add_(1.0))
-    # The engine's hand-off to its CUDA worker thread and back: the same backwards with
-    # autograd's multithreading off (every node then runs on the calling thread).
-    with torch.autograd.set_multithreading_enabled(False):
-        r["st_noop_grad_only"] = loop_us(lambda: torch.autograd.grad(n, (x,), go, retain_graph=True))
-        r["st_torch_mul_grad_only"] = loop_us(lambda: torch.autograd.grad(m, (x,), go, retain_graph=True))
-        r["st_fx_grad3_only"] = loop_us(lambda: torch.autograd.grad(o, (x, y, w), go, retain_graph=True))
-    r["fx_grad3_only"] = loop_us(lambda: torch.autograd.grad(o, (x, y, w), go, retain_graph=True))
-    return r
+def split(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor, noop: Any) -> dict[str, Any]:
+    """Host cost by component against the floor op ``t * 2``, in five alternating rounds (median),
+    with autograd's multithreading on (as users run) and off (every node on the calling thread, so
+    the figures leave out the engine's hand-off to its CUDA worker thread and back)."""
+
+    class Noop3(torch.autograd.Function):  # an empty node that returns three gradients (one launch)
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple:
+            return g, g, g.sum().view(1)
+
+    t = go.detach().clone().requires_grad_()
+    for subset in ((x,), (y,), (w,), (x, y), (x, y, w)):  # plan every gradient set first
+        for _ in range(2):
+            torch.autograd.grad(L.lerp(x, y, w), subset, go)
+    o, m, n1, n3 = L.lerp(x, y, w), t * 2, noop.apply(x), Noop3.apply(x, y, w)
+
+    def grad(out: torch.Tensor, ins: tuple) -> Callable[[], Any]:
+        return lambda: torch.autograd.grad(out, ins, go, retain_graph=True)
+    fns: dict[str, Callable[[], Any]] = {
+        "fwd floor t*2": lambda: t * 2, "fwd flowexec": lambda: L.lerp(x, y, w),
+        "fwd torch.lerp": lambda: torch.lerp(x, y, w),
+        "grad floor": grad(m, (t,)), "grad noop1": grad(n1, (x,)), "grad noop3": grad(n3, (x, y, w)),
+        "grad fx x": grad(o, (x,)), "grad fx y": grad(o, (y,)), "grad fx w": grad(o, (w,)),
+        "grad fx xy": grad(o, (x, y)), "grad fx xyw": grad(o, (x, y, w)),
+        "fwd+grad floor": lambda: torch.autograd.grad(t * 2, (t,), go),
+        "fwd+grad flowexec": lambda: torch.autograd.grad(L.lerp(x, y, w), (x, y, w), go),
+    }
+    res: dict[str, Any] = {}
+    for mt in (True, False):
+        name = "multithreaded" if mt else "single-threaded"
+        rounds: dict[str, list[float]] = {}
+        with torch.autograd.set_multithreading_enabled(mt):
+            for rnd in range(5):
+                for k, fn in (list(fns.items()) if rnd % 2 == 0 else list(fns.items())[::-1]):
+                    rounds.setdefault(k, []).append(loop_us(fn, n=2000))
+        res[name] = {k: sorted(v)[2] for k, v in rounds.items()}
+        res[name + " rounds"] = rounds
+    return res
 
 
 def main() -> None:
