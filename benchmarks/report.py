@@ -88,7 +88,10 @@ def lerp() -> None:
               f"| {bound} | {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
     print("\nWall bound: PyTorch's median wall time over that of `t * 2` and its backward on one output-sized "
           "tensor, measured in the same alternating rounds. Any implementation needs at least those launches and "
-          "the engine's `autograd.grad`, so this is about the most any could gain by wall time on that host.\n")
+          "the engine's `autograd.grad`, so no implementation could gain more by wall time on that host; the real "
+          "bound is lower, since lerp returns three gradients: `autograd.grad` through a Python node that returns three "
+          "(one of them a one-launch sum) costs the host about 20 µs more than through one that returns one "
+          "(`results/lerp_host.json`, split).\n")
 
 
 def item() -> None:
