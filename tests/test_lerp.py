@@ -304,6 +304,31 @@ def test_native_front_door_matches_float64(name):
 
 @needs_triton
 @needs_native
+def test_native_allocations_match_dispatcher_allocations():
+    """The native programs allocate through the caching allocator directly; the dispatcher's
+    at::empty (set_dispatch_alloc, kept for comparisons) must give the same tensors and bits."""
+    with L.triton_on_cpu(native=True):
+        x, y, w = _warm_native((4, 1, 1, 1), (4, 3, 12, 12), (3, 1, 12), torch.float32)
+        mod = _native.load(cuda=False)
+        g = torch.randn(4, 3, 12, 12)
+        got = {}
+        try:
+            for mode in (False, True):
+                mod.set_dispatch_alloc(mode)
+                out = lerp(x, y, w)
+                assert out.grad_fn.name() == "FlowexecLerpBackward"
+                got[mode] = (out, *torch.autograd.grad(out, [x, y, w], g))
+        finally:
+            mod.set_dispatch_alloc(False)
+        for a, b in zip(got[False], got[True]):
+            assert a.is_contiguous() and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+            assert not a.requires_grad or a.grad_fn is not None
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert [t.shape for t in got[False][1:]] == [x.shape, y.shape, w.shape]
+
+
+@needs_triton
+@needs_native
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True),
                                    (True, False, True)])
 def test_native_computes_only_required_gradients(needs):
