@@ -152,10 +152,10 @@ struct Launch {
 // Allocations go straight to the caching allocator, as ATen's own kernels allocate their outputs:
 // at::empty_like is two dispatcher round trips (empty_like, then empty_strided) per buffer, and a
 // backward allocates up to four. `dispatch_alloc` restores them, for comparisons.
-bool dispatch_alloc = false;
+std::atomic<bool> dispatch_alloc{false};  // read on autograd's worker threads too
 
 at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& on) {
-  if (dispatch_alloc) return at::empty(sizes, on.options().dtype(dtype));
+  if (dispatch_alloc.load(std::memory_order_relaxed)) return at::empty(sizes, on.options().dtype(dtype));
 #ifdef FLOWEXEC_WITH_CUDA
   return at::Tensor(at::detail::empty_cuda(sizes, dtype, on.device(), std::nullopt));
 #else
@@ -496,7 +496,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("install", &flowexec::install);
   m.def("register_plan", &flowexec::register_plan);
   m.def("clear_plans", [] { flowexec::registry().clear(); });
-  m.def("set_dispatch_alloc", [](bool on) { flowexec::dispatch_alloc = on; });
+  m.def("set_dispatch_alloc", [](bool on) { flowexec::dispatch_alloc.store(on, std::memory_order_relaxed); });
   m.def("lerp", &flowexec::lerp, py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
 #ifdef FLOWEXEC_WITH_CUDA
   m.attr("with_cuda") = true;
