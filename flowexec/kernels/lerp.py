@@ -386,9 +386,7 @@ class _Plan:
         ref = weakref.ref(self)  # the C++ plan holds this callback: no cycle through C++
         nat = mod.LerpPlan(-1 if self.device_index is None else self.device_index, self.w_scalar, self.acc_f64,
                            lambda g, x, y, w, wv, needs: _native_backward(ref, g, x, y, w, wv, needs))
-        like = self.out_like
-        shape = [] if like >= 0 else list(self.out_shape)
-        nat.install(-1, 4, [(3, like, shape, self.dtype)], [launch])
+        nat.install(-1, 4, [(3, list(self.out_shape), self.dtype)], [launch])
         mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
         self.native = nat
 
@@ -401,9 +399,9 @@ class _Plan:
             launches.append(_native.native_launch(bw.final, final_args, {0: 7, 1: 4, 2: 5, 3: 6}, None))
         if any(la is None for la in launches):
             return
-        allocs = [(4 + i, 1 + i, [], self.dtype) for i in range(3) if bw.needs[i]]
+        allocs = [(4 + i, list(self.shapes[i]), self.dtype) for i in range(3) if bw.needs[i]]
         if bw.part_numel:
-            allocs.append((7, -1, [bw.part_numel], self.part_dtype))
+            allocs.append((7, [bw.part_numel], self.part_dtype))
         mask = sum(1 << i for i in range(3) if bw.needs[i])
         self.native.install(mask, 9, allocs, launches)
 

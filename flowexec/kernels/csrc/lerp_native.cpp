@@ -163,11 +163,11 @@ at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tenso
 #endif
 }
 
-// An allocation of a program: a contiguous tensor shaped like buffer `like` (which is contiguous:
-// inputs are made so) or of `shape`, in `dtype`, on the first buffer's device.
+// An allocation of a program: a contiguous tensor of `shape` in `dtype` on the first buffer's
+// device. Shapes are fixed when the program is planned: a plan runs only on the shapes it was
+// registered (forward) or planned (backward, `planned_for`) for.
 struct Alloc {
   int buffer = 0;
-  int like = -1;
   std::vector<int64_t> shape;
   at::ScalarType dtype = at::kFloat;
 };
@@ -180,7 +180,7 @@ struct Program {
 
   void run(std::vector<at::Tensor>& bufs, float hi, float lo, int device) const {
     for (const auto& a : allocs)
-      bufs[a.buffer] = allocate(a.like >= 0 ? bufs[a.like].sizes() : at::IntArrayRef(a.shape), a.dtype, bufs[0]);
+      bufs[a.buffer] = allocate(a.shape, a.dtype, bufs[0]);
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
     for (const auto& l : launches) l.run(bufs, hi, lo, device);
@@ -458,7 +458,7 @@ Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned sha
   return l;
 }
 
-// Python: plan.install(slot, n_buffers, allocs=[(buffer, like, shape, dtype)],
+// Python: plan.install(slot, n_buffers, allocs=[(buffer, shape, dtype)],
 //                      launches=[(function, grid, block, shared, [(kind, value)])]); slot -1: forward.
 void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, const py::list& launches) {
   auto p = std::make_unique<Program>();
@@ -467,10 +467,9 @@ void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, co
     auto t = a.cast<py::tuple>();
     Alloc al;
     al.buffer = t[0].cast<int>();
-    al.like = t[1].cast<int>();
-    al.shape = t[2].cast<std::vector<int64_t>>();
-    al.dtype = t[3].cast<at::ScalarType>();
-    TORCH_CHECK(al.buffer >= 0 && al.buffer < n_buffers && al.like < n_buffers, "flowexec::lerp: bad allocation");
+    al.shape = t[1].cast<std::vector<int64_t>>();
+    al.dtype = t[2].cast<at::ScalarType>();
+    TORCH_CHECK(al.buffer >= 0 && al.buffer < n_buffers, "flowexec::lerp: bad allocation");
     p->allocs.push_back(std::move(al));
   }
   for (const auto& lo : launches) {
