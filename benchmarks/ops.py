@@ -174,7 +174,9 @@ def calls(case: Case, impl: str, dev: str) -> tuple[Callable[[], Any], Callable[
     ``impl`` "floor" is ``t * 2`` on one output-sized tensor and its backward: one kernel each way,
     one input. No implementation of lerp's forward + backward can cost the host less (it needs
     at least those launches, a node and the engine's ``autograd.grad``), so PyTorch's wall time
-    over this one bounds the wall speed-up any implementation can show on the machine.
+    over this one bounds the wall speed-up any implementation can show on the machine. The bound
+    is loose: lerp returns three gradients, which costs the engine more than one does
+    (``benchmarks/lerp_host.py``, split).
     """
     x, y, w, go = make_inputs(case, dev)
     if impl == "floor":
