@@ -16,6 +16,12 @@ rewrite and with ``fuse_lerp="all"``: what ``passes/fuse_lerp.py``'s default res
     PYTHONPATH=. python3 benchmarks/lerp_probes.py forward --out benchmarks/results/probes/lerp_forward.json
     PYTHONPATH=. python3 benchmarks/lerp_probes.py inplace --out benchmarks/results/probes/lerp_inplace.json
 
+``fwdwall``: the forward alone (cases 4, 1, 4 bfloat16), PyTorch's against ours and tile, warp
+and store variants, in five alternating rounds, three ways: wall (``do_bench``), CUDA-graph replay
+(no host launch) and kernel time; it asks whether the case-4 forward's wall gap is the kernel.
+``hostprof``: profiler traces of case 1's forward + ``autograd.grad`` (PyTorch, ours, ``t * 2``),
+autograd's multithreading on and off, written beside the JSON.
+
 ``persistent``: a persistent flat forward (``num_SMs * k`` programs striding over blocks, Triton's
 software pipelining over ``num_stages``) against PyTorch's forward and ours, per kernel, for 45
 blocks/programs/stages/warps settings; the question was whether a forward can beat PyTorch's
@@ -207,9 +213,90 @@ def probe_persistent() -> dict[str, Any]:
     return res
 
 
+FWD_WALL_VARIANTS: dict[str, dict[str, Any]] = {
+    "shipped": {}, "no .cs store": {"fwd_stream_store": False},
+    "tile1024": {"fwd_tile": {2: 2048, 4: 1024, 8: 512}}, "tile512": {"fwd_tile": {2: 1024, 4: 512, 8: 256}},
+    "8 warps": {"fwd_warps": 8}, "2 warps": {"fwd_warps": 2},
+}
+
+
+def probe_fwdwall() -> dict[str, Any]:
+    """The forward alone, PyTorch's against ours and variants, three ways in alternating rounds:
+    wall (``do_bench``: L2 flushed, events around the call), the same call replayed from a CUDA
+    graph (no host launch in the figure) and the profiler's kernel time."""
+    from ops import bench
+
+    res: dict[str, Any] = {}
+    for name in ("case4", "case1", "case4-bf16"):
+        x, y, w, _ = make_inputs(CASES[name], "cuda")
+        xd, yd = x.detach(), y.detach()
+        wd = w.detach() if isinstance(w, torch.Tensor) else w
+        row: dict[str, dict[str, list[float]]] = {}
+        res[name] = row
+        for rnd in range(5):
+            order = ["torch", *FWD_WALL_VARIANTS]
+            order = order if rnd % 2 == 0 else order[::-1]
+            for vn in order:
+                ch = {} if vn == "torch" else FWD_WALL_VARIANTS[vn]
+                fn = (lambda: torch.lerp(xd, yd, wd)) if vn == "torch" else (lambda: L.lerp(xd, yd, wd))
+                with L.configured(**ch):
+                    for _ in range(3):
+                        fn()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        fn()
+                    r = row.setdefault(vn, {})
+                    r.setdefault("wall", []).append(bench(fn))
+                    r.setdefault("graph replay", []).append(bench(g.replay))
+                    r.setdefault("kernel", []).append(per_kernel(fn)["total"])
+                    del g
+        med = {vn: {k: sorted(v)[2] for k, v in r.items()} for vn, r in row.items()}
+        res[name + " medians"] = med
+        print(name, med, flush=True)
+    return res
+
+
+def probe_hostprof(out_dir: str) -> dict[str, Any]:
+    """Where the host time of case 1's forward + ``autograd.grad`` goes, by thread: profiler traces
+    (CPU and CUDA activity, autograd's multithreading on and off) of 30 calls each of PyTorch,
+    flowexec and the floor op ``t * 2``, written next to the JSON; the JSON keeps per-thread sums
+    of the top-level CPU events and the most expensive events by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, y, w, go = make_inputs(CASES["case1"], "cuda")
+    t = go.detach().clone().requires_grad_()
+    fns = {"torch": lambda: torch.autograd.grad(torch.lerp(x, y, w), (x, y, w), go),
+           "flowexec": lambda: torch.autograd.grad(L.lerp(x, y, w), (x, y, w), go),
+           "floor": lambda: torch.autograd.grad(t * 2, (t,), go)}
+    res: dict[str, Any] = {}
+    for mt in (True, False):
+        for name, fn in fns.items():
+            with torch.autograd.set_multithreading_enabled(mt):
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(30):
+                        fn()
+                    torch.cuda.synchronize()
+            key = f"{name} {'mt' if mt else 'st'}"
+            path = os.path.join(out_dir, f"hostprof_{name}_{'mt' if mt else 'st'}.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+            by_name: dict[str, float] = {}
+            for e in ev:
+                if e.get("cat") in ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver"):
+                    by_name[f"{e.get('tid')}|{e.get('cat')}|{e['name'][:60]}"] = by_name.get(
+                        f"{e.get('tid')}|{e.get('cat')}|{e['name'][:60]}", 0.0) + e["dur"] / 30
+            res[key] = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:40])
+            print(key, list(res[key].items())[:12], flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent"))
+    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -219,7 +306,8 @@ def main() -> None:
            "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
            "command": f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}",
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
-                  "persistent": probe_persistent}[args.probe]()}
+                  "persistent": probe_persistent, "fwdwall": probe_fwdwall,
+                  "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
