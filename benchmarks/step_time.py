@@ -105,7 +105,7 @@ def add_compiled_rows(fns: dict[str, Callable[[], Any]], r: dict[str, Any], fres
             r[f"flowexec_{mode}_plan"] = exe.plan.stats()
             fns[f"flowexec_{mode}"] = lambda: exe(x, y)
             if mode == "graph":  # the graph's own input buffers, filled once: no staging copies
-                runner = exe._last.runner
+                runner = exe._last.runner.first
                 r["flowexec_graph_nodes"] = graph_node_count(runner.graph) if runner.staging is not None else None
                 bx, by = exe.input_buffers
                 bx.copy_(x), by.copy_(y)

@@ -119,14 +119,21 @@ class Executable:
             from .runtime.cuda_graph import CudaGraphRunner
 
             prog = plan.program
-            mutated = [prog.state[v] for v in plan.mutated if v in prog.state]
+            state_mutated = [prog.state[v] for v in plan.mutated if v in prog.state]
             input_index = {vid: k for k, vid in enumerate(prog.inputs)}
             mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
             targs = [args[i] for i in tensor_pos]
             bound = {i for _, i in cap.grad_bindings} | set(fetch)
-            runner = CudaGraphRunner(run, targs, mutated, borrow=[False] * len(targs), state=prog.state.values(),
-                                     mutated_inputs=mutated_inputs, unprotected_outputs=bound,
-                                     warmup=self.warmup, before_replay=self._fence if fetch else None)
+
+            def capture_runner(targs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> CudaGraphRunner:
+                # Warm-up must leave the caller's tensors as they were: borrowed inputs the
+                # program writes are snapshotted with the state.
+                mutated = state_mutated + [targs[k] for k in mutated_inputs if borrow[k]]
+                return CudaGraphRunner(run, targs, mutated, borrow=borrow, state=prog.state.values(),
+                                       mutated_inputs=mutated_inputs, unprotected_outputs=bound,
+                                       warmup=self.warmup, before_replay=self._fence if fetch else None)
+
+            runner = GraphVariants(capture_runner, targs, borrowed_inputs(targs, mutated_inputs))
         user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
         return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))))
@@ -209,10 +216,13 @@ class Executable:
 
     @property
     def input_buffers(self) -> list[torch.Tensor]:
-        """Graph mode: the static buffers the CUDA graph reads its per-call tensor inputs from.
+        """Graph mode: the tensors the first CUDA graph reads its tensor inputs from.
 
-        Filling them in place (e.g. ``exe.input_buffers[0].copy_(batch)``) and passing them to
-        the call skips the staging copies; passing any other tensors copies them in.
+        Per-call inputs have static buffers: filling them in place (e.g.
+        ``exe.input_buffers[0].copy_(batch)``) and passing them to the call skips the staging
+        copies; passing any other tensors copies them in. Inputs ``fn`` writes in place, and
+        parameters, are read where they are (see :func:`borrowed_inputs`): their entry is the
+        tensor the graph was captured with.
         """
         assert self._last is not None
         runner = self._last.runner
@@ -238,6 +248,85 @@ class Executable:
 
     def __repr__(self) -> str:
         return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)}>"
+
+
+def borrowed_inputs(targs: Sequence[torch.Tensor], mutated_inputs: Sequence[int]) -> list[bool]:
+    """Which tensor arguments graph mode reads in place: those ``fn`` writes in place (state such as
+    optimizer moments, passed the same each call) and parameters or other graphs' static outputs.
+
+    Copying them in and back each call costs two full copies apiece (an Adam-like step over
+    64 MiB states took longer than eager that way). An argument that shares memory with another
+    stays staged, so the capture sees the aliasing it was traced with.
+
+    >>> a, b = torch.zeros(3), torch.zeros(3)
+    >>> borrowed_inputs([a, b, a[1:]], mutated_inputs=[0, 1])
+    [False, True, False]
+    """
+    from .runtime.cuda_graph import is_stable
+
+    storages: dict[int, int] = {}
+    for a in targs:
+        key = a.untyped_storage().data_ptr()
+        storages[key] = storages.get(key, 0) + 1
+    wanted = set(mutated_inputs)
+    return [(k in wanted or is_stable(a)) and storages[a.untyped_storage().data_ptr()] == 1
+            for k, a in enumerate(targs)]
+
+
+class GraphVariants:
+    """Graph mode's CUDA graphs for one input signature.
+
+    A graph reads its borrowed inputs at the addresses it was captured with. A call that passes
+    one at another address gets a second borrowing graph (the common case: ``compile`` was given
+    copies, the calls pass the real state); past ``max_borrowing`` graphs, calls whose borrowed
+    addresses match none run on one graph that stages every input (copies in, and back for
+    those written), with a warning once.
+
+    ``capture(targs, borrow)`` builds a runner; ``borrow`` says which arguments to read in place.
+    """
+
+    def __init__(self, capture: Callable[[Sequence[torch.Tensor], Sequence[bool]], Any],
+                 targs: Sequence[torch.Tensor], borrow: Sequence[bool], max_borrowing: int = 2) -> None:
+        self._capture = capture
+        self._borrow = list(borrow)
+        self._borrowed = [k for k, b in enumerate(borrow) if b]
+        self.max_borrowing = max_borrowing
+        self._graphs: dict[tuple[int, ...], Any] = {}
+        self._staged: Any = None
+        first = capture(targs, self._borrow)
+        self._graphs[self._key(targs)] = first
+        self.first = first
+
+    def _key(self, targs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        return tuple([targs[k].data_ptr() for k in self._borrowed])
+
+    @property
+    def static_inputs(self) -> list[Any]:
+        """The first graph's input buffers (a borrowed input's is the tensor it was captured with)."""
+        return self.first.static_inputs
+
+    @property
+    def graph_count(self) -> int:
+        return len(self._graphs) + (self._staged is not None)
+
+    def __call__(self, targs: Sequence[torch.Tensor]) -> list[Any]:
+        if not self._borrowed:
+            return self.first(targs)
+        g = self._graphs.get(self._key(targs))
+        if g is not None:
+            return g(targs)
+        if len(self._graphs) < self.max_borrowing:
+            g = self._graphs[self._key(targs)] = self._capture(targs, self._borrow)
+            return g(targs)
+        if self._staged is None:
+            names = ", ".join(str(k) for k in self._borrowed)
+            warnings.warn(
+                f"flowexec: tensor argument(s) {names} (written in place by fn, or parameters) came at "
+                f"{self.max_borrowing + 1} different addresses; graph mode now copies them in (and back) on "
+                "such calls. Pass the same tensors each call to have them read in place.",
+                RecaptureWarning, stacklevel=3)
+            self._staged = self._capture(targs, [False] * len(targs))
+        return self._staged(targs)
 
 
 def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> Program:

@@ -2,10 +2,13 @@
 on CPU with a recording stand-in for CUDA's runtime bindings (the GPU tests run the real thing)."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import pytest
 import torch
+
+import flowexec
 
 from flowexec.runtime import cuda_graph as CG
 from flowexec.runtime.staging import StagingNodes
@@ -105,3 +108,96 @@ def test_runner_stages_from_python_when_a_copy_is_no_memcpy_node(monkeypatch):
     # The graph that read the example in place was dropped: captured again without in-graph copies.
     assert captures == [True, False] and runner.staging is None
     assert torch.equal(runner((torch.full((3,), 5.0),))[0], torch.full((3,), 10.0))
+
+
+# --- graph mode's borrowed inputs, on CPU tensors with stand-in graphs -------------------------
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch) -> list[FakeGraph]:
+    """Graph mode on CPU: 'capture' warms up and records a graph that re-runs the body on replay
+    (as a CUDA graph re-runs its kernels on the same addresses); no in-graph staging nodes."""
+    graphs: list[FakeGraph] = []
+
+    class StandIn(FakeGraph):
+        def __init__(self, fn: Callable[[], Any]) -> None:
+            super().__init__(fn)
+            self.outs = fn()
+
+        def replay(self) -> None:  # a CUDA graph writes its outputs where capture put them
+            for o, new in zip(self.outs, self.fn()):
+                if isinstance(o, torch.Tensor) and o.data_ptr() != new.data_ptr():
+                    o.copy_(new)
+
+    def fake_capture(fn: Callable[[], Any], warmup: int = 3, pool: Any = None, keep_graph: bool = False):
+        for _ in range(warmup):
+            fn()
+        graphs.append(StandIn(fn))
+        return graphs[-1], graphs[-1].outs
+    monkeypatch.setattr(CG, "memcpy_runtime", lambda: None)
+    monkeypatch.setattr(CG, "capture_graph", fake_capture)
+    return graphs
+
+
+def _graph_exe(fn: Callable[..., Any], *args: Any) -> Any:
+    from flowexec.executable import Executable
+
+    return Executable(fn, "graph", "fast", {}).compile_for(*args)  # compile() itself wants CUDA
+
+
+def _adam_like(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, ema: torch.Tensor) -> torch.Tensor:
+    m.lerp_(g, 0.1)
+    p.sub_(0.5 * m)
+    ema.lerp_(p, 0.01)
+    return (p * ema).sum()
+
+
+def test_graph_mode_reads_the_inputs_it_writes_in_place(stand_in_graphs):
+    torch.manual_seed(0)
+    p, g, m, ema = (torch.randn(64) for _ in range(4))
+    eager = [t.clone() for t in (p, g, m, ema)]
+    exe = _graph_exe(_adam_like, p, g, m, ema)
+    assert all(torch.equal(a, b) for a, b in zip((p, g, m, ema), eager))  # warm-up and capture undone
+    bufs = exe.input_buffers
+    assert bufs[0] is p and bufs[2] is m and bufs[3] is ema  # written in place: read where they are
+    assert bufs[1] is not g  # read only, per-call: staged into the graph's own buffer
+    for _ in range(3):
+        grad = torch.randn(64)
+        got = exe(p, grad, m, ema)
+        want = _adam_like(eager[0], grad, eager[2], eager[3])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for mine, theirs in zip((p, m, ema), (eager[0], eager[2], eager[3])):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert len(stand_in_graphs) == 1 and exe._last.runner.graph_count == 1
+
+
+def test_graph_mode_written_inputs_at_new_addresses_stay_correct(stand_in_graphs):
+    """compile() given copies: a second graph borrows the real state; a third set of addresses
+    runs on one graph that copies every input in and back, with a warning."""
+    torch.manual_seed(1)
+    sets = [[torch.randn(32) for _ in range(4)] for _ in range(3)]
+    example = [t.clone() for t in sets[0]]
+    untouched = [t.clone() for t in example]
+    eager = [[t.clone() for t in s] for s in sets]
+    exe = _graph_exe(_adam_like, *example)
+    runner = exe._last.runner
+    for k, (mine, theirs) in enumerate(zip(sets, eager)):
+        for _ in range(2):
+            grad = torch.randn(32)
+            if k == 1 and runner.graph_count == 2:  # the third set of addresses: staged, said once
+                with pytest.warns(flowexec.RecaptureWarning, match="copies them in"):
+                    got = exe(mine[0], grad, mine[2], mine[3])
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    got = exe(mine[0], grad, mine[2], mine[3])
+            torch.testing.assert_close(got, _adam_like(theirs[0], grad, theirs[2], theirs[3]), rtol=0, atol=0)
+            for a, b in zip(mine, theirs):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert runner.graph_count == min(k + 2, 3)  # example's graph, the real state's, then staged
+    assert all(torch.equal(a, b) for a, b in zip(example, untouched))
+    # Back to an address with its own graph: no new capture.
+    grad = torch.randn(32)
+    got = exe(sets[0][0], grad, sets[0][2], sets[0][3])
+    torch.testing.assert_close(got, _adam_like(eager[0][0], grad, eager[0][2], eager[0][3]), rtol=0, atol=0)
+    torch.testing.assert_close(sets[0][2], eager[0][2], rtol=0, atol=0)
+    assert len(stand_in_graphs) == 3
