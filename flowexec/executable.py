@@ -41,6 +41,9 @@ OPTIONS = {
     "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp / aten.lerp_ on CUDA where it measured "
                  "faster (a broadcast operand, >= 2**20 elements): by default in graph mode, with True in every "
                  "mode; 'all': every eligible lerp and lerp_; False: none",
+    "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
+              "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
+              "parameters are read in place already",
 }
 
 
@@ -101,6 +104,9 @@ class Executable:
         self.fetch: bool | tuple[int, ...] = fetch if isinstance(fetch, bool) else tuple(int(i) for i in fetch)
         self.fetch_slots = int(options.get("fetch_slots", 64))
         self.fuse_lerp: bool | str | None = options.get("fuse_lerp")
+        self.borrow = tuple(options.get("borrow", ()))
+        if self.borrow and mode != "graph":
+            raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
         self._ring: Any = None
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
         self._first_sig: tuple[Any, ...] | None = None
@@ -133,7 +139,13 @@ class Executable:
                                        mutated_inputs=mutated_inputs, unprotected_outputs=bound,
                                        warmup=self.warmup, before_replay=self._fence if fetch else None)
 
-            runner = GraphVariants(capture_runner, targs, borrowed_inputs(targs, mutated_inputs))
+            borrow = borrowed_inputs(targs, mutated_inputs)
+            for i in self.borrow:
+                if not (isinstance(i, int) and 0 <= i < len(args) and isinstance(args[i], torch.Tensor)):
+                    raise OptionError(f"borrow: {i!r} is not the position of a tensor argument "
+                                      f"(tensor arguments: {list(tensor_pos)})")
+                borrow[tensor_pos.index(i)] = True
+            runner = GraphVariants(capture_runner, targs, borrow)
         user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
         return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))))

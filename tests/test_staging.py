@@ -201,3 +201,29 @@ def test_graph_mode_written_inputs_at_new_addresses_stay_correct(stand_in_graphs
     torch.testing.assert_close(got, _adam_like(eager[0][0], grad, eager[0][2], eager[0][3]), rtol=0, atol=0)
     torch.testing.assert_close(sets[0][2], eager[0][2], rtol=0, atol=0)
     assert len(stand_in_graphs) == 3
+
+
+def test_graph_mode_borrow_option_reads_read_only_arguments_in_place(stand_in_graphs):
+    torch.manual_seed(2)
+    p, g, m, ema = (torch.randn(16) for _ in range(4))
+    eager = [t.clone() for t in (p, g, m, ema)]
+    from flowexec.executable import Executable
+
+    exe = Executable(_adam_like, "graph", "fast", {"borrow": (1,)}).compile_for(p, g, m, ema)
+    assert all(b is t for b, t in zip(exe.input_buffers, (p, g, m, ema)))  # nothing staged
+    for _ in range(2):
+        g.normal_()  # the same tensor, new values: the graph reads them where they are
+        eager[1].copy_(g)
+        torch.testing.assert_close(exe(p, g, m, ema), _adam_like(*eager), rtol=0, atol=0)
+    assert exe._last.runner.graph_count == 1
+
+
+def test_graph_mode_borrow_option_errors():
+    from flowexec.executable import Executable
+
+    with pytest.raises(flowexec.OptionError, match="graph"):
+        flowexec.compile(_adam_like, *(torch.zeros(2) for _ in range(4)), borrow=(1,))
+    with pytest.raises(flowexec.OptionError, match="borrow: 7 is not the position of a tensor argument"):
+        Executable(lambda a, k: a.add_(k), "graph", "fast", {"borrow": (7,)}).compile_for(torch.zeros(2), 3)
+    with pytest.raises(flowexec.OptionError, match="borrow: 1 is not"):
+        Executable(lambda a, k: a.add_(k), "graph", "fast", {"borrow": (1,)}).compile_for(torch.zeros(2), 3)
