@@ -94,6 +94,27 @@ def lerp() -> None:
           "(`results/lerp_host.json`, split).\n")
 
 
+def graph_inputs() -> None:
+    d = load("graph_inputs.json")
+    if not d:
+        return
+    print(f"Graph mode with optimizer state passed as arguments — {d['device']}, {d['date'][:10]}, commit "
+          f"{d.get('commit', '?')} (`{d['command']}`; an Adam-like step that writes four of its five arguments in "
+          "place; alternating rounds, median per call with a sync):\n")
+    cases = d["cases"]
+    names = list(cases)
+    print("| variant | " + " | ".join(f"{n} per tensor" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    labels = {"eager": "eager", "graph, staged": "graph, arguments copied in and back (before)",
+              "graph, same tensors": "graph, written arguments read in place (default)",
+              "graph, borrow=(1,)": "graph, + `borrow=(1,)` (the gradient too)",
+              "raw CUDA graph": "raw CUDA graph of the eager step"}
+    for key, label in labels.items():
+        print(f"| {label} | " + " | ".join(
+            f"{cases[n]['us'][key]:,.1f} µs ({cases[n]['speedup_vs_eager'][key]:.2f}×)" for n in names) + " |")
+    print()
+
+
 def item() -> None:
     d = load("item.json")
     s = d.get("summary")
@@ -124,6 +145,7 @@ def main() -> None:
     with contextlib.redirect_stdout(buf):
         step_time()
         lerp()
+        graph_inputs()
         item()
     text = buf.getvalue()
     if "--readme" not in sys.argv:
