@@ -22,6 +22,9 @@ and store variants, in five alternating rounds, three ways: wall (``do_bench``),
 ``hostprof``: profiler traces of case 1's forward + ``autograd.grad`` (PyTorch, ours, ``t * 2``),
 autograd's multithreading on and off, written beside the JSON.
 
+``atomics``: case 3 and case 1 with the reduced gradients added into zeroed outputs by atomics in
+the backward kernel (no final pass), against the shipped partial sums + final pass, per kernel.
+
 ``persistent``: a persistent flat forward (``num_SMs * k`` programs striding over blocks, Triton's
 software pipelining over ``num_stages``) against PyTorch's forward and ours, per kernel, for 45
 blocks/programs/stages/warps settings; the question was whether a forward can beat PyTorch's
@@ -294,9 +297,72 @@ def probe_hostprof(out_dir: str) -> dict[str, Any]:
     return res
 
 
+def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor) -> dict[str, Any]:
+    """Backward launches of the shipped plan for every gradient: ``shipped()`` (partials + final
+    pass) and ``atomic(zero)`` (reduced gradients added into zeroed outputs with atomics; ``zero``
+    False leaves the zeroing out, as if the forward had done it). Returns the callables and the
+    output tensors each writes."""
+    xd, yd = x.detach(), y.detach()
+    wd = w.detach() if isinstance(w, torch.Tensor) else None
+    wv = 0.0 if isinstance(w, torch.Tensor) else float(w)
+    plan = L._plan(xd, yd, wd)
+    needs = (True, True, wd is not None)
+    bw = plan.backward_plan(needs)
+    xs, ys, wt = L._operands(xd, yd, wd)
+    g = go.contiguous()
+    outs = {k: (torch.empty_like(xs), torch.empty_like(ys), torch.empty_like(wt) if needs[2] else g)
+            for k in ("shipped", "atomic")}
+    part = g.new_empty(max(bw.part_numel, 1), dtype=plan.part_dtype)
+    hi, lo = L._split_weight(wv, plan.acc_f64)
+
+    def args(o: tuple) -> tuple:
+        return (g, xs, ys, wt, *o, part, g, hi, lo, *bw.args_tail)
+
+    def shipped() -> None:
+        a = args(outs["shipped"])
+        bw.main(a, True)
+        if bw.final is not None:
+            bw.final((part, *outs["shipped"], *bw.final_args_tail), True)
+
+    red = [o for o, gr in zip(outs["atomic"], bw.grads) if gr is not None and gr.red]
+
+    def atomic(zero: bool = True) -> None:
+        if zero:
+            for o in red:
+                o.zero_()
+        plan.kernels._lerp_bwd_kernel[(bw.main.grid,)](*args(outs["atomic"]), ATOMIC=True,
+                                                          num_warps=bw.main.num_warps)
+    return {"shipped": shipped, "atomic": atomic, "outs": outs, "red": red, "needs": needs}
+
+
+def probe_atomics() -> dict[str, Any]:
+    """Case 3 (and case 1) without the final pass: reduced gradients added into zeroed outputs by
+    atomics in the backward kernel, against the shipped partial sums + final pass; per kernel, in
+    two alternating rounds, with the forward before each (its kernel is part of the fwd+bwd sum)."""
+    res: dict[str, Any] = {}
+    for name in ("case3", "case1"):
+        x, y, w, go = make_inputs(CASES[name], "cuda")
+        v = atomics_variant(x, y, w, go)
+        xd, yd = x.detach(), y.detach()
+        wd = w.detach() if isinstance(w, torch.Tensor) else w
+        v["shipped"]()
+        v["atomic"]()
+        torch.cuda.synchronize()
+        row: dict[str, Any] = {"max_rel_diff": max(
+            ((a - b).abs().max() / b.abs().max()).item()
+            for a, b, need in zip(v["outs"]["atomic"], v["outs"]["shipped"], v["needs"]) if need)}
+        for rnd in range(2):
+            row[f"shipped {rnd}"] = per_kernel(lambda: (L.lerp(xd, yd, wd), v["shipped"]()))
+            row[f"atomic, zeroing kernels {rnd}"] = per_kernel(lambda: (L.lerp(xd, yd, wd), v["atomic"](True)))
+            row[f"atomic, zeroed elsewhere {rnd}"] = per_kernel(lambda: (L.lerp(xd, yd, wd), v["atomic"](False)))
+        res[name] = row
+        print(name, {k: (r["total"] if isinstance(r, dict) else r) for k, r in row.items()}, flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof"))
+    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -306,7 +372,7 @@ def main() -> None:
            "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
            "command": f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}",
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
-                  "persistent": probe_persistent, "fwdwall": probe_fwdwall,
+                  "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

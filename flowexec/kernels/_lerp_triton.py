@@ -367,26 +367,33 @@ def _grad_out(
 
 @triton.jit
 def _grad_flush(acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, cols, cm,
-                VEC: tl.constexpr):
+                VEC: tl.constexpr, ATOMIC: tl.constexpr = False):
     """Reduce the [BM, BN] accumulator of an operand that broadcasts d2 (over rows, and over
     columns too if it broadcasts d3) and write it: the program's only cross-warp reductions."""
     if (M & 2) == 0:  # masked rows and columns hold zeros
-        _flush_cols(tl.sum(acc, axis=0), dst_ptr, part_ptr, off_p, M, RED, base, cols, cm, VEC)
+        _flush_cols(tl.sum(acc, axis=0), dst_ptr, part_ptr, off_p, M, RED, base, cols, cm, VEC, ATOMIC)
 
 
 @triton.jit
 def _flush_cols(colsum, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, cols, cm,
-                VEC: tl.constexpr):
-    """Write an operand's row-summed [BN] gradient (summed over columns too if it broadcasts d3)."""
+                VEC: tl.constexpr, ATOMIC: tl.constexpr = False):
+    """Write an operand's row-summed [BN] gradient (summed over columns too if it broadcasts d3).
+
+    ``ATOMIC`` (probe only, ``benchmarks/lerp_probes.py atomics``): add a reduced gradient into
+    the zeroed output with atomics instead of writing a partial sum for the final pass."""
     if M & 1:
         offs = _tile_offsets(M, base, cols, cols, 0, VEC)
-        if RED:
+        if RED and ATOMIC:
+            tl.atomic_add(dst_ptr + offs, colsum[None, :], mask=cm[None, :], sem="relaxed")
+        elif RED:
             tl.store(part_ptr + off_p + offs, colsum[None, :], mask=cm[None, :])
         else:
             tl.store(dst_ptr + offs, colsum[None, :], mask=cm[None, :])
     else:
         v = tl.sum(colsum, axis=0)
-        if RED:
+        if RED and ATOMIC:
+            tl.atomic_add(dst_ptr + base, v, sem="relaxed")
+        elif RED:
             tl.store(part_ptr + off_p + base, v)
         else:
             tl.store(dst_ptr + base, v)
@@ -424,6 +431,7 @@ def _lerp_bwd_kernel(
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
     EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr, JOINT: tl.constexpr,
+    ATOMIC: tl.constexpr = False,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT, EVEN)
@@ -468,15 +476,15 @@ def _lerp_bwd_kernel(
     if JOINT and NEED_X and NEED_W and (MX & 2) == 0 and (MW & 2) == 0:
         # dx and dw both sum over rows (case 3): one two-value reduction, one set of barriers.
         cx, cw = tl.reduce((acc_x, acc_w), 0, _add_pairs)
-        _flush_cols(cx, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC)
-        _flush_cols(cw, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC)
+        _flush_cols(cx, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC, ATOMIC)
+        _flush_cols(cw, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC, ATOMIC)
     else:
         if NEED_X:
-            _grad_flush(acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC)
+            _grad_flush(acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC, ATOMIC)
         if NEED_W:
-            _grad_flush(acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC)
+            _grad_flush(acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC, ATOMIC)
     if NEED_Y:
-        _grad_flush(acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y, by, cols, cm, VEC)
+        _grad_flush(acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y, by, cols, cm, VEC, ATOMIC)
     if FUSED_FINAL:
         # The last program to finish sums the partials: one launch fewer than a separate pass.
         # The barrier orders every thread's partial stores before the (acq_rel, gpu-scope) count.
