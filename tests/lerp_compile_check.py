@@ -51,9 +51,10 @@ PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", 
 
 
 def signature(fn, args: tuple, dtype: torch.dtype, n_ptrs: int, ptr_dtypes: dict[int, str]) -> ASTSource:
+    assert len(args) == len(fn.params), f"{fn.__name__}: {len(args)} arguments for {len(fn.params)} parameters"
     sig, consts, attrs = {}, {}, {}
     for i, (p, v) in enumerate(zip(fn.params, args)):
-        if i < n_ptrs:
+        if i < n_ptrs or i in ptr_dtypes:
             sig[p.name] = ptr_dtypes.get(i, PTR[dtype])
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif p.is_constexpr:
@@ -90,8 +91,9 @@ def main() -> int:
             plan = L._Plan(torch.Size(xs), torch.Size(ys), torch.Size(ws) if ws is not None else None, dtype,
                            torch.device("cuda", 0))
             assert plan.use_triton, name
-            ok &= compile_one(f"{name}: forward ({plan.fwd.fn.__name__})", plan.fwd, (0,) * 4 + (0.25, 0.0) + plan.fwd_tail,
-                              dtype, 4)
+            acc_arg = 6 + len(plan.fwd_tail)
+            ok &= compile_one(f"{name}: forward ({plan.fwd.fn.__name__})", plan.fwd,
+                              (0,) * 4 + (0.25, 0.0) + plan.fwd_tail + (0, 0, False), dtype, 4, {acc_arg: PTR[dtype]})
             needs = (True, True, ws is not None)
             bw = plan.backward_plan(needs)
             part = PTR[plan.part_dtype]
@@ -99,6 +101,20 @@ def main() -> int:
                               {7: part, 8: "*i32"})
             if bw.final is not None:
                 ok &= compile_one(f"{name}: final pass", bw.final, (0,) * 4 + bw.final_args_tail, dtype, 4, {0: part})
+            layout = plan.acc_layout()
+            if layout is not None:  # the forward that zeroes the backward's buffer, the atomic backward
+                ok &= compile_one(f"{name}: forward zeroing {layout[0]} elements", plan.fwd_zero,
+                                  (0,) * 4 + (0.25, 0.0) + plan.fwd_tail + (0, layout[0], True), dtype, 4,
+                                  {acc_arg: PTR[dtype]})
+                bwa = plan.backward_plan(needs, atomic=True)
+                ok &= compile_one(f"{name}: atomic backward", bwa.main, (0,) * 9 + (0.25, 0.0) + bwa.args_tail, dtype, 9,
+                                  {7: PTR[dtype], 8: "*i32"})
+    for name in ("case1", "case2", "case3"):  # the atomic scheme applies where a final pass is saved
+        xs, ys, ws, dtype, changes = CASES[name]
+        plan = L._Plan(torch.Size(xs), torch.Size(ys), torch.Size(ws), dtype, torch.device("cuda", 0))
+        if plan.acc_layout() is None:
+            print(f"FAILED  {name}: no atomic scheme planned")
+            ok = False
     return 0 if ok else 1
 
 

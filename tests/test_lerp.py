@@ -99,7 +99,8 @@ def broadcast_cases(draw):
     knobs = dict(full_tile_loads=draw(st.booleans()), bwd_reverse=draw(st.booleans()),
                  flat_programs=draw(st.booleans()), even_tiles=draw(st.booleans()),
                  bwd_loads_first=draw(st.booleans()), bwd_stream=draw(st.booleans()),
-                 bwd_joint_flush=draw(st.booleans()), fwd_plane=draw(st.booleans()), final_cols=draw(st.sampled_from([1, 16])))
+                 bwd_joint_flush=draw(st.booleans()), fwd_plane=draw(st.booleans()), final_cols=draw(st.sampled_from([1, 16])),
+                 atomic_max=draw(st.sampled_from([0, 1 << 16])))
     return xs, ys, ws, dtype, needs, tile, (fused_max, knobs)
 
 
@@ -133,14 +134,47 @@ REFERENCE_CASES = {  # the four reference cases' broadcast patterns, scaled down
 }
 
 
+SCHEMES = {"final-pass": dict(fused_final_max=0, atomic_max=0), "last-block": dict(fused_final_max=1 << 30, atomic_max=0),
+           "atomic": dict(fused_final_max=0, atomic_max=1 << 16)}
+
+
 @needs_triton
-@pytest.mark.parametrize("fused_max", [0, 1 << 30], ids=["final-pass", "last-block"])
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
 @pytest.mark.parametrize("name", sorted(REFERENCE_CASES))
-def test_reference_patterns(name, fused_max):
+def test_reference_patterns(name, scheme):
     xs, ys, ws, dtype = REFERENCE_CASES[name]
     x, y, w = make_inputs(xs, ys, ws, dtype, (True, True, True))
-    with L.triton_on_cpu(), L.configured(tile={4: 128, 8: 128}, fused_final_max=fused_max):
+    with L.triton_on_cpu(), L.configured(tile={4: 128, 8: 128}, **SCHEMES[scheme]):
+        plan = L._plan(x, y, w)
+        # cases 1-3 have reduced gradients: the atomic scheme applies to them (float32/float64)
+        assert (plan.acc_layout() is not None) == (scheme == "atomic" and name != "case4")
         check(x, y, w, dtype)
+
+
+@needs_triton
+def test_atomic_sums_once_per_forward():
+    """The forward zeroes the buffer its backward adds into: a second backward through the same
+    graph (retain_graph), a backward in deterministic mode and one with atomics switched off all
+    sum partials instead, and agree with the first."""
+    xs, ys, ws, dtype = REFERENCE_CASES["case3"]
+    with L.triton_on_cpu(), L.configured(tile={4: 128, 8: 128}):
+        x, y, w = make_inputs(xs, ys, ws, dtype, (True, True, True))
+        g = torch.randn(4, 3, 12, 12)
+        out = lerp(x, y, w)
+        assert out.grad_fn is not None and L._plan(x, y, w).acc_layout() is not None
+        first = torch.autograd.grad(out, (x, y, w), g, retain_graph=True)
+        again = torch.autograd.grad(out, (x, y, w), g)
+        for a, b in zip(first, again):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.use_deterministic_algorithms(True)
+        try:
+            out = lerp(x, y, w)
+            det = torch.autograd.grad(out, (x, y, w), g)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        for a, b in zip(first, det):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert [t.shape for t in first] == [x.shape, y.shape, w.shape]
 
 
 @needs_triton
@@ -262,7 +296,7 @@ def test_double_backward_uses_differentiable_formulas():
 _native = importlib.import_module("flowexec.kernels._native")
 needs_native = pytest.mark.skipif(not _native.ENABLED, reason="FLOWEXEC_NATIVE=0")
 NATIVE_CASES = {
-    "case1": ((4, 96), (4, 96), (1,), torch.float32),
+    "case1": ((4, 1024), (4, 1024), (1,), torch.float32),  # two programs: partial sums or atomics
     "case3": ((4, 1, 1, 1), (4, 3, 12, 12), (3, 1, 12), torch.float32),
     "case4": ((4, 96), (4, 96), (4, 96), torch.float32),
     "float-weight-f64": ((5, 33), (5, 33), None, torch.float64),
@@ -288,10 +322,11 @@ def _native_plan(x, y, w):
 @needs_triton
 @needs_native
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("atomic_max", [1 << 16, 0], ids=["atomic-sums", "partial-sums"])
 @pytest.mark.parametrize("name", sorted(NATIVE_CASES))
-def test_native_front_door_matches_float64(name):
+def test_native_front_door_matches_float64(name, atomic_max):
     xs, ys, ws, dtype = NATIVE_CASES[name]
-    with L.triton_on_cpu(native=True):
+    with L.triton_on_cpu(native=True), L.configured(atomic_max=atomic_max):
         for call in range(3):
             x, y, w = make_inputs(xs, ys, ws, dtype, (True, True, True), seed=call)
             check(x, y, w, dtype)
@@ -299,7 +334,15 @@ def test_native_front_door_matches_float64(name):
         assert out.grad_fn.name() == "FlowexecLerpBackward"
         check(x, y, w, dtype)
         mask = 3 if ws is None else 7
-        assert _native_plan(x, y, w).native.has_backward(mask)
+        plan = _native_plan(x, y, w)
+        # float32/float64 with a final pass to save: the forward zeroes, the backward adds atomically
+        atomic = atomic_max > 0 and name in ("case1", "case3")
+        assert (plan.acc_layout() is not None) == atomic
+        if atomic:
+            assert plan.native.has_forward_acc() and plan.native.has_backward_atomic(mask)
+            assert not plan.native.has_backward(mask)
+        else:
+            assert plan.native.has_backward(mask) and not plan.native.has_forward_acc()
 
 
 @needs_triton
@@ -335,13 +378,13 @@ def test_native_computes_only_required_gradients(needs):
     with L.triton_on_cpu(native=True):
         x, y, w = _warm_native((3, 1, 8), (3, 5, 8), (5, 1), torch.float32, needs)
         mask = sum(1 << i for i, n in enumerate(needs) if n)
-        assert _native_plan(x, y, w).native.has_backward(mask)
-        assert not _native_plan(x, y, w).native.has_backward(7)
+        assert _native_plan(x, y, w).has_native_backward(mask)
+        assert not _native_plan(x, y, w).has_native_backward(7)
         # autograd.grad(inputs=[w]) asks the node for w's gradient only, although x needs one too
         x, y, w = make_inputs((3, 1, 8), (3, 5, 8), (5, 1), torch.float32, (True, True, True))
         for _ in range(2):
             (dw,) = torch.autograd.grad(lerp(x, y, w), [w], torch.ones(3, 5, 8))
-        assert _native_plan(x, y, w).native.has_backward(4)
+        assert _native_plan(x, y, w).has_native_backward(4)
         ref = torch.autograd.grad(torch.lerp(x, y, w), [w], torch.ones(3, 5, 8))[0]
         torch.testing.assert_close(dw, ref)
 

@@ -218,13 +218,26 @@ def _row_tile(r0, row_hi, BM: tl.constexpr, BIG: tl.constexpr, EVEN: tl.constexp
 
 
 @triton.jit
+def _zero_fill(acc_ptr, n_acc, ZB: tl.constexpr = 1024):
+    """Zero ``acc_ptr[:n_acc]``, ``ZB`` elements a program (few programs do any): the buffer the
+    backward of this call adds its reduced gradients into with atomics."""
+    pid = tl.program_id(0)
+    for z0 in range(pid * ZB, n_acc, tl.num_programs(0) * ZB):
+        zo = z0 + tl.arange(0, ZB)
+        tl.store(acc_ptr + zo, tl.zeros([ZB], acc_ptr.dtype.element_ty), mask=zo < n_acc)
+
+
+@triton.jit
 def _lerp_fwd_kernel(
     x_ptr, y_ptr, w_ptr, out_ptr, w_hi, w_lo,
     n0, n1, n2, n3, S, NB3, rows_per_split,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FULL: tl.constexpr, STREAM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
+    acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
+    if ZERO:
+        _zero_fill(acc_ptr, n_acc)
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, False, FLAT, EVEN)
     if W_SCALAR:
@@ -279,7 +292,7 @@ def _lerp_fwd_plane_kernel(
     n0, n1, n2, plane, NBP,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VECP: tl.constexpr, N3: tl.constexpr, BLOCK: tl.constexpr,
-    STREAM: tl.constexpr,
+    STREAM: tl.constexpr, acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
     """The forward over each (i0, i1) plane of d2 x d3 walked flat, ``BLOCK`` elements a program.
 
@@ -287,6 +300,8 @@ def _lerp_fwd_plane_kernel(
     output and full operands are read as one contiguous run; an operand that keeps only rows or
     only columns is gathered through ``e // N3`` and ``e % N3``, cheap with ``N3`` a constant.
     """
+    if ZERO:
+        _zero_fill(acc_ptr, n_acc)
     pid = tl.program_id(0)
     c = pid % NBP
     t = pid // NBP
@@ -338,7 +353,7 @@ def _reduce_rows(src, dst, P, K, kb, FBR: tl.constexpr, FBK: tl.constexpr, ACC_F
 @triton.jit
 def _grad_out(
     gt, acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, rows, cols, s2, rm, cm,
-    VEC: tl.constexpr, STREAM: tl.constexpr,
+    VEC: tl.constexpr, STREAM: tl.constexpr, ATOMIC: tl.constexpr = False,
 ):
     """Store or accumulate one [BM, BN] gradient tile for an operand with keep-mask M.
 
@@ -354,7 +369,9 @@ def _grad_out(
         else:
             t = tl.sum(gt, axis=1)[:, None]
         offs = _tile_offsets(M, base, rows, cols, s2, VEC)
-        if RED:
+        if RED and ATOMIC:
+            tl.atomic_add(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm), sem="relaxed")
+        elif RED:
             tl.store(part_ptr + off_p + offs, t, mask=_tile_mask(M, rm, cm))
         elif STREAM and (M & 3) == 3:  # a full gradient, written once: leave L2 to the inputs
             tl.store(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm), cache_modifier=".cs")
@@ -379,8 +396,8 @@ def _flush_cols(colsum, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.const
                 VEC: tl.constexpr, ATOMIC: tl.constexpr = False):
     """Write an operand's row-summed [BN] gradient (summed over columns too if it broadcasts d3).
 
-    ``ATOMIC`` (probe only, ``benchmarks/lerp_probes.py atomics``): add a reduced gradient into
-    the zeroed output with atomics instead of writing a partial sum for the final pass."""
+    ``ATOMIC``: add a reduced gradient into its output (zeroed by the forward) with atomics
+    instead of writing a partial sum for the final pass."""
     if M & 1:
         offs = _tile_offsets(M, base, cols, cols, 0, VEC)
         if RED and ATOMIC:
@@ -463,16 +480,16 @@ def _lerp_bwd_kernel(
                 wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
             if NEED_X:
                 acc_x = _grad_out(g * (1.0 - wv), acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X,
-                                  bx, rows, cols, sx2, rm, cm, VEC, STREAM)
+                                  bx, rows, cols, sx2, rm, cm, VEC, STREAM, ATOMIC)
             if NEED_Y:
                 acc_y = _grad_out(g * wv, acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y,
-                                  by, rows, cols, sy2, rm, cm, VEC, STREAM)
+                                  by, rows, cols, sy2, rm, cm, VEC, STREAM, ATOMIC)
         if NEED_W:
             if not LOADS_FIRST:
                 xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
                 yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
             acc_w = _grad_out(g * (yv - xv), acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W,
-                              bw, rows, cols, sw2, rm, cm, VEC, STREAM)
+                              bw, rows, cols, sw2, rm, cm, VEC, STREAM, ATOMIC)
     if JOINT and NEED_X and NEED_W and (MX & 2) == 0 and (MW & 2) == 0:
         # dx and dw both sum over rows (case 3): one two-value reduction, one set of barriers.
         cx, cw = tl.reduce((acc_x, acc_w), 0, _add_pairs)

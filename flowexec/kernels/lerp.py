@@ -77,6 +77,12 @@ class LerpConfig:
       (half the shuffles; case 3 float16 13.11 -> 12.93 µs).
     * ``fwd_plane``: a forward whose rows leave part of a tile idle walks each d2 x d3 plane flat,
       ``plane_tile`` elements a program (case 3: 8.48 -> 7.90 µs on the H200).
+    * ``atomic_max``: float32/float64 calls whose broadcast operands hold at most this many
+      elements in all sum their reduced gradients with atomics, into a buffer the forward kernel
+      zeroes, instead of partial sums and a final pass (case 3: 18.9 -> 17.1 µs on the H200).
+      Sums then differ in the last bits from run to run; under
+      ``torch.use_deterministic_algorithms(True)``, inside CUDA-graph capture, and for a second
+      backward through the same graph, the partial sums are used. 0: never.
 
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
@@ -99,6 +105,7 @@ class LerpConfig:
     bwd_joint_flush: bool = True
     fwd_plane: bool = True
     plane_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {2: 2048, 4: 1024, 8: 512})
+    atomic_max: int = 1 << 16
 
     def __post_init__(self) -> None:
         # Triton's tl.arange takes powers of two: a bad knob fails here, not inside a kernel.
@@ -238,10 +245,11 @@ class _Grad:
 class _Backward:
     """The planned backward for one set of required gradients."""
 
-    __slots__ = ("needs", "main", "final", "args_tail", "grads", "part_numel", "fused", "final_args_tail")
+    __slots__ = ("needs", "atomic", "main", "final", "args_tail", "grads", "part_numel", "fused", "final_args_tail")
 
-    def __init__(self, plan: _Plan, needs: tuple[bool, bool, bool]) -> None:
+    def __init__(self, plan: _Plan, needs: tuple[bool, bool, bool], atomic: bool = False) -> None:
         self.needs = needs
+        self.atomic = atomic  # reduced gradients added with atomics into outputs the forward zeroed
         n0, n1, n2, n3 = plan.sizes
         bm, bn, nb3 = plan.bm, plan.bn, plan.nb3
         row_tiles = _cdiv(n2, bm)
@@ -268,8 +276,8 @@ class _Backward:
             if p > 1:
                 off += p * k
         self.grads = grads
-        self.part_numel = off
-        self.fused = 0 < off <= config.fused_final_max
+        self.part_numel = 0 if atomic else off
+        self.fused = not atomic and 0 < off <= config.fused_final_max
         red = [g for g in grads if g is not None and g.red]
         # Narrow column blocks: more programs share the final sums, each in one or two steps.
         fbk = min(_pow2(max((g.k for g in red), default=1)), config.final_cols)
@@ -283,11 +291,11 @@ class _Backward:
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
             plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
-            config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush,
+            config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic,
         )
         self.final = None
         self.final_args_tail = ()
-        if red and not self.fused:
+        if red and not self.fused and not atomic:
             fgrid = sum(_cdiv(g.k, fbk) for g in red)
             self.final = plan.launcher(plan.kernels._lerp_final_kernel, fgrid, 4)
             self.final_args_tail = (gx.off, gy.off, gw.off, gx.p, gy.p, gw.p, gx.k, gy.k, gw.k,
@@ -313,9 +321,11 @@ class _Plan:
         on_triton_device = device.type == "cuda" or (
             device.type == "cpu" and force_triton_on_cpu and interpreter_active())
         self.use_triton = HAS_TRITON and on_triton_device and canon is not None
-        self._backward: dict[tuple[bool, bool, bool], _Backward] = {}
+        self._backward: dict[tuple[tuple[bool, bool, bool], bool], _Backward] = {}
+        self._acc: Any = False  # acc_layout(), once computed
         self.native: Any = None  # the C++ LerpPlan once the forward is installed there
-        self.native_pending = self.use_triton and _native.ENABLED and (device.type == "cuda" or native_on_cpu)
+        wanted = self.use_triton and _native.ENABLED and (device.type == "cuda" or native_on_cpu)
+        self.native_pending = {False: wanted, True: wanted}  # forward variants not yet installed natively
         self.out_like = next((i for i, sh in enumerate(self.shapes) if sh == tuple(self.out_shape)), -1)
         self.part_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         if not self.use_triton:
@@ -362,35 +372,84 @@ class _Plan:
             self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *self.masks, self.w_scalar, self.acc_f64,
                              self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
                              self.flat, self.flat and config.even_tiles and n3 % fbn == 0)
+        # The same forward that also zeroes the buffer its backward sums into (another compiled
+        # specialisation, so a launcher of its own).
+        self.fwd_zero = self.launcher(self.fwd.fn, self.fwd.grid, self.fwd.num_warps)
 
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
 
-    def backward_plan(self, needs: tuple[bool, bool, bool]) -> _Backward:
-        bw = self._backward.get(needs)
+    def backward_plan(self, needs: tuple[bool, bool, bool], atomic: bool = False) -> _Backward:
+        bw = self._backward.get((needs, atomic))
         if bw is None:
-            bw = self._backward[needs] = _Backward(self, needs)
+            bw = self._backward[(needs, atomic)] = _Backward(self, needs, atomic)
         return bw
 
+    def acc_layout(self) -> tuple[int, tuple[tuple[int, int] | None, ...]] | None:
+        """The buffer a forward zeroes for its backward's atomic sums: (elements, per operand
+        (offset, elements) or None), covering every broadcast operand; None where the partial
+        sums stay (half types, no final pass to save, or more than ``config.atomic_max``)."""
+        if self._acc is False:
+            self._acc = None
+            if (self.use_triton and config.atomic_max > 0 and self.dtype in (torch.float32, torch.float64)
+                    and self.backward_plan((True, True, not self.w_scalar)).final is not None):
+                slots: list[tuple[int, int] | None] = []
+                off = 0
+                for sh in self.shapes:
+                    n = math.prod(sh) if sh is not None else 0
+                    slots.append((off, n) if sh is not None and n < self.numel else None)
+                    off += n if slots[-1] is not None else 0
+                if 0 < off <= config.atomic_max:
+                    self._acc = (off, tuple(slots))
+        return self._acc
+
+    def has_native_backward(self, mask: int) -> bool:
+        """Whether the C++ side holds the backward that eager calls with this needs mask (bit 0
+        dx, 1 dy, 2 dw) take: the atomic one where this plan has a zeroed buffer, else partials."""
+        n = self.native
+        return n is not None and (n.has_backward_atomic(mask) if self.acc_layout() is not None
+                                  else n.has_backward(mask))
+
+    def wants_acc(self, device: torch.device) -> bool:
+        """Whether a forward with grad zeroes a buffer for its backward's atomic sums now: not in
+        deterministic mode, and not inside CUDA-graph capture (a graph could replay the backward
+        without the forward that zeroes it)."""
+        return (self.acc_layout() is not None and not torch.are_deterministic_algorithms_enabled()
+                and not (device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()))
+
     # -- the native front door: programs built from launches Triton has compiled
-    def install_native_forward(self, args: tuple) -> None:
-        """Hand the forward to the C++ side after its first launch (``args``: that launch's)."""
-        self.native_pending = False
-        mod = _native.load(cuda=self.device.type == "cuda")
-        if mod is None:
-            return
+    def install_native_forward(self, args: tuple, zero: bool) -> None:
+        """Hand a forward to the C++ side after its first launch (``args``: that launch's;
+        ``zero``: the variant that also zeroes the backward's buffer)."""
+        self.native_pending[zero] = False
+        if self.native is None:
+            mod = _native.load(cuda=self.device.type == "cuda")
+            if mod is None:
+                self.native_pending = {False: False, True: False}
+                return
+            ref = weakref.ref(self)  # the C++ plan holds this callback: no cycle through C++
+            nat = mod.LerpPlan(-1 if self.device_index is None else self.device_index, self.w_scalar, self.acc_f64,
+                               lambda g, x, y, w, wv, needs, acc: _native_backward(ref, g, x, y, w, wv, needs, acc))
+            layout = self.acc_layout()
+            if layout is not None:
+                nat.set_acc(layout[0])
+            mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
+            self.native = nat
         weight = (4, 5) if self.w_scalar else None
-        launch = _native.native_launch(self.fwd, args, {0: 0, 1: 1, 2: 2, 3: 3}, weight)
+        acc_arg = 6 + len(self.fwd_tail)
+        launch = _native.native_launch(self.fwd_zero if zero else self.fwd, args,
+                                       {0: 0, 1: 1, 2: 2, 3: 3, acc_arg: 4 if zero else 3}, weight)
         if launch is None:
             return
-        ref = weakref.ref(self)  # the C++ plan holds this callback: no cycle through C++
-        nat = mod.LerpPlan(-1 if self.device_index is None else self.device_index, self.w_scalar, self.acc_f64,
-                           lambda g, x, y, w, wv, needs: _native_backward(ref, g, x, y, w, wv, needs))
-        nat.install(-1, 4, [(3, list(self.out_shape), self.dtype)], [launch])
-        mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
-        self.native = nat
+        allocs = [(3, list(self.out_shape), self.dtype)]
+        if zero:
+            allocs.append((4, [args[acc_arg + 1]], self.dtype))
+        self.native.install(-2 if zero else -1, 5 if zero else 4, allocs, [launch], [])
 
     def install_native_backward(self, bw: _Backward, main_args: tuple, final_args: tuple) -> None:
+        """Hand a backward to the C++ side after its first launch. Buffers: 0-3 g, x, y, w;
+        4-6 the gradients (allocated, or with ``bw.atomic`` views of the forward's zeroed buffer
+        for broadcast operands); 7 the partial sums."""
         if self.native is None or bw.fused:  # the last-block counter is not planned natively
             return
         weight = (9, 10) if self.w_scalar else None
@@ -399,11 +458,13 @@ class _Plan:
             launches.append(_native.native_launch(bw.final, final_args, {0: 7, 1: 4, 2: 5, 3: 6}, None))
         if any(la is None for la in launches):
             return
-        allocs = [(4 + i, list(self.shapes[i]), self.dtype) for i in range(3) if bw.needs[i]]
+        slots = self.acc_layout()[1] if bw.atomic else (None, None, None)
+        allocs = [(4 + i, list(self.shapes[i]), self.dtype) for i in range(3) if bw.needs[i] and slots[i] is None]
+        views = [(4 + i, slots[i][0], list(self.shapes[i])) for i in range(3) if bw.needs[i] and slots[i] is not None]
         if bw.part_numel:
             allocs.append((7, [bw.part_numel], self.part_dtype))
         mask = sum(1 << i for i in range(3) if bw.needs[i])
-        self.native.install(mask, 9, allocs, launches)
+        self.native.install(mask + (8 if bw.atomic else 0), 9, allocs, launches, views)
 
 def interpreter_active() -> bool:
     """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1`` set before Triton was imported)."""
@@ -478,8 +539,9 @@ def _counter(device_index: int | None) -> Tensor:
 # ----------------------------------------------------------------------------- implementations
 
 def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan | None = None,
-                  out: Tensor | None = None) -> Tensor:
-    """The forward on a planned call; ``out`` (in place: ``x`` itself, contiguous) or a new tensor."""
+                  out: Tensor | None = None, acc: Tensor | None = None) -> Tensor:
+    """The forward on a planned call; ``out`` (in place: ``x`` itself, contiguous) or a new tensor.
+    ``acc``: a buffer of ``plan.acc_layout()`` the kernel also zeroes (for the backward's atomics)."""
     plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return torch.lerp(x, y, w if w is not None else wv)
@@ -492,10 +554,11 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     hi, lo = _split_weight(wv, plan.acc_f64)
     ptrs = (x.data_ptr(), y.data_ptr(), wt.data_ptr(), out.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
-    args = (x, y, wt, out, hi, lo, *plan.fwd_tail)
-    plan.fwd(args, aligned, ptrs)
-    if plan.native_pending and aligned and fresh:  # the native program allocates its output
-        plan.install_native_forward(args)
+    zero = acc is not None
+    args = (x, y, wt, out, hi, lo, *plan.fwd_tail, acc if zero else out, acc.numel() if zero else 0, zero)
+    (plan.fwd_zero if zero else plan.fwd)(args, aligned, ptrs)
+    if plan.native_pending[zero] and aligned and fresh:  # the native program allocates its output
+        plan.install_native_forward(args, zero)
     return out
 
 
@@ -516,19 +579,28 @@ def _operands(x: Tensor, y: Tensor, w: Tensor | None) -> tuple[Tensor, Tensor, T
 
 
 def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float, needs: tuple[bool, bool, bool],
-                   plan: _Plan | None = None, native_install: bool = False
+                   plan: _Plan | None = None, native_install: bool = False, acc: Tensor | None = None
                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The backward on a planned call. ``acc``: the buffer this call's forward zeroed; the
+    gradients of broadcast operands are then summed into views of it with atomics."""
     plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return _backward_torch(g, x, y, w if w is not None else wv, needs)
     if not any(needs):
         return None, None, None
-    bw = plan.backward_plan(needs)
+    bw = plan.backward_plan(needs, atomic=acc is not None)
     g = _contiguous(_resolved(g))
     x, y, wt = _operands(x, y, w)
-    dx = torch.empty_like(x) if needs[0] else g
-    dy = torch.empty_like(y) if needs[1] else g
-    dw = torch.empty_like(wt) if needs[2] else g
+    slots = plan.acc_layout()[1] if acc is not None else (None, None, None)
+
+    def grad_buffer(i: int, like: Tensor) -> Tensor:
+        if not needs[i]:
+            return g
+        if acc is not None and slots[i] is not None:
+            off, n = slots[i]
+            return acc[off:off + n].view(plan.shapes[i])
+        return torch.empty_like(like)
+    dx, dy, dw = grad_buffer(0, x), grad_buffer(1, y), grad_buffer(2, wt)
     part = g.new_empty(bw.part_numel, dtype=plan.part_dtype) if bw.part_numel else g
     counter = _counter(plan.device_index) if bw.fused else g
     hi, lo = _split_weight(wv, plan.acc_f64)
@@ -547,13 +619,16 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
 
 
 def _native_backward(ref: Any, g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
-                     needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                     needs: tuple[bool, bool, bool], acc: Tensor | None = None
+                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The C++ node's way back: a set of gradients not planned natively yet (planned now for next
     time), or tensors the native path does not take (misaligned, another current device)."""
     plan = ref()
     if plan is None:  # the plan cache was cleared while the graph lived
         plan = _plan(x, y, w)
-    return _backward_impl(g, x, y, w, wv, needs, plan, native_install=True)
+        if acc is not None and plan.acc_layout() is None:
+            acc = None  # a plan built under another config
+    return _backward_impl(g, x, y, w, wv, needs, plan, native_install=True, acc=acc)
 
 
 def _backward_torch(g: Tensor, x: Tensor, y: Tensor, w: Tensor | float, needs: Sequence[bool]
@@ -575,7 +650,8 @@ class _LerpFunction(torch.autograd.Function):
         ctx.save_for_backward(x, y, w)
         ctx.wv = wv
         ctx.plan = plan
-        return _forward_impl(x, y, w, wv, plan)
+        ctx.acc = x.new_empty(plan.acc_layout()[0]) if plan.use_triton and plan.wants_acc(x.device) else None
+        return _forward_impl(x, y, w, wv, plan, acc=ctx.acc)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
@@ -584,9 +660,12 @@ class _LerpFunction(torch.autograd.Function):
         needs = (n[0], n[1], n[2])
         # create_graph=True, or a batched gradient (vmap over the backward, as in
         # jacobian(vectorize=True); it has no storage): differentiable PyTorch formulas
+        acc, ctx.acc = ctx.acc, None  # zeroed once: a second backward (retain_graph) sums partials
         if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() or not torch._C._has_storage(g):
             return (*_backward_torch(g, x, y, w if w is not None else ctx.wv, needs), None, None)
-        return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan), None, None)
+        if acc is not None and not ctx.plan.wants_acc(g.device):
+            acc = None
+        return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan, acc=acc), None, None)
 
 
 # autograd.Function.apply's C++ half, bound to our class. The Python half only binds default

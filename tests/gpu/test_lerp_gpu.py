@@ -4,6 +4,8 @@ Skipped without CUDA. Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest t
 """
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import itertools
 
@@ -98,9 +100,15 @@ def test_cuda_graph_replay(fused_max):
         eager = [t.detach() for t in step()]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):  # by the third call a call is native both ways (final-pass plans)
-                step()
+        # Capture takes the partial sums (a graph could replay a backward without the forward
+        # that zeroes the atomic buffer): warm those up, in deterministic mode.
+        torch.use_deterministic_algorithms(True)
+        try:
+            with torch.cuda.stream(s):
+                for _ in range(3):  # by the third call a call is native both ways (final-pass plans)
+                    step()
+        finally:
+            torch.use_deterministic_algorithms(False)
         torch.cuda.current_stream().wait_stream(s)
         native = L._plan(x, y, w).native
         if fused_max == 0 and _native.ENABLED:  # so the capture below records native launches
@@ -119,7 +127,7 @@ def test_direct_and_normal_launch_agree():
     x, y, w = inputs((16, 1, 1, 1), (16, 3, 64, 64), (3, 1, 64), torch.float32)
     g = torch.randn(16, 3, 64, 64, device="cuda")
     results = []
-    with _native.python_path():  # the Python front door's launch paths
+    with _native.python_path(), deterministic():  # the Python front door's launch paths, partial sums
         for direct in (False, True, True):
             launch.DIRECT_LAUNCH = direct
             try:
@@ -130,6 +138,37 @@ def test_direct_and_normal_launch_agree():
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # deterministic: same bits
+
+
+@contextlib.contextmanager
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_atomic_sums_on_cuda():
+    """The default for float32/float64 patterns with reduced gradients: the forward zeroes a
+    buffer, the backward adds into it; a retained graph's second backward, deterministic mode
+    and the partial-sum scheme agree with it; the gradients are views of that one buffer."""
+    x, y, w = inputs((16, 1, 1, 1), (16, 3, 64, 64), (3, 1, 64), torch.float32)
+    g = torch.randn(16, 3, 64, 64, device="cuda")
+    for _ in range(3):  # Python, then native forward, then native both ways
+        out = lerp(x, y, w)
+        first = torch.autograd.grad(out, (x, y, w), g, retain_graph=True)
+        again = torch.autograd.grad(out, (x, y, w), g)
+        for a, b in zip(first, again):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    plan = L._plan(x, y, w)
+    assert plan.acc_layout() is not None and (not _native.ENABLED or plan.native.has_backward_atomic(7))
+    assert first[0].untyped_storage().data_ptr() == first[2].untyped_storage().data_ptr()  # dx, dw: one buffer
+    with deterministic():
+        det = torch.autograd.grad(lerp(x, y, w), (x, y, w), g)
+    for a, b in zip(first, det):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_matches(x, y, w, out, first, g)
 
 
 def test_reference_cases_full_size():

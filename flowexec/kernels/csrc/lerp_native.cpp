@@ -34,6 +34,7 @@
 #ifdef FLOWEXEC_WITH_CUDA
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <dlfcn.h>
 #endif
@@ -172,13 +173,24 @@ struct Alloc {
   at::ScalarType dtype = at::kFloat;
 };
 
-// Buffers 0..n_inputs-1 are the call's inputs; allocations fill others; the rest alias buffer 0.
+// A buffer that is part of the zeroed buffer a forward left for its backward's atomic sums.
+struct AccView {
+  int buffer = 0;
+  int64_t offset = 0;
+  std::vector<int64_t> shape, strides;
+};
+
+// Buffers 0..n_inputs-1 are the call's inputs; allocations and views of `acc` fill others; the
+// rest alias buffer 0.
 struct Program {
   int n_buffers = 0;
   std::vector<Alloc> allocs;
+  std::vector<AccView> views;
   std::vector<Launch> launches;
 
-  void run(std::vector<at::Tensor>& bufs, float hi, float lo, int device) const {
+  void run(std::vector<at::Tensor>& bufs, float hi, float lo, int device, const at::Tensor& acc = {}) const {
+    for (const auto& v : views)
+      bufs[v.buffer] = acc.as_strided(v.shape, v.strides, acc.storage_offset() + v.offset);
     for (const auto& a : allocs)
       bufs[a.buffer] = allocate(a.shape, a.dtype, bufs[0]);
     for (auto& t : bufs)
@@ -193,7 +205,12 @@ struct LerpPlan {
   bool f64 = false;
   std::atomic<Program*> fwd{nullptr};
   std::array<std::atomic<Program*>, 8> bwd{};  // by needs mask: bit 0 dx, bit 1 dy, bit 2 dw
-  py::object py_backward;  // (g, x, y, w | None, wv, (nx, ny, nw)) -> (dx, dy, dw)
+  // A forward that also zeroes an `acc_numel` buffer (buffer 4), and backwards that sum the
+  // broadcast operands' gradients into views of it with atomics (no partial sums, no final pass).
+  int64_t acc_numel = 0;
+  std::atomic<Program*> fwd_acc{nullptr};
+  std::array<std::atomic<Program*>, 8> bwd_atomic{};
+  py::object py_backward;  // (g, x, y, w | None, wv, (nx, ny, nw), acc | None) -> (dx, dy, dw)
   std::mutex lock;
   std::vector<std::unique_ptr<Program>> owned;
   // What the programs were planned for (set when the plan is registered): a saved tensor that
@@ -209,6 +226,7 @@ struct LerpPlan {
   LerpPlan(int device_, bool w_scalar_, bool f64_, py::object py_backward_)
       : device(device_), w_scalar(w_scalar_), f64(f64_), py_backward(std::move(py_backward_)) {
     for (auto& b : bwd) b.store(nullptr);
+    for (auto& b : bwd_atomic) b.store(nullptr);
   }
   ~LerpPlan() {
     // The last owner may be an autograd node freed on an engine thread: take the GIL for the
@@ -225,8 +243,12 @@ struct LerpPlan {
     std::lock_guard<std::mutex> g(lock);
     Program* raw = p.get();
     owned.push_back(std::move(p));
-    if (slot < 0)
+    if (slot == -1)
       fwd.store(raw);
+    else if (slot == -2)
+      fwd_acc.store(raw);
+    else if (slot >= 8)
+      bwd_atomic.at(slot - 8).store(raw);
     else
       bwd.at(slot).store(raw);
   }
@@ -246,6 +268,18 @@ struct LerpPlan {
 };
 
 bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
+
+// Atomic sums only where a forward's zeroing is sure to precede its backward once, and where
+// bitwise reproducibility was not asked for: not in deterministic mode, not during CUDA-graph
+// capture (a graph may replay a backward without the forward that zeroed its buffer).
+bool atomics_allowed() {
+  if (at::globalContext().deterministicAlgorithms()) return false;
+#ifdef FLOWEXEC_WITH_CUDA
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+#else
+  return true;
+#endif
+}
 
 at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
@@ -275,6 +309,7 @@ struct LerpBackward : public Node {
   SavedVariable x_, y_, w_;
   double wv = 0.0;
   std::shared_ptr<LerpPlan> plan;
+  at::Tensor acc_;  // zeroed by the forward for this backward's atomic sums; used once
 
   std::string name() const override { return "FlowexecLerpBackward"; }
 
@@ -282,10 +317,13 @@ struct LerpBackward : public Node {
     x_.reset_data();
     y_.reset_data();
     w_.reset_data();
+    acc_.reset();
   }
 
   variable_list apply(variable_list&& grads) override {
     variable_list out(3);
+    at::Tensor acc = std::move(acc_);  // a second backward (retain_graph) finds it gone: partials
+    acc_ = at::Tensor();
     const at::Tensor& g = grads[0];
     if (!g.defined()) return out;
     const bool nx = task_should_compute_output(0), ny = task_should_compute_output(1);
@@ -303,7 +341,8 @@ struct LerpBackward : public Node {
       return out;
     }
     const int mask = int(nx) | (int(ny) << 1) | (int(nw) << 2);
-    Program* p = plan->bwd[mask].load();
+    if (acc.defined() && !atomics_allowed()) acc = at::Tensor();
+    Program* p = (acc.defined() ? plan->bwd_atomic[mask] : plan->bwd[mask]).load();
     if (p != nullptr && plan->on_device(g)) {
       std::vector<at::Tensor> bufs(p->n_buffers);
       bufs[0] = contiguous(g);
@@ -312,7 +351,7 @@ struct LerpBackward : public Node {
       bufs[3] = plan->w_scalar ? bufs[1] : contiguous(w);
       if (aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]) && aligned(bufs[3])) {
         const auto [hi, lo] = plan->split(wv);
-        p->run(bufs, hi, lo, plan->device);
+        p->run(bufs, hi, lo, plan->device, acc);
         if (nx) out[0] = bufs[4];
         if (ny) out[1] = bufs[5];
         if (nw) out[2] = bufs[6];
@@ -321,7 +360,8 @@ struct LerpBackward : public Node {
     }
     py::gil_scoped_acquire gil;  // first use of this mask, or an unusual tensor: Python plans it
     py::object wobj = plan->w_scalar ? py::none() : py::cast(w);
-    py::tuple r = plan->py_backward(g, x, y, wobj, wv, py::make_tuple(nx, ny, nw));
+    py::object accobj = acc.defined() ? py::cast(acc) : py::none();
+    py::tuple r = plan->py_backward(g, x, y, wobj, wv, py::make_tuple(nx, ny, nw), accobj);
     for (int i = 0; i < 3; ++i)
       if (!r[i].is_none()) out[i] = r[i].cast<at::Tensor>();
     return out;
@@ -332,10 +372,11 @@ struct LerpBackward : public Node {
 // the caller then uses the Python path.
 at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at::Tensor& y,
                    const std::optional<at::Tensor>& w_opt, double wv) {
-  Program* p = plan->fwd.load();
-  if (p == nullptr || !plan->on_device(x)) return {};
   const at::Tensor w = w_opt.has_value() ? *w_opt : at::Tensor();
   const bool requires_grad = torch::autograd::compute_requires_grad(x, y, w);
+  const bool with_acc = requires_grad && plan->acc_numel > 0 && atomics_allowed();
+  Program* p = (with_acc ? plan->fwd_acc : plan->fwd).load();
+  if (p == nullptr || !plan->on_device(x)) return {};
   std::vector<at::Tensor> bufs(p->n_buffers);
   {
     at::NoGradGuard no_grad;  // contiguous() copies must not enter the autograd graph
@@ -355,6 +396,7 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
     if (w.defined()) node->w_ = SavedVariable(w, false);
     node->wv = wv;
     node->plan = plan;
+    if (with_acc) node->acc_ = bufs[4];
     torch::autograd::set_history(out, node);
   }
   return out;
@@ -459,10 +501,27 @@ Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned sha
 }
 
 // Python: plan.install(slot, n_buffers, allocs=[(buffer, shape, dtype)],
-//                      launches=[(function, grid, block, shared, [(kind, value)])]); slot -1: forward.
-void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, const py::list& launches) {
+//                      launches=[(function, grid, block, shared, [(kind, value)])],
+//                      views=[(buffer, offset, shape)]);
+// slot -1: forward, -2: forward that zeroes the buffer for atomics, 0-7: backward by needs mask,
+// 8-15: atomic backward by needs mask (views: its gradients inside that buffer).
+void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, const py::list& launches,
+             const py::list& views) {
+  TORCH_CHECK(slot >= -2 && slot < 16, "flowexec::lerp: bad program slot ", slot);
   auto p = std::make_unique<Program>();
   p->n_buffers = n_buffers;
+  for (const auto& v : views) {
+    auto t = v.cast<py::tuple>();
+    AccView av;
+    av.buffer = t[0].cast<int>();
+    av.offset = t[1].cast<int64_t>();
+    av.shape = t[2].cast<std::vector<int64_t>>();
+    av.strides.assign(av.shape.size(), 1);
+    for (int i = static_cast<int>(av.shape.size()) - 2; i >= 0; --i)
+      av.strides[i] = av.strides[i + 1] * std::max<int64_t>(av.shape[i + 1], 1);
+    TORCH_CHECK(av.buffer >= 0 && av.buffer < n_buffers, "flowexec::lerp: bad view");
+    p->views.push_back(std::move(av));
+  }
   for (const auto& a : allocs) {
     auto t = a.cast<py::tuple>();
     Alloc al;
@@ -492,6 +551,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("py_backward"))
       .def("has_forward", [](const LerpPlan& p) { return p.fwd.load() != nullptr; })
       .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; })
+      .def("has_forward_acc", [](const LerpPlan& p) { return p.fwd_acc.load() != nullptr; })
+      .def("has_backward_atomic", [](const LerpPlan& p, int mask) { return p.bwd_atomic.at(mask).load() != nullptr; })
+      .def("set_acc", [](LerpPlan& p, int64_t numel) { p.acc_numel = numel; })
       .def("install", &flowexec::install);
   m.def("register_plan", &flowexec::register_plan);
   m.def("clear_plans", [] { flowexec::registry().clear(); });
