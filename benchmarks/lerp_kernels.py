@@ -33,6 +33,7 @@ L = importlib.import_module("flowexec.kernels.lerp")
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "shipped": {},
+    "partial sums + final pass (no atomics)": {"atomic_max": 0},
     "no flat programs": {"flat_programs": False},
     "no full-tile loads": {"full_tile_loads": False},
     "no streaming store": {"fwd_stream_store": False},
@@ -48,7 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tile ×2": {"tile": {2: 8192, 4: 4096, 8: 2048}},
     "8 programs / SM": {"programs_per_sm": 8},
     "backward 8 warps": {"bwd_warps": 8},
-    "last-block final": {"fused_final_max": 1 << 30},
+    "last-block final": {"fused_final_max": 1 << 30, "atomic_max": 0},
 }
 
 
