@@ -395,10 +395,11 @@ class _Plan:
                     and self.backward_plan((True, True, not self.w_scalar)).final is not None):
                 slots: list[tuple[int, int] | None] = []
                 off = 0
+                line = 128 // self.dtype.itemsize  # each gradient on cache lines of its own
                 for sh in self.shapes:
                     n = math.prod(sh) if sh is not None else 0
                     slots.append((off, n) if sh is not None and n < self.numel else None)
-                    off += n if slots[-1] is not None else 0
+                    off += _cdiv(n, line) * line if slots[-1] is not None else 0
                 if 0 < off <= config.atomic_max:
                     self._acc = (off, tuple(slots))
         return self._acc

@@ -97,13 +97,14 @@ def test_cuda_graph_replay(fused_max):
 
         # Detached: a live eager graph would keep AccumulateGrad nodes bound to the default
         # stream, and autograd would then sync with that stream during capture (an error).
-        eager = [t.detach() for t in step()]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
         # Capture takes the partial sums (a graph could replay a backward without the forward
-        # that zeroes the atomic buffer): warm those up, in deterministic mode.
+        # that zeroes the atomic buffer): the eager reference and the warm-up use them too, in
+        # deterministic mode, so that the graph must give the same bits.
         torch.use_deterministic_algorithms(True)
         try:
+            eager = [t.detach() for t in step()]
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 for _ in range(3):  # by the third call a call is native both ways (final-pass plans)
                     step()
