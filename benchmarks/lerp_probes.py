@@ -326,12 +326,13 @@ def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor) 
 
     red = [o for o, gr in zip(outs["atomic"], bw.grads) if gr is not None and gr.red]
 
+    bwa = plan.backward_plan(needs, atomic=True)
+
     def atomic(zero: bool = True) -> None:
         if zero:
             for o in red:
                 o.zero_()
-        plan.kernels._lerp_bwd_kernel[(bw.main.grid,)](*args(outs["atomic"]), ATOMIC=True,
-                                                          num_warps=bw.main.num_warps)
+        bwa.main((g, xs, ys, wt, *outs["atomic"], part, g, hi, lo, *bwa.args_tail), True)
     return {"shipped": shipped, "atomic": atomic, "outs": outs, "red": red, "needs": needs}
 
 
@@ -343,6 +344,7 @@ def probe_atomics() -> dict[str, Any]:
     for name in ("case3", "case1"):
         x, y, w, go = make_inputs(CASES[name], "cuda")
         v = atomics_variant(x, y, w, go)
+        ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor)]
         xd, yd = x.detach(), y.detach()
         wd = w.detach() if isinstance(w, torch.Tensor) else w
         v["shipped"]()
@@ -355,6 +357,10 @@ def probe_atomics() -> dict[str, Any]:
             row[f"shipped {rnd}"] = per_kernel(lambda: (L.lerp(xd, yd, wd), v["shipped"]()))
             row[f"atomic, zeroing kernels {rnd}"] = per_kernel(lambda: (L.lerp(xd, yd, wd), v["atomic"](True)))
             row[f"atomic, zeroed elsewhere {rnd}"] = per_kernel(lambda: (L.lerp(xd, yd, wd), v["atomic"](False)))
+            # As shipped: the forward zeroes the buffer, the backward adds into views of it.
+            row[f"as shipped {rnd}"] = per_kernel(lambda: torch.autograd.grad(L.lerp(x, y, w), ins, go))
+            with L.configured(atomic_max=0):
+                row[f"as shipped, partial sums {rnd}"] = per_kernel(lambda: torch.autograd.grad(L.lerp(x, y, w), ins, go))
         res[name] = row
         print(name, {k: (r["total"] if isinstance(r, dict) else r) for k, r in row.items()}, flush=True)
     return res
