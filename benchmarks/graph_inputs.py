@@ -22,10 +22,8 @@ Every variant's state is checked against eager's after the run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import warnings
 from typing import Any
@@ -36,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import flowexec  # noqa: E402
 from flowexec.runtime.cuda_graph import capture_graph  # noqa: E402
+from ops import run_meta  # noqa: E402
 from step_time import interleaved  # noqa: E402
 
 
@@ -101,12 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/graph_inputs.py needs a CUDA device")
-    res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "command": "PYTHONPATH=. python3 benchmarks/graph_inputs.py", "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
-        "cases": {},
-    }
+    res: dict[str, Any] = {**run_meta("PYTHONPATH=. python3 benchmarks/graph_inputs.py"), "cases": {}}
     for n in (1 << 20, 1 << 24):  # 4 MiB and 64 MiB per state tensor
         res["cases"][f"{n * 4 >> 20} MiB"] = row = measure(n)
         print(f"{row['state_MiB_each']:.0f} MiB: " + ", ".join(f"{k} {v:.1f} µs" for k, v in row["us"].items())

@@ -22,11 +22,9 @@ difference between the two is the engine's hand-off to its CUDA worker thread an
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import os
-import platform
 import sys
 import time
 from typing import Any, Callable
@@ -146,10 +144,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lerp_host.py measures CUDA launches; run it on a CUDA machine")
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "PYTHONPATH=. python3 benchmarks/lerp_host.py " + " ".join(sys.argv[1:]),
-           "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"), "us": measure()}
+    from ops import run_meta
+
+    out = {**run_meta("PYTHONPATH=. python3 benchmarks/lerp_host.py " + " ".join(sys.argv[1:])), "us": measure()}
     print(json.dumps(out, indent=1))
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)

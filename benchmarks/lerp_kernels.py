@@ -14,11 +14,9 @@ achieve against the memory floor at these sizes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import os
-import platform
 import statistics
 import sys
 from typing import Any, Callable
@@ -27,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ops import EXTRA, REFERENCE, Case, copy_bandwidth, floor_bytes, kernel_times, make_inputs  # noqa: E402
+from ops import EXTRA, REFERENCE, Case, copy_bandwidth, floor_bytes, kernel_times, make_inputs, run_meta  # noqa: E402
 
 L = importlib.import_module("flowexec.kernels.lerp")
 
@@ -94,15 +92,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/lerp_kernels.py needs a CUDA device")
-    import triton
-
     bw = copy_bandwidth("cuda")
-    res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "command": "PYTHONPATH=. python3 benchmarks/lerp_kernels.py", "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
-        "copy_bandwidth_TBps": bw / 1e12, "cases": {},
-    }
+    res: dict[str, Any] = {**run_meta("PYTHONPATH=. python3 benchmarks/lerp_kernels.py"),
+                           "copy_bandwidth_TBps": bw / 1e12, "cases": {}}
     wanted = {"case1", "case2", "case3", "case4", "case3-f16", "case4-bf16"}
     for case in [c for c in REFERENCE + EXTRA if c.name in wanted]:
         res["cases"][case.name] = row = measure(case, bw)

@@ -35,7 +35,6 @@ vectorized kernel on the flat cases (it did not: ``probes/lerp_flat_forward_pers
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import os
@@ -47,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lerp_kernels import per_kernel  # noqa: E402
-from ops import EXTRA, REFERENCE, make_inputs  # noqa: E402
+from ops import EXTRA, REFERENCE, make_inputs, run_meta  # noqa: E402
 
 L = importlib.import_module("flowexec.kernels.lerp")
 CASES = {c.name: c for c in REFERENCE + EXTRA}
@@ -373,10 +372,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/lerp_probes.py needs a CUDA device")
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
-           "command": f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}",
+    res = {**run_meta(f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}"),
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
                   "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}

@@ -248,6 +248,16 @@ def loop_us(fn: Callable[[], Any], n: int = 200) -> float:
     return sorted(best)[2]
 
 
+def run_meta(command: str) -> dict[str, Any]:
+    """What every results file starts with: device, versions, date, the command and the commit
+    (``FLOWEXEC_COMMIT``: the device machine's own git may be stale)."""
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "command": command, "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown")}
+
+
 def copy_bandwidth(dev: str) -> float:
     a = torch.empty(2**28, dtype=torch.float32, device=dev)  # 1 GiB
     b = torch.empty_like(a)
@@ -446,19 +456,14 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/ops.py needs a CUDA device")
-    import triton
 
     dev = "cuda"
     t0 = time.time()
     log = lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
     bw = copy_bandwidth(dev)
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "command": "PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else ""),
-        "copy_bandwidth_TBps": bw / 1e12, "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
-    }
+    result: dict[str, Any] = {**run_meta("PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else "")),
+                              "copy_bandwidth_TBps": bw / 1e12}
     cases = [c for c in REFERENCE + EXTRA if not args.cases or c.name in args.cases]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -276,10 +276,7 @@ def borrowed_inputs(targs: Sequence[torch.Tensor], mutated_inputs: Sequence[int]
     """
     from .runtime.cuda_graph import is_stable
 
-    storages: dict[int, int] = {}
-    for a in targs:
-        key = a.untyped_storage().data_ptr()
-        storages[key] = storages.get(key, 0) + 1
+    storages = Counter(a.untyped_storage().data_ptr() for a in targs)
     wanted = set(mutated_inputs)
     return [(k in wanted or is_stable(a)) and storages[a.untyped_storage().data_ptr()] == 1
             for k, a in enumerate(targs)]
@@ -288,11 +285,11 @@ def borrowed_inputs(targs: Sequence[torch.Tensor], mutated_inputs: Sequence[int]
 class GraphVariants:
     """Graph mode's CUDA graphs for one input signature.
 
-    A graph reads its borrowed inputs at the addresses it was captured with. A call that passes
-    one at another address gets a second borrowing graph (the common case: ``compile`` was given
-    copies, the calls pass the real state); past ``max_borrowing`` graphs, calls whose borrowed
-    addresses match none run on one graph that stages every input (copies in, and back for
-    those written), with a warning once.
+    A graph reads its borrowed inputs at the addresses it was captured with
+    (``CudaGraphRunner.matches``). A call that passes one at another address gets a second
+    borrowing graph (the common case: ``compile`` was given copies, the calls pass the real
+    state); past ``max_borrowing`` graphs, calls whose borrowed addresses match none run on one
+    graph that stages every input (copies in, and back for those written), with a warning once.
 
     ``capture(targs, borrow)`` builds a runner; ``borrow`` says which arguments to read in place.
     """
@@ -301,16 +298,10 @@ class GraphVariants:
                  targs: Sequence[torch.Tensor], borrow: Sequence[bool], max_borrowing: int = 2) -> None:
         self._capture = capture
         self._borrow = list(borrow)
-        self._borrowed = [k for k, b in enumerate(borrow) if b]
         self.max_borrowing = max_borrowing
-        self._graphs: dict[tuple[int, ...], Any] = {}
+        self.first = capture(targs, self._borrow)
+        self._graphs: list[Any] = [self.first]
         self._staged: Any = None
-        first = capture(targs, self._borrow)
-        self._graphs[self._key(targs)] = first
-        self.first = first
-
-    def _key(self, targs: Sequence[torch.Tensor]) -> tuple[int, ...]:
-        return tuple([targs[k].data_ptr() for k in self._borrowed])
 
     @property
     def static_inputs(self) -> list[Any]:
@@ -322,16 +313,14 @@ class GraphVariants:
         return len(self._graphs) + (self._staged is not None)
 
     def __call__(self, targs: Sequence[torch.Tensor]) -> list[Any]:
-        if not self._borrowed:
-            return self.first(targs)
-        g = self._graphs.get(self._key(targs))
-        if g is not None:
-            return g(targs)
+        for g in self._graphs:  # a graph that borrows nothing matches every call
+            if g.matches(targs):
+                return g(targs)
         if len(self._graphs) < self.max_borrowing:
-            g = self._graphs[self._key(targs)] = self._capture(targs, self._borrow)
-            return g(targs)
+            self._graphs.append(self._capture(targs, self._borrow))
+            return self._graphs[-1](targs)
         if self._staged is None:
-            names = ", ".join(str(k) for k in self._borrowed)
+            names = ", ".join(str(k) for k, b in enumerate(self._borrow) if b)
             warnings.warn(
                 f"flowexec: tensor argument(s) {names} (written in place by fn, or parameters) came at "
                 f"{self.max_borrowing + 1} different addresses; graph mode now copies them in (and back) on "

@@ -322,8 +322,7 @@ struct LerpBackward : public Node {
 
   variable_list apply(variable_list&& grads) override {
     variable_list out(3);
-    at::Tensor acc = std::move(acc_);  // a second backward (retain_graph) finds it gone: partials
-    acc_ = at::Tensor();
+    at::Tensor acc = std::move(acc_);  // moved out: a second backward (retain_graph) sums partials
     const at::Tensor& g = grads[0];
     if (!g.defined()) return out;
     const bool nx = task_should_compute_output(0), ny = task_should_compute_output(1);
