@@ -48,8 +48,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "8 programs / SM": {"programs_per_sm": 8},
     "backward 8 warps": {"bwd_warps": 8},
     "last-block final": {"fused_final_max": 1 << 30, "atomic_max": 0},
-    "forward keeps inputs in L2 (≤ ½ L2)": {"keep_l2_fraction": 0.5},
-    "forward keeps inputs in L2, tile ÷2": {"keep_l2_fraction": 0.5, "tile": {2: 2048, 4: 1024, 8: 512}},
 }
 
 

@@ -25,10 +25,6 @@ autograd's multithreading on and off, written beside the JSON.
 ``atomics``: case 3 and case 1 with the reduced gradients added into zeroed outputs by atomics in
 the backward kernel (no final pass), against the shipped partial sums + final pass, per kernel.
 
-``keep``: evict-last loads in the forward (``keep_l2_fraction``) timed on the same inputs every
-repetition and on six input sets used in turn: a gain that only shows on the same inputs is the
-hint keeping them in L2 across the flush between repetitions, not a faster kernel.
-
 ``persistent``: a persistent flat forward (``num_SMs * k`` programs striding over blocks, Triton's
 software pipelining over ``num_stages``) against PyTorch's forward and ours, per kernel, for 45
 blocks/programs/stages/warps settings; the question was whether a forward can beat PyTorch's
@@ -39,7 +35,6 @@ vectorized kernel on the flat cases (it did not: ``probes/lerp_flat_forward_pers
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import os
@@ -370,56 +365,16 @@ def probe_atomics() -> dict[str, Any]:
     return res
 
 
-def probe_keep() -> dict[str, Any]:
-    """Is ``keep_l2_fraction`` (evict-last loads in the forward) a real gain or an artefact of
-    timing the same tensors every repetition? Per-kernel forward + ``autograd.grad`` (and the
-    forward alone without grad) with the L2 flushed before each repetition, on the same inputs
-    every time and on six input sets used in turn (each set's bytes leave L2 long before its
-    next use); PyTorch, shipped and ``keep_l2_fraction=0.5``, two alternating rounds."""
-    res: dict[str, Any] = {}
-    for name in ("case1", "case3", "case4", "case4-bf16"):
-        sets = [make_inputs(CASES[name], "cuda") for _ in range(6)]
-        turn = [0]
-
-        def pick(rotate: bool) -> tuple:
-            if rotate:
-                turn[0] = (turn[0] + 1) % len(sets)
-                return sets[turn[0]]
-            return sets[0]
-
-        def fwd_bwd(f: Any, rotate: bool) -> Any:
-            x, y, w, go = pick(rotate)
-            return torch.autograd.grad(f(x, y, w), [t for t in (x, y, w) if isinstance(t, torch.Tensor)], go)
-
-        def fwd_only(f: Any, rotate: bool) -> Any:
-            x, y, w, _ = pick(rotate)
-            with torch.no_grad():
-                return f(x, y, w)
-
-        row: dict[str, Any] = {}
-        for rnd in range(2):
-            for rotate in (False, True):
-                tag = f"{'six sets' if rotate else 'same inputs'} {rnd}"
-                for impl, change in (("torch", None), ("shipped", {}), ("keep", {"keep_l2_fraction": 0.5})):
-                    f = torch.lerp if change is None else L.lerp
-                    with (L.configured(**change) if change is not None else contextlib.nullcontext()):
-                        row[f"fwd+bwd {impl}, {tag}"] = per_kernel(lambda: fwd_bwd(f, rotate))
-                        row[f"fwd {impl}, {tag}"] = per_kernel(lambda: fwd_only(f, rotate))
-        res[name] = row
-        print(name, {k: r["total"] for k, r in row.items()}, flush=True)
-    return res
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics", "keep"))
+    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/lerp_probes.py needs a CUDA device")
     res = {**run_meta(f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}"),
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
-                  "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics, "keep": probe_keep,
+                  "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

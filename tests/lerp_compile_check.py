@@ -45,11 +45,6 @@ CASES = {  # name: (x, y, w or None, dtype, config changes)
     "float weight": ((7, 333), (333,), None, torch.float32, {}),
     "last-block final": ((16, 1, 1, 1), (16, 3, 24, 24), (3, 1, 24), torch.float32, {"fused_final_max": 1 << 30}),
     "big flat": ((2**31 + 8,), (2**31 + 8,), None, torch.float16, {}),
-    "case1 kept in L2": ((16, 102400), (16, 102400), (1,), torch.float32, {"keep_l2_fraction": 0.5}),
-    "case3 kept in L2": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"keep_l2_fraction": 0.5}),
-    "case4 kept in L2": ((16, 102400), (16, 102400), (16, 102400), torch.float32, {"keep_l2_fraction": 0.5}),
-    "case3 tiles kept in L2": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float16,
-                               {"keep_l2_fraction": 0.5, "fwd_plane": False}),
     "big planes": ((2, 3, 2**29 + 1, 3), (2, 3, 2**29 + 1, 3), (3, 1, 3), torch.float16, {"fwd_plane": True}),
 }
 PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64"}
@@ -98,7 +93,7 @@ def main() -> int:
             assert plan.use_triton, name
             acc_arg = 6 + len(plan.fwd_tail)
             ok &= compile_one(f"{name}: forward ({plan.fwd.fn.__name__})", plan.fwd,
-                              (0,) * 4 + (0.25, 0.0) + plan.fwd_tail + (0, 0, False, plan.keep), dtype, 4, {acc_arg: PTR[dtype]})
+                              (0,) * 4 + (0.25, 0.0) + plan.fwd_tail + (0, 0, False), dtype, 4, {acc_arg: PTR[dtype]})
             needs = (True, True, ws is not None)
             bw = plan.backward_plan(needs)
             part = PTR[plan.part_dtype]
@@ -109,7 +104,7 @@ def main() -> int:
             layout = plan.acc_layout()
             if layout is not None:  # the forward that zeroes the backward's buffer, the atomic backward
                 ok &= compile_one(f"{name}: forward zeroing {layout[0]} elements", plan.fwd_zero,
-                                  (0,) * 4 + (0.25, 0.0) + plan.fwd_tail + (0, layout[0], True, plan.keep), dtype, 4,
+                                  (0,) * 4 + (0.25, 0.0) + plan.fwd_tail + (0, layout[0], True), dtype, 4,
                                   {acc_arg: PTR[dtype]})
                 bwa = plan.backward_plan(needs, atomic=True)
                 ok &= compile_one(f"{name}: atomic backward", bwa.main, (0,) * 9 + (0.25, 0.0) + bwa.args_tail, dtype, 9,

@@ -105,36 +105,29 @@ def _lerp_values(xv, yv, wv, zero):
 
 @triton.jit
 def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr, ACC_F64: tl.constexpr,
-          FULL: tl.constexpr, EVICT: tl.constexpr = 0):
+          FULL: tl.constexpr, EVICT: tl.constexpr = False):
     """Load an operand's tile as float32 (float64 for ACC_F64), zero outside the masks.
-
-    ``EVICT``: 0 no hint, 1 evict-first (a last use), 2 evict-last (read again soon).
 
     With ``FULL`` an operand that keeps only one of d2, d3 is loaded as a whole [BM, BN] tile with
     stride 0 along the other: its repeated elements come from L1, and the tile then has the
     same register layout as the full operands, so combining them needs no layout conversion
     through shared memory (on sm_90 the case-3 backward's loop had 6 barriers for that).
     """
-    # EVICT only ever marks operands the size of the output (the caller decides which).
-    if EVICT == 1:  # streamed once: leave L2 to the operands that are reused
-        pol: tl.constexpr = "evict_first"
-    elif EVICT == 2:  # read again by the backward: keep it in L2 until then
-        pol: tl.constexpr = "evict_last"
-    else:
-        pol: tl.constexpr = ""
     if FULL and (M & 3) == 1:
         if VEC > 1:
             base = tl.multiple_of(base, VEC)
         offs = base + (rows * 0)[:, None] + cols[None, :]
-        v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0, eviction_policy=pol)
+        v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
     elif FULL and (M & 3) == 2:
         offs = base + (rows * s2)[:, None] + (cols * 0)[None, :]
         v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
     elif (M & 3) == 0:
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC))
-    else:
+    elif EVICT and (M & 3) == 3:  # streamed once: leave L2 to the operands that are reused
         v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0,
-                    eviction_policy=pol)
+                    eviction_policy="evict_first")
+    else:
+        v = tl.load(ptr + _tile_offsets(M, base, rows, cols, s2, VEC), mask=_tile_mask(M, rm, cm), other=0.0)
     return _to_acc(v, ACC_F64)
 
 
@@ -241,7 +234,7 @@ def _lerp_fwd_kernel(
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FULL: tl.constexpr, STREAM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
-    acc_ptr, n_acc, ZERO: tl.constexpr, KEEP: tl.constexpr = 0,
+    acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
     if ZERO:
         _zero_fill(acc_ptr, n_acc)
@@ -251,13 +244,12 @@ def _lerp_fwd_kernel(
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
-        # KEEP: bit 0 x, 1 y, 2 w are read again by the backward (loaded evict-last).
-        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL, 2 * (KEEP & 1))
-        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL, KEEP & 2)
+        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
+        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
         if W_SCALAR:
             wv = w_s
         else:
-            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL, (KEEP & 4) // 2)
+            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
         res = _lerp_values(xv, yv, wv, _to_acc(tl.zeros([BM, BN], tl.float32), ACC_F64))
         offs = _tile_offsets(15, bo, rows, cols, so2, VEC)
         if STREAM:  # written once, read by nobody soon: do not keep it in the caches
@@ -268,7 +260,7 @@ def _lerp_fwd_kernel(
 
 @triton.jit
 def _plane_load(ptr, M: tl.constexpr, i0, i1, n0, n1, n2, plane, e, row, col, m, N3: tl.constexpr,
-                ACC_F64: tl.constexpr, KEEP: tl.constexpr = False):
+                ACC_F64: tl.constexpr):
     """An operand's values at plane positions ``e`` (rows ``row``, columns ``col``) of (i0, i1)."""
     if (M & 3) == 3:
         # Its planes are contiguous and ``plane`` long: written from ``plane`` so that Triton sees
@@ -281,10 +273,7 @@ def _plane_load(ptr, M: tl.constexpr, i0, i1, n0, n1, n2, plane, e, row, col, m,
                 base = base + i0 * (n1 * plane)
             else:
                 base = base + i0 * plane
-        if KEEP:  # read again by the backward: keep it in L2 until then
-            v = tl.load(ptr + base + e, mask=m, other=0.0, eviction_policy="evict_last")
-        else:
-            v = tl.load(ptr + base + e, mask=m, other=0.0)
+        v = tl.load(ptr + base + e, mask=m, other=0.0)
     else:
         s0, s1, s2, k = _dims(M, n0, n1, n2, N3)
         base = i0 * s0 + i1 * s1
@@ -303,7 +292,7 @@ def _lerp_fwd_plane_kernel(
     n0, n1, n2, plane, NBP,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VECP: tl.constexpr, N3: tl.constexpr, BLOCK: tl.constexpr,
-    STREAM: tl.constexpr, acc_ptr, n_acc, ZERO: tl.constexpr, KEEP: tl.constexpr = 0,
+    STREAM: tl.constexpr, acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
     """The forward over each (i0, i1) plane of d2 x d3 walked flat, ``BLOCK`` elements a program.
 
@@ -329,12 +318,12 @@ def _lerp_fwd_plane_kernel(
     m = e < plane
     row = e // N3
     col = e - row * N3
-    xv = _plane_load(x_ptr, MX, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64, (KEEP & 1) != 0)
-    yv = _plane_load(y_ptr, MY, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64, (KEEP & 2) != 0)
+    xv = _plane_load(x_ptr, MX, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64)
+    yv = _plane_load(y_ptr, MY, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64)
     if W_SCALAR:
         wv = _scalar_weight(w_hi, w_lo, ACC_F64)
     else:
-        wv = _plane_load(w_ptr, MW, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64, (KEEP & 4) != 0)
+        wv = _plane_load(w_ptr, MW, i0, i1, n0, n1, n2, plane, e, row, col, m, N3, ACC_F64)
     res = _lerp_values(xv, yv, wv, _to_acc(tl.zeros([BLOCK], tl.float32), ACC_F64))
     offs = (i0 * n1 + i1) * plane + e
     if STREAM:
@@ -459,7 +448,7 @@ def _lerp_bwd_kernel(
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
     EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr, JOINT: tl.constexpr,
-    ATOMIC: tl.constexpr = False, LAST: tl.constexpr = 0,
+    ATOMIC: tl.constexpr = False,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT, EVEN)
@@ -482,14 +471,13 @@ def _lerp_bwd_kernel(
             # Issue every load before the first store: the compiler cannot move a load above a
             # store to memory that may alias it, so loading x and y after dx/dy were stored costs
             # a second DRAM round trip per row tile.
-            # LAST (bit 0 x, 1 y, 2 w): the forward kept these in L2 for this, their last read.
-            xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL, LAST & 1)
-            yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL, (LAST & 2) // 2)
+            xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
+            yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
         if NEED_X or NEED_Y:
             if W_SCALAR:
                 wv = w_s
             else:
-                wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL, (LAST & 4) // 4)
+                wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
             if NEED_X:
                 acc_x = _grad_out(g * (1.0 - wv), acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X,
                                   bx, rows, cols, sx2, rm, cm, VEC, STREAM, ATOMIC)

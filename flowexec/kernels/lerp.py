@@ -83,9 +83,6 @@ class LerpConfig:
       Sums then differ in the last bits from run to run; under
       ``torch.use_deterministic_algorithms(True)``, inside CUDA-graph capture, and for a second
       backward through the same graph, the partial sums are used. 0: never.
-    * ``keep_l2_fraction``: the forward loads the output-sized operands with the evict-last hint
-      (and the backward, their last reader, evict-first) when they take at most this fraction of
-      L2, so the backward finds them there. 0: no hints.
 
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
@@ -109,7 +106,6 @@ class LerpConfig:
     fwd_plane: bool = True
     plane_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {2: 2048, 4: 1024, 8: 512})
     atomic_max: int = 1 << 16
-    keep_l2_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         # Triton's tl.arange takes powers of two: a bad knob fails here, not inside a kernel.
@@ -296,8 +292,6 @@ class _Backward:
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
             plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
             config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic,
-            # The operands the forward kept in L2 that this backward reads: x, y for dw; w for dx, dy.
-            plan.keep & ((3 if needs[2] else 0) | (4 if needs[0] or needs[1] else 0)),
         )
         self.final = None
         self.final_args_tail = ()
@@ -378,13 +372,6 @@ class _Plan:
             self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *self.masks, self.w_scalar, self.acc_f64,
                              self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
                              self.flat, self.flat and config.even_tiles and n3 % fbn == 0)
-        # Output-sized operands the forward marks evict-last (bit 0 x, 1 y, 2 w) so that the
-        # backward reads them from L2; only where they fit in ``keep_l2_fraction`` of it.
-        full = [sh is not None and math.prod(sh) == self.numel for sh in self.shapes]
-        keep_bytes = sum(full) * self.numel * dtype.itemsize
-        l2 = _device_property(device, "L2_cache_size", 0)
-        self.keep = (sum(1 << i for i in range(3) if full[i])
-                     if 0 < keep_bytes <= config.keep_l2_fraction * l2 else 0)
         # The same forward that also zeroes the buffer its backward sums into (another compiled
         # specialisation, so a launcher of its own).
         self.fwd_zero = self.launcher(self.fwd.fn, self.fwd.grid, self.fwd.num_warps)
@@ -569,7 +556,7 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     ptrs = (x.data_ptr(), y.data_ptr(), wt.data_ptr(), out.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
     zero = acc is not None
-    args = (x, y, wt, out, hi, lo, *plan.fwd_tail, acc if zero else out, acc.numel() if zero else 0, zero, plan.keep)
+    args = (x, y, wt, out, hi, lo, *plan.fwd_tail, acc if zero else out, acc.numel() if zero else 0, zero)
     (plan.fwd_zero if zero else plan.fwd)(args, aligned, ptrs)
     if plan.native_pending[zero] and aligned and fresh:  # the native program allocates its output
         plan.install_native_forward(args, zero)

@@ -124,6 +124,38 @@ def test_cuda_graph_replay(fused_max):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_cuda_graph_capture_after_a_warm_up_with_atomic_sums():
+    """The usual way to capture (warm up on a side stream, as torch.cuda.graph's docs and
+    make_graphed_callables do, then capture): the warm-up runs the atomic scheme, and the capture
+    must then plan, compile and record the partial-sum forward and backward it has not run yet."""
+    L.clear_plans()
+    x, y, w = inputs((16, 1, 1, 1), (16, 3, 24, 24), (3, 1, 24), torch.float32)
+    g = torch.randn(16, 3, 24, 24, device="cuda")
+
+    def step():
+        out = lerp(x, y, w)
+        return (out, *torch.autograd.grad(out, (x, y, w), g))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    plan = L._plan(x, y, w)
+    assert plan.acc_layout() is not None and plan.backward_plan((True, True, True), atomic=True).main.compiled
+    assert plan.backward_plan((True, True, True)).main.compiled is None  # the partial sums: not run yet
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    with torch.no_grad():  # new values in the captured inputs: the replay must follow them
+        for t in (x, y, w, g):
+            t.copy_(torch.randn_like(t) if t is not w else torch.rand_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(x, y, w, static[0], static[1:], g)
+
+
 def test_direct_and_normal_launch_agree():
     x, y, w = inputs((16, 1, 1, 1), (16, 3, 64, 64), (3, 1, 64), torch.float32)
     g = torch.randn(16, 3, 64, 64, device="cuda")
