@@ -236,8 +236,6 @@ def _lerp_fwd_kernel(
     FULL: tl.constexpr, STREAM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
     acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
-    if ZERO:
-        _zero_fill(acc_ptr, n_acc)
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, False, FLAT, EVEN)
     if W_SCALAR:
@@ -256,6 +254,8 @@ def _lerp_fwd_kernel(
             tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :], cache_modifier=".cs")
         else:
             tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :])
+    if ZERO:  # after the tile: a store ahead of the loads would hold them back (they may alias)
+        _zero_fill(acc_ptr, n_acc)
 
 
 @triton.jit
@@ -300,8 +300,6 @@ def _lerp_fwd_plane_kernel(
     output and full operands are read as one contiguous run; an operand that keeps only rows or
     only columns is gathered through ``e // N3`` and ``e % N3``, cheap with ``N3`` a constant.
     """
-    if ZERO:
-        _zero_fill(acc_ptr, n_acc)
     pid = tl.program_id(0)
     c = pid % NBP
     t = pid // NBP
@@ -330,6 +328,8 @@ def _lerp_fwd_plane_kernel(
         tl.store(out_ptr + offs, res, mask=m, cache_modifier=".cs")
     else:
         tl.store(out_ptr + offs, res, mask=m)
+    if ZERO:
+        _zero_fill(acc_ptr, n_acc)
 
 
 @triton.jit
