@@ -13,6 +13,9 @@ each gradient over the tile axes its operand broadcasts and writes one partial p
 the dims it broadcasts. Every ``(r, k)`` is written exactly once, so no zero-fill and no
 atomics on data are needed and the result is deterministic. A small final reduction over
 ``r`` is run either by the last program to finish (``FUSED_FINAL``) or by a separate kernel.
+With ``ATOMIC`` the backward instead adds each program's reduced sums into a buffer that the
+forward zeroed (``ZERO``, ``_zero_fill``): no partials and no final pass, but the order of the
+additions, and so the last bits, vary from run to run.
 """
 from __future__ import annotations
 
