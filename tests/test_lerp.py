@@ -111,7 +111,8 @@ def test_triton_kernels_match_float64(case):
     xs, ys, ws, dtype, needs, tile, (fused_max, knobs) = case
     x, y, w = make_inputs(xs, ys, ws, dtype, needs)
     with L.triton_on_cpu(), L.configured(tile={2: tile, 4: tile, 8: tile}, plane_tile={2: tile, 4: tile, 8: tile},
-                                          fused_final_max=fused_max, programs_per_sm=2, **knobs):
+                                          flat3_tile={4: tile}, fused_final_max=fused_max, programs_per_sm=2,
+                                          **knobs):
         plan = L._plan(x, y, w if isinstance(w, torch.Tensor) else None)
         assert plan.use_triton or plan.numel == 0  # the test must exercise the kernels
         check(x, y, w, dtype)
@@ -277,6 +278,28 @@ def test_canonicalize():
     assert c((2, 3, 4), [(2, 3, 4), (3, 4), None]) == ((1, 1, 2, 12), (3, 1, 0))
     assert c((), [(), (), None]) == ((1, 1, 1, 1), (0, 0, 0))
     assert c((2, 2, 2, 2, 2), [(2, 1, 2, 1, 2), (1, 2, 1, 2, 1), None]) is None
+
+
+@needs_triton
+def test_planned_tiles_by_pattern():
+    """The forward kernel, its programs and the backward tile the planner picks for the
+    reference patterns (defaults: docs/kernels.md says where each number comes from)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    full = (16, 102400)
+    table = {  # (x, y, w or None, dtype): (forward kernel, forward programs, backward BM x BN)
+        (full, full, full, f32): ("_lerp_fwd_kernel", 1600, (1, 1024)),  # flat3_tile
+        (full, full, full, bf16): ("_lerp_fwd_kernel", 400, (1, 4096)),
+        (full, full, (1,), f32): ("_lerp_fwd_kernel", 800, (1, 2048)),
+        (full, full, None, f32): ("_lerp_fwd_kernel", 800, (1, 2048)),
+        ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), f32): ("_lerp_fwd_plane_kernel", 2832, (8, 256)),
+    }
+    with L.triton_on_cpu():
+        for (xs, ys, ws, dtype), want in table.items():
+            p = L._Plan(torch.Size(xs), torch.Size(ys), torch.Size(ws) if ws else None, dtype, torch.device("cpu"))
+            assert (p.fwd.fn.__name__, p.fwd.grid, (p.bm, p.bn)) == want, (xs, ys, ws, dtype)
+        with L.configured(flat3_tile={}):  # no special case: the dtype's tile
+            p = L._Plan(torch.Size(full), torch.Size(full), torch.Size(full), f32, torch.device("cpu"))
+            assert (p.fwd.grid, p.bn) == (800, 2048)
 
 
 def test_double_backward_uses_differentiable_formulas():
