@@ -248,11 +248,16 @@ class _Grad:
 class _Backward:
     """The planned backward for one set of required gradients."""
 
-    __slots__ = ("needs", "atomic", "main", "final", "args_tail", "grads", "part_numel", "fused", "final_args_tail")
+    __slots__ = ("needs", "atomic", "acc_views", "main", "final", "args_tail", "grads", "part_numel", "fused",
+                 "final_args_tail")
 
     def __init__(self, plan: _Plan, needs: tuple[bool, bool, bool], atomic: bool = False) -> None:
         self.needs = needs
         self.atomic = atomic  # reduced gradients added with atomics into outputs the forward zeroed
+        # Per operand, where its needed gradient lives inside that buffer ((offset, elements) of
+        # acc_layout), or None: a tensor of its own.
+        slots = plan.acc_layout()[1] if atomic else (None, None, None)
+        self.acc_views = tuple(v if need else None for v, need in zip(slots, needs))
         n0, n1, n2, n3 = plan.sizes
         bm, bn, nb3 = plan.bm, plan.bn, plan.nb3
         row_tiles = _cdiv(n2, bm)
@@ -469,9 +474,8 @@ class _Plan:
             launches.append(_native.native_launch(bw.final, final_args, {0: 7, 1: 4, 2: 5, 3: 6}, None))
         if any(la is None for la in launches):
             return
-        slots = self.acc_layout()[1] if bw.atomic else (None, None, None)
-        allocs = [(4 + i, list(self.shapes[i]), self.dtype) for i in range(3) if bw.needs[i] and slots[i] is None]
-        views = [(4 + i, slots[i][0], list(self.shapes[i])) for i in range(3) if bw.needs[i] and slots[i] is not None]
+        allocs = [(4 + i, list(self.shapes[i]), self.dtype) for i in range(3) if bw.needs[i] and bw.acc_views[i] is None]
+        views = [(4 + i, v[0], list(self.shapes[i])) for i, v in enumerate(bw.acc_views) if v is not None]
         if bw.part_numel:
             allocs.append((7, [bw.part_numel], self.part_dtype))
         mask = sum(1 << i for i in range(3) if bw.needs[i])
@@ -602,16 +606,8 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
     bw = plan.backward_plan(needs, atomic=acc is not None)
     g = _contiguous(_resolved(g))
     x, y, wt = _operands(x, y, w)
-    slots = plan.acc_layout()[1] if acc is not None else (None, None, None)
-
-    def grad_buffer(i: int, like: Tensor) -> Tensor:
-        if not needs[i]:
-            return g
-        if acc is not None and slots[i] is not None:
-            off, n = slots[i]
-            return acc[off:off + n].view(plan.shapes[i])
-        return torch.empty_like(like)
-    dx, dy, dw = grad_buffer(0, x), grad_buffer(1, y), grad_buffer(2, wt)
+    dx, dy, dw = (g if not need else torch.empty_like(like) if v is None else acc[v[0]:v[0] + v[1]].view(shape)
+                  for need, v, like, shape in zip(needs, bw.acc_views, (x, y, wt), plan.shapes))
     part = g.new_empty(bw.part_numel, dtype=plan.part_dtype) if bw.part_numel else g
     counter = _counter(plan.device_index) if bw.fused else g
     hi, lo = _split_weight(wv, plan.acc_f64)
@@ -661,7 +657,7 @@ class _LerpFunction(torch.autograd.Function):
         ctx.save_for_backward(x, y, w)
         ctx.wv = wv
         ctx.plan = plan
-        ctx.acc = x.new_empty(plan.acc_layout()[0]) if plan.use_triton and plan.wants_acc(x.device) else None
+        ctx.acc = x.new_empty(plan.acc_layout()[0]) if plan.wants_acc(x.device) else None
         return _forward_impl(x, y, w, wv, plan, acc=ctx.acc)
 
     @staticmethod
