@@ -296,7 +296,8 @@ def probe_hostprof(out_dir: str) -> dict[str, Any]:
     return res
 
 
-def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor) -> dict[str, Any]:
+def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor,
+                    needs: tuple[bool, bool, bool] | None = None) -> dict[str, Any]:
     """Backward launches of the shipped plan for every gradient: ``shipped()`` (partials + final
     pass) and ``atomic(zero)`` (reduced gradients added into zeroed outputs with atomics; ``zero``
     False leaves the zeroing out, as if the forward had done it). Returns the callables and the
@@ -305,17 +306,20 @@ def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor) 
     wd = w.detach() if isinstance(w, torch.Tensor) else None
     wv = 0.0 if isinstance(w, torch.Tensor) else float(w)
     plan = L._plan(xd, yd, wd)
-    needs = (True, True, wd is not None)
+    needs = needs or (True, True, wd is not None)
     bw = plan.backward_plan(needs)
     xs, ys, wt = L._operands(xd, yd, wd)
     g = go.contiguous()
-    outs = {k: (torch.empty_like(xs), torch.empty_like(ys), torch.empty_like(wt) if needs[2] else g)
+    outs = {k: tuple(torch.empty_like(t) if need else g for t, need in zip((xs, ys, wt), needs))
             for k in ("shipped", "atomic")}
     part = g.new_empty(max(bw.part_numel, 1), dtype=plan.part_dtype)
     hi, lo = L._split_weight(wv, plan.acc_f64)
 
     def args(o: tuple) -> tuple:
         return (g, xs, ys, wt, *o, part, g, hi, lo, *bw.args_tail)
+
+    def shipped_main() -> None:
+        bw.main(args(outs["shipped"]), True)
 
     def shipped() -> None:
         a = args(outs["shipped"])
@@ -332,7 +336,7 @@ def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor) 
             for o in red:
                 o.zero_()
         bwa.main((g, xs, ys, wt, *outs["atomic"], part, g, hi, lo, *bwa.args_tail), True)
-    return {"shipped": shipped, "atomic": atomic, "outs": outs, "red": red, "needs": needs}
+    return {"shipped": shipped, "shipped_main": shipped_main, "atomic": atomic, "outs": outs, "red": red, "needs": needs}
 
 
 def probe_atomics() -> dict[str, Any]:
@@ -365,16 +369,34 @@ def probe_atomics() -> dict[str, Any]:
     return res
 
 
+def probe_contention() -> dict[str, Any]:
+    """Case 3's backward kernel alone, atomic sums against partial sums (the main kernel only; no
+    zeroing, no final pass), for gradient subsets: which gradient's atomics cost time? dx is 16
+    floats on one cache line that every program adds one value to (528 adds); dw is 732 floats
+    that each program adds a 244-wide row to (176 adds per element). Three alternating rounds."""
+    x, y, w, go = make_inputs(CASES["case3"], "cuda")
+    subsets = {"dx dy dw": (True, True, True), "dx dy": (True, True, False), "dy dw": (False, True, True),
+               "dx": (True, False, False), "dw": (False, False, True)}
+    variants = {k: atomics_variant(x, y, w, go, needs) for k, needs in subsets.items()}
+    res: dict[str, Any] = {}
+    for rnd in range(3):
+        for k, v in variants.items():
+            res[f"{k}: partial sums {rnd}"] = per_kernel(lambda: v["shipped_main"]())
+            res[f"{k}: atomic {rnd}"] = per_kernel(lambda: v["atomic"](False))
+    print({k: r["total"] for k, r in res.items()}, flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics"))
+    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics", "contention"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/lerp_probes.py needs a CUDA device")
     res = {**run_meta(f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}"),
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
-                  "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics,
+                  "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics, "contention": probe_contention,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
