@@ -40,6 +40,7 @@ CASES = {  # name: (x, y, w or None, dtype, config changes)
     "case3 without cache hints": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"bwd_stream": False}),
     "case3 dx, dw flushed apart": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float64,
                                    {"bwd_joint_flush": False}),
+    "case3 runtime divisions": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"fast_div": False}),
     "case3 forward in tiles": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"fwd_plane": False}),
     "joint flush, column weight": ((1, 1), (7, 333), (333,), torch.float64, {}),
     "float weight": ((7, 333), (333,), None, torch.float32, {}),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import subprocess
 import sys
 
@@ -672,9 +673,10 @@ def test_big_offsets_are_64_bit():
     _KERNELS = L._kernels(torch.device("cpu"))
 
     @triton.jit
-    def offsets(out_ptr, n0, n1, n2, n3, S, NB3, rows_per_split):
+    def offsets(out_ptr, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1):
         i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _KERNELS._program_setup(
-            15, 14, 8, n0, n1, n2, n3, S, NB3, rows_per_split, 1, True, 4)
+            15, 14, 8, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1, 1, True, 4,
+            False, False, False, True)
         tl.store(out_ptr + 0, by)
         tl.store(out_ptr + 1, bo)
         tl.store(out_ptr + 2, ky)
@@ -683,7 +685,44 @@ def test_big_offsets_are_64_bit():
     out = torch.zeros(3, dtype=torch.int64)
     pid_last = n0 * n1 * 1 * 1 - 1  # the program of (i0, i1) = (2, 3): grid S = NB3 = 1
     with L.triton_on_cpu():
-        offsets[(pid_last + 1,)](out, n0, n1, n2, n3, 1, 1, n2)
+        offsets[(pid_last + 1,)](out, n0, n1, n2, n3, 1, 1, n2, *L._magic_args(1, 1, n1))
     plane = n2 * n3
     # y keeps d0, d1 and d2 (mask 14): its (i0, i1) = (2, 3) block of n2 rows starts at (2 * n1 + 3) * n2
     assert out.tolist() == [(2 * n1 + 3) * n2, (2 * n1 + 3) * plane, n0 * n1 * n2]
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 11, 59, 244, 1000, 65535, 2**20 + 1, 2**30 + 3, 2**31 - 1])
+def test_magic_div_matches_integer_division(d: int) -> None:
+    """The plan's multiplier and shift divide every program index (0 <= n < 2**31) exactly, in
+    the unsigned 32-bit arithmetic the kernels use."""
+    m, l = L.magic_div(d)
+    assert -2**31 <= m < 2**31 and 0 <= l <= 31
+    mu = m % 2**32
+    rng = random.Random(d)
+    ns = [0, 1, d - 1, d, d + 1, 2 * d - 1, 2**31 - 1] + [rng.randrange(2**31) for _ in range(3000)]
+    for n in (n for n in ns if 0 <= n < 2**31):
+        assert ((((n * mu) >> 32) + n) % 2**32) >> l == n // d, (d, n)
+    with pytest.raises(ValueError, match="divisor 0"):
+        L.magic_div(0)
+
+
+def test_magic_division_gives_the_bits_of_division() -> None:
+    """Programs that find their coordinates by magic multipliers (the default) compute what the
+    runtime divisions computed, bit for bit: plane forward, tiled backward, sizes that are not
+    powers of two."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 1, 1, 1, requires_grad=True)
+    y = torch.randn(3, 5, 7, 6, requires_grad=True)
+    w = torch.rand(5, 1, 6, requires_grad=True)
+    g = torch.randn(3, 5, 7, 6)
+    res = {}
+    for fast in (True, False):
+        with L.triton_on_cpu(), L.configured(fast_div=fast):
+            plan = L._plan(x.detach(), y.detach(), w.detach())
+            assert plan.use_triton and plan.fwd.fn.__name__ == "_lerp_fwd_plane_kernel"
+            out = L.lerp(x, y, w)
+            res[fast] = (out, *torch.autograd.grad(out, (x, y, w), g))
+    ref = torch.lerp(x.double(), y.double(), w.double())
+    assert torch.allclose(res[True][0].double(), ref, atol=1e-6)
+    for a, b in zip(res[True], res[False]):
+        assert torch.equal(a, b)

@@ -135,22 +135,37 @@ def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr,
 
 
 @triton.jit
-def _program_coords(n1, S, NB3, REV: tl.constexpr = False, FLAT: tl.constexpr = False):
+def _divmod(n, d, m, l, FAST: tl.constexpr):
+    """``n // d`` and ``n % d`` for a program index ``0 <= n < 2**31`` and a divisor the plan fixes.
+
+    FAST: with the plan's magic multiplier ``m`` (an unsigned 32-bit number's bits, passed as
+    int32) and shift ``l`` (``magic_div`` in lerp.py): a multiply-high, an add and a shift, where
+    a runtime division is a ~20-instruction chain through the reciprocal unit that sat before
+    every program's first load."""
+    if FAST:
+        nu = tl.cast(n, tl.uint32, bitcast=True)
+        t = tl.umulhi(nu, tl.cast(m, tl.uint32, bitcast=True))
+        q = tl.cast((t + nu) >> tl.cast(l, tl.uint32), tl.int32, bitcast=True)
+        return q, n - q * d
+    else:
+        return n // d, n % d
+
+
+@triton.jit
+def _program_coords(n1, S, NB3, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1, REV: tl.constexpr = False,
+                    FLAT: tl.constexpr = False, FASTDIV: tl.constexpr = False):
     # Column blocks vary fastest so neighbouring programs touch neighbouring memory. REV walks
     # the programs from the end: a backward that runs in several waves then starts on what the
     # forward read last, still in L2. FLAT (n0 = n1 = n2 = 1, the same-shape and scalar-weight
-    # cases): the program is its column block, and no runtime divisions delay the first load.
+    # cases): the program is its column block, and no divisions delay the first load.
     pid = tl.program_id(0)
     if REV:
         pid = tl.num_programs(0) - 1 - pid
     if FLAT:
         return pid * 0, pid * 0, pid * 0, pid
-    jn = pid % NB3
-    t = pid // NB3
-    s = t % S
-    t = t // S
-    i1 = t % n1
-    i0 = t // n1
+    t, jn = _divmod(pid, NB3, m_nb3, l_nb3, FASTDIV)
+    t, s = _divmod(t, S, m_s, l_s, FASTDIV)
+    i0, i1 = _divmod(t, n1, m_n1, l_n1, FASTDIV)
     return i0, i1, s, jn
 
 
@@ -173,11 +188,12 @@ def _int64(a, b, c, d):
 
 @triton.jit
 def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1, n2, n3, S, NB3, rows_per_split,
+                   m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
                    VEC: tl.constexpr, BIG: tl.constexpr, BN: tl.constexpr, REV: tl.constexpr = False,
-                   FLAT: tl.constexpr = False, EVEN: tl.constexpr = False):
+                   FLAT: tl.constexpr = False, EVEN: tl.constexpr = False, FASTDIV: tl.constexpr = False):
     """What forward and backward programs both start from: coordinates; each operand's row
     stride, element count and base offset; the columns (and their mask) and rows it owns."""
-    i0, i1, s, jn = _program_coords(n1, S, NB3, REV, FLAT)
+    i0, i1, s, jn = _program_coords(n1, S, NB3, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1, REV, FLAT, FASTDIV)
     if VEC > 1:
         # n3 % VEC == 0, written so that Triton can see it: row starts and the column mask are
         # then known to be VEC-aligned and masked loads vectorize (a hint on an argument is lost).
@@ -233,14 +249,15 @@ def _zero_fill(acc_ptr, n_acc, ZB: tl.constexpr = 1024):
 @triton.jit
 def _lerp_fwd_kernel(
     x_ptr, y_ptr, w_ptr, out_ptr, w_hi, w_lo,
-    n0, n1, n2, n3, S, NB3, rows_per_split,
+    n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FULL: tl.constexpr, STREAM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
+    FULL: tl.constexpr, STREAM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr, FASTDIV: tl.constexpr,
     acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
-        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, False, FLAT, EVEN)
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
+        VEC, BIG, BN, False, FLAT, EVEN, FASTDIV)
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
@@ -292,10 +309,10 @@ def _plane_load(ptr, M: tl.constexpr, i0, i1, n0, n1, n2, plane, e, row, col, m,
 @triton.jit
 def _lerp_fwd_plane_kernel(
     x_ptr, y_ptr, w_ptr, out_ptr, w_hi, w_lo,
-    n0, n1, n2, plane, NBP,
+    n0, n1, n2, plane, NBP, m_nbp, l_nbp, m_n1, l_n1,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VECP: tl.constexpr, N3: tl.constexpr, BLOCK: tl.constexpr,
-    STREAM: tl.constexpr, acc_ptr, n_acc, ZERO: tl.constexpr,
+    STREAM: tl.constexpr, FASTDIV: tl.constexpr, acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
     """The forward over each (i0, i1) plane of d2 x d3 walked flat, ``BLOCK`` elements a program.
 
@@ -303,11 +320,8 @@ def _lerp_fwd_plane_kernel(
     output and full operands are read as one contiguous run; an operand that keeps only rows or
     only columns is gathered through ``e // N3`` and ``e % N3``, cheap with ``N3`` a constant.
     """
-    pid = tl.program_id(0)
-    c = pid % NBP
-    t = pid // NBP
-    i1 = t % n1
-    i0 = t // n1
+    t, c = _divmod(tl.program_id(0), NBP, m_nbp, l_nbp, FASTDIV)
+    i0, i1 = _divmod(t, n1, m_n1, l_n1, FASTDIV)
     if BIG:
         i0 = i0.to(tl.int64)
         i1 = i1.to(tl.int64)
@@ -443,7 +457,7 @@ def _partial_row(M: tl.constexpr, i0, i1, s, jn, n0, n1, S, NB3):
 @triton.jit
 def _lerp_bwd_kernel(
     g_ptr, x_ptr, y_ptr, w_ptr, dx_ptr, dy_ptr, dw_ptr, part_ptr, counter_ptr, w_hi, w_lo,
-    n0, n1, n2, n3, S, NB3, rows_per_split,
+    n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
     off_px, off_py, off_pw, p_x, p_y, p_w,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_W: tl.constexpr,
@@ -451,10 +465,11 @@ def _lerp_bwd_kernel(
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
     EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr, JOINT: tl.constexpr,
-    ATOMIC: tl.constexpr = False,
+    ATOMIC: tl.constexpr = False, FASTDIV: tl.constexpr = False,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
-        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, VEC, BIG, BN, REV, FLAT, EVEN)
+        MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
+        VEC, BIG, BN, REV, FLAT, EVEN, FASTDIV)
     # Where this program's partial row starts inside each operand's [P, K] partial block.
     rx = _partial_row(MX, i0, i1, s, jn, n0, n1, S, NB3) * kx
     ry = _partial_row(MY, i0, i1, s, jn, n0, n1, S, NB3) * ky

@@ -84,6 +84,8 @@ class LerpConfig:
       Sums then differ in the last bits from run to run; under
       ``torch.use_deterministic_algorithms(True)``, inside CUDA-graph capture, and for a second
       backward through the same graph, the partial sums are used. 0: never.
+    * ``fast_div``: programs find their coordinates by multiplying with a magic number the plan
+      computes (``magic_div``) instead of dividing by runtime sizes.
 
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
@@ -107,6 +109,7 @@ class LerpConfig:
     fwd_plane: bool = True
     plane_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {2: 2048, 4: 1024, 8: 512})
     atomic_max: int = 1 << 16
+    fast_div: bool = True
     flat3_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {4: 1024})
 
     def __post_init__(self) -> None:
@@ -220,6 +223,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def magic_div(d: int) -> tuple[int, int]:
+    """Multiplier and shift that divide a program index ``0 <= n < 2**31`` by ``d`` in a kernel:
+    ``n // d == (umulhi(n, m) + n) >> l`` in unsigned 32-bit arithmetic (Granlund and
+    Montgomery's round-up method; ``m`` is returned as the int32 with the same bits).
+
+    >>> m, l = magic_div(244)
+    >>> n = 1_000_003
+    >>> ((((n * (m % 2**32)) >> 32) + n) >> l) == n // 244
+    True
+    """
+    if not 1 <= d < 2**31:
+        raise ValueError(f"magic_div: divisor {d} is outside [1, 2**31)")
+    if d & (d - 1) == 0:  # a power of two: the shift alone
+        return 0, d.bit_length() - 1
+    l = (d - 1).bit_length()  # ceil(log2 d)
+    m = (1 << 32) * ((1 << l) - d) // d + 1  # < 2**32
+    return (m - (1 << 32) if m >= 1 << 31 else m), l
+
+
+def _magic_args(*divisors: int) -> tuple[int, ...]:
+    """(m, l) of ``magic_div`` for each divisor, flattened as the kernels take them."""
+    return tuple(v for d in divisors for v in magic_div(max(d, 1)))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -295,11 +322,11 @@ class _Backward:
         zero = _Grad(False, 1, 1, 0)
         gx, gy, gw = (g or zero for g in grads)
         self.args_tail = (
-            n0, n1, n2, n3, s, nb3, rows_per_split, gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
+            n0, n1, n2, n3, s, nb3, rows_per_split, *_magic_args(nb3, s, n1), gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
             plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
-            config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic,
+            config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic, config.fast_div,
         )
         self.final = None
         self.final_args_tail = ()
@@ -380,13 +407,15 @@ class _Plan:
             ftile = config.plane_tile[dtype.itemsize]
             nbp = _cdiv(plane, ftile)
             self.fwd = self.launcher(self.kernels._lerp_fwd_plane_kernel, n0 * n1 * nbp, config.fwd_warps)
-            self.fwd_tail = (n0, n1, n2, plane, nbp, *self.masks, self.w_scalar, self.acc_f64, self.big,
-                             min(plane & -plane, 16), n3, ftile, config.fwd_stream_store)
+            self.fwd_tail = (n0, n1, n2, plane, nbp, *_magic_args(nbp, n1), *self.masks, self.w_scalar,
+                             self.acc_f64, self.big, min(plane & -plane, 16), n3, ftile, config.fwd_stream_store,
+                             config.fast_div)
         else:
             self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
-            self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *self.masks, self.w_scalar, self.acc_f64,
-                             self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
-                             self.flat, self.flat and config.even_tiles and n3 % fbn == 0)
+            self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *_magic_args(fnb3, row_tiles, n1),
+                             *self.masks, self.w_scalar, self.acc_f64, self.big, self.vec, fbm, fbn,
+                             config.full_tile_loads, config.fwd_stream_store, self.flat,
+                             self.flat and config.even_tiles and n3 % fbn == 0, config.fast_div)
         # The same forward that also zeroes the buffer its backward sums into (another compiled
         # specialisation, so a launcher of its own).
         self.fwd_zero = self.launcher(self.fwd.fn, self.fwd.grid, self.fwd.num_warps)
