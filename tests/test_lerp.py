@@ -676,7 +676,7 @@ def test_big_offsets_are_64_bit():
     def offsets(out_ptr, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1):
         i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _KERNELS._program_setup(
             15, 14, 8, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1, 1, True, 4,
-            False, False, False, True)
+            False, False, False, 7)
         tl.store(out_ptr + 0, by)
         tl.store(out_ptr + 1, bo)
         tl.store(out_ptr + 2, ky)
@@ -706,6 +706,7 @@ def test_magic_div_matches_integer_division(d: int) -> None:
         L.magic_div(0)
 
 
+@needs_triton
 def test_magic_division_gives_the_bits_of_division() -> None:
     """Programs that find their coordinates by magic multipliers (the default) compute what the
     runtime divisions computed, bit for bit: plane forward, tiled backward, sizes that are not

@@ -153,19 +153,21 @@ def _divmod(n, d, m, l, FAST: tl.constexpr):
 
 @triton.jit
 def _program_coords(n1, S, NB3, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1, REV: tl.constexpr = False,
-                    FLAT: tl.constexpr = False, FASTDIV: tl.constexpr = False):
+                    FLAT: tl.constexpr = False, FASTDIV: tl.constexpr = 0):
     # Column blocks vary fastest so neighbouring programs touch neighbouring memory. REV walks
     # the programs from the end: a backward that runs in several waves then starts on what the
     # forward read last, still in L2. FLAT (n0 = n1 = n2 = 1, the same-shape and scalar-weight
-    # cases): the program is its column block, and no divisions delay the first load.
+    # cases): the program is its column block, and no divisions delay the first load. FASTDIV:
+    # bits 1, 2, 4 say which of NB3, S, n1 to divide by with magic multipliers (the plan sets a
+    # bit only for a divisor above 1; one equal to 1 becomes a constant and its division folds).
     pid = tl.program_id(0)
     if REV:
         pid = tl.num_programs(0) - 1 - pid
     if FLAT:
         return pid * 0, pid * 0, pid * 0, pid
-    t, jn = _divmod(pid, NB3, m_nb3, l_nb3, FASTDIV)
-    t, s = _divmod(t, S, m_s, l_s, FASTDIV)
-    i0, i1 = _divmod(t, n1, m_n1, l_n1, FASTDIV)
+    t, jn = _divmod(pid, NB3, m_nb3, l_nb3, FASTDIV & 1)
+    t, s = _divmod(t, S, m_s, l_s, FASTDIV & 2)
+    i0, i1 = _divmod(t, n1, m_n1, l_n1, FASTDIV & 4)
     return i0, i1, s, jn
 
 
@@ -190,7 +192,7 @@ def _int64(a, b, c, d):
 def _program_setup(MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, n0, n1, n2, n3, S, NB3, rows_per_split,
                    m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
                    VEC: tl.constexpr, BIG: tl.constexpr, BN: tl.constexpr, REV: tl.constexpr = False,
-                   FLAT: tl.constexpr = False, EVEN: tl.constexpr = False, FASTDIV: tl.constexpr = False):
+                   FLAT: tl.constexpr = False, EVEN: tl.constexpr = False, FASTDIV: tl.constexpr = 0):
     """What forward and backward programs both start from: coordinates; each operand's row
     stride, element count and base offset; the columns (and their mask) and rows it owns."""
     i0, i1, s, jn = _program_coords(n1, S, NB3, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1, REV, FLAT, FASTDIV)
@@ -320,8 +322,8 @@ def _lerp_fwd_plane_kernel(
     output and full operands are read as one contiguous run; an operand that keeps only rows or
     only columns is gathered through ``e // N3`` and ``e % N3``, cheap with ``N3`` a constant.
     """
-    t, c = _divmod(tl.program_id(0), NBP, m_nbp, l_nbp, FASTDIV)
-    i0, i1 = _divmod(t, n1, m_n1, l_n1, FASTDIV)
+    t, c = _divmod(tl.program_id(0), NBP, m_nbp, l_nbp, FASTDIV & 1)
+    i0, i1 = _divmod(t, n1, m_n1, l_n1, FASTDIV & 2)
     if BIG:
         i0 = i0.to(tl.int64)
         i1 = i1.to(tl.int64)
@@ -465,7 +467,7 @@ def _lerp_bwd_kernel(
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
     EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr, JOINT: tl.constexpr,
-    ATOMIC: tl.constexpr = False, FASTDIV: tl.constexpr = False,
+    ATOMIC: tl.constexpr = False, FASTDIV: tl.constexpr = 0,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,

@@ -247,6 +247,13 @@ def _magic_args(*divisors: int) -> tuple[int, ...]:
     return tuple(v for d in divisors for v in magic_div(max(d, 1)))
 
 
+def _fastdiv_bits(*divisors: int) -> int:
+    """The kernels' FASTDIV: bit i set where divisor i is divided with its magic multiplier. A
+    divisor equal to 1 reaches the kernel as a constant (Triton specialises such integers), and a
+    plain division by it folds away, which a multiplier would not."""
+    return sum(1 << i for i, d in enumerate(divisors) if config.fast_div and d > 1)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -326,7 +333,7 @@ class _Backward:
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
             plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
-            config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic, config.fast_div,
+            config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic, _fastdiv_bits(nb3, s, n1),
         )
         self.final = None
         self.final_args_tail = ()
@@ -409,13 +416,13 @@ class _Plan:
             self.fwd = self.launcher(self.kernels._lerp_fwd_plane_kernel, n0 * n1 * nbp, config.fwd_warps)
             self.fwd_tail = (n0, n1, n2, plane, nbp, *_magic_args(nbp, n1), *self.masks, self.w_scalar,
                              self.acc_f64, self.big, min(plane & -plane, 16), n3, ftile, config.fwd_stream_store,
-                             config.fast_div)
+                             _fastdiv_bits(nbp, n1))
         else:
             self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
             self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *_magic_args(fnb3, row_tiles, n1),
                              *self.masks, self.w_scalar, self.acc_f64, self.big, self.vec, fbm, fbn,
                              config.full_tile_loads, config.fwd_stream_store, self.flat,
-                             self.flat and config.even_tiles and n3 % fbn == 0, config.fast_div)
+                             self.flat and config.even_tiles and n3 % fbn == 0, _fastdiv_bits(fnb3, row_tiles, n1))
         # The same forward that also zeroes the buffer its backward sums into (another compiled
         # specialisation, so a launcher of its own).
         self.fwd_zero = self.launcher(self.fwd.fn, self.fwd.grid, self.fwd.num_warps)
