@@ -52,7 +52,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "plane tile ÷2": {"plane_tile": {2: 1024, 4: 512, 8: 256}},
     "forward 2 warps": {"fwd_warps": 2},
     "forward 8 warps": {"fwd_warps": 8},
-    "4 programs / SM (before)": {"programs_per_sm": 4},
+    "3 programs / SM": {"programs_per_sm": 3},
     "5 programs / SM": {"programs_per_sm": 5},
     "6 programs / SM": {"programs_per_sm": 6},
     "runtime divisions (no magic multipliers)": {"fast_div": False},
