@@ -25,6 +25,9 @@ autograd's multithreading on and off, written beside the JSON.
 ``atomics``: case 3 and case 1 with the reduced gradients added into zeroed outputs by atomics in
 the backward kernel (no final pass), against the shipped partial sums + final pass, per kernel.
 
+``contention``: case 3's backward kernel alone, atomic against partial sums, for each subset of
+gradients (which gradient's atomic adds cost time: dx's, whose 16 floats share one cache line).
+
 ``persistent``: a persistent flat forward (``num_SMs * k`` programs striding over blocks, Triton's
 software pipelining over ``num_stages``) against PyTorch's forward and ours, per kernel, for 45
 blocks/programs/stages/warps settings; the question was whether a forward can beat PyTorch's

@@ -9,10 +9,14 @@ divisibility hint) and compiles it to a cubin for sm_90. Run in a process withou
 TRITON_INTERPRET; ``tests/test_lerp_compile.py`` does that.
 
     python tests/lerp_compile_check.py    # prints one line per kernel, exits 1 on a failure
+    python tests/lerp_compile_check.py --sass /tmp/sass   # also each kernel's SASS, registers and
+                                          # the position of its first global load
 """
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -73,11 +77,34 @@ def signature(fn, args: tuple, dtype: torch.dtype, n_ptrs: int, ptr_dtypes: dict
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
 
 
+SASS_DIR: str | None = None  # --sass: where to write each kernel's disassembly
+
+
+def describe_sass(label: str, cubin: bytes) -> str:
+    """Disassemble a cubin with the tools Triton bundles: registers per thread and the index of
+    the first global load (what a program does before its first DRAM request)."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+    path = os.path.join(SASS_DIR, name + ".cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path], capture_output=True, text=True).stdout
+    with open(os.path.join(SASS_DIR, name + ".sass"), "w") as f:
+        f.write(sass)
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
+                           capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    instrs = [ln for ln in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
+    first = next((i for i, ln in enumerate(instrs) if "LDG" in ln), None)
+    return f"{regs.group(1) if regs else '?'} registers, {len(instrs)} instructions, first load at {first}"
+
+
 def compile_one(label: str, launcher, args: tuple, dtype: torch.dtype, n_ptrs: int, ptr_dtypes=None) -> bool:
     try:
-        triton.compile(signature(launcher.fn, args, dtype, n_ptrs, ptr_dtypes or {}), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": launcher.num_warps})
-        print(f"ok      {label}")
+        k = triton.compile(signature(launcher.fn, args, dtype, n_ptrs, ptr_dtypes or {}), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": launcher.num_warps})
+        extra = f"  ({describe_sass(label, k.asm['cubin'])})" if SASS_DIR else ""
+        print(f"ok      {label}{extra}")
         return True
     except Exception as e:  # report every kernel, then fail
         lines = [ln.strip() for ln in str(e).splitlines() if any(c.isalpha() for c in ln)]
@@ -120,4 +147,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--sass" in sys.argv:
+        SASS_DIR = sys.argv[sys.argv.index("--sass") + 1]
+        os.makedirs(SASS_DIR, exist_ok=True)
     sys.exit(main())
