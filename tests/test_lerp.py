@@ -727,3 +727,52 @@ def test_magic_division_gives_the_bits_of_division() -> None:
     assert torch.allclose(res[True][0].double(), ref, atol=1e-6)
     for a, b in zip(res[True], res[False]):
         assert torch.equal(a, b)
+
+
+def _spread_grads(kind: str, x, y, w, g):
+    """dx, dy, dw of one lerp call, asked for the way ``kind`` says."""
+    if kind == "grad":  # autograd.grad on leaves: the engine captures, never accumulates
+        return torch.autograd.grad(lerp(x, y, w), [x, y, w], g)
+    if kind in ("backward", "backward-inputs"):  # AccumulateGrad runs: x.grad must keep x's strides
+        for t in (x, y, w):
+            t.grad = None
+        lerp(x, y, w).backward(g, inputs=[x, y, w] if kind == "backward-inputs" else None)
+        return x.grad, y.grad, w.grad
+    # a non-leaf x: its gradient flows on to the op that made it
+    x0 = x.detach().clone().requires_grad_()
+    xs = x0 * 1.0
+    dxs, dy, dw = torch.autograd.grad(lerp(xs, y, w), [xs, y, w], g, retain_graph=True)
+    return dxs, dy, dw
+
+
+@needs_triton
+@needs_native
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_spread_segments_only_where_autograd_does_not_accumulate(native):
+    """spread_max: case 3's dx (one value per program) is added into a segment with one cache
+    line per element and handed out as a strided view where autograd will not accumulate it
+    into a leaf's .grad; into the packed segment, contiguous, where it will. The C++ node also
+    spreads for leaves that autograd.grad only captures; the Python node cannot ask. Values
+    match float64 every way."""
+    xs, ys, ws = (4, 1, 1, 1), (4, 3, 12, 12), (3, 1, 12)
+    line = 32  # float32 elements per 128-byte line
+    with L.triton_on_cpu(native=native), L.configured(spread_max=64):
+        plan = L._plan(*make_inputs(xs, ys, ws, torch.float32, (False,) * 3)[:2], torch.rand(ws))
+        n, slots, spread = plan.acc_layout()
+        assert spread[0] is not None and spread[0][1] == 4 and spread[1] is None and spread[2] is None
+        assert n == spread[0][0] + 4 * line  # the segment comes last, one line per element
+        for kind in ("grad", "backward", "backward-inputs", "non-leaf"):
+            for call in range(3):  # Python; native forward; native both ways
+                x, y, w = make_inputs(xs, ys, ws, torch.float32, (True, True, True), seed=call)
+                g = torch.randn(ys, generator=torch.Generator().manual_seed(call), dtype=torch.float64).float()
+                dx, dy, dw = _spread_grads(kind, x, y, w, g)
+                _, (rx, ry, rw) = reference(x, y, w, g)
+                for got, ref in ((dx, rx), (dy, ry), (dw, rw)):
+                    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * (1 + _scale(ref)))
+                spreads = kind == "non-leaf" or (kind == "grad" and native and call > 0)  # call 0: Python node
+                assert dx.stride(0) == (line if spreads else 1), (kind, call, dx.stride())
+                assert dw.is_contiguous() and dy.is_contiguous()
+        if native:
+            nat = _native_plan(x, y, w).native
+            assert nat.has_backward_spread(7) and nat.has_backward_atomic(7)
