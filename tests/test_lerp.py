@@ -776,3 +776,45 @@ def test_spread_segments_only_where_autograd_does_not_accumulate(native):
         if native:
             nat = _native_plan(x, y, w).native
             assert nat.has_backward_spread(7) and nat.has_backward_atomic(7)
+
+
+@needs_triton
+@needs_native
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+@pytest.mark.parametrize("shapes", [((4, 1, 1), (4, 4, 8), (1, 4, 1)), ((2, 3, 1, 1), (2, 1, 5, 7), (1, 3, 5, 1)),
+                                    ((1, 8, 1, 70), (2, 8, 1, 1), (2, 8, 33, 70))], ids=str)
+def test_spread_segments_only_for_gradients_the_programs_add_up(shapes, native):
+    """A gradient that takes one value per program but is not reduced (one program per element)
+    is written, not added: it stays in the packed segment (a review found it written packed into
+    a strided view). Non-leaf inputs, so both nodes choose the spread segments."""
+    xs, ys, ws = shapes
+    with L.triton_on_cpu(native=native), L.configured(spread_max=64):
+        for call in range(3):
+            x, y, w = make_inputs(xs, ys, ws, torch.float32, (True, True, True), seed=call)
+            ins = [t * 1.0 for t in (x, y, w)]  # non-leaves
+            out = lerp(*ins)
+            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(call), dtype=torch.float64).float()
+            got = torch.autograd.grad(out, ins, g)
+            _, ref = reference(x, y, w, g)
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * (1 + _scale(b)))
+        plan = L._plan(x, y, w)
+        assert plan.spreads() and plan.acc_layout() is not None
+        for bw in plan._backward.values():
+            for v, gr in zip(bw.acc_views, bw.grads):
+                assert v is None or v[2] == 1 or gr.red
+
+
+@needs_triton
+def test_spread_segments_stay_within_atomic_max():
+    """Spread segments are left out where they would push the zeroed buffer past atomic_max:
+    they never cost a call its atomic sums."""
+    x, y, w = torch.randn(16, 1, 1, 1), torch.randn(16, 3, 20, 20), torch.rand(3, 1, 20)
+    with L.triton_on_cpu():
+        with L.configured(spread_max=64):
+            n, slots, spread = L._plan(x, y, w).acc_layout()
+            assert spread[0] == (n - 16 * 32, 16) and n == 32 + 64 + 16 * 32
+        with L.configured(spread_max=64, atomic_max=32 + 64 + 100):  # room for the packed gradients only
+            n, slots, spread = L._plan(x, y, w).acc_layout()
+            assert spread == (None, None, None) and n == 32 + 64

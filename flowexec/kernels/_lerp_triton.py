@@ -434,7 +434,7 @@ def _flush_cols(colsum, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.const
         elif RED:
             tl.store(part_ptr + off_p + base, v)
         else:
-            tl.store(dst_ptr + base, v)
+            tl.store(dst_ptr + base * SPREAD, v)
 
 
 @triton.jit

@@ -298,17 +298,6 @@ class _Backward:
         self.needs = needs
         self.atomic = atomic  # reduced gradients added with atomics into outputs the forward zeroed
         self.spread = spread
-        # Per operand, where its needed gradient lives inside that buffer ((offset, elements,
-        # element stride) of acc_layout: the spread segment, one cache line per element, for
-        # ``spread``), or None: a tensor of its own.
-        views: tuple = (None, None, None)
-        if atomic:
-            _, slots, spread_slots = plan.acc_layout()
-            line = 128 // plan.dtype.itemsize
-            views = tuple((*ss, line) if spread and ss is not None else (*s, 1) if s is not None else None
-                          for s, ss in zip(slots, spread_slots))
-        self.acc_views = tuple(v if need else None for v, need in zip(views, needs))
-        spread_of = tuple(v[2] if v is not None else 1 for v in self.acc_views)
         n0, n1, n2, n3 = plan.sizes
         bm, bn, nb3 = plan.bm, plan.bn, plan.nb3
         row_tiles = _cdiv(n2, bm)
@@ -335,6 +324,19 @@ class _Backward:
             if p > 1:
                 off += p * k
         self.grads = grads
+        # Per operand, where its needed gradient lives inside the forward's zeroed buffer
+        # ((offset, elements, element stride) of acc_layout), or None: a tensor of its own. The
+        # spread segment (one cache line per element) only for a gradient the programs add up:
+        # one that each program writes once (not reduced) gains nothing there.
+        views: tuple = (None, None, None)
+        if atomic:
+            _, slots, spread_slots = plan.acc_layout()
+            line = 128 // plan.dtype.itemsize
+            views = tuple((*ss, line) if spread and ss is not None and gr is not None and gr.red
+                          else (*sl, 1) if sl is not None else None
+                          for sl, ss, gr in zip(slots, spread_slots, grads))
+        self.acc_views = tuple(v if need else None for v, need in zip(views, needs))
+        spread_of = tuple(v[2] if v is not None else 1 for v in self.acc_views)
         self.part_numel = 0 if atomic else off
         self.fused = not atomic and 0 < off <= config.fused_final_max
         red = [g for g in grads if g is not None and g.red]
@@ -481,8 +483,10 @@ class _Plan:
                     slots.append((off, n) if sh is not None and n < self.numel else None)
                     off += _cdiv(n, line) * line if slots[-1] is not None else 0
                 for sh, m, slot in zip(self.shapes, self.masks, slots):
-                    # One value per program (it broadcasts d2 and d3), more than one element.
-                    ok = slot is not None and not (m & 3) and 1 < slot[1] <= config.spread_max
+                    # One value per program (it broadcasts d2 and d3), more than one element, and
+                    # room left under atomic_max (which the packed gradients alone must meet).
+                    ok = (slot is not None and not (m & 3) and 1 < slot[1] <= config.spread_max
+                          and off + slot[1] * line <= config.atomic_max)
                     spread.append((off, slot[1]) if ok else None)
                     off += slot[1] * line if ok else 0
                 if 0 < off <= config.atomic_max:
@@ -491,7 +495,8 @@ class _Plan:
 
     def has_native_backward(self, mask: int) -> bool:
         """Whether the C++ side holds the backward that eager calls with this needs mask (bit 0
-        dx, 1 dy, 2 dw) take: the atomic one where this plan has a zeroed buffer, else partials."""
+        dx, 1 dy, 2 dw) take: the atomic one where this plan has a zeroed buffer, else partials
+        (the backward into spread segments: ``native.has_backward_spread``)."""
         n = self.native
         return n is not None and (n.has_backward_atomic(mask) if self.acc_layout() is not None
                                   else n.has_backward(mask))
