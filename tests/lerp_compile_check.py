@@ -138,7 +138,7 @@ def main() -> int:
                 bwa = plan.backward_plan(needs, atomic=True)
                 ok &= compile_one(f"{name}: atomic backward", bwa.main, (0,) * 9 + (0.25, 0.0) + bwa.args_tail, dtype, 9,
                                   {7: PTR[dtype], 8: "*i32"})
-                if plan.spreads():
+                if plan.spread_mask():
                     bws = plan.backward_plan(needs, atomic=True, spread=True)
                     ok &= compile_one(f"{name}: atomic backward, spread segments", bws.main,
                                       (0,) * 9 + (0.25, 0.0) + bws.args_tail, dtype, 9, {7: PTR[dtype], 8: "*i32"})

@@ -685,7 +685,7 @@ def test_big_offsets_are_64_bit():
     out = torch.zeros(3, dtype=torch.int64)
     pid_last = n0 * n1 * 1 * 1 - 1  # the program of (i0, i1) = (2, 3): grid S = NB3 = 1
     with L.triton_on_cpu():
-        offsets[(pid_last + 1,)](out, n0, n1, n2, n3, 1, 1, n2, *L._magic_args(1, 1, n1))
+        offsets[(pid_last + 1,)](out, n0, n1, n2, n3, 1, 1, n2, *L._division_args(1, 1, n1)[0])
     plane = n2 * n3
     # y keeps d0, d1 and d2 (mask 14): its (i0, i1) = (2, 3) block of n2 rows starts at (2 * n1 + 3) * n2
     assert out.tolist() == [(2 * n1 + 3) * n2, (2 * n1 + 3) * plane, n0 * n1 * n2]
@@ -800,7 +800,7 @@ def test_spread_segments_only_for_gradients_the_programs_add_up(shapes, native):
             for a, b in zip(got, ref):
                 torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * (1 + _scale(b)))
         plan = L._plan(x, y, w)
-        assert plan.spreads() and plan.acc_layout() is not None
+        assert plan.spread_mask() and plan.acc_layout() is not None
         for bw in plan._backward.values():
             for v, gr in zip(bw.acc_views, bw.grads):
                 assert v is None or v[2] == 1 or gr.red

@@ -250,16 +250,13 @@ def magic_div(d: int) -> tuple[int, int]:
     return (m - (1 << 32) if m >= 1 << 31 else m), l
 
 
-def _magic_args(*divisors: int) -> tuple[int, ...]:
-    """(m, l) of ``magic_div`` for each divisor, flattened as the kernels take them."""
-    return tuple(v for d in divisors for v in magic_div(max(d, 1)))
-
-
-def _fastdiv_bits(*divisors: int) -> int:
-    """The kernels' FASTDIV: bit i set where divisor i is divided with its magic multiplier. A
-    divisor equal to 1 reaches the kernel as a constant (Triton specialises such integers), and a
-    plain division by it folds away, which a multiplier would not."""
-    return sum(1 << i for i, d in enumerate(divisors) if config.fast_div and d > 1)
+def _division_args(*divisors: int) -> tuple[tuple[int, ...], int]:
+    """What the kernels take to divide program indices by these sizes: (m, l) of ``magic_div``
+    for each, flattened, and FASTDIV, bit i set where divisor i is divided with its multiplier.
+    A divisor equal to 1 reaches the kernel as a constant (Triton specialises such integers), and
+    a plain division by it folds away, which a multiplier would not."""
+    magic = tuple(v for d in divisors for v in magic_div(max(d, 1)))
+    return magic, sum(1 << i for i, d in enumerate(divisors) if config.fast_div and d > 1)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -347,12 +344,13 @@ class _Backward:
         self.main = plan.launcher(plan.kernels._lerp_bwd_kernel, grid, config.bwd_warps)
         zero = _Grad(False, 1, 1, 0)
         gx, gy, gw = (g or zero for g in grads)
+        magic, fastdiv = _division_args(nb3, s, n1)
         self.args_tail = (
-            n0, n1, n2, n3, s, nb3, rows_per_split, *_magic_args(nb3, s, n1), gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
+            n0, n1, n2, n3, s, nb3, rows_per_split, *magic, gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
             plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
-            config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic, _fastdiv_bits(nb3, s, n1),
+            config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic, fastdiv,
             *spread_of,
         )
         self.final = None
@@ -383,7 +381,7 @@ class _Plan:
         on_triton_device = device.type == "cuda" or (
             device.type == "cpu" and force_triton_on_cpu and interpreter_active())
         self.use_triton = HAS_TRITON and on_triton_device and canon is not None
-        self._backward: dict[tuple[tuple[bool, bool, bool], bool], _Backward] = {}
+        self._backward: dict[tuple[tuple[bool, bool, bool], bool, bool], _Backward] = {}  # (needs, atomic, spread)
         self._acc: Any = False  # acc_layout(), once computed
         self.native: Any = None  # the C++ LerpPlan once the forward is installed there
         wanted = self.use_triton and _native.ENABLED and (device.type == "cuda" or native_on_cpu)
@@ -433,16 +431,16 @@ class _Plan:
             plane = n2 * n3
             ftile = config.plane_tile[dtype.itemsize]
             nbp = _cdiv(plane, ftile)
+            magic, fastdiv = _division_args(nbp, n1)
             self.fwd = self.launcher(self.kernels._lerp_fwd_plane_kernel, n0 * n1 * nbp, config.fwd_warps)
-            self.fwd_tail = (n0, n1, n2, plane, nbp, *_magic_args(nbp, n1), *self.masks, self.w_scalar,
-                             self.acc_f64, self.big, min(plane & -plane, 16), n3, ftile, config.fwd_stream_store,
-                             _fastdiv_bits(nbp, n1))
+            self.fwd_tail = (n0, n1, n2, plane, nbp, *magic, *self.masks, self.w_scalar, self.acc_f64, self.big,
+                             min(plane & -plane, 16), n3, ftile, config.fwd_stream_store, fastdiv)
         else:
+            magic, fastdiv = _division_args(fnb3, row_tiles, n1)
             self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
-            self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *_magic_args(fnb3, row_tiles, n1),
-                             *self.masks, self.w_scalar, self.acc_f64, self.big, self.vec, fbm, fbn,
-                             config.full_tile_loads, config.fwd_stream_store, self.flat,
-                             self.flat and config.even_tiles and n3 % fbn == 0, _fastdiv_bits(fnb3, row_tiles, n1))
+            self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *magic, *self.masks, self.w_scalar, self.acc_f64,
+                             self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
+                             self.flat, self.flat and config.even_tiles and n3 % fbn == 0, fastdiv)
         # The same forward that also zeroes the buffer its backward sums into (another compiled
         # specialisation, so a launcher of its own).
         self.fwd_zero = self.launcher(self.fwd.fn, self.fwd.grid, self.fwd.num_warps)
@@ -453,16 +451,17 @@ class _Plan:
     def backward_plan(self, needs: tuple[bool, bool, bool], atomic: bool = False, spread: bool = False) -> _Backward:
         """The backward for these needed gradients; ``atomic``: summing into the forward's zeroed
         buffer; ``spread``: into its spread segments (``acc_layout``) where it has them."""
-        key = (needs, atomic, spread and atomic and self.spreads())
+        key = (needs, atomic, bool(spread and atomic and self.spread_mask()))
         bw = self._backward.get(key)
         if bw is None:
             bw = self._backward[key] = _Backward(self, needs, atomic, key[2])
         return bw
 
-    def spreads(self) -> bool:
-        """Whether the atomic buffer has a spread segment (``LerpConfig.spread_max``)."""
+    def spread_mask(self) -> int:
+        """The operands (bit 0 x, 1 y, 2 w) whose gradient has a spread segment in the atomic
+        buffer (``LerpConfig.spread_max``); 0: none."""
         layout = self.acc_layout()
-        return layout is not None and any(s is not None for s in layout[2])
+        return 0 if layout is None else sum(1 << i for i, seg in enumerate(layout[2]) if seg is not None)
 
     def acc_layout(self) -> tuple[int, tuple, tuple] | None:
         """The buffer a forward zeroes for its backward's atomic sums: (elements, per operand
@@ -478,7 +477,7 @@ class _Plan:
                 spread: list[tuple[int, int] | None] = []
                 off = 0
                 line = 128 // self.dtype.itemsize  # each gradient on cache lines of its own
-                for sh, m in zip(self.shapes, self.masks):
+                for sh in self.shapes:
                     n = math.prod(sh) if sh is not None else 0
                     slots.append((off, n) if sh is not None and n < self.numel else None)
                     off += _cdiv(n, line) * line if slots[-1] is not None else 0
@@ -524,7 +523,7 @@ class _Plan:
                                                                                              acc, spread))
             layout = self.acc_layout()
             if layout is not None:
-                nat.set_acc(layout[0], sum(1 << i for i, s in enumerate(layout[2]) if s is not None))
+                nat.set_acc(layout[0], self.spread_mask())
             mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
             self.native = nat
         weight = (4, 5) if self.w_scalar else None
@@ -672,12 +671,7 @@ def _operands(x: Tensor, y: Tensor, w: Tensor | None) -> tuple[Tensor, Tensor, T
 def _acc_view(acc: Tensor, view: tuple[int, int, int], shape: Sequence[int]) -> Tensor:
     """A gradient inside the atomic buffer: ``view`` is (offset, elements, element stride)."""
     off, n, stride = view
-    if stride == 1:
-        return acc[off:off + n].view(shape)
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
-    return acc.as_strided(shape, [st * stride for st in strides], acc.storage_offset() + off)
+    return acc[off:off + n * stride:stride].view(shape)
 
 
 def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float, needs: tuple[bool, bool, bool],
@@ -763,9 +757,10 @@ class _LerpFunction(torch.autograd.Function):
         # Spread segments only where no gradient goes into a leaf's AccumulateGrad: the strided
         # gradient would be copied there. (The C++ node also spreads for leaves that
         # autograd.grad captures without accumulating; Python has no way to ask.)
-        spread = (acc is not None and ctx.plan.spreads()
-                  and not any(need and seg is not None and type(fn).__name__ == "AccumulateGrad"
-                              for need, seg, (fn, _) in zip(needs, ctx.plan.acc_layout()[2], ctx.next_functions)))
+        spread_mask = ctx.plan.spread_mask() if acc is not None else 0
+        spread = bool(spread_mask) and not any(
+            need and spread_mask >> i & 1 and type(fn).__name__ == "AccumulateGrad"
+            for i, (need, (fn, _)) in enumerate(zip(needs, ctx.next_functions)))
         return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan, acc=acc, spread=spread), None, None)
 
 
