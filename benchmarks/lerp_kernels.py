@@ -56,7 +56,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "5 programs / SM": {"programs_per_sm": 5},
     "6 programs / SM": {"programs_per_sm": 6},
     "runtime divisions (no magic multipliers)": {"fast_div": False},
-    "dx spread one element per cache line (spread_max=64)": {"spread_max": 64},
     "2-byte tiles of 2048 (case 3 f16 backward: 80 registers, not 168)": {"tile": {2: 2048, 4: 2048, 8: 1024}},
     "plane tile ×2, forward 8 warps": {"plane_tile": {2: 4096, 4: 2048, 8: 1024}, "fwd_warps": 8},
     "backward 8 warps, 2 programs / SM": {"bwd_warps": 8, "programs_per_sm": 2},

@@ -44,7 +44,6 @@ CASES = {  # name: (x, y, w or None, dtype, config changes)
     "case3 without cache hints": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"bwd_stream": False}),
     "case3 dx, dw flushed apart": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float64,
                                    {"bwd_joint_flush": False}),
-    "case3 spread dx": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"spread_max": 64}),
     "case3 runtime divisions": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"fast_div": False}),
     "case3 forward in tiles": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"fwd_plane": False}),
     "joint flush, column weight": ((1, 1), (7, 333), (333,), torch.float64, {}),
@@ -138,10 +137,6 @@ def main() -> int:
                 bwa = plan.backward_plan(needs, atomic=True)
                 ok &= compile_one(f"{name}: atomic backward", bwa.main, (0,) * 9 + (0.25, 0.0) + bwa.args_tail, dtype, 9,
                                   {7: PTR[dtype], 8: "*i32"})
-                if plan.spread_mask():
-                    bws = plan.backward_plan(needs, atomic=True, spread=True)
-                    ok &= compile_one(f"{name}: atomic backward, spread segments", bws.main,
-                                      (0,) * 9 + (0.25, 0.0) + bws.args_tail, dtype, 9, {7: PTR[dtype], 8: "*i32"})
     for name in ("case1", "case2", "case3"):  # the atomic scheme applies where a final pass is saved
         xs, ys, ws, dtype, changes = CASES[name]
         plan = L._Plan(torch.Size(xs), torch.Size(ys), torch.Size(ws), dtype, torch.device("cuda", 0))

@@ -729,67 +729,18 @@ def test_magic_division_gives_the_bits_of_division() -> None:
         assert torch.equal(a, b)
 
 
-def _spread_grads(kind: str, x, y, w, g):
-    """dx, dy, dw of one lerp call, asked for the way ``kind`` says."""
-    if kind == "grad":  # autograd.grad on leaves: the engine captures, never accumulates
-        return torch.autograd.grad(lerp(x, y, w), [x, y, w], g)
-    if kind in ("backward", "backward-inputs"):  # AccumulateGrad runs: x.grad must keep x's strides
-        for t in (x, y, w):
-            t.grad = None
-        lerp(x, y, w).backward(g, inputs=[x, y, w] if kind == "backward-inputs" else None)
-        return x.grad, y.grad, w.grad
-    # a non-leaf x: its gradient flows on to the op that made it
-    x0 = x.detach().clone().requires_grad_()
-    xs = x0 * 1.0
-    dxs, dy, dw = torch.autograd.grad(lerp(xs, y, w), [xs, y, w], g, retain_graph=True)
-    return dxs, dy, dw
-
-
-@needs_triton
-@needs_native
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
-def test_spread_segments_only_where_autograd_does_not_accumulate(native):
-    """spread_max: case 3's dx (one value per program) is added into a segment with one cache
-    line per element and handed out as a strided view where autograd will not accumulate it
-    into a leaf's .grad; into the packed segment, contiguous, where it will. The C++ node also
-    spreads for leaves that autograd.grad only captures; the Python node cannot ask. Values
-    match float64 every way."""
-    xs, ys, ws = (4, 1, 1, 1), (4, 3, 12, 12), (3, 1, 12)
-    line = 32  # float32 elements per 128-byte line
-    with L.triton_on_cpu(native=native), L.configured(spread_max=64):
-        plan = L._plan(*make_inputs(xs, ys, ws, torch.float32, (False,) * 3)[:2], torch.rand(ws))
-        n, slots, spread = plan.acc_layout()
-        assert spread[0] is not None and spread[0][1] == 4 and spread[1] is None and spread[2] is None
-        assert n == spread[0][0] + 4 * line  # the segment comes last, one line per element
-        for kind in ("grad", "backward", "backward-inputs", "non-leaf"):
-            for call in range(3):  # Python; native forward; native both ways
-                x, y, w = make_inputs(xs, ys, ws, torch.float32, (True, True, True), seed=call)
-                g = torch.randn(ys, generator=torch.Generator().manual_seed(call), dtype=torch.float64).float()
-                dx, dy, dw = _spread_grads(kind, x, y, w, g)
-                _, (rx, ry, rw) = reference(x, y, w, g)
-                for got, ref in ((dx, rx), (dy, ry), (dw, rw)):
-                    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * (1 + _scale(ref)))
-                spreads = kind == "non-leaf" or (kind == "grad" and native and call > 0)  # call 0: Python node
-                assert dx.stride(0) == (line if spreads else 1), (kind, call, dx.stride())
-                assert dw.is_contiguous() and dy.is_contiguous()
-        if native:
-            nat = _native_plan(x, y, w).native
-            assert nat.has_backward_spread(7) and nat.has_backward_atomic(7)
-
-
 @needs_triton
 @needs_native
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
 @pytest.mark.parametrize("shapes", [((4, 1, 1), (4, 4, 8), (1, 4, 1)), ((2, 3, 1, 1), (2, 1, 5, 7), (1, 3, 5, 1)),
                                     ((1, 8, 1, 70), (2, 8, 1, 1), (2, 8, 33, 70))], ids=str)
-def test_spread_segments_only_for_gradients_the_programs_add_up(shapes, native):
-    """A gradient that takes one value per program but is not reduced (one program per element)
-    is written, not added: it stays in the packed segment (a review found it written packed into
-    a strided view). Non-leaf inputs, so both nodes choose the spread segments."""
+def test_atomic_sums_for_non_leaf_inputs(shapes, native):
+    """Atomic sums where some gradients take one value per program, some reduced and some not
+    (one program per element, written rather than added), for non-leaf inputs whose gradients
+    flow on: values match float64 on the Python node, the native forward and native both ways."""
     xs, ys, ws = shapes
-    with L.triton_on_cpu(native=native), L.configured(spread_max=64):
+    with L.triton_on_cpu(native=native):
         for call in range(3):
             x, y, w = make_inputs(xs, ys, ws, torch.float32, (True, True, True), seed=call)
             ins = [t * 1.0 for t in (x, y, w)]  # non-leaves
@@ -800,21 +751,4 @@ def test_spread_segments_only_for_gradients_the_programs_add_up(shapes, native):
             for a, b in zip(got, ref):
                 torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * (1 + _scale(b)))
         plan = L._plan(x, y, w)
-        assert plan.spread_mask() and plan.acc_layout() is not None
-        for bw in plan._backward.values():
-            for v, gr in zip(bw.acc_views, bw.grads):
-                assert v is None or v[2] == 1 or gr.red
-
-
-@needs_triton
-def test_spread_segments_stay_within_atomic_max():
-    """Spread segments are left out where they would push the zeroed buffer past atomic_max:
-    they never cost a call its atomic sums."""
-    x, y, w = torch.randn(16, 1, 1, 1), torch.randn(16, 3, 20, 20), torch.rand(3, 1, 20)
-    with L.triton_on_cpu():
-        with L.configured(spread_max=64):
-            n, slots, spread = L._plan(x, y, w).acc_layout()
-            assert spread[0] == (n - 16 * 32, 16) and n == 32 + 64 + 16 * 32
-        with L.configured(spread_max=64, atomic_max=32 + 64 + 100):  # room for the packed gradients only
-            n, slots, spread = L._plan(x, y, w).acc_layout()
-            assert spread == (None, None, None) and n == 32 + 64
+        assert plan.acc_layout() is not None and any(bw.atomic for bw in plan._backward.values())

@@ -403,22 +403,20 @@ def _grad_out(
 
 @triton.jit
 def _grad_flush(acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, cols, cm,
-                VEC: tl.constexpr, ATOMIC: tl.constexpr = False, SPREAD: tl.constexpr = 1):
+                VEC: tl.constexpr, ATOMIC: tl.constexpr = False):
     """Reduce the [BM, BN] accumulator of an operand that broadcasts d2 (over rows, and over
     columns too if it broadcasts d3) and write it: the program's only cross-warp reductions."""
     if (M & 2) == 0:  # masked rows and columns hold zeros
-        _flush_cols(tl.sum(acc, axis=0), dst_ptr, part_ptr, off_p, M, RED, base, cols, cm, VEC, ATOMIC, SPREAD)
+        _flush_cols(tl.sum(acc, axis=0), dst_ptr, part_ptr, off_p, M, RED, base, cols, cm, VEC, ATOMIC)
 
 
 @triton.jit
 def _flush_cols(colsum, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, cols, cm,
-                VEC: tl.constexpr, ATOMIC: tl.constexpr = False, SPREAD: tl.constexpr = 1):
+                VEC: tl.constexpr, ATOMIC: tl.constexpr = False):
     """Write an operand's row-summed [BN] gradient (summed over columns too if it broadcasts d3).
 
     ``ATOMIC``: add a reduced gradient into its output (zeroed by the forward) with atomics
-    instead of writing a partial sum for the final pass. ``SPREAD``: the element stride of an
-    output that takes one value per program (it broadcasts d2 and d3): elements on cache lines
-    of their own, so that the programs' adds do not queue at one line (``LerpConfig.spread_max``)."""
+    instead of writing a partial sum for the final pass."""
     if M & 1:
         offs = _tile_offsets(M, base, cols, cols, 0, VEC)
         if RED and ATOMIC:
@@ -430,11 +428,11 @@ def _flush_cols(colsum, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.const
     else:
         v = tl.sum(colsum, axis=0)
         if RED and ATOMIC:
-            tl.atomic_add(dst_ptr + base * SPREAD, v, sem="relaxed")
+            tl.atomic_add(dst_ptr + base, v, sem="relaxed")
         elif RED:
             tl.store(part_ptr + off_p + base, v)
         else:
-            tl.store(dst_ptr + base * SPREAD, v)
+            tl.store(dst_ptr + base, v)
 
 
 @triton.jit
@@ -470,7 +468,6 @@ def _lerp_bwd_kernel(
     FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
     EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr, JOINT: tl.constexpr,
     ATOMIC: tl.constexpr = False, FASTDIV: tl.constexpr = 0,
-    SPX: tl.constexpr = 1, SPY: tl.constexpr = 1, SPW: tl.constexpr = 1,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
@@ -516,15 +513,15 @@ def _lerp_bwd_kernel(
     if JOINT and NEED_X and NEED_W and (MX & 2) == 0 and (MW & 2) == 0:
         # dx and dw both sum over rows (case 3): one two-value reduction, one set of barriers.
         cx, cw = tl.reduce((acc_x, acc_w), 0, _add_pairs)
-        _flush_cols(cx, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC, ATOMIC, SPX)
-        _flush_cols(cw, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC, ATOMIC, SPW)
+        _flush_cols(cx, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC, ATOMIC)
+        _flush_cols(cw, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC, ATOMIC)
     else:
         if NEED_X:
-            _grad_flush(acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC, ATOMIC, SPX)
+            _grad_flush(acc_x, dx_ptr, part_ptr, off_px + rx, MX, RED_X, bx, cols, cm, VEC, ATOMIC)
         if NEED_W:
-            _grad_flush(acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC, ATOMIC, SPW)
+            _grad_flush(acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC, ATOMIC)
     if NEED_Y:
-        _grad_flush(acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y, by, cols, cm, VEC, ATOMIC, SPY)
+        _grad_flush(acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y, by, cols, cm, VEC, ATOMIC)
     if FUSED_FINAL:
         # The last program to finish sums the partials: one launch fewer than a separate pass.
         # The barrier orders every thread's partial stores before the (acq_rel, gpu-scope) count.

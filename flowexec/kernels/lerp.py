@@ -87,12 +87,6 @@ class LerpConfig:
       backward through the same graph, the partial sums are used. 0: never.
     * ``fast_div``: programs find their coordinates by multiplying with a magic number the plan
       computes (``magic_div``) instead of dividing by runtime sizes.
-    * ``spread_max``: with atomic sums, the gradient of an operand that takes one value per
-      program (it broadcasts the last two canonical dims) and has 2 to ``spread_max`` elements
-      also gets a segment with one cache line per element, used when autograd will not
-      accumulate that gradient into a leaf's ``.grad`` (``autograd.grad``, non-leaf inputs): the
-      programs' adds then do not queue at one line (case 3's dx: every program adds into its 16
-      floats). The gradient is then a strided view. 0: never (the default until measured).
 
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
@@ -117,7 +111,6 @@ class LerpConfig:
     plane_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {2: 2048, 4: 1024, 8: 512})
     atomic_max: int = 1 << 16
     fast_div: bool = True
-    spread_max: int = 0
     flat3_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {4: 1024})
 
     def __post_init__(self) -> None:
@@ -287,14 +280,16 @@ class _Grad:
 class _Backward:
     """The planned backward for one set of required gradients."""
 
-    __slots__ = ("needs", "atomic", "spread", "acc_views", "main", "final", "args_tail", "grads", "part_numel",
-                 "fused", "final_args_tail")
+    __slots__ = ("needs", "atomic", "acc_views", "main", "final", "args_tail", "grads", "part_numel", "fused",
+                 "final_args_tail")
 
-    def __init__(self, plan: _Plan, needs: tuple[bool, bool, bool], atomic: bool = False,
-                 spread: bool = False) -> None:
+    def __init__(self, plan: _Plan, needs: tuple[bool, bool, bool], atomic: bool = False) -> None:
         self.needs = needs
         self.atomic = atomic  # reduced gradients added with atomics into outputs the forward zeroed
-        self.spread = spread
+        # Per operand, where its needed gradient lives inside that buffer ((offset, elements) of
+        # acc_layout), or None: a tensor of its own.
+        slots = plan.acc_layout()[1] if atomic else (None, None, None)
+        self.acc_views = tuple(v if need else None for v, need in zip(slots, needs))
         n0, n1, n2, n3 = plan.sizes
         bm, bn, nb3 = plan.bm, plan.bn, plan.nb3
         row_tiles = _cdiv(n2, bm)
@@ -321,19 +316,6 @@ class _Backward:
             if p > 1:
                 off += p * k
         self.grads = grads
-        # Per operand, where its needed gradient lives inside the forward's zeroed buffer
-        # ((offset, elements, element stride) of acc_layout), or None: a tensor of its own. The
-        # spread segment (one cache line per element) only for a gradient the programs add up:
-        # one that each program writes once (not reduced) gains nothing there.
-        views: tuple = (None, None, None)
-        if atomic:
-            _, slots, spread_slots = plan.acc_layout()
-            line = 128 // plan.dtype.itemsize
-            views = tuple((*ss, line) if spread and ss is not None and gr is not None and gr.red
-                          else (*sl, 1) if sl is not None else None
-                          for sl, ss, gr in zip(slots, spread_slots, grads))
-        self.acc_views = tuple(v if need else None for v, need in zip(views, needs))
-        spread_of = tuple(v[2] if v is not None else 1 for v in self.acc_views)
         self.part_numel = 0 if atomic else off
         self.fused = not atomic and 0 < off <= config.fused_final_max
         red = [g for g in grads if g is not None and g.red]
@@ -351,7 +333,6 @@ class _Backward:
             self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
             plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
             config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic, fastdiv,
-            *spread_of,
         )
         self.final = None
         self.final_args_tail = ()
@@ -381,7 +362,7 @@ class _Plan:
         on_triton_device = device.type == "cuda" or (
             device.type == "cpu" and force_triton_on_cpu and interpreter_active())
         self.use_triton = HAS_TRITON and on_triton_device and canon is not None
-        self._backward: dict[tuple[tuple[bool, bool, bool], bool, bool], _Backward] = {}  # (needs, atomic, spread)
+        self._backward: dict[tuple[tuple[bool, bool, bool], bool], _Backward] = {}
         self._acc: Any = False  # acc_layout(), once computed
         self.native: Any = None  # the C++ LerpPlan once the forward is installed there
         wanted = self.use_triton and _native.ENABLED and (device.type == "cuda" or native_on_cpu)
@@ -448,54 +429,36 @@ class _Plan:
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
 
-    def backward_plan(self, needs: tuple[bool, bool, bool], atomic: bool = False, spread: bool = False) -> _Backward:
+    def backward_plan(self, needs: tuple[bool, bool, bool], atomic: bool = False) -> _Backward:
         """The backward for these needed gradients; ``atomic``: summing into the forward's zeroed
-        buffer; ``spread``: into its spread segments (``acc_layout``) where it has them."""
-        key = (needs, atomic, bool(spread and atomic and self.spread_mask()))
-        bw = self._backward.get(key)
+        buffer."""
+        bw = self._backward.get((needs, atomic))
         if bw is None:
-            bw = self._backward[key] = _Backward(self, needs, atomic, key[2])
+            bw = self._backward[(needs, atomic)] = _Backward(self, needs, atomic)
         return bw
 
-    def spread_mask(self) -> int:
-        """The operands (bit 0 x, 1 y, 2 w) whose gradient has a spread segment in the atomic
-        buffer (``LerpConfig.spread_max``); 0: none."""
-        layout = self.acc_layout()
-        return 0 if layout is None else sum(1 << i for i, seg in enumerate(layout[2]) if seg is not None)
-
-    def acc_layout(self) -> tuple[int, tuple, tuple] | None:
+    def acc_layout(self) -> tuple[int, tuple[tuple[int, int] | None, ...]] | None:
         """The buffer a forward zeroes for its backward's atomic sums: (elements, per operand
-        (offset, elements) or None, per operand its spread segment (offset, elements) or None),
-        covering every broadcast operand; None where the partial sums stay (half types, no final
-        pass to save, or more than ``config.atomic_max``). A spread segment holds the gradient
-        again with one cache line per element (``LerpConfig.spread_max``)."""
+        (offset, elements) or None), covering every broadcast operand; None where the partial
+        sums stay (half types, no final pass to save, or more than ``config.atomic_max``)."""
         if self._acc is False:
             self._acc = None
             if (self.use_triton and config.atomic_max > 0 and self.dtype in (torch.float32, torch.float64)
                     and self.backward_plan((True, True, not self.w_scalar)).final is not None):
                 slots: list[tuple[int, int] | None] = []
-                spread: list[tuple[int, int] | None] = []
                 off = 0
                 line = 128 // self.dtype.itemsize  # each gradient on cache lines of its own
                 for sh in self.shapes:
                     n = math.prod(sh) if sh is not None else 0
                     slots.append((off, n) if sh is not None and n < self.numel else None)
                     off += _cdiv(n, line) * line if slots[-1] is not None else 0
-                for sh, m, slot in zip(self.shapes, self.masks, slots):
-                    # One value per program (it broadcasts d2 and d3), more than one element, and
-                    # room left under atomic_max (which the packed gradients alone must meet).
-                    ok = (slot is not None and not (m & 3) and 1 < slot[1] <= config.spread_max
-                          and off + slot[1] * line <= config.atomic_max)
-                    spread.append((off, slot[1]) if ok else None)
-                    off += slot[1] * line if ok else 0
                 if 0 < off <= config.atomic_max:
-                    self._acc = (off, tuple(slots), tuple(spread))
+                    self._acc = (off, tuple(slots))
         return self._acc
 
     def has_native_backward(self, mask: int) -> bool:
         """Whether the C++ side holds the backward that eager calls with this needs mask (bit 0
-        dx, 1 dy, 2 dw) take: the atomic one where this plan has a zeroed buffer, else partials
-        (the backward into spread segments: ``native.has_backward_spread``)."""
+        dx, 1 dy, 2 dw) take: the atomic one where this plan has a zeroed buffer, else partials."""
         n = self.native
         return n is not None and (n.has_backward_atomic(mask) if self.acc_layout() is not None
                                   else n.has_backward(mask))
@@ -519,11 +482,10 @@ class _Plan:
                 return
             ref = weakref.ref(self)  # the C++ plan holds this callback: no cycle through C++
             nat = mod.LerpPlan(-1 if self.device_index is None else self.device_index, self.w_scalar, self.acc_f64,
-                               lambda g, x, y, w, wv, needs, acc, spread: _native_backward(ref, g, x, y, w, wv, needs,
-                                                                                             acc, spread))
+                               lambda g, x, y, w, wv, needs, acc: _native_backward(ref, g, x, y, w, wv, needs, acc))
             layout = self.acc_layout()
             if layout is not None:
-                nat.set_acc(layout[0], self.spread_mask())
+                nat.set_acc(layout[0])
             mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
             self.native = nat
         weight = (4, 5) if self.w_scalar else None
@@ -550,11 +512,11 @@ class _Plan:
         if any(la is None for la in launches):
             return
         allocs = [(4 + i, list(self.shapes[i]), self.dtype) for i in range(3) if bw.needs[i] and bw.acc_views[i] is None]
-        views = [(4 + i, v[0], list(self.shapes[i]), v[2]) for i, v in enumerate(bw.acc_views) if v is not None]
+        views = [(4 + i, v[0], list(self.shapes[i])) for i, v in enumerate(bw.acc_views) if v is not None]
         if bw.part_numel:
             allocs.append((7, [bw.part_numel], self.part_dtype))
         mask = sum(1 << i for i in range(3) if bw.needs[i])
-        self.native.install(mask + (0 if not bw.atomic else 16 if bw.spread else 8), 9, allocs, launches, views)
+        self.native.install(mask + (8 if bw.atomic else 0), 9, allocs, launches, views)
 
 def interpreter_active() -> bool:
     """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1`` set before Triton was imported)."""
@@ -668,27 +630,20 @@ def _operands(x: Tensor, y: Tensor, w: Tensor | None) -> tuple[Tensor, Tensor, T
     return x, y, x if w is None else _contiguous(_resolved(w))
 
 
-def _acc_view(acc: Tensor, view: tuple[int, int, int], shape: Sequence[int]) -> Tensor:
-    """A gradient inside the atomic buffer: ``view`` is (offset, elements, element stride)."""
-    off, n, stride = view
-    return acc[off:off + n * stride:stride].view(shape)
-
-
 def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float, needs: tuple[bool, bool, bool],
-                   plan: _Plan | None = None, native_install: bool = False, acc: Tensor | None = None,
-                   spread: bool = False) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                   plan: _Plan | None = None, native_install: bool = False, acc: Tensor | None = None
+                   ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The backward on a planned call. ``acc``: the buffer this call's forward zeroed; the
-    gradients of broadcast operands are then summed into views of it with atomics (``spread``:
-    into its spread segments, where it has them)."""
+    gradients of broadcast operands are then summed into views of it with atomics."""
     plan = plan or _plan(x, y, w)
     if not plan.use_triton:
         return _backward_torch(g, x, y, w if w is not None else wv, needs)
     if not any(needs):
         return None, None, None
-    bw = plan.backward_plan(needs, atomic=acc is not None, spread=spread)
+    bw = plan.backward_plan(needs, atomic=acc is not None)
     g = _contiguous(_resolved(g))
     x, y, wt = _operands(x, y, w)
-    dx, dy, dw = (g if not need else torch.empty_like(like) if v is None else _acc_view(acc, v, shape)
+    dx, dy, dw = (g if not need else torch.empty_like(like) if v is None else acc[v[0]:v[0] + v[1]].view(shape)
                   for need, v, like, shape in zip(needs, bw.acc_views, (x, y, wt), plan.shapes))
     part = g.new_empty(bw.part_numel, dtype=plan.part_dtype) if bw.part_numel else g
     counter = _counter(plan.device_index) if bw.fused else g
@@ -708,7 +663,7 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
 
 
 def _native_backward(ref: Any, g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
-                     needs: tuple[bool, bool, bool], acc: Tensor | None = None, spread: bool = False
+                     needs: tuple[bool, bool, bool], acc: Tensor | None = None
                      ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The C++ node's way back: a set of gradients not planned natively yet (planned now for next
     time), or tensors the native path does not take (misaligned, another current device)."""
@@ -717,7 +672,7 @@ def _native_backward(ref: Any, g: Tensor, x: Tensor, y: Tensor, w: Tensor | None
         plan = _plan(x, y, w)
         if acc is not None and plan.acc_layout() is None:
             acc = None  # a plan built under another config
-    return _backward_impl(g, x, y, w, wv, needs, plan, native_install=True, acc=acc, spread=spread)
+    return _backward_impl(g, x, y, w, wv, needs, plan, native_install=True, acc=acc)
 
 
 def _backward_torch(g: Tensor, x: Tensor, y: Tensor, w: Tensor | float, needs: Sequence[bool]
@@ -754,14 +709,7 @@ class _LerpFunction(torch.autograd.Function):
             return (*_backward_torch(g, x, y, w if w is not None else ctx.wv, needs), None, None)
         if acc is not None and not ctx.plan.wants_acc(g.device):
             acc = None
-        # Spread segments only where no gradient goes into a leaf's AccumulateGrad: the strided
-        # gradient would be copied there. (The C++ node also spreads for leaves that
-        # autograd.grad captures without accumulating; Python has no way to ask.)
-        spread_mask = ctx.plan.spread_mask() if acc is not None else 0
-        spread = bool(spread_mask) and not any(
-            need and spread_mask >> i & 1 and type(fn).__name__ == "AccumulateGrad"
-            for i, (need, (fn, _)) in enumerate(zip(needs, ctx.next_functions)))
-        return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan, acc=acc, spread=spread), None, None)
+        return (*_backward_impl(g, x, y, w, ctx.wv, needs, ctx.plan, acc=acc), None, None)
 
 
 # autograd.Function.apply's C++ half, bound to our class. The Python half only binds default

@@ -111,29 +111,3 @@ def test_native_on_a_side_stream_and_misaligned_views():
     out, grads, g = run(xm, y, w)
     assert out.grad_fn.name() != "FlowexecLerpBackward"
     assert_matches(xm, y, w, out, grads, g)
-
-
-def test_spread_segments_on_cuda():
-    """LerpConfig.spread_max: case 3's dx added into one cache line per element and handed out
-    strided where autograd only captures it (autograd.grad on a leaf) or passes it on (a
-    non-leaf); packed and contiguous where .backward() accumulates it; float64 values all ways."""
-    with L.configured(spread_max=64):
-        for i, kind in enumerate(("grad", "grad", "grad", "backward", "non-leaf")):
-            x, y, w = inputs((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32)
-            g = torch.randn(16, 3, 244, 244, device="cuda")
-            if kind == "backward":
-                out = lerp(x, y, w)
-                out.backward(g)
-                grads = (x.grad, y.grad, w.grad)
-            elif kind == "non-leaf":
-                xs = x * 1.0
-                out = lerp(xs, y, w)
-                grads = torch.autograd.grad(out, [xs, y, w], g)
-            else:
-                out, grads, g = run(x, y, w, g)
-            assert_matches(x, y, w, out, grads, g)
-            # The first call's Python node cannot tell a captured leaf from an accumulated one.
-            spread = kind == "non-leaf" or (kind == "grad" and i > 0)
-            assert grads[0].stride(0) == (32 if spread else 1), (i, kind)
-        assert out.grad_fn.name() == "FlowexecLerpBackward"
-        assert native_plan(x, y, w).native.has_backward_spread(7)

@@ -15,8 +15,6 @@
 
 #include <torch/extension.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <ATen/EmptyTensor.h>
@@ -212,11 +210,7 @@ struct LerpPlan {
   int64_t acc_numel = 0;
   std::atomic<Program*> fwd_acc{nullptr};
   std::array<std::atomic<Program*>, 8> bwd_atomic{};
-  // Operands (bit 0 x, 1 y, 2 w) whose gradient also has a spread segment in that buffer, one
-  // cache line per element, and the atomic backwards that add into those segments instead.
-  int spread_ops = 0;
-  std::array<std::atomic<Program*>, 8> bwd_spread{};
-  py::object py_backward;  // (g, x, y, w | None, wv, (nx, ny, nw), acc | None, spread) -> (dx, dy, dw)
+  py::object py_backward;  // (g, x, y, w | None, wv, (nx, ny, nw), acc | None) -> (dx, dy, dw)
   std::mutex lock;
   std::vector<std::unique_ptr<Program>> owned;
   // What the programs were planned for (set when the plan is registered): a saved tensor that
@@ -233,7 +227,6 @@ struct LerpPlan {
       : device(device_), w_scalar(w_scalar_), f64(f64_), py_backward(std::move(py_backward_)) {
     for (auto& b : bwd) b.store(nullptr);
     for (auto& b : bwd_atomic) b.store(nullptr);
-    for (auto& b : bwd_spread) b.store(nullptr);
   }
   ~LerpPlan() {
     // The last owner may be an autograd node freed on an engine thread: take the GIL for the
@@ -254,8 +247,6 @@ struct LerpPlan {
       fwd.store(raw);
     else if (slot == -2)
       fwd_acc.store(raw);
-    else if (slot >= 16)
-      bwd_spread.at(slot - 16).store(raw);
     else if (slot >= 8)
       bwd_atomic.at(slot - 8).store(raw);
     else
@@ -291,18 +282,6 @@ bool atomics_allowed() {
 }
 
 at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
-
-// Whether this backward's gradient for `edge` will be accumulated into a leaf's .grad: the
-// engine runs that AccumulateGrad (.backward(), or autograd.grad's inputs= on a leaf only
-// captures it). A spread (strided) gradient would be copied there to match the leaf's strides.
-bool accumulates_into_leaf(const torch::autograd::Edge& edge) {
-  auto* fn = edge.function.get();
-  if (fn == nullptr || dynamic_cast<torch::autograd::AccumulateGrad*>(fn) == nullptr) return false;
-  const auto* info = torch::autograd::get_current_graph_task_exec_info();
-  if (info == nullptr || info->empty()) return true;  // every node runs
-  auto it = info->find(fn);
-  return it != info->end() && it->second.needed_;
-}
 
 // Tensors the native kernels do not take: subclasses with __torch_dispatch__, functorch
 // wrappers and batched gradients (a vmapped backward: no storage), functionalization, negated or
@@ -362,10 +341,7 @@ struct LerpBackward : public Node {
     }
     const int mask = int(nx) | (int(ny) << 1) | (int(nw) << 2);
     if (acc.defined() && !atomics_allowed()) acc = at::Tensor();
-    bool spread = acc.defined() && (plan->spread_ops & mask) != 0;
-    for (int i = 0; spread && i < 3 && i < static_cast<int>(num_outputs()); ++i)
-      if ((plan->spread_ops & mask & (1 << i)) && accumulates_into_leaf(next_edge(i))) spread = false;
-    Program* p = (acc.defined() ? (spread ? plan->bwd_spread[mask] : plan->bwd_atomic[mask]) : plan->bwd[mask]).load();
+    Program* p = (acc.defined() ? plan->bwd_atomic[mask] : plan->bwd[mask]).load();
     if (p != nullptr && plan->on_device(g)) {
       std::vector<at::Tensor> bufs(p->n_buffers);
       bufs[0] = contiguous(g);
@@ -384,7 +360,7 @@ struct LerpBackward : public Node {
     py::gil_scoped_acquire gil;  // first use of this mask, or an unusual tensor: Python plans it
     py::object wobj = plan->w_scalar ? py::none() : py::cast(w);
     py::object accobj = acc.defined() ? py::cast(acc) : py::none();
-    py::tuple r = plan->py_backward(g, x, y, wobj, wv, py::make_tuple(nx, ny, nw), accobj, spread);
+    py::tuple r = plan->py_backward(g, x, y, wobj, wv, py::make_tuple(nx, ny, nw), accobj);
     for (int i = 0; i < 3; ++i)
       if (!r[i].is_none()) out[i] = r[i].cast<at::Tensor>();
     return out;
@@ -525,13 +501,12 @@ Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned sha
 
 // Python: plan.install(slot, n_buffers, allocs=[(buffer, shape, dtype)],
 //                      launches=[(function, grid, block, shared, [(kind, value)])],
-//                      views=[(buffer, offset, shape, element stride)]);
+//                      views=[(buffer, offset, shape)]);
 // slot -1: forward, -2: forward that zeroes the buffer for atomics, 0-7: backward by needs mask,
-// 8-15: atomic backward by needs mask (views: its gradients inside that buffer), 16-23: atomic
-// backward into the spread segments.
+// 8-15: atomic backward by needs mask (views: its gradients inside that buffer).
 void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, const py::list& launches,
              const py::list& views) {
-  TORCH_CHECK(slot >= -2 && slot < 24, "flowexec::lerp: bad program slot ", slot);
+  TORCH_CHECK(slot >= -2 && slot < 16, "flowexec::lerp: bad program slot ", slot);
   auto p = std::make_unique<Program>();
   p->n_buffers = n_buffers;
   for (const auto& v : views) {
@@ -540,8 +515,7 @@ void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, co
     av.buffer = t[0].cast<int>();
     av.offset = t[1].cast<int64_t>();
     av.shape = t[2].cast<std::vector<int64_t>>();
-    const int64_t step = t.size() > 3 ? t[3].cast<int64_t>() : 1;  // one cache line per element: spread
-    av.strides.assign(av.shape.size(), step);
+    av.strides.assign(av.shape.size(), 1);
     for (int i = static_cast<int>(av.shape.size()) - 2; i >= 0; --i)
       av.strides[i] = av.strides[i + 1] * std::max<int64_t>(av.shape[i + 1], 1);
     TORCH_CHECK(av.buffer >= 0 && av.buffer < n_buffers, "flowexec::lerp: bad view");
@@ -578,9 +552,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; })
       .def("has_forward_acc", [](const LerpPlan& p) { return p.fwd_acc.load() != nullptr; })
       .def("has_backward_atomic", [](const LerpPlan& p, int mask) { return p.bwd_atomic.at(mask).load() != nullptr; })
-      .def("has_backward_spread", [](const LerpPlan& p, int mask) { return p.bwd_spread.at(mask).load() != nullptr; })
-      .def("set_acc", [](LerpPlan& p, int64_t numel, int spread_ops) { p.acc_numel = numel; p.spread_ops = spread_ops; },
-           py::arg("numel"), py::arg("spread_ops") = 0)
+      .def("set_acc", [](LerpPlan& p, int64_t numel) { p.acc_numel = numel; })
       .def("install", &flowexec::install);
   m.def("register_plan", &flowexec::register_plan);
   m.def("clear_plans", [] { flowexec::registry().clear(); });
