@@ -177,11 +177,21 @@ def calls(case: Case, impl: str, dev: str) -> tuple[Callable[[], Any], Callable[
     over this one bounds the wall speed-up any implementation can show on the machine. The bound
     is loose: lerp returns three gradients, which costs the engine more than one does
     (``benchmarks/lerp_host.py``, split).
+
+    ``impl`` "floor3" is the least a three-gradient op costs: ``torch.cat`` of three leaves (an
+    output-sized one and two of one element), one kernel forward, a backward of views only (no
+    launch). Every gradient that reaches a leaf is a task of its own for the engine, so no lerp,
+    which needs a launch in its backward too, can cost the host less.
     """
     x, y, w, go = make_inputs(case, dev)
     if impl == "floor":
         t = go.detach().clone().requires_grad_()
         return (lambda: t * 2), (lambda: torch.autograd.grad(t * 2, [t], go)), [t], go
+    if impl == "floor3":
+        flat = go.detach().reshape(-1)
+        n = flat.numel()
+        parts = [flat[a:b].clone().requires_grad_() for a, b in ((0, n - 2), (n - 2, n - 1), (n - 1, n))]
+        return (lambda: torch.cat(parts)), (lambda: torch.autograd.grad(torch.cat(parts), parts, flat)), parts, flat
     ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
     f = torch.lerp if impl == "torch" else lerp
     return (lambda: f(x, y, w)), (lambda: torch.autograd.grad(f(x, y, w), ins, go)), ins, go
@@ -214,7 +224,7 @@ def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5
     by tens of percent within a run; alternating puts both sides under the same drift). The
     medians over rounds go into ``row[impl]``; the rounds are returned."""
     fns: dict[str, dict[str, Callable[[], Any]]] = {}
-    impls = ("torch", "flowexec", "floor")  # "floor": the engine-bound least cost (see calls())
+    impls = ("torch", "flowexec", "floor", "floor3")  # the floors: engine-bound least costs (see calls())
     for impl in impls:
         fwd, fwd_bwd, _, _ = calls(case, impl, dev)
         fns[impl] = {"wall_fwd_bwd_us": fwd_bwd, "wall_fwd_us": fwd}
@@ -288,6 +298,8 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
         row["speedup"] = {k: t[k] / fx[k] for k in t if k in fx and fx[k] > 0}
         # The most any implementation could gain by wall time here (PyTorch over the floor op).
         row["wall_speedup_bound"] = t["wall_fwd_bwd_us"] / row["floor"]["wall_fwd_bwd_us"]
+        # ... and for an op that returns three gradients, as lerp does.
+        row["wall_speedup_bound3"] = t["wall_fwd_bwd_us"] / row["floor3"]["wall_fwd_bwd_us"]
         row["flowexec_gpu_over_floor"] = fx["gpu_fwd_bwd_us"] / row["floor_fwd_bwd_us"]
         row["flowexec_kernels_over_floor"] = fx["kernels_fwd_bwd_us"] / row["floor_fwd_bwd_us"]
         row["achieved_fraction_of_copy_bw"] = (fb + bb) / (fx["gpu_fwd_bwd_us"] * 1e-6) / bw
@@ -295,7 +307,8 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
         log(f"{case.name}: GPU fb {t['gpu_fwd_bwd_us']:.1f} vs {fx['gpu_fwd_bwd_us']:.1f} "
             f"(floor {row['floor_fwd_bwd_us']:.1f}, kernels {fx['kernels_fwd_bwd_us']:.1f}), wall fb "
             f"{t['wall_fwd_bwd_us']:.1f} vs {fx['wall_fwd_bwd_us']:.1f}, loop fb {t['loop_fwd_bwd_us']:.1f} vs "
-            f"{fx['loop_fwd_bwd_us']:.1f}, err {row['max_rel_err']:.1e}")
+            f"{fx['loop_fwd_bwd_us']:.1f}, wall bound {row['wall_speedup_bound']:.2f} (three gradients "
+            f"{row['wall_speedup_bound3']:.2f}), err {row['max_rel_err']:.1e}")
         save()
     return res
 
@@ -366,9 +379,9 @@ def run_sweep(dev: str, bw: float, log: Callable[[str], None]) -> dict[str, Any]
 
 def table(res: dict[str, Any]) -> str:
     lines = ["| case | dtype | torch GPU fwd+bwd | flowexec GPU fwd+bwd | floor | flowexec/floor | torch wall fwd+bwd "
-             "| flowexec wall fwd+bwd | wall speed-up | torch fwd | flowexec fwd | loop fwd+bwd torch / flowexec "
-             "| max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| flowexec wall fwd+bwd | wall speed-up | wall bound: one / three gradients | torch fwd | flowexec fwd "
+             "| loop fwd+bwd torch / flowexec | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         if "error" in r:
             lines.append(f"| {name} | {r['dtype']} | failed: see the log |")
@@ -378,7 +391,9 @@ def table(res: dict[str, Any]) -> str:
             f"| {name} | {r['dtype']} | {t['gpu_fwd_bwd_us']:.1f} µs | {f['gpu_fwd_bwd_us']:.1f} µs "
             f"({t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}×) | {r['floor_fwd_bwd_us']:.1f} µs "
             f"| {r['flowexec_gpu_over_floor']:.2f} | {t['wall_fwd_bwd_us']:.1f} µs | {f['wall_fwd_bwd_us']:.1f} µs "
-            f"| {t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}× | {t['wall_fwd_us']:.1f} µs "
+            f"| {t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}× "
+            f"| {r.get('wall_speedup_bound', float('nan')):.2f} / {r.get('wall_speedup_bound3', float('nan')):.2f} "
+            f"| {t['wall_fwd_us']:.1f} µs "
             f"| {f['wall_fwd_us']:.1f} µs | {t['loop_fwd_bwd_us']:.1f} / {f['loop_fwd_bwd_us']:.1f} µs "
             f"| {r['max_rel_err']:.1e} |")
     return "\n".join(lines)
