@@ -2,7 +2,8 @@
 
 Per case and implementation: forward, backward and forward+backward wall time as a user calls
 them (``triton.testing.do_bench``, median, autograd included; forward and forward+backward in
-five rounds alternating PyTorch and flowexec, median of the rounds), GPU time of forward and of
+five rounds (``--rounds``) alternating PyTorch, flowexec and two floor ops, median of the rounds),
+GPU time of forward and of
 forward+backward (one CUDA graph replayed; backward = the difference) and the sum of the
 forward+backward kernels' own durations (profiler), the bytes the case must move against the
 device-to-device copy bandwidth measured in the same run (memory floor), and speed-ups.
@@ -11,6 +12,7 @@ Every case is first checked against float64. Prints a table and writes JSON.
     PYTHONPATH=. python3 benchmarks/ops.py                  # all cases -> benchmarks/results/ops.json
     PYTHONPATH=. python3 benchmarks/ops.py --sweep          # also kernel configs on the 4 reference cases
     PYTHONPATH=. python3 benchmarks/ops.py --host           # host cost of the front doors, CPU only
+    PYTHONPATH=. python3 benchmarks/ops.py --cases case1 case3 --rounds 15   # steadier wall medians
 
 Ratios are what to compare: absolute times drift between machines.
 """
@@ -276,7 +278,7 @@ def copy_bandwidth(dev: str) -> float:
 
 
 def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None],
-              res: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
+              res: dict[str, Any], save: Callable[[], None], rounds: int = 5) -> dict[str, Any]:
     for case in cases:
         fb, bb = floor_bytes(case)
         row: dict[str, Any] = {
@@ -288,7 +290,7 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
             row["max_rel_err"] = check_case(case, dev)
             for impl in ("torch", "flowexec"):
                 row[impl] = measure(case, impl, dev, walls=False)
-            row["wall_rounds"] = interleaved_walls(case, dev, row)
+            row["wall_rounds"] = interleaved_walls(case, dev, row, rounds)
         except Exception:  # keep going: the other cases still tell something
             row["error"] = traceback.format_exc(limit=4)
             res[case.name] = row
@@ -464,7 +466,11 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time kernel configs on the reference cases")
     ap.add_argument("--cases", nargs="*", help="names of the cases to run (default: all)")
     ap.add_argument("--host", action="store_true", help="only the front doors' host cost (CPU), printed")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="alternating rounds of wall times per case (their median is the figure; default 5)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.host:
         for k, v in host_overhead().items():
             print(f"{v:7.1f} µs  {k}")
@@ -477,7 +483,9 @@ def main() -> None:
     log = lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
     bw = copy_bandwidth(dev)
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    result: dict[str, Any] = {**run_meta("PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else "")),
+    command = "PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else "") + (
+        f" --rounds {args.rounds}" if args.rounds != 5 else "") + (f" --cases {' '.join(args.cases)}" if args.cases else "")
+    result: dict[str, Any] = {**run_meta(command),
                               "copy_bandwidth_TBps": bw / 1e12}
     cases = [c for c in REFERENCE + EXTRA if not args.cases or c.name in args.cases]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -498,7 +506,7 @@ def main() -> None:
     with L.configured(**cfg) as used:
         result["config"] = dataclasses.asdict(used)
         result["cases"] = {}
-        run_cases(cases, dev, bw, log, result["cases"], save)
+        run_cases(cases, dev, bw, log, result["cases"], save, args.rounds)
         result["direct_launch_active"] = direct_launch_active()
         result["native_front_door_active"] = importlib.import_module("flowexec.kernels._native").front_door is not None
     save()
