@@ -91,8 +91,9 @@ def lerp() -> None:
           "rounds. One gradient: `t * 2` and its backward on one output-sized tensor (one launch each way). Three "
           "gradients: `torch.cat` of three leaves (one output-sized, two of one element): one launch forward, a "
           "backward of views only. Every gradient that reaches a leaf is a task of its own for autograd's engine, "
-          "and lerp returns three, so no implementation of it could gain more by wall time on that host than the "
-          "three-gradient bound.\n")
+          "and lerp returns three, so the three-gradient bound is about the most any implementation of it could gain "
+          "by wall time on that host (each bound is a ratio of medians over rounds that vary by tens of percent, so "
+          "one run can land on either side of it).\n")
 
 
 def graph_inputs() -> None:
