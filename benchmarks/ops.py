@@ -180,10 +180,10 @@ def calls(case: Case, impl: str, dev: str) -> tuple[Callable[[], Any], Callable[
     is loose: lerp returns three gradients, which costs the engine more than one does
     (``benchmarks/lerp_host.py``, split).
 
-    ``impl`` "floor3" is the least a three-gradient op costs: ``torch.cat`` of three leaves (an
-    output-sized one and two of one element), one kernel forward, a backward of views only (no
-    launch). Every gradient that reaches a leaf is a task of its own for the engine, so no lerp,
-    which needs a launch in its backward too, can cost the host less.
+    ``impl`` "floor3" is the least a three-gradient op costs: ``torch.cat`` of three leaves
+    (together the output's size: one of all but two elements, two of one), one kernel forward, a
+    backward of views only (no launch). Every gradient that reaches a leaf is a task of its own for
+    the engine, so no lerp, which needs a launch in its backward too, can cost the host less.
     """
     x, y, w, go = make_inputs(case, dev)
     if impl == "floor":
@@ -222,9 +222,9 @@ def measure(case: Case, impl: str, dev: str, full: bool = True, walls: bool = Tr
 
 
 def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5) -> dict[str, list[float]]:
-    """Wall times of both implementations measured in alternating rounds (the host's speed drifts
-    by tens of percent within a run; alternating puts both sides under the same drift). The
-    medians over rounds go into ``row[impl]``; the rounds are returned."""
+    """Wall times of PyTorch, flowexec and the two floor ops measured in alternating rounds (the
+    host's speed drifts by tens of percent within a run; alternating puts all under the same
+    drift). The medians over rounds go into ``row[impl]``; the rounds are returned."""
     fns: dict[str, dict[str, Callable[[], Any]]] = {}
     impls = ("torch", "flowexec", "floor", "floor3")  # the floors: engine-bound least costs (see calls())
     for impl in impls:
@@ -483,8 +483,9 @@ def main() -> None:
     log = lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
     bw = copy_bandwidth(dev)
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    command = "PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else "") + (
-        f" --rounds {args.rounds}" if args.rounds != 5 else "") + (f" --cases {' '.join(args.cases)}" if args.cases else "")
+    command = ("PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else "")
+               + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+               + (f" --cases {' '.join(args.cases)}" if args.cases else ""))
     result: dict[str, Any] = {**run_meta(command),
                               "copy_bandwidth_TBps": bw / 1e12}
     cases = [c for c in REFERENCE + EXTRA if not args.cases or c.name in args.cases]

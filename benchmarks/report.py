@@ -89,7 +89,8 @@ def lerp() -> None:
               f"| {bound} | {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
     print("\nWall bound: PyTorch's median wall time over that of a floor op, measured in the same alternating "
           "rounds. One gradient: `t * 2` and its backward on one output-sized tensor (one launch each way). Three "
-          "gradients: `torch.cat` of three leaves (one output-sized, two of one element): one launch forward, a "
+          "gradients: `torch.cat` of three leaves (together the output's size: one of all but two elements, two of "
+          "one): one launch forward, a "
           "backward of views only. Every gradient that reaches a leaf is a task of its own for autograd's engine, "
           "and lerp returns three, so the three-gradient bound is about the most any implementation of it could gain "
           "by wall time on that host (each bound is a ratio of medians over rounds that vary by tens of percent, so "
