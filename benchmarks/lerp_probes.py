@@ -318,27 +318,26 @@ def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor,
     part = g.new_empty(max(bw.part_numel, 1), dtype=plan.part_dtype)
     hi, lo = L._split_weight(wv, plan.acc_f64)
 
-    def args(o: tuple) -> tuple:
-        return (g, xs, ys, wt, *o, part, g, hi, lo, *bw.args_tail)
+    bwa = plan.backward_plan(needs, atomic=True)
+
+    def main(b: Any, o: tuple) -> None:  # the backward's main kernel into outputs o
+        b.main((g, xs, ys, wt, *o, part, g, hi, lo, *b.args_tail), True)
 
     def shipped_main() -> None:
-        bw.main(args(outs["shipped"]), True)
+        main(bw, outs["shipped"])
 
     def shipped() -> None:
-        a = args(outs["shipped"])
-        bw.main(a, True)
+        shipped_main()
         if bw.final is not None:
             bw.final((part, *outs["shipped"], *bw.final_args_tail), True)
 
     red = [o for o, gr in zip(outs["atomic"], bw.grads) if gr is not None and gr.red]
 
-    bwa = plan.backward_plan(needs, atomic=True)
-
     def atomic(zero: bool = True) -> None:
         if zero:
             for o in red:
                 o.zero_()
-        bwa.main((g, xs, ys, wt, *outs["atomic"], part, g, hi, lo, *bwa.args_tail), True)
+        main(bwa, outs["atomic"])
     return {"shipped": shipped, "shipped_main": shipped_main, "atomic": atomic, "outs": outs, "red": red, "needs": needs}
 
 

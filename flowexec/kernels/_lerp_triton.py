@@ -370,6 +370,22 @@ def _reduce_rows(src, dst, P, K, kb, FBR: tl.constexpr, FBK: tl.constexpr, ACC_F
 
 
 @triton.jit
+def _put(dst_ptr, part_ptr, off_p, offs, v, mask, RED: tl.constexpr, ATOMIC: tl.constexpr,
+         EVICT: tl.constexpr = False):
+    """Write gradient values at ``offs``: a reduced one (``RED``) is added into its output, which
+    the forward zeroed, with atomics (``ATOMIC``) or stored as a partial sum for the final pass;
+    any other is stored into its output, as a streaming store with ``EVICT``."""
+    if RED and ATOMIC:
+        tl.atomic_add(dst_ptr + offs, v, mask=mask, sem="relaxed")
+    elif RED:
+        tl.store(part_ptr + off_p + offs, v, mask=mask)
+    elif EVICT:
+        tl.store(dst_ptr + offs, v, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(dst_ptr + offs, v, mask=mask)
+
+
+@triton.jit
 def _grad_out(
     gt, acc, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.constexpr, base, rows, cols, s2, rm, cm,
     VEC: tl.constexpr, STREAM: tl.constexpr, ATOMIC: tl.constexpr = False,
@@ -388,14 +404,8 @@ def _grad_out(
         else:
             t = tl.sum(gt, axis=1)[:, None]
         offs = _tile_offsets(M, base, rows, cols, s2, VEC)
-        if RED and ATOMIC:
-            tl.atomic_add(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm), sem="relaxed")
-        elif RED:
-            tl.store(part_ptr + off_p + offs, t, mask=_tile_mask(M, rm, cm))
-        elif STREAM and (M & 3) == 3:  # a full gradient, written once: leave L2 to the inputs
-            tl.store(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm), cache_modifier=".cs")
-        else:
-            tl.store(dst_ptr + offs, t, mask=_tile_mask(M, rm, cm))
+        # A full gradient is written once: a streaming store leaves L2 to the inputs.
+        _put(dst_ptr, part_ptr, off_p, offs, t, _tile_mask(M, rm, cm), RED, ATOMIC, STREAM and (M & 3) == 3)
     else:
         acc += gt
     return acc
@@ -418,21 +428,10 @@ def _flush_cols(colsum, dst_ptr, part_ptr, off_p, M: tl.constexpr, RED: tl.const
     ``ATOMIC``: add a reduced gradient into its output (zeroed by the forward) with atomics
     instead of writing a partial sum for the final pass."""
     if M & 1:
-        offs = _tile_offsets(M, base, cols, cols, 0, VEC)
-        if RED and ATOMIC:
-            tl.atomic_add(dst_ptr + offs, colsum[None, :], mask=cm[None, :], sem="relaxed")
-        elif RED:
-            tl.store(part_ptr + off_p + offs, colsum[None, :], mask=cm[None, :])
-        else:
-            tl.store(dst_ptr + offs, colsum[None, :], mask=cm[None, :])
+        _put(dst_ptr, part_ptr, off_p, _tile_offsets(M, base, cols, cols, 0, VEC), colsum[None, :], cm[None, :],
+             RED, ATOMIC)
     else:
-        v = tl.sum(colsum, axis=0)
-        if RED and ATOMIC:
-            tl.atomic_add(dst_ptr + base, v, sem="relaxed")
-        elif RED:
-            tl.store(part_ptr + off_p + base, v)
-        else:
-            tl.store(dst_ptr + base, v)
+        _put(dst_ptr, part_ptr, off_p, base, tl.sum(colsum, axis=0), None, RED, ATOMIC)
 
 
 @triton.jit

@@ -429,6 +429,13 @@ class _Plan:
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
 
+    def forward_args(self, x: Tensor, y: Tensor, wt: Tensor, out: Tensor, hi: float, lo: float,
+                     acc: Tensor | None = None) -> tuple:
+        """The forward kernel's arguments (``fwd``, or ``fwd_zero`` with ``acc``, the buffer the
+        kernel then also zeroes); ``acc`` sits at index ``6 + len(fwd_tail)``."""
+        zero = acc is not None
+        return (x, y, wt, out, hi, lo, *self.fwd_tail, acc if zero else out, acc.numel() if zero else 0, zero)
+
     def backward_plan(self, needs: tuple[bool, bool, bool], atomic: bool = False) -> _Backward:
         """The backward for these needed gradients; ``atomic``: summing into the forward's zeroed
         buffer."""
@@ -607,7 +614,7 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     ptrs = (x.data_ptr(), y.data_ptr(), wt.data_ptr(), out.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
     zero = acc is not None
-    args = (x, y, wt, out, hi, lo, *plan.fwd_tail, acc if zero else out, acc.numel() if zero else 0, zero)
+    args = plan.forward_args(x, y, wt, out, hi, lo, acc)
     (plan.fwd_zero if zero else plan.fwd)(args, aligned, ptrs)
     if plan.native_pending[zero] and aligned and fresh:  # the native program allocates its output
         plan.install_native_forward(args, zero)

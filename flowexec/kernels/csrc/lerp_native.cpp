@@ -203,13 +203,12 @@ struct LerpPlan {
   int device = -1;  // CUDA device index; -1: CPU tensors (test build)
   bool w_scalar = false;
   bool f64 = false;
-  std::atomic<Program*> fwd{nullptr};
-  std::array<std::atomic<Program*>, 8> bwd{};  // by needs mask: bit 0 dx, bit 1 dy, bit 2 dw
-  // A forward that also zeroes an `acc_numel` buffer (buffer 4), and backwards that sum the
-  // broadcast operands' gradients into views of it with atomics (no partial sums, no final pass).
+  // fwd[1]: the forward that also zeroes an `acc_numel` buffer (buffer 4); bwd[8 + mask]: the
+  // backwards that sum the broadcast operands' gradients into views of it with atomics (no
+  // partial sums, no final pass). bwd[mask] by needs mask: bit 0 dx, bit 1 dy, bit 2 dw.
   int64_t acc_numel = 0;
-  std::atomic<Program*> fwd_acc{nullptr};
-  std::array<std::atomic<Program*>, 8> bwd_atomic{};
+  std::array<std::atomic<Program*>, 2> fwd{};
+  std::array<std::atomic<Program*>, 16> bwd{};
   py::object py_backward;  // (g, x, y, w | None, wv, (nx, ny, nw), acc | None) -> (dx, dy, dw)
   std::mutex lock;
   std::vector<std::unique_ptr<Program>> owned;
@@ -225,8 +224,8 @@ struct LerpPlan {
 
   LerpPlan(int device_, bool w_scalar_, bool f64_, py::object py_backward_)
       : device(device_), w_scalar(w_scalar_), f64(f64_), py_backward(std::move(py_backward_)) {
+    for (auto& f : fwd) f.store(nullptr);
     for (auto& b : bwd) b.store(nullptr);
-    for (auto& b : bwd_atomic) b.store(nullptr);
   }
   ~LerpPlan() {
     // The last owner may be an autograd node freed on an engine thread: take the GIL for the
@@ -243,14 +242,7 @@ struct LerpPlan {
     std::lock_guard<std::mutex> g(lock);
     Program* raw = p.get();
     owned.push_back(std::move(p));
-    if (slot == -1)
-      fwd.store(raw);
-    else if (slot == -2)
-      fwd_acc.store(raw);
-    else if (slot >= 8)
-      bwd_atomic.at(slot - 8).store(raw);
-    else
-      bwd.at(slot).store(raw);
+    (slot < 0 ? fwd.at(-1 - slot) : bwd.at(slot)).store(raw);
   }
 
   bool on_device(const at::Tensor& t) const {
@@ -341,7 +333,7 @@ struct LerpBackward : public Node {
     }
     const int mask = int(nx) | (int(ny) << 1) | (int(nw) << 2);
     if (acc.defined() && !atomics_allowed()) acc = at::Tensor();
-    Program* p = (acc.defined() ? plan->bwd_atomic[mask] : plan->bwd[mask]).load();
+    Program* p = plan->bwd[mask + (acc.defined() ? 8 : 0)].load();
     if (p != nullptr && plan->on_device(g)) {
       std::vector<at::Tensor> bufs(p->n_buffers);
       bufs[0] = contiguous(g);
@@ -374,7 +366,7 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
   const at::Tensor w = w_opt.has_value() ? *w_opt : at::Tensor();
   const bool requires_grad = torch::autograd::compute_requires_grad(x, y, w);
   const bool with_acc = requires_grad && plan->acc_numel > 0 && atomics_allowed();
-  Program* p = (with_acc ? plan->fwd_acc : plan->fwd).load();
+  Program* p = plan->fwd[with_acc].load();
   if (p == nullptr || !plan->on_device(x)) return {};
   std::vector<at::Tensor> bufs(p->n_buffers);
   {
@@ -548,10 +540,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LerpPlan, std::shared_ptr<LerpPlan>>(m, "LerpPlan")
       .def(py::init<int, bool, bool, py::object>(), py::arg("device"), py::arg("w_scalar"), py::arg("f64"),
            py::arg("py_backward"))
-      .def("has_forward", [](const LerpPlan& p) { return p.fwd.load() != nullptr; })
+      .def("has_forward", [](const LerpPlan& p) { return p.fwd[0].load() != nullptr; })
       .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; })
-      .def("has_forward_acc", [](const LerpPlan& p) { return p.fwd_acc.load() != nullptr; })
-      .def("has_backward_atomic", [](const LerpPlan& p, int mask) { return p.bwd_atomic.at(mask).load() != nullptr; })
+      .def("has_forward_acc", [](const LerpPlan& p) { return p.fwd[1].load() != nullptr; })
+      .def("has_backward_atomic", [](const LerpPlan& p, int mask) { return p.bwd.at(8 + mask).load() != nullptr; })
       .def("set_acc", [](LerpPlan& p, int64_t numel) { p.acc_numel = numel; })
       .def("install", &flowexec::install);
   m.def("register_plan", &flowexec::register_plan);
