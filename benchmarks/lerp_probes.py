@@ -34,6 +34,15 @@ blocks/programs/stages/warps settings; the question was whether a forward can be
 vectorized kernel on the flat cases (it did not: ``probes/lerp_flat_forward_persistent_852d96f.json``).
 
     PYTHONPATH=. python3 benchmarks/lerp_probes.py persistent --out benchmarks/results/probes/lerp_flat_forward_persistent.json
+
+``hosttime``: where the host time of case 1's and case 3's forward + ``autograd.grad`` goes,
+from timestamps: Python's around the forward and the ``autograd.grad`` call, and the native
+path's own (forward in C++, the backward node's entry, launch and exit, on the engine's worker
+thread), in do_bench's setting (256 MiB memset before each call, events around it) and with the
+device idle (a synchronize after each call). PyTorch, the floor ops and flowexec with its
+backward launch, all launches, or direct allocations left out, in five alternating rounds.
+
+    PYTHONPATH=. python3 benchmarks/lerp_probes.py hosttime --out benchmarks/results/probes/lerp_hosttime.json
 """
 from __future__ import annotations
 
@@ -49,7 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lerp_kernels import per_kernel  # noqa: E402
-from ops import EXTRA, REFERENCE, make_inputs, run_meta  # noqa: E402
+from ops import EXTRA, REFERENCE, calls, make_inputs, run_meta  # noqa: E402
 
 L = importlib.import_module("flowexec.kernels.lerp")
 CASES = {c.name: c for c in REFERENCE + EXTRA}
@@ -389,9 +398,88 @@ def probe_contention() -> dict[str, Any]:
     return res
 
 
+# flowexec variants of the hosttime probe: (native launches left out, allocations via the dispatcher)
+HOSTTIME_FX = {"flowexec": (0, False), "flowexec, no backward launch": (2, False),
+               "flowexec, no launches": (3, False), "flowexec, dispatcher allocations": (0, True)}
+STAMPS = ("fwd_in", "fwd_out", "bwd_in", "bwd_launch", "bwd_launched", "bwd_out")
+
+
+def probe_hosttime(iters: int = 300, rounds: int = 5) -> dict[str, Any]:
+    """Per call of forward + ``autograd.grad``: intervals between host timestamps (µs, medians over
+    all calls of all rounds) and the event-timed GPU span as do_bench reports it."""
+    import time
+
+    nat = importlib.import_module("flowexec.kernels._native")
+    mod = nat.load(cuda=True)
+    if mod is None:
+        raise SystemExit("hosttime needs the native extension")
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")  # do_bench's 256 MiB
+    ns = time.monotonic_ns  # CLOCK_MONOTONIC, the native stamps' clock
+    res: dict[str, Any] = {}
+    for name in ("case1", "case3"):
+        case = CASES[name]
+        impls = {"torch": "torch", "floor": "floor", "floor3": "floor3", **{k: "flowexec" for k in HOSTTIME_FX}}
+        fns = {k: calls(case, impl, "cuda") for k, impl in impls.items()}
+        got: dict[str, dict[str, list[float]]] = {}
+        for rnd in range(rounds):
+            order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
+            for mode in ("do_bench", "idle"):
+                for k in order:
+                    fwd, _, ins, go = fns[k]
+                    skip, disp = HOSTTIME_FX.get(k, (0, False))
+                    mod.set_skip_launches(skip)
+                    mod.set_dispatch_alloc(disp)
+                    mod.set_stamping(k in HOSTTIME_FX)
+                    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+                    rows = []
+                    for i in range(iters + 20):
+                        if mode == "do_bench":
+                            flush.zero_()
+                        if i >= 20:
+                            ev[i - 20][0].record()
+                        t0 = ns()
+                        out = fwd()
+                        t1 = ns()
+                        gr = torch.autograd.grad(out, ins, go)
+                        t2 = ns()
+                        if i >= 20:
+                            ev[i - 20][1].record()
+                        st = mod.stamps() if k in HOSTTIME_FX else None
+                        del out, gr
+                        if mode == "idle":
+                            torch.cuda.synchronize()
+                        if i >= 20:
+                            rows.append((t0, t1, t2, st))
+                    torch.cuda.synchronize()
+                    mod.set_stamping(False)
+                    mod.set_skip_launches(0)
+                    mod.set_dispatch_alloc(False)
+                    r = got.setdefault(f"{k} | {mode}", {})
+                    for (t0, t1, t2, st), (a, b) in zip(rows, ev):
+                        iv = {"forward": t1 - t0, "autograd.grad": t2 - t1, "both": t2 - t0}
+                        if st is not None:
+                            s = dict(zip(STAMPS, st))
+                            iv.update({"fwd: python before C++": s["fwd_in"] - t0, "fwd: C++": s["fwd_out"] - s["fwd_in"],
+                                       "fwd: python after C++": t1 - s["fwd_out"],
+                                       "grad: to the node": s["bwd_in"] - t1,
+                                       "node: before launch": s["bwd_launch"] - s["bwd_in"],
+                                       "node: launch": s["bwd_launched"] - s["bwd_launch"],
+                                       "node: after launch": s["bwd_out"] - s["bwd_launched"],
+                                       "grad: after the node": t2 - s["bwd_out"]})
+                        for key, v in iv.items():
+                            r.setdefault(key, []).append(v / 1e3)
+                        r.setdefault("events (do_bench's figure)", []).append(a.elapsed_time(b) * 1e3)
+        med = {k: {kk: round(sorted(v)[len(v) // 2], 2) for kk, v in r.items()} for k, r in got.items()}
+        res[name] = med
+        for k, m in med.items():
+            print(name, k, m, flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics", "contention"))
+    ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics", "contention",
+                                          "hosttime"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -399,6 +487,7 @@ def main() -> None:
     res = {**run_meta(f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}"),
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
                   "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics, "contention": probe_contention,
+                  "hosttime": probe_hosttime,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

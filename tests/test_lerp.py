@@ -396,6 +396,44 @@ def test_native_allocations_match_dispatcher_allocations():
 
 @needs_triton
 @needs_native
+def test_native_stamps_and_skipped_launches():
+    """The probe knobs (benchmarks/lerp_probes.py hosttime): stamps come in call order on the
+    monotonic clock, and a skipped launch runs no kernel (the output keeps what the allocator gave)."""
+    import time
+
+    with L.triton_on_cpu(native=True):
+        x, y, w = _warm_native(*NATIVE_CASES["case4"])
+        mod = _native.load(cuda=False)
+        g = torch.randn(4, 96)
+        try:
+            mod.set_stamping(True)
+            t0 = time.monotonic_ns()
+            out = lerp(x, y, w)
+            t1 = time.monotonic_ns()
+            grads = torch.autograd.grad(out, [x, y, w], g)
+            t2 = time.monotonic_ns()
+            fwd_in, fwd_out, bwd_in, bwd_launch, bwd_launched, bwd_out = mod.stamps()
+            assert t0 <= fwd_in <= fwd_out <= t1 <= bwd_in <= bwd_launch <= bwd_launched <= bwd_out <= t2
+            torch.testing.assert_close(grads[2], (g * (y - x)).detach())
+            mod.set_stamping(False)
+            for bits in (1, 2):
+                mod.set_skip_launches(bits)
+                launched = []
+                real = _native._test_hook
+                mod.set_test_hook(lambda *a: launched.append(a[0]) or real(*a))
+                out = lerp(x, y, w)
+                torch.autograd.grad(out, [x, y, w], g)
+                assert len(launched) == 1, (bits, launched)  # the other direction's one kernel
+        finally:
+            mod.set_stamping(False)
+            mod.set_skip_launches(0)
+            mod.set_test_hook(_native._test_hook)
+        out = lerp(x, y, w)
+        torch.testing.assert_close(out, torch.lerp(x, y, w).detach())
+
+
+@needs_triton
+@needs_native
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True),
                                    (True, False, True)])
 def test_native_computes_only_required_gradients(needs):

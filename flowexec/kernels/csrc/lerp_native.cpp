@@ -24,6 +24,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -164,6 +165,21 @@ at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tenso
 #endif
 }
 
+// Host timestamps (steady clock = CLOCK_MONOTONIC, ns, as Python's time.monotonic_ns) at the
+// native path's stages, and launches left out, for benchmarks/lerp_probes.py hosttime: where an
+// eager forward + autograd.grad spends its host time. Both off unless a probe turns them on.
+enum Stamp { kFwdIn, kFwdOut, kBwdIn, kBwdLaunch, kBwdLaunched, kBwdOut, kStamps };
+std::atomic<bool> stamping{false};
+std::array<std::atomic<int64_t>, kStamps> stamps{};
+std::atomic<int> skip_launches{0};  // bit 0: forward programs, bit 1: backward programs
+
+inline void stamp(Stamp i) {
+  if (stamping.load(std::memory_order_relaxed))
+    stamps[i].store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch()).count(),
+                    std::memory_order_relaxed);
+}
+
 // An allocation of a program: a contiguous tensor of `shape` in `dtype` on the first buffer's
 // device. Shapes are fixed when the program is planned: a plan runs only on the shapes it was
 // registered (forward) or planned (backward, `planned_for`) for.
@@ -188,14 +204,18 @@ struct Program {
   std::vector<AccView> views;
   std::vector<Launch> launches;
 
-  void run(std::vector<at::Tensor>& bufs, float hi, float lo, int device, const at::Tensor& acc = {}) const {
+  // kind: 1 forward, 2 backward (as skip_launches counts them)
+  void run(int kind, std::vector<at::Tensor>& bufs, float hi, float lo, int device, const at::Tensor& acc = {}) const {
     for (const auto& v : views)
       bufs[v.buffer] = acc.as_strided(v.shape, v.strides, acc.storage_offset() + v.offset);
     for (const auto& a : allocs)
       bufs[a.buffer] = allocate(a.shape, a.dtype, bufs[0]);
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
-    for (const auto& l : launches) l.run(bufs, hi, lo, device);
+    if (kind == 2) stamp(kBwdLaunch);
+    if ((skip_launches.load(std::memory_order_relaxed) & kind) == 0)
+      for (const auto& l : launches) l.run(bufs, hi, lo, device);
+    if (kind == 2) stamp(kBwdLaunched);
   }
 };
 
@@ -313,6 +333,7 @@ struct LerpBackward : public Node {
   }
 
   variable_list apply(variable_list&& grads) override {
+    stamp(kBwdIn);
     variable_list out(3);
     at::Tensor acc = std::move(acc_);  // moved out: a second backward (retain_graph) sums partials
     const at::Tensor& g = grads[0];
@@ -342,10 +363,11 @@ struct LerpBackward : public Node {
       bufs[3] = plan->w_scalar ? bufs[1] : contiguous(w);
       if (aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]) && aligned(bufs[3])) {
         const auto [hi, lo] = plan->split(wv);
-        p->run(bufs, hi, lo, plan->device, acc);
+        p->run(2, bufs, hi, lo, plan->device, acc);
         if (nx) out[0] = bufs[4];
         if (ny) out[1] = bufs[5];
         if (nw) out[2] = bufs[6];
+        stamp(kBwdOut);
         return out;
       }
     }
@@ -376,7 +398,7 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
     bufs[2] = w.defined() ? contiguous(w) : bufs[0];
     if (!(aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]))) return {};
     const auto [hi, lo] = plan->split(wv);
-    p->run(bufs, hi, lo, plan->device);
+    p->run(1, bufs, hi, lo, plan->device);
   }
   at::Tensor out = bufs[3];
   if (requires_grad) {
@@ -390,6 +412,7 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
     if (with_acc) node->acc_ = bufs[4];
     torch::autograd::set_history(out, node);
   }
+  stamp(kFwdOut);
   return out;
 }
 
@@ -444,6 +467,7 @@ void register_plan(const std::shared_ptr<LerpPlan>& plan, const at::Tensor& x, c
 // An undefined result (None) sends the call down the Python path, which plans it or reports
 // what is wrong with it.
 at::Tensor lerp(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& w_opt, double wv) {
+  stamp(kFwdIn);
   // Dispatch modes (make_fx, fake tensors) and functorch transforms (which include their front
   // key in the thread-local set while any transform is active) need the registered op.
   if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
@@ -549,6 +573,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_plan", &flowexec::register_plan);
   m.def("clear_plans", [] { flowexec::registry().clear(); });
   m.def("set_dispatch_alloc", [](bool on) { flowexec::dispatch_alloc.store(on, std::memory_order_relaxed); });
+  m.def("set_stamping", [](bool on) { flowexec::stamping.store(on, std::memory_order_relaxed); });
+  m.def("stamps", [] {
+    std::vector<int64_t> v;
+    for (const auto& s : flowexec::stamps) v.push_back(s.load(std::memory_order_relaxed));
+    return v;
+  });
+  m.def("set_skip_launches", [](int bits) { flowexec::skip_launches.store(bits, std::memory_order_relaxed); });
   m.def("lerp", &flowexec::lerp, py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
 #ifdef FLOWEXEC_WITH_CUDA
   m.attr("with_cuda") = true;
