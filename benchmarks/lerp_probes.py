@@ -401,7 +401,7 @@ def probe_contention() -> dict[str, Any]:
 # flowexec variants of the hosttime probe: (native launches left out, allocations via the dispatcher)
 HOSTTIME_FX = {"flowexec": (0, False), "flowexec, no backward launch": (2, False),
                "flowexec, no launches": (3, False), "flowexec, dispatcher allocations": (0, True)}
-STAMPS = ("fwd_in", "fwd_out", "bwd_in", "bwd_launch", "bwd_launched", "bwd_out")
+STAMPS = tuple(f"{d} {s}" for d in ("fwd", "bwd") for s in ("in", "planned", "views", "allocs", "launched", "out"))
 
 
 def probe_hosttime(iters: int = 300, rounds: int = 5) -> dict[str, Any]:
@@ -459,13 +459,13 @@ def probe_hosttime(iters: int = 300, rounds: int = 5) -> dict[str, Any]:
                         iv = {"forward": t1 - t0, "autograd.grad": t2 - t1, "both": t2 - t0}
                         if st is not None:
                             s = dict(zip(STAMPS, st))
-                            iv.update({"fwd: python before C++": s["fwd_in"] - t0, "fwd: C++": s["fwd_out"] - s["fwd_in"],
-                                       "fwd: python after C++": t1 - s["fwd_out"],
-                                       "grad: to the node": s["bwd_in"] - t1,
-                                       "node: before launch": s["bwd_launch"] - s["bwd_in"],
-                                       "node: launch": s["bwd_launched"] - s["bwd_launch"],
-                                       "node: after launch": s["bwd_out"] - s["bwd_launched"],
-                                       "grad: after the node": t2 - s["bwd_out"]})
+                            iv["fwd: python before C++"] = s["fwd in"] - t0
+                            iv["grad: to the node"] = s["bwd in"] - t1
+                            for d in ("fwd", "bwd"):
+                                for p0, p1 in zip(STAMPS[:5], STAMPS[1:6]):
+                                    iv[f"{d}: {p1[4:]}"] = s[f"{d} {p1[4:]}"] - s[f"{d} {p0[4:]}"]
+                            iv["fwd: python after C++"] = t1 - s["fwd out"]
+                            iv["grad: after the node"] = t2 - s["bwd out"]
                         for key, v in iv.items():
                             r.setdefault(key, []).append(v / 1e3)
                         r.setdefault("events (do_bench's figure)", []).append(a.elapsed_time(b) * 1e3)

@@ -168,7 +168,12 @@ at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tenso
 // Host timestamps (steady clock = CLOCK_MONOTONIC, ns, as Python's time.monotonic_ns) at the
 // native path's stages, and launches left out, for benchmarks/lerp_probes.py hosttime: where an
 // eager forward + autograd.grad spends its host time. Both off unless a probe turns them on.
-enum Stamp { kFwdIn, kFwdOut, kBwdIn, kBwdLaunch, kBwdLaunched, kBwdOut, kStamps };
+// Per direction: entry, plan found, views of the atomic buffer made, allocations made, launched,
+// exit (the node's entry is on the engine's worker thread).
+enum Stamp {
+  kFwdIn, kFwdPlanned, kFwdViews, kFwdAllocs, kFwdLaunched, kFwdOut,
+  kBwdIn, kBwdPlanned, kBwdViews, kBwdAllocs, kBwdLaunched, kBwdOut, kStamps
+};
 std::atomic<bool> stamping{false};
 std::array<std::atomic<int64_t>, kStamps> stamps{};
 std::atomic<int> skip_launches{0};  // bit 0: forward programs, bit 1: backward programs
@@ -206,16 +211,18 @@ struct Program {
 
   // kind: 1 forward, 2 backward (as skip_launches counts them)
   void run(int kind, std::vector<at::Tensor>& bufs, float hi, float lo, int device, const at::Tensor& acc = {}) const {
+    const int at = kind == 1 ? kFwdIn : kBwdIn;
     for (const auto& v : views)
       bufs[v.buffer] = acc.as_strided(v.shape, v.strides, acc.storage_offset() + v.offset);
+    stamp(Stamp(at + 2));
     for (const auto& a : allocs)
       bufs[a.buffer] = allocate(a.shape, a.dtype, bufs[0]);
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
-    if (kind == 2) stamp(kBwdLaunch);
+    stamp(Stamp(at + 3));
     if ((skip_launches.load(std::memory_order_relaxed) & kind) == 0)
       for (const auto& l : launches) l.run(bufs, hi, lo, device);
-    if (kind == 2) stamp(kBwdLaunched);
+    stamp(Stamp(at + 4));
   }
 };
 
@@ -355,6 +362,7 @@ struct LerpBackward : public Node {
     const int mask = int(nx) | (int(ny) << 1) | (int(nw) << 2);
     if (acc.defined() && !atomics_allowed()) acc = at::Tensor();
     Program* p = plan->bwd[mask + (acc.defined() ? 8 : 0)].load();
+    stamp(kBwdPlanned);
     if (p != nullptr && plan->on_device(g)) {
       std::vector<at::Tensor> bufs(p->n_buffers);
       bufs[0] = contiguous(g);
@@ -390,6 +398,7 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
   const bool with_acc = requires_grad && plan->acc_numel > 0 && atomics_allowed();
   Program* p = plan->fwd[with_acc].load();
   if (p == nullptr || !plan->on_device(x)) return {};
+  stamp(kFwdPlanned);
   std::vector<at::Tensor> bufs(p->n_buffers);
   {
     at::NoGradGuard no_grad;  // contiguous() copies must not enter the autograd graph
