@@ -396,6 +396,33 @@ def test_native_allocations_match_dispatcher_allocations():
 
 @needs_triton
 @needs_native
+def test_native_gradients_share_one_allocation():
+    """Two or more allocated gradients are carved out of one allocation: disjoint, 512-byte
+    aligned, stolen into ``.grad`` without a copy and independent there."""
+    with L.triton_on_cpu(native=True):
+        x, y, w = _warm_native(*NATIVE_CASES["case4"])
+        g = torch.randn(4, 96)
+        out = lerp(x, y, w)
+        assert out.grad_fn.name() == "FlowexecLerpBackward"
+        dx, dy, dw = torch.autograd.grad(out, [x, y, w], g)
+        assert dx.untyped_storage().data_ptr() == dy.untyped_storage().data_ptr() == dw.untyped_storage().data_ptr()
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (dx, dy, dw))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+        assert all((t.data_ptr() - dx.untyped_storage().data_ptr()) % 512 == 0 for t in (dx, dy, dw))
+        wd = w.detach()
+        torch.testing.assert_close(dx, g * (1 - wd))
+        torch.testing.assert_close(dy, g * wd)
+        torch.testing.assert_close(dw, g * (y - x).detach())
+        for t in (x, y, w):
+            t.grad = None
+        lerp(x, y, w).backward(g)
+        x.grad.add_(1000.0)  # stolen, not copied: each .grad is its own tensor over the shared storage
+        torch.testing.assert_close(y.grad, g * wd)
+        torch.testing.assert_close(w.grad, g * (y - x).detach())
+
+
+@needs_triton
+@needs_native
 def test_native_stamps_and_skipped_launches():
     """The probe knobs (benchmarks/lerp_probes.py hosttime): stamps come in call order on the
     monotonic clock, and a skipped launch runs no kernel (the output keeps what the allocator gave)."""

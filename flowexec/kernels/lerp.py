@@ -518,7 +518,11 @@ class _Plan:
             launches.append(_native.native_launch(bw.final, final_args, {0: 7, 1: 4, 2: 5, 3: 6}, None))
         if any(la is None for la in launches):
             return
-        allocs = [(4 + i, list(self.shapes[i]), self.dtype) for i in range(3) if bw.needs[i] and bw.acc_views[i] is None]
+        # Two or three allocated gradients share one allocation (one caching-allocator call on
+        # the engine's worker thread instead of one each; the gradients then share a storage, as
+        # torch.cat's backward hands out views of one gradient).
+        own = [i for i in range(3) if bw.needs[i] and bw.acc_views[i] is None]
+        allocs = [(4 + i, list(self.shapes[i]), self.dtype, len(own) > 1) for i in own]
         views = [(4 + i, v[0], list(self.shapes[i])) for i, v in enumerate(bw.acc_views) if v is not None]
         if bw.part_numel:
             allocs.append((7, [bw.part_numel], self.part_dtype))

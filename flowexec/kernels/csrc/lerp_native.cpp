@@ -185,13 +185,35 @@ inline void stamp(Stamp i) {
                     std::memory_order_relaxed);
 }
 
+// A tensor over part of `base`'s storage (offset in elements of `dtype`), made without the
+// dispatcher: as_strided through it costs microseconds (autograd's view bookkeeping) on the
+// engine's worker thread. Not a view for autograd: a plain tensor sharing the storage, as the
+// narrowed gradients of CatBackward share their incoming gradient's.
+at::Tensor over(const at::Tensor& base, at::ScalarType dtype, int64_t offset, at::IntArrayRef sizes,
+                at::IntArrayRef strides) {
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                    c10::scalarTypeToTypeMeta(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return t;
+}
+
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> st(shape.size(), 1);
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) st[i] = st[i + 1] * std::max<int64_t>(shape[i + 1], 1);
+  return st;
+}
+
 // An allocation of a program: a contiguous tensor of `shape` in `dtype` on the first buffer's
-// device. Shapes are fixed when the program is planned: a plan runs only on the shapes it was
-// registered (forward) or planned (backward, `planned_for`) for.
+// device, either its own or carved (at `offset` bytes) out of one allocation the program makes
+// for all such (`Program::block_bytes`): a backward that returns two or three full-size
+// gradients pays the caching allocator once, not per gradient. Shapes are fixed when the program
+// is planned: a plan runs only on the shapes it was registered (forward) or planned (backward,
+// `planned_for`) for.
 struct Alloc {
   int buffer = 0;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape, strides;
   at::ScalarType dtype = at::kFloat;
+  int64_t offset = -1;  // bytes into the program's block; -1: an allocation of its own
 };
 
 // A buffer that is part of the zeroed buffer a forward left for its backward's atomic sums.
@@ -205,6 +227,7 @@ struct AccView {
 // rest alias buffer 0.
 struct Program {
   int n_buffers = 0;
+  int64_t block_bytes = 0;  // the one allocation the allocs with an offset share (0: none)
   std::vector<Alloc> allocs;
   std::vector<AccView> views;
   std::vector<Launch> launches;
@@ -213,10 +236,15 @@ struct Program {
   void run(int kind, std::vector<at::Tensor>& bufs, float hi, float lo, int device, const at::Tensor& acc = {}) const {
     const int at = kind == 1 ? kFwdIn : kBwdIn;
     for (const auto& v : views)
-      bufs[v.buffer] = acc.as_strided(v.shape, v.strides, acc.storage_offset() + v.offset);
+      bufs[v.buffer] = over(acc, acc.scalar_type(), acc.storage_offset() + v.offset, v.shape, v.strides);
     stamp(Stamp(at + 2));
+    const bool own = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
+    at::Tensor block = block_bytes > 0 && !own ? allocate({block_bytes}, at::kByte, bufs[0]) : at::Tensor();
     for (const auto& a : allocs)
-      bufs[a.buffer] = allocate(a.shape, a.dtype, bufs[0]);
+      bufs[a.buffer] = a.offset >= 0 && block.defined()
+                           ? over(block, a.dtype, a.offset / static_cast<int64_t>(c10::elementSize(a.dtype)), a.shape,
+                                  a.strides)
+                           : allocate(a.shape, a.dtype, bufs[0]);
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
     stamp(Stamp(at + 3));
@@ -524,7 +552,7 @@ Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned sha
   return l;
 }
 
-// Python: plan.install(slot, n_buffers, allocs=[(buffer, shape, dtype)],
+// Python: plan.install(slot, n_buffers, allocs=[(buffer, shape, dtype[, in_block])],
 //                      launches=[(function, grid, block, shared, [(kind, value)])],
 //                      views=[(buffer, offset, shape)]);
 // slot -1: forward, -2: forward that zeroes the buffer for atomics, 0-7: backward by needs mask,
@@ -540,9 +568,7 @@ void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, co
     av.buffer = t[0].cast<int>();
     av.offset = t[1].cast<int64_t>();
     av.shape = t[2].cast<std::vector<int64_t>>();
-    av.strides.assign(av.shape.size(), 1);
-    for (int i = static_cast<int>(av.shape.size()) - 2; i >= 0; --i)
-      av.strides[i] = av.strides[i + 1] * std::max<int64_t>(av.shape[i + 1], 1);
+    av.strides = contiguous_strides(av.shape);
     TORCH_CHECK(av.buffer >= 0 && av.buffer < n_buffers, "flowexec::lerp: bad view");
     p->views.push_back(std::move(av));
   }
@@ -552,6 +578,13 @@ void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, co
     al.buffer = t[0].cast<int>();
     al.shape = t[1].cast<std::vector<int64_t>>();
     al.dtype = t[2].cast<at::ScalarType>();
+    al.strides = contiguous_strides(al.shape);
+    if (t.size() > 3 && t[3].cast<bool>()) {  // carved out of the program's block, 512-byte aligned
+      int64_t numel = 1;
+      for (int64_t d : al.shape) numel *= d;
+      al.offset = (p->block_bytes + 511) / 512 * 512;
+      p->block_bytes = al.offset + numel * static_cast<int64_t>(c10::elementSize(al.dtype));
+    }
     TORCH_CHECK(al.buffer >= 0 && al.buffer < n_buffers, "flowexec::lerp: bad allocation");
     p->allocs.push_back(std::move(al));
   }
