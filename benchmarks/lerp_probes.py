@@ -1,4 +1,4 @@
-"""Two probes behind docs/kernels.md's case-3 and forward analyses (CUDA).
+"""Probes behind docs/kernels.md's case-3, forward and host-time analyses (CUDA).
 
 ``l2``: does the backward find the forward's inputs in L2? Per-kernel times of forward +
 ``autograd.grad`` with the backward right after the forward ("adjacent") and with a 256 MiB
