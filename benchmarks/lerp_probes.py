@@ -330,7 +330,7 @@ def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor,
     bwa = plan.backward_plan(needs, atomic=True)
 
     def main(b: Any, o: tuple) -> None:  # the backward's main kernel into outputs o
-        b.main((g, xs, ys, wt, *o, part, g, hi, lo, *b.args_tail), True)
+        b.main(b.main_args(g, xs, ys, wt, *o, part, g, hi, lo), True)
 
     def shipped_main() -> None:
         main(bw, outs["shipped"])
@@ -338,7 +338,7 @@ def atomics_variant(x: torch.Tensor, y: torch.Tensor, w: Any, go: torch.Tensor,
     def shipped() -> None:
         shipped_main()
         if bw.final is not None:
-            bw.final((part, *outs["shipped"], *bw.final_args_tail), True)
+            bw.final(bw.final_args(part, *outs["shipped"]), True)
 
     red = [o for o, gr in zip(outs["atomic"], bw.grads) if gr is not None and gr.red]
 

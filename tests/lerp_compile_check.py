@@ -121,21 +121,21 @@ def main() -> int:
             assert plan.use_triton, name
             acc_arg = 6 + len(plan.fwd_tail)
             ok &= compile_one(f"{name}: forward ({plan.fwd.fn.__name__})", plan.fwd,
-                              (0,) * 4 + (0.25, 0.0) + plan.fwd_tail + (0, 0, False), dtype, 4, {acc_arg: PTR[dtype]})
+                              plan.forward_args(0, 0, 0, 0, 0.25, 0.0), dtype, 4, {acc_arg: PTR[dtype]})
             needs = (True, True, ws is not None)
             bw = plan.backward_plan(needs)
             part = PTR[plan.part_dtype]
-            ok &= compile_one(f"{name}: backward", bw.main, (0,) * 9 + (0.25, 0.0) + bw.args_tail, dtype, 9,
+            ok &= compile_one(f"{name}: backward", bw.main, bw.main_args(*(0,) * 9, 0.25, 0.0), dtype, 9,
                               {7: part, 8: "*i32"})
             if bw.final is not None:
-                ok &= compile_one(f"{name}: final pass", bw.final, (0,) * 4 + bw.final_args_tail, dtype, 4, {0: part})
+                ok &= compile_one(f"{name}: final pass", bw.final, bw.final_args(0, 0, 0, 0), dtype, 4, {0: part})
             layout = plan.acc_layout()
             if layout is not None:  # the forward that zeroes the backward's buffer, the atomic backward
                 ok &= compile_one(f"{name}: forward zeroing {layout[0]} elements", plan.fwd_zero,
-                                  (0,) * 4 + (0.25, 0.0) + plan.fwd_tail + (0, layout[0], True), dtype, 4,
+                                  plan.forward_args(0, 0, 0, 0, 0.25, 0.0, torch.empty(layout[0])), dtype, 4,
                                   {acc_arg: PTR[dtype]})
                 bwa = plan.backward_plan(needs, atomic=True)
-                ok &= compile_one(f"{name}: atomic backward", bwa.main, (0,) * 9 + (0.25, 0.0) + bwa.args_tail, dtype, 9,
+                ok &= compile_one(f"{name}: atomic backward", bwa.main, bwa.main_args(*(0,) * 9, 0.25, 0.0), dtype, 9,
                                   {7: PTR[dtype], 8: "*i32"})
     for name in ("case1", "case2", "case3"):  # the atomic scheme applies where a final pass is saved
         xs, ys, ws, dtype, changes = CASES[name]

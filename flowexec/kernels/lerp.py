@@ -342,6 +342,16 @@ class _Backward:
             self.final_args_tail = (gx.off, gy.off, gw.off, gx.p, gy.p, gw.p, gx.k, gy.k, gw.k,
                                     gx.red, gy.red, gw.red, plan.acc_f64, fbr, fbk)
 
+    def main_args(self, g: Any, x: Any, y: Any, wt: Any, dx: Any, dy: Any, dw: Any, part: Any, counter: Any,
+                  hi: float, lo: float) -> tuple:
+        """The main backward kernel's arguments (tensors, or placeholders where only the layout
+        matters); the native path's parameter slots follow this order (``install_native_backward``)."""
+        return (g, x, y, wt, dx, dy, dw, part, counter, hi, lo, *self.args_tail)
+
+    def final_args(self, part: Any, dx: Any, dy: Any, dw: Any) -> tuple:
+        """The final pass's arguments (only when ``final`` is planned)."""
+        return (part, dx, dy, dw, *self.final_args_tail)
+
 
 class _Plan:
     """Everything about a call that depends only on shapes, dtype and device."""
@@ -429,10 +439,11 @@ class _Plan:
     def launcher(self, fn: Any, grid: int, num_warps: int) -> Launcher:
         return Launcher(fn, grid, num_warps, self.device_index)
 
-    def forward_args(self, x: Tensor, y: Tensor, wt: Tensor, out: Tensor, hi: float, lo: float,
+    def forward_args(self, x: Any, y: Any, wt: Any, out: Any, hi: float, lo: float,
                      acc: Tensor | None = None) -> tuple:
         """The forward kernel's arguments (``fwd``, or ``fwd_zero`` with ``acc``, the buffer the
-        kernel then also zeroes); ``acc`` sits at index ``6 + len(fwd_tail)``."""
+        kernel then also zeroes); ``acc`` sits at index ``6 + len(fwd_tail)``. ``x``, ``y``,
+        ``wt``, ``out``: tensors, or placeholders where only the layout matters."""
         zero = acc is not None
         return (x, y, wt, out, hi, lo, *self.fwd_tail, acc if zero else out, acc.numel() if zero else 0, zero)
 
@@ -662,11 +673,11 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
     ptrs = (g.data_ptr(), x.data_ptr(), y.data_ptr(), wt.data_ptr(), dx.data_ptr(), dy.data_ptr(), dw.data_ptr(),
             part.data_ptr(), counter.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
-    main_args = (g, x, y, wt, dx, dy, dw, part, counter, hi, lo, *bw.args_tail)
+    main_args = bw.main_args(g, x, y, wt, dx, dy, dw, part, counter, hi, lo)
     bw.main(main_args, aligned, ptrs)
     final_args: tuple = ()
     if bw.final is not None:
-        final_args = (part, dx, dy, dw, *bw.final_args_tail)
+        final_args = bw.final_args(part, dx, dy, dw)
         bw.final(final_args, True, (ptrs[7], ptrs[4], ptrs[5], ptrs[6]))
     if native_install and aligned:
         plan.install_native_backward(bw, main_args, final_args)

@@ -185,66 +185,59 @@ inline void stamp(Stamp i) {
                     std::memory_order_relaxed);
 }
 
-// A tensor over part of `base`'s storage (offset in elements of `dtype`), made without the
-// dispatcher: as_strided through it costs microseconds (autograd's view bookkeeping) on the
-// engine's worker thread. Not a view for autograd: a plain tensor sharing the storage, as the
-// narrowed gradients of CatBackward share their incoming gradient's.
-at::Tensor over(const at::Tensor& base, at::ScalarType dtype, int64_t offset, at::IntArrayRef sizes,
-                at::IntArrayRef strides) {
-  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
-                                                    c10::scalarTypeToTypeMeta(dtype));
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
-  return t;
-}
-
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
   std::vector<int64_t> st(shape.size(), 1);
   for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) st[i] = st[i + 1] * std::max<int64_t>(shape[i + 1], 1);
   return st;
 }
 
-// An allocation of a program: a contiguous tensor of `shape` in `dtype` on the first buffer's
-// device, either its own or carved (at `offset` bytes) out of one allocation the program makes
-// for all such (`Program::block_bytes`): a backward that returns two or three full-size
-// gradients pays the caching allocator once, not per gradient. Shapes are fixed when the program
-// is planned: a plan runs only on the shapes it was registered (forward) or planned (backward,
-// `planned_for`) for.
-struct Alloc {
+// A contiguous tensor of `shape` that a program puts in `buffer`, `offset` elements into the
+// storage of a base the program allocated (so at storage offset 0): the zeroed buffer a forward
+// left for its backward's atomic sums, or the one allocation a backward makes for its gradients.
+struct Region {
   int buffer = 0;
   std::vector<int64_t> shape, strides;
-  at::ScalarType dtype = at::kFloat;
-  int64_t offset = -1;  // bytes into the program's block; -1: an allocation of its own
+  int64_t offset = 0;
+
+  // Made without the dispatcher: as_strided through it costs microseconds (autograd's view
+  // bookkeeping) on the engine's worker thread. Not a view for autograd: a plain tensor sharing
+  // the storage, as the narrowed gradients of CatBackward share their incoming gradient's.
+  at::Tensor over(const at::Tensor& base, at::ScalarType dtype) const {
+    auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                      c10::scalarTypeToTypeMeta(dtype));
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides, offset);
+    return t;
+  }
 };
 
-// A buffer that is part of the zeroed buffer a forward left for its backward's atomic sums.
-struct AccView {
-  int buffer = 0;
-  int64_t offset = 0;
-  std::vector<int64_t> shape, strides;
+// An allocation of a program: a contiguous tensor in `dtype` on the first buffer's device,
+// either its own or (`in_block`) a region of the one allocation the program makes for all such
+// (`Program::block_bytes`): a backward that returns two or three full-size gradients pays the
+// caching allocator once, not per gradient. Shapes are fixed when the program is planned: a plan
+// runs only on the shapes it was registered (forward) or planned (backward, `planned_for`) for.
+struct Alloc : Region {
+  at::ScalarType dtype = at::kFloat;
+  bool in_block = false;
 };
 
 // Buffers 0..n_inputs-1 are the call's inputs; allocations and views of `acc` fill others; the
 // rest alias buffer 0.
 struct Program {
   int n_buffers = 0;
-  int64_t block_bytes = 0;  // the one allocation the allocs with an offset share (0: none)
+  int64_t block_bytes = 0;  // the one allocation the allocs `in_block` share (0: none)
   std::vector<Alloc> allocs;
-  std::vector<AccView> views;
+  std::vector<Region> views;  // of `acc`: the gradients a backward adds into with atomics
   std::vector<Launch> launches;
 
   // kind: 1 forward, 2 backward (as skip_launches counts them)
   void run(int kind, std::vector<at::Tensor>& bufs, float hi, float lo, int device, const at::Tensor& acc = {}) const {
     const int at = kind == 1 ? kFwdIn : kBwdIn;
-    for (const auto& v : views)
-      bufs[v.buffer] = over(acc, acc.scalar_type(), acc.storage_offset() + v.offset, v.shape, v.strides);
+    for (const auto& v : views) bufs[v.buffer] = v.over(acc, acc.scalar_type());
     stamp(Stamp(at + 2));
     const bool own = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
     at::Tensor block = block_bytes > 0 && !own ? allocate({block_bytes}, at::kByte, bufs[0]) : at::Tensor();
     for (const auto& a : allocs)
-      bufs[a.buffer] = a.offset >= 0 && block.defined()
-                           ? over(block, a.dtype, a.offset / static_cast<int64_t>(c10::elementSize(a.dtype)), a.shape,
-                                  a.strides)
-                           : allocate(a.shape, a.dtype, bufs[0]);
+      bufs[a.buffer] = a.in_block && block.defined() ? a.over(block, a.dtype) : allocate(a.shape, a.dtype, bufs[0]);
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
     stamp(Stamp(at + 3));
@@ -564,13 +557,13 @@ void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, co
   p->n_buffers = n_buffers;
   for (const auto& v : views) {
     auto t = v.cast<py::tuple>();
-    AccView av;
-    av.buffer = t[0].cast<int>();
-    av.offset = t[1].cast<int64_t>();
-    av.shape = t[2].cast<std::vector<int64_t>>();
-    av.strides = contiguous_strides(av.shape);
-    TORCH_CHECK(av.buffer >= 0 && av.buffer < n_buffers, "flowexec::lerp: bad view");
-    p->views.push_back(std::move(av));
+    Region r;
+    r.buffer = t[0].cast<int>();
+    r.offset = t[1].cast<int64_t>();
+    r.shape = t[2].cast<std::vector<int64_t>>();
+    r.strides = contiguous_strides(r.shape);
+    TORCH_CHECK(r.buffer >= 0 && r.buffer < n_buffers, "flowexec::lerp: bad view");
+    p->views.push_back(std::move(r));
   }
   for (const auto& a : allocs) {
     auto t = a.cast<py::tuple>();
@@ -579,11 +572,14 @@ void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, co
     al.shape = t[1].cast<std::vector<int64_t>>();
     al.dtype = t[2].cast<at::ScalarType>();
     al.strides = contiguous_strides(al.shape);
-    if (t.size() > 3 && t[3].cast<bool>()) {  // carved out of the program's block, 512-byte aligned
+    al.in_block = t.size() > 3 && t[3].cast<bool>();
+    if (al.in_block) {  // from the block's next 512-byte boundary, in elements of its dtype
+      const int64_t item = static_cast<int64_t>(c10::elementSize(al.dtype));
+      const int64_t start = (p->block_bytes + 511) / 512 * 512;
       int64_t numel = 1;
       for (int64_t d : al.shape) numel *= d;
-      al.offset = (p->block_bytes + 511) / 512 * 512;
-      p->block_bytes = al.offset + numel * static_cast<int64_t>(c10::elementSize(al.dtype));
+      al.offset = start / item;
+      p->block_bytes = start + numel * item;
     }
     TORCH_CHECK(al.buffer >= 0 && al.buffer < n_buffers, "flowexec::lerp: bad allocation");
     p->allocs.push_back(std::move(al));
