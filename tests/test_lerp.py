@@ -423,6 +423,44 @@ def test_native_gradients_share_one_allocation():
 
 @needs_triton
 @needs_native
+@pytest.mark.parametrize("name", ["case1", "case3"])
+def test_native_atomic_buffers_come_from_one_slab(name):
+    """A forward with grad takes the zeroed buffer for its backward's atomic sums from a slab of
+    the stream, not an allocation of its own: successive calls get disjoint, 256-byte aligned
+    slots of one storage, and the reduced gradients are tensors inside their call's slot."""
+    xs, ys, ws, dtype = NATIVE_CASES[name]
+    with L.triton_on_cpu(native=True):
+        x, y, w = _warm_native(xs, ys, ws, dtype)
+        plan = _native_plan(x, y, w)
+        numel, slots = plan.acc_layout()
+        reduced = [i for i, v in enumerate(slots) if v is not None]  # case 1: w; case 3: x and w
+        got = []
+        for seed in range(3):
+            g = torch.randn(plan.out_shape, generator=torch.Generator().manual_seed(seed))
+            out = lerp(x, y, w)
+            assert out.grad_fn.name() == "FlowexecLerpBackward"
+            grads = torch.autograd.grad(out, [x, y, w], g)
+            for d, want in zip(grads, torch.autograd.grad(torch.lerp(x, y, w), [x, y, w], g)):
+                torch.testing.assert_close(d, want)
+            got.append([grads[i] for i in reduced])
+        storage = {d.untyped_storage().data_ptr() for call in got for d in call}
+        assert len(storage) == 1, "the calls' buffers should share one slab"
+        base = storage.pop()
+        starts = [call[0].data_ptr() for call in got]
+        assert all((s - base) % 256 == 0 for s in starts) and len(set(starts)) == 3
+        width = numel * x.element_size()
+        assert all(b - a >= width for a, b in zip(starts, starts[1:])), (starts, width)
+        for call, start in zip(got, starts):  # each gradient at its offset inside its call's slot
+            for i, d in zip(reduced, call):
+                assert d.shape == torch.Size(plan.shapes[i]) and d.is_contiguous()
+                assert d.data_ptr() == start + slots[i][0] * x.element_size()
+        L.clear_plans()  # drops the slabs with the plans; gradients keep theirs alive
+        torch.testing.assert_close(got[0][-1], torch.autograd.grad(
+            torch.lerp(x, y, w), [w], torch.randn(plan.out_shape, generator=torch.Generator().manual_seed(0)))[0])
+
+
+@needs_triton
+@needs_native
 def test_native_stamps_and_skipped_launches():
     """The probe knobs (benchmarks/lerp_probes.py hosttime): stamps come in call order on the
     monotonic clock, and a skipped launch runs no kernel (the output keeps what the allocator gave)."""

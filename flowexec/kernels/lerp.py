@@ -502,8 +502,9 @@ class _Plan:
             nat = mod.LerpPlan(-1 if self.device_index is None else self.device_index, self.w_scalar, self.acc_f64,
                                lambda g, x, y, w, wv, needs, acc: _native_backward(ref, g, x, y, w, wv, needs, acc))
             layout = self.acc_layout()
-            if layout is not None:
-                nat.set_acc(layout[0])
+            if layout is not None:  # the forward's tensor for it is shaped as its first gradient
+                first = next(i for i, v in enumerate(layout[1]) if v is not None and v[0] == 0)
+                nat.set_acc(layout[0], list(self.shapes[first]))
             mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
             self.native = nat
         weight = (4, 5) if self.w_scalar else None
@@ -512,10 +513,8 @@ class _Plan:
                                        {0: 0, 1: 1, 2: 2, 3: 3, acc_arg: 4 if zero else 3}, weight)
         if launch is None:
             return
-        allocs = [(3, list(self.out_shape), self.dtype)]
-        if zero:
-            allocs.append((4, [args[acc_arg + 1]], self.dtype))
-        self.native.install(-2 if zero else -1, 5 if zero else 4, allocs, [launch], [])
+        # Buffer 4, the zeroed buffer of a forward with grad, comes from the C++ side's per-stream slab.
+        self.native.install(-2 if zero else -1, 5 if zero else 4, [(3, list(self.out_shape), self.dtype)], [launch], [])
 
     def install_native_backward(self, bw: _Backward, main_args: tuple, final_args: tuple) -> None:
         """Hand a backward to the C++ side after its first launch. Buffers: 0-3 g, x, y, w;

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -165,6 +166,16 @@ at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tenso
 #endif
 }
 
+// The current stream of `device` as a number (its handle; 0 on the CPU build).
+int64_t current_stream(int device) {
+#ifdef FLOWEXEC_WITH_CUDA
+  return reinterpret_cast<int64_t>(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
+#else
+  (void)device;
+  return 0;
+#endif
+}
+
 // Host timestamps (steady clock = CLOCK_MONOTONIC, ns, as Python's time.monotonic_ns) at the
 // native path's stages, and launches left out, for benchmarks/lerp_probes.py hosttime: where an
 // eager forward + autograd.grad spends its host time. Both off unless a probe turns them on.
@@ -203,12 +214,59 @@ struct Region {
   // bookkeeping) on the engine's worker thread. Not a view for autograd: a plain tensor sharing
   // the storage, as the narrowed gradients of CatBackward share their incoming gradient's.
   at::Tensor over(const at::Tensor& base, at::ScalarType dtype) const {
+    return over_storage(base, dtype, shape, strides, base.storage_offset() + offset);
+  }
+
+  static at::Tensor over_storage(const at::Tensor& base, at::ScalarType dtype, at::IntArrayRef shape,
+                                 at::IntArrayRef strides, int64_t storage_offset) {
     auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
                                                       c10::scalarTypeToTypeMeta(dtype));
-    t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides, offset);
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides, storage_offset);
     return t;
   }
 };
+
+// The zeroed buffers forwards leave for their backwards' atomic sums are carved from a slab per
+// device and stream instead of one caching-allocator call each (on the forward's critical path):
+// a few hundred bytes a call, slots never reused, a slab freed by the allocator once the last
+// gradient made inside it (a `w.grad`, say) dies. Per stream, because the caching allocator
+// orders a freed block's reuse after the work of the stream it was allocated on.
+class Slabs {
+ public:
+  static constexpr int64_t kSlabBytes = 256 * 1024, kAlign = 256;
+
+  // A tensor of `shape` and `dtype` (contiguous) in a fresh slot of the current stream's slab.
+  at::Tensor take(const at::Tensor& like, int device, int64_t stream, at::ScalarType dtype, at::IntArrayRef shape,
+                  at::IntArrayRef strides, int64_t bytes) {
+    std::lock_guard<std::mutex> g(lock_);
+    Slab& s = slabs_[{device, stream}];
+    if (!s.base.defined() || s.used + bytes > s.base.numel()) {
+      s.base = allocate({std::max(kSlabBytes, bytes)}, at::kByte, like);
+      s.used = 0;
+    }
+    const int64_t at = s.used;
+    s.used += (bytes + kAlign - 1) / kAlign * kAlign;
+    return Region::over_storage(s.base, dtype, shape, strides, at / static_cast<int64_t>(c10::elementSize(dtype)));
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> g(lock_);
+    slabs_.clear();
+  }
+
+ private:
+  struct Slab {
+    at::Tensor base;  // bytes
+    int64_t used = 0;
+  };
+  std::mutex lock_;
+  std::map<std::pair<int, int64_t>, Slab> slabs_;
+};
+
+Slabs& slabs() {
+  static Slabs* s = new Slabs();  // leaked: tensors must not be freed during static destruction
+  return *s;
+}
 
 // An allocation of a program: a contiguous tensor in `dtype` on the first buffer's device,
 // either its own or (`in_block`) a region of the one allocation the program makes for all such
@@ -232,7 +290,9 @@ struct Program {
   // kind: 1 forward, 2 backward (as skip_launches counts them)
   void run(int kind, std::vector<at::Tensor>& bufs, float hi, float lo, int device, const at::Tensor& acc = {}) const {
     const int at = kind == 1 ? kFwdIn : kBwdIn;
-    for (const auto& v : views) bufs[v.buffer] = v.over(acc, acc.scalar_type());
+    // The gradient at the buffer's start is the buffer's own tensor (shaped so by the forward).
+    for (const auto& v : views)
+      bufs[v.buffer] = v.offset == 0 && acc.sizes().equals(v.shape) ? acc : v.over(acc, acc.scalar_type());
     stamp(Stamp(at + 2));
     const bool own = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
     at::Tensor block = block_bytes > 0 && !own ? allocate({block_bytes}, at::kByte, bufs[0]) : at::Tensor();
@@ -255,6 +315,7 @@ struct LerpPlan {
   // backwards that sum the broadcast operands' gradients into views of it with atomics (no
   // partial sums, no final pass). bwd[mask] by needs mask: bit 0 dx, bit 1 dy, bit 2 dw.
   int64_t acc_numel = 0;
+  std::vector<int64_t> acc_shape, acc_strides;  // the buffer's tensor: shaped as the gradient at its start
   std::array<std::atomic<Program*>, 2> fwd{};
   std::array<std::atomic<Program*>, 16> bwd{};
   py::object py_backward;  // (g, x, y, w | None, wv, (nx, ny, nw), acc | None) -> (dx, dy, dw)
@@ -402,7 +463,9 @@ struct LerpBackward : public Node {
     }
     py::gil_scoped_acquire gil;  // first use of this mask, or an unusual tensor: Python plans it
     py::object wobj = plan->w_scalar ? py::none() : py::cast(w);
-    py::object accobj = acc.defined() ? py::cast(acc) : py::none();
+    py::object accobj = py::none();  // Python takes the whole buffer, flat
+    if (acc.defined())
+      accobj = py::cast(Region::over_storage(acc, acc.scalar_type(), {plan->acc_numel}, {1}, acc.storage_offset()));
     py::tuple r = plan->py_backward(g, x, y, wobj, wv, py::make_tuple(nx, ny, nw), accobj);
     for (int i = 0; i < 3; ++i)
       if (!r[i].is_none()) out[i] = r[i].cast<at::Tensor>();
@@ -427,6 +490,9 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
     bufs[1] = contiguous(y);
     bufs[2] = w.defined() ? contiguous(w) : bufs[0];
     if (!(aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]))) return {};
+    if (with_acc)
+      bufs[4] = slabs().take(bufs[0], plan->device, current_stream(plan->device), plan->dtype, plan->acc_shape,
+                             plan->acc_strides, plan->acc_numel * static_cast<int64_t>(c10::elementSize(plan->dtype)));
     const auto [hi, lo] = plan->split(wv);
     p->run(1, bufs, hi, lo, plan->device);
   }
@@ -468,9 +534,10 @@ void append_key(std::vector<int64_t>& key, const at::Tensor& t) {
   for (int64_t s : t.sizes()) key.push_back(s);
 }
 
-std::vector<int64_t> key_of(const at::Tensor& x, const at::Tensor& y, const at::Tensor& w) {
-  std::vector<int64_t> key;
-  key.reserve(16);
+// The key of a call, in a buffer of the calling thread's (no allocation per call).
+const std::vector<int64_t>& key_of(const at::Tensor& x, const at::Tensor& y, const at::Tensor& w) {
+  thread_local std::vector<int64_t> key;
+  key.clear();
   key.push_back(static_cast<int64_t>(x.scalar_type()));
   key.push_back(static_cast<int64_t>(x.device().type()));
   key.push_back(x.device().index());
@@ -606,10 +673,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; })
       .def("has_forward_acc", [](const LerpPlan& p) { return p.fwd[1].load() != nullptr; })
       .def("has_backward_atomic", [](const LerpPlan& p, int mask) { return p.bwd.at(8 + mask).load() != nullptr; })
-      .def("set_acc", [](LerpPlan& p, int64_t numel) { p.acc_numel = numel; })
+      .def("set_acc", [](LerpPlan& p, int64_t numel, std::vector<int64_t> shape) {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        TORCH_CHECK(n <= numel, "flowexec::lerp: the atomic buffer's first gradient does not fit in it");
+        p.acc_numel = numel;
+        p.acc_strides = flowexec::contiguous_strides(shape);
+        p.acc_shape = std::move(shape);
+      })
       .def("install", &flowexec::install);
   m.def("register_plan", &flowexec::register_plan);
-  m.def("clear_plans", [] { flowexec::registry().clear(); });
+  m.def("clear_plans", [] {
+    flowexec::registry().clear();
+    flowexec::slabs().clear();
+  });
   m.def("set_dispatch_alloc", [](bool on) { flowexec::dispatch_alloc.store(on, std::memory_order_relaxed); });
   m.def("set_stamping", [](bool on) { flowexec::stamping.store(on, std::memory_order_relaxed); });
   m.def("stamps", [] {
