@@ -8,6 +8,7 @@ that multi-block grids, row splits, partial sums and both final-reduction modes 
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import random
 import subprocess
@@ -449,7 +450,7 @@ def test_native_atomic_buffers_come_from_one_slab(name):
         starts = [call[0].data_ptr() for call in got]
         assert all((s - base) % 256 == 0 for s in starts) and len(set(starts)) == 3
         width = numel * x.element_size()
-        assert all(b - a >= width for a, b in zip(starts, starts[1:])), (starts, width)
+        assert all(b - a >= width for a, b in itertools.pairwise(starts)), (starts, width)
         for call, start in zip(got, starts):  # each gradient at its offset inside its call's slot
             for i, d in zip(reduced, call):
                 assert d.shape == torch.Size(plan.shapes[i]) and d.is_contiguous()
