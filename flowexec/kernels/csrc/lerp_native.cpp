@@ -14,10 +14,13 @@
 // in Triton's interpreter, so the packing and the autograd node are tested without a GPU.
 
 #include <torch/extension.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <ATen/EmptyTensor.h>
+#include <c10/core/CPUAllocator.h>
 #include <ATen/ExpandUtils.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -35,6 +38,7 @@
 
 #ifdef FLOWEXEC_WITH_CUDA
 #include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
@@ -176,6 +180,17 @@ int64_t current_stream(int device) {
 #endif
 }
 
+// `bytes` from the caching allocator as a storage alone: a block that only gradients carved
+// from it (Region::in) are tensors of.
+c10::Storage allocate_storage(int64_t bytes) {
+#ifdef FLOWEXEC_WITH_CUDA
+  c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();
+#else
+  c10::Allocator* a = c10::GetCPUAllocator();  // as at::empty on the CPU
+#endif
+  return c10::Storage(c10::Storage::use_byte_size_t(), bytes, a->allocate(bytes), a, /*resizable=*/false);
+}
+
 // Host timestamps (steady clock = CLOCK_MONOTONIC, ns, as Python's time.monotonic_ns) at the
 // native path's stages, and launches left out, for benchmarks/lerp_probes.py hosttime: where an
 // eager forward + autograd.grad spends its host time. Both off unless a probe turns them on.
@@ -217,10 +232,19 @@ struct Region {
     return over_storage(base, dtype, shape, strides, base.storage_offset() + offset);
   }
 
+  // In a bare storage (no tensor of its own): the one allocation a backward carves its gradients from.
+  at::Tensor in(const c10::Storage& storage, c10::DispatchKeySet keys, at::ScalarType dtype) const {
+    return make(c10::Storage(storage), keys, dtype, shape, strides, offset);
+  }
+
   static at::Tensor over_storage(const at::Tensor& base, at::ScalarType dtype, at::IntArrayRef shape,
                                  at::IntArrayRef strides, int64_t storage_offset) {
-    auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
-                                                      c10::scalarTypeToTypeMeta(dtype));
+    return make(c10::Storage(base.storage()), base.key_set(), dtype, shape, strides, storage_offset);
+  }
+
+  static at::Tensor make(c10::Storage&& storage, c10::DispatchKeySet keys, at::ScalarType dtype, at::IntArrayRef shape,
+                         at::IntArrayRef strides, int64_t storage_offset) {
+    auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, c10::scalarTypeToTypeMeta(dtype));
     t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides, storage_offset);
     return t;
   }
@@ -295,9 +319,11 @@ struct Program {
       bufs[v.buffer] = v.offset == 0 && acc.sizes().equals(v.shape) ? acc : v.over(acc, acc.scalar_type());
     stamp(Stamp(at + 2));
     const bool own = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
-    at::Tensor block = block_bytes > 0 && !own ? allocate({block_bytes}, at::kByte, bufs[0]) : at::Tensor();
+    const bool carve = block_bytes > 0 && !own;
+    c10::Storage block = carve ? allocate_storage(block_bytes) : c10::Storage();
+    const c10::DispatchKeySet keys(bufs[0].is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA);
     for (const auto& a : allocs)
-      bufs[a.buffer] = a.in_block && block.defined() ? a.over(block, a.dtype) : allocate(a.shape, a.dtype, bufs[0]);
+      bufs[a.buffer] = a.in_block && carve ? a.in(block, keys, a.dtype) : allocate(a.shape, a.dtype, bufs[0]);
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
     stamp(Stamp(at + 3));
@@ -582,6 +608,28 @@ at::Tensor lerp(const at::Tensor& x, const at::Tensor& y, const std::optional<at
   return forward(std::move(plan), x, y, w_opt, wv);
 }
 
+// The front door as Python calls it, lerp(x, y, w | None, wv) -> Tensor | None: a plain CPython
+// function (vectorcall), which costs the forward less than pybind11's argument machinery.
+PyObject* lerp_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 4 || !THPVariable_Check(args[0]) || !THPVariable_Check(args[1]) ||
+      (args[2] != Py_None && !THPVariable_Check(args[2]))) {
+    PyErr_SetString(PyExc_TypeError, "flowexec lerp front door: expected (Tensor x, Tensor y, Tensor | None w, float wv)");
+    return nullptr;
+  }
+  const double wv = PyFloat_AsDouble(args[3]);
+  if (wv == -1.0 && PyErr_Occurred()) return nullptr;
+  std::optional<at::Tensor> w;
+  if (args[2] != Py_None) w = THPVariable_Unpack(args[2]);
+  at::Tensor out = lerp(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), w, wv);
+  if (!out.defined()) Py_RETURN_NONE;
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef lerp_def = {"lerp", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(lerp_py)), METH_FASTCALL,
+                        "lerp(x, y, w, wv) -> Tensor | None: the eager forward of a planned call, or None"};
+
 Launch make_launch(int64_t function, unsigned grid, unsigned block, unsigned shared, const py::list& params) {
   Launch l;
   l.function = function;
@@ -695,7 +743,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return v;
   });
   m.def("set_skip_launches", [](int bits) { flowexec::skip_launches.store(bits, std::memory_order_relaxed); });
-  m.def("lerp", &flowexec::lerp, py::arg("x"), py::arg("y"), py::arg("w"), py::arg("wv"));
+  m.attr("lerp") = py::reinterpret_steal<py::object>(PyCFunction_New(&flowexec::lerp_def, nullptr));
 #ifdef FLOWEXEC_WITH_CUDA
   m.attr("with_cuda") = true;
 #else
