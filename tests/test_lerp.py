@@ -393,6 +393,9 @@ def test_native_allocations_match_dispatcher_allocations():
             assert not a.requires_grad or a.grad_fn is not None
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert [t.shape for t in got[False][1:]] == [x.shape, y.shape, w.shape]
+        out = got[False][0].detach()  # an output of its own grows like ATen's (a resizable storage)
+        out.resize_(2 * out.numel()).fill_(1.0)
+        assert out.untyped_storage().nbytes() == 2 * got[True][0].untyped_storage().nbytes()
 
 
 @needs_triton

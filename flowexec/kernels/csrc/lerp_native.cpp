@@ -156,10 +156,23 @@ struct Launch {
   }
 };
 
-// Allocations go straight to the caching allocator, as ATen's own kernels allocate their outputs:
-// at::empty_like is two dispatcher round trips (empty_like, then empty_strided) per buffer, and a
-// backward allocates up to four. `dispatch_alloc` restores them, for comparisons.
+// Allocations go straight to the caching allocator: at::empty_like is two dispatcher round trips
+// (empty_like, then empty_strided) per buffer, and at::detail::empty_cuda, which ATen's own kernels
+// allocate their outputs with, adds a device guard (two runtime calls) that a plan, which only runs
+// on its own current device, does not need. `dispatch_alloc` restores at::empty, for comparisons.
 std::atomic<bool> dispatch_alloc{false};  // read on autograd's worker threads too
+
+// `bytes` from the caching allocator (CUDA build: on the current device) as a bare storage;
+// tensors are made over it (Region::make). Resizable as ATen's outputs are, except a block that
+// several gradients share.
+c10::Storage allocate_storage(int64_t bytes, bool resizable) {
+#ifdef FLOWEXEC_WITH_CUDA
+  c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();
+#else
+  c10::Allocator* a = c10::GetCPUAllocator();  // as at::empty on the CPU
+#endif
+  return c10::Storage(c10::Storage::use_byte_size_t(), bytes, a->allocate(bytes), a, resizable);
+}
 
 at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& on) {
   if (dispatch_alloc.load(std::memory_order_relaxed)) return at::empty(sizes, on.options().dtype(dtype));
@@ -178,17 +191,6 @@ int64_t current_stream(int device) {
   (void)device;
   return 0;
 #endif
-}
-
-// `bytes` from the caching allocator as a storage alone: a block that only gradients carved
-// from it (Region::in) are tensors of.
-c10::Storage allocate_storage(int64_t bytes) {
-#ifdef FLOWEXEC_WITH_CUDA
-  c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();
-#else
-  c10::Allocator* a = c10::GetCPUAllocator();  // as at::empty on the CPU
-#endif
-  return c10::Storage(c10::Storage::use_byte_size_t(), bytes, a->allocate(bytes), a, /*resizable=*/false);
 }
 
 // Host timestamps (steady clock = CLOCK_MONOTONIC, ns, as Python's time.monotonic_ns) at the
@@ -300,6 +302,11 @@ Slabs& slabs() {
 struct Alloc : Region {
   at::ScalarType dtype = at::kFloat;
   bool in_block = false;
+  int64_t bytes = 0;
+
+  at::Tensor alone(c10::DispatchKeySet keys) const {
+    return make(allocate_storage(bytes, /*resizable=*/true), keys, dtype, shape, strides, 0);
+  }
 };
 
 // Buffers 0..n_inputs-1 are the call's inputs; allocations and views of `acc` fill others; the
@@ -319,11 +326,10 @@ struct Program {
       bufs[v.buffer] = v.offset == 0 && acc.sizes().equals(v.shape) ? acc : v.over(acc, acc.scalar_type());
     stamp(Stamp(at + 2));
     const bool own = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
-    const bool carve = block_bytes > 0 && !own;
-    c10::Storage block = carve ? allocate_storage(block_bytes) : c10::Storage();
+    c10::Storage block = block_bytes > 0 && !own ? allocate_storage(block_bytes, false) : c10::Storage();
     const c10::DispatchKeySet keys(bufs[0].is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA);
     for (const auto& a : allocs)
-      bufs[a.buffer] = a.in_block && carve ? a.in(block, keys, a.dtype) : allocate(a.shape, a.dtype, bufs[0]);
+      bufs[a.buffer] = own ? allocate(a.shape, a.dtype, bufs[0]) : a.in_block ? a.in(block, keys, a.dtype) : a.alone(keys);
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
     stamp(Stamp(at + 3));
@@ -688,13 +694,13 @@ void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, co
     al.dtype = t[2].cast<at::ScalarType>();
     al.strides = contiguous_strides(al.shape);
     al.in_block = t.size() > 3 && t[3].cast<bool>();
+    const int64_t item = static_cast<int64_t>(c10::elementSize(al.dtype));
+    al.bytes = item;
+    for (int64_t d : al.shape) al.bytes *= d;
     if (al.in_block) {  // from the block's next 512-byte boundary, in elements of its dtype
-      const int64_t item = static_cast<int64_t>(c10::elementSize(al.dtype));
       const int64_t start = (p->block_bytes + 511) / 512 * 512;
-      int64_t numel = 1;
-      for (int64_t d : al.shape) numel *= d;
       al.offset = start / item;
-      p->block_bytes = start + numel * item;
+      p->block_bytes = start + al.bytes;
     }
     TORCH_CHECK(al.buffer >= 0 && al.buffer < n_buffers, "flowexec::lerp: bad allocation");
     p->allocs.push_back(std::move(al));
