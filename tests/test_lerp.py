@@ -24,6 +24,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     # kernels in this process (CI), and only if nothing imported Triton before us.
     os.environ["TRITON_INTERPRET"] = "1"
 
+import flowexec.kernels  # noqa: E402
 from flowexec.kernels import lerp  # noqa: E402
 
 L = importlib.import_module("flowexec.kernels.lerp")  # the module (``lerp`` is the function)
@@ -390,6 +391,7 @@ def test_native_allocations_match_dispatcher_allocations():
             mod.set_dispatch_alloc(False)
         for a, b in zip(got[False], got[True]):
             assert a.is_contiguous() and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+            assert a.stride() == b.stride() and torch._C._dispatch_keys(a) == torch._C._dispatch_keys(b)
             assert not a.requires_grad or a.grad_fn is not None
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert [t.shape for t in got[False][1:]] == [x.shape, y.shape, w.shape]
@@ -434,8 +436,10 @@ def test_native_atomic_buffers_come_from_one_slab(name):
     slots of one storage, and the reduced gradients are tensors inside their call's slot."""
     xs, ys, ws, dtype = NATIVE_CASES[name]
     with L.triton_on_cpu(native=True):
+        L.clear_plans()  # fresh slabs
         x, y, w = _warm_native(xs, ys, ws, dtype)
         plan = _native_plan(x, y, w)
+        assert plan.native.has_forward_acc() and plan.native.has_backward_atomic(7)
         numel, slots = plan.acc_layout()
         reduced = [i for i, v in enumerate(slots) if v is not None]  # case 1: w; case 3: x and w
         got = []
@@ -458,9 +462,14 @@ def test_native_atomic_buffers_come_from_one_slab(name):
             for i, d in zip(reduced, call):
                 assert d.shape == torch.Size(plan.shapes[i]) and d.is_contiguous()
                 assert d.data_ptr() == start + slots[i][0] * x.element_size()
-        L.clear_plans()  # drops the slabs with the plans; gradients keep theirs alive
-        torch.testing.assert_close(got[0][-1], torch.autograd.grad(
-            torch.lerp(x, y, w), [w], torch.randn(plan.out_shape, generator=torch.Generator().manual_seed(0)))[0])
+        # The slab cannot be resized through a gradient in it (that would move the other slots).
+        with pytest.raises(RuntimeError, match="not resizable"):
+            got[0][0].untyped_storage().resize_(64)
+        flowexec.kernels.clear_lerp_plans()  # drops the slabs with the plans: the next calls take a new one
+        x, y, w = _warm_native(xs, ys, ws, dtype)
+        fresh = torch.autograd.grad(lerp(x, y, w), [x, y, w], torch.randn(plan.out_shape))
+        assert fresh[reduced[0]].untyped_storage().data_ptr() != base
+        assert all(d.untyped_storage().data_ptr() == base for call in got for d in call)  # still theirs
 
 
 @needs_triton

@@ -2,6 +2,8 @@
 
 * :func:`lerp` — ``x + w (y - x)`` with broadcasting and a one-pass fused backward;
   the op ``torch.ops.flowexec.lerp`` serves captured graphs.
+* :func:`clear_lerp_plans` — forget lerp's plans and release what its native path keeps
+  between calls (per-stream slabs for the atomic sums); the next calls plan again.
 
 Example::
 
@@ -13,5 +15,6 @@ Example::
 from __future__ import annotations
 
 from .lerp import LerpConfig, lerp
+from .lerp import clear_plans as clear_lerp_plans
 
-__all__ = ["lerp", "LerpConfig"]
+__all__ = ["lerp", "LerpConfig", "clear_lerp_plans"]

@@ -177,7 +177,14 @@ def triton_on_cpu(enabled: bool = True, native: bool = False) -> Iterator[None]:
 
 
 def clear_plans() -> None:
-    """Forget every plan (Python's and the native front door's); the next calls plan again."""
+    """Forget every plan (Python's and the native front door's) and release the native path's
+    per-stream slabs of atomic-sum buffers; the next calls plan again.
+
+    Example::
+
+        >>> from flowexec.kernels import clear_lerp_plans
+        >>> clear_lerp_plans()
+    """
     _PLANS.clear()
     _native.clear_plans()
 

@@ -38,7 +38,7 @@
 
 #ifdef FLOWEXEC_WITH_CUDA
 #include <ATen/cuda/EmptyTensor.h>
-#include <c10/cuda/CUDACachingAllocator.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
@@ -167,11 +167,17 @@ std::atomic<bool> dispatch_alloc{false};  // read on autograd's worker threads t
 // several gradients share.
 c10::Storage allocate_storage(int64_t bytes, bool resizable) {
 #ifdef FLOWEXEC_WITH_CUDA
-  c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();
+  c10::Allocator* a = at::cuda::getCUDADeviceAllocator();  // as at::detail::empty_cuda
 #else
   c10::Allocator* a = c10::GetCPUAllocator();  // as at::empty on the CPU
 #endif
   return c10::Storage(c10::Storage::use_byte_size_t(), bytes, a->allocate(bytes), a, resizable);
+}
+
+// The dispatch keys of a plain dense tensor on `on`'s device type (TensorImpl adds the autograd
+// keys, as it does for at::empty's).
+c10::DispatchKeySet dense_keys(const at::Tensor& on) {
+  return c10::DispatchKeySet(on.is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA);
 }
 
 at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& on) {
@@ -261,18 +267,21 @@ class Slabs {
  public:
   static constexpr int64_t kSlabBytes = 256 * 1024, kAlign = 256;
 
-  // A tensor of `shape` and `dtype` (contiguous) in a fresh slot of the current stream's slab.
-  at::Tensor take(const at::Tensor& like, int device, int64_t stream, at::ScalarType dtype, at::IntArrayRef shape,
+  // A tensor of `shape` and `dtype` (contiguous) in a fresh slot of the current stream's slab. The
+  // slab's storage is not resizable: the gradients handed out in it are the user's tensors, and a
+  // resize through one of them must not move the other calls' slots.
+  at::Tensor take(c10::DispatchKeySet keys, int device, int64_t stream, at::ScalarType dtype, at::IntArrayRef shape,
                   at::IntArrayRef strides, int64_t bytes) {
     std::lock_guard<std::mutex> g(lock_);
     Slab& s = slabs_[{device, stream}];
-    if (!s.base.defined() || s.used + bytes > s.base.numel()) {
-      s.base = allocate({std::max(kSlabBytes, bytes)}, at::kByte, like);
+    if (s.storage.unsafeGetStorageImpl() == nullptr || s.used + bytes > static_cast<int64_t>(s.storage.nbytes())) {
+      s.storage = allocate_storage(std::max(kSlabBytes, bytes), /*resizable=*/false);
       s.used = 0;
     }
     const int64_t at = s.used;
     s.used += (bytes + kAlign - 1) / kAlign * kAlign;
-    return Region::over_storage(s.base, dtype, shape, strides, at / static_cast<int64_t>(c10::elementSize(dtype)));
+    return Region::make(c10::Storage(s.storage), keys, dtype, shape, strides,
+                        at / static_cast<int64_t>(c10::elementSize(dtype)));
   }
 
   void clear() {
@@ -282,8 +291,8 @@ class Slabs {
 
  private:
   struct Slab {
-    at::Tensor base;  // bytes
-    int64_t used = 0;
+    c10::Storage storage;
+    int64_t used = 0;  // bytes
   };
   std::mutex lock_;
   std::map<std::pair<int, int64_t>, Slab> slabs_;
@@ -327,7 +336,7 @@ struct Program {
     stamp(Stamp(at + 2));
     const bool own = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
     c10::Storage block = block_bytes > 0 && !own ? allocate_storage(block_bytes, false) : c10::Storage();
-    const c10::DispatchKeySet keys(bufs[0].is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA);
+    const c10::DispatchKeySet keys = dense_keys(bufs[0]);
     for (const auto& a : allocs)
       bufs[a.buffer] = own ? allocate(a.shape, a.dtype, bufs[0]) : a.in_block ? a.in(block, keys, a.dtype) : a.alone(keys);
     for (auto& t : bufs)
@@ -523,7 +532,7 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
     bufs[2] = w.defined() ? contiguous(w) : bufs[0];
     if (!(aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]))) return {};
     if (with_acc)
-      bufs[4] = slabs().take(bufs[0], plan->device, current_stream(plan->device), plan->dtype, plan->acc_shape,
+      bufs[4] = slabs().take(dense_keys(bufs[0]), plan->device, current_stream(plan->device), plan->dtype, plan->acc_shape,
                              plan->acc_strides, plan->acc_numel * static_cast<int64_t>(c10::elementSize(plan->dtype)));
     const auto [hi, lo] = plan->split(wv);
     p->run(1, bufs, hi, lo, plan->device);
