@@ -38,7 +38,7 @@
 
 #ifdef FLOWEXEC_WITH_CUDA
 #include <ATen/cuda/EmptyTensor.h>
-#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
@@ -167,7 +167,7 @@ std::atomic<bool> dispatch_alloc{false};  // read on autograd's worker threads t
 // several gradients share.
 c10::Storage allocate_storage(int64_t bytes, bool resizable) {
 #ifdef FLOWEXEC_WITH_CUDA
-  c10::Allocator* a = at::cuda::getCUDADeviceAllocator();  // as at::detail::empty_cuda
+  c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();
 #else
   c10::Allocator* a = c10::GetCPUAllocator();  // as at::empty on the CPU
 #endif
