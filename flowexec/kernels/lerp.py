@@ -511,7 +511,7 @@ class _Plan:
             layout = self.acc_layout()
             if layout is not None:  # the forward's tensor for it is shaped as its first gradient
                 first = next(i for i, v in enumerate(layout[1]) if v is not None and v[0] == 0)
-                nat.set_acc(layout[0], list(self.shapes[first]))
+                nat.set_acc(layout[0], list(self.shapes[first]), self.dtype)
             mod.register_plan(nat, args[0], args[1], None if self.w_scalar else args[2])
             self.native = nat
         weight = (4, 5) if self.w_scalar else None

@@ -111,7 +111,7 @@ struct Launch {
   std::vector<std::pair<int, int>> ptr_slots;   // (parameter, buffer)
   int w_hi = -1, w_lo = -1;                     // parameters that take the call's float weight
 
-  void run(const std::vector<at::Tensor>& bufs, float hi, float lo, int device) const {
+  void run(const std::vector<at::Tensor>& bufs, float hi, float lo, int device, int64_t stream) const {
     const size_t n = values.size();
     uint64_t vals[kMaxParams];
     void* ptrs[kMaxParams];
@@ -122,12 +122,13 @@ struct Launch {
     for (size_t i = 0; i < n; ++i) ptrs[i] = &vals[i];
 #ifdef FLOWEXEC_WITH_CUDA
     ensure_context(device);
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-    int err = driver_launch()(reinterpret_cast<void*>(function), grid, 1, 1, block, 1, 1, shared, stream, ptrs,
+    int err = driver_launch()(reinterpret_cast<void*>(function), grid, 1, 1, block, 1, 1, shared,
+                              reinterpret_cast<void*>(stream), ptrs,
                               nullptr);
     TORCH_CHECK(err == 0, "flowexec::lerp: cuLaunchKernel failed with CUresult ", err);
 #else
     (void)device;
+    (void)stream;
     (void)ptrs;
     py::gil_scoped_acquire gil;
     py::list params;
@@ -174,11 +175,13 @@ c10::Storage allocate_storage(int64_t bytes, bool resizable) {
   return c10::Storage(c10::Storage::use_byte_size_t(), bytes, a->allocate(bytes), a, resizable);
 }
 
-// The dispatch keys of a plain dense tensor on `on`'s device type (TensorImpl adds the autograd
-// keys, as it does for at::empty's).
-c10::DispatchKeySet dense_keys(const at::Tensor& on) {
-  return c10::DispatchKeySet(on.is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA);
-}
+// The dispatch keys of the tensors programs make: plain dense ones of the build's device type
+// (TensorImpl adds the autograd keys, as it does for at::empty's).
+#ifdef FLOWEXEC_WITH_CUDA
+constexpr c10::DispatchKey kBackend = c10::DispatchKey::CUDA;
+#else
+constexpr c10::DispatchKey kBackend = c10::DispatchKey::CPU;
+#endif
 
 at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& on) {
   if (dispatch_alloc.load(std::memory_order_relaxed)) return at::empty(sizes, on.options().dtype(dtype));
@@ -232,27 +235,20 @@ struct Region {
   int buffer = 0;
   std::vector<int64_t> shape, strides;
   int64_t offset = 0;
+  bool whole = false;  // a view that is the forward's atomic buffer itself (its start, its shape)
+
+  // The region in `storage`, whose base starts `base` elements in (a tensor's storage offset).
+  at::Tensor in(const c10::Storage& storage, at::ScalarType dtype, int64_t base = 0) const {
+    return make(storage, dtype, shape, strides, base + offset);
+  }
 
   // Made without the dispatcher: as_strided through it costs microseconds (autograd's view
   // bookkeeping) on the engine's worker thread. Not a view for autograd: a plain tensor sharing
   // the storage, as the narrowed gradients of CatBackward share their incoming gradient's.
-  at::Tensor over(const at::Tensor& base, at::ScalarType dtype) const {
-    return over_storage(base, dtype, shape, strides, base.storage_offset() + offset);
-  }
-
-  // In a bare storage (no tensor of its own): the one allocation a backward carves its gradients from.
-  at::Tensor in(const c10::Storage& storage, c10::DispatchKeySet keys, at::ScalarType dtype) const {
-    return make(c10::Storage(storage), keys, dtype, shape, strides, offset);
-  }
-
-  static at::Tensor over_storage(const at::Tensor& base, at::ScalarType dtype, at::IntArrayRef shape,
-                                 at::IntArrayRef strides, int64_t storage_offset) {
-    return make(c10::Storage(base.storage()), base.key_set(), dtype, shape, strides, storage_offset);
-  }
-
-  static at::Tensor make(c10::Storage&& storage, c10::DispatchKeySet keys, at::ScalarType dtype, at::IntArrayRef shape,
-                         at::IntArrayRef strides, int64_t storage_offset) {
-    auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, c10::scalarTypeToTypeMeta(dtype));
+  static at::Tensor make(c10::Storage storage, at::ScalarType dtype, at::IntArrayRef shape, at::IntArrayRef strides,
+                         int64_t storage_offset) {
+    auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(kBackend),
+                                                      c10::scalarTypeToTypeMeta(dtype));
     t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides, storage_offset);
     return t;
   }
@@ -270,8 +266,8 @@ class Slabs {
   // A tensor of `shape` and `dtype` (contiguous) in a fresh slot of the current stream's slab. The
   // slab's storage is not resizable: the gradients handed out in it are the user's tensors, and a
   // resize through one of them must not move the other calls' slots.
-  at::Tensor take(c10::DispatchKeySet keys, int device, int64_t stream, at::ScalarType dtype, at::IntArrayRef shape,
-                  at::IntArrayRef strides, int64_t bytes) {
+  at::Tensor take(int device, int64_t stream, at::ScalarType dtype, at::IntArrayRef shape, at::IntArrayRef strides,
+                  int64_t bytes) {
     std::lock_guard<std::mutex> g(lock_);
     Slab& s = slabs_[{device, stream}];
     if (s.storage.unsafeGetStorageImpl() == nullptr || s.used + bytes > static_cast<int64_t>(s.storage.nbytes())) {
@@ -280,8 +276,7 @@ class Slabs {
     }
     const int64_t at = s.used;
     s.used += (bytes + kAlign - 1) / kAlign * kAlign;
-    return Region::make(c10::Storage(s.storage), keys, dtype, shape, strides,
-                        at / static_cast<int64_t>(c10::elementSize(dtype)));
+    return Region::make(s.storage, dtype, shape, strides, at / static_cast<int64_t>(c10::elementSize(dtype)));
   }
 
   void clear() {
@@ -313,9 +308,7 @@ struct Alloc : Region {
   bool in_block = false;
   int64_t bytes = 0;
 
-  at::Tensor alone(c10::DispatchKeySet keys) const {
-    return make(allocate_storage(bytes, /*resizable=*/true), keys, dtype, shape, strides, 0);
-  }
+  at::Tensor alone() const { return in(allocate_storage(bytes, /*resizable=*/true), dtype); }
 };
 
 // Buffers 0..n_inputs-1 are the call's inputs; allocations and views of `acc` fill others; the
@@ -328,22 +321,21 @@ struct Program {
   std::vector<Launch> launches;
 
   // kind: 1 forward, 2 backward (as skip_launches counts them)
-  void run(int kind, std::vector<at::Tensor>& bufs, float hi, float lo, int device, const at::Tensor& acc = {}) const {
+  // `stream`: the current stream of `device` (current_stream), fetched once per call.
+  void run(int kind, std::vector<at::Tensor>& bufs, float hi, float lo, int device, int64_t stream,
+           const at::Tensor& acc = {}) const {
     const int at = kind == 1 ? kFwdIn : kBwdIn;
-    // The gradient at the buffer's start is the buffer's own tensor (shaped so by the forward).
-    for (const auto& v : views)
-      bufs[v.buffer] = v.offset == 0 && acc.sizes().equals(v.shape) ? acc : v.over(acc, acc.scalar_type());
+    for (const auto& v : views) bufs[v.buffer] = v.whole ? acc : v.in(acc.storage(), acc.scalar_type(), acc.storage_offset());
     stamp(Stamp(at + 2));
     const bool own = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
     c10::Storage block = block_bytes > 0 && !own ? allocate_storage(block_bytes, false) : c10::Storage();
-    const c10::DispatchKeySet keys = dense_keys(bufs[0]);
     for (const auto& a : allocs)
-      bufs[a.buffer] = own ? allocate(a.shape, a.dtype, bufs[0]) : a.in_block ? a.in(block, keys, a.dtype) : a.alone(keys);
+      bufs[a.buffer] = own ? allocate(a.shape, a.dtype, bufs[0]) : a.in_block ? a.in(block, a.dtype) : a.alone();
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
     stamp(Stamp(at + 3));
     if ((skip_launches.load(std::memory_order_relaxed) & kind) == 0)
-      for (const auto& l : launches) l.run(bufs, hi, lo, device);
+      for (const auto& l : launches) l.run(bufs, hi, lo, device, stream);
     stamp(Stamp(at + 4));
   }
 };
@@ -356,6 +348,7 @@ struct LerpPlan {
   // backwards that sum the broadcast operands' gradients into views of it with atomics (no
   // partial sums, no final pass). bwd[mask] by needs mask: bit 0 dx, bit 1 dy, bit 2 dw.
   int64_t acc_numel = 0;
+  int64_t acc_bytes = 0;
   std::vector<int64_t> acc_shape, acc_strides;  // the buffer's tensor: shaped as the gradient at its start
   std::array<std::atomic<Program*>, 2> fwd{};
   std::array<std::atomic<Program*>, 16> bwd{};
@@ -494,7 +487,7 @@ struct LerpBackward : public Node {
       bufs[3] = plan->w_scalar ? bufs[1] : contiguous(w);
       if (aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]) && aligned(bufs[3])) {
         const auto [hi, lo] = plan->split(wv);
-        p->run(2, bufs, hi, lo, plan->device, acc);
+        p->run(2, bufs, hi, lo, plan->device, current_stream(plan->device), acc);
         if (nx) out[0] = bufs[4];
         if (ny) out[1] = bufs[5];
         if (nw) out[2] = bufs[6];
@@ -506,7 +499,7 @@ struct LerpBackward : public Node {
     py::object wobj = plan->w_scalar ? py::none() : py::cast(w);
     py::object accobj = py::none();  // Python takes the whole buffer, flat
     if (acc.defined())
-      accobj = py::cast(Region::over_storage(acc, acc.scalar_type(), {plan->acc_numel}, {1}, acc.storage_offset()));
+      accobj = py::cast(Region::make(acc.storage(), acc.scalar_type(), {plan->acc_numel}, {1}, acc.storage_offset()));
     py::tuple r = plan->py_backward(g, x, y, wobj, wv, py::make_tuple(nx, ny, nw), accobj);
     for (int i = 0; i < 3; ++i)
       if (!r[i].is_none()) out[i] = r[i].cast<at::Tensor>();
@@ -531,11 +524,11 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
     bufs[1] = contiguous(y);
     bufs[2] = w.defined() ? contiguous(w) : bufs[0];
     if (!(aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]))) return {};
+    const int64_t stream = current_stream(plan->device);
     if (with_acc)
-      bufs[4] = slabs().take(dense_keys(bufs[0]), plan->device, current_stream(plan->device), plan->dtype, plan->acc_shape,
-                             plan->acc_strides, plan->acc_numel * static_cast<int64_t>(c10::elementSize(plan->dtype)));
+      bufs[4] = slabs().take(plan->device, stream, plan->dtype, plan->acc_shape, plan->acc_strides, plan->acc_bytes);
     const auto [hi, lo] = plan->split(wv);
-    p->run(1, bufs, hi, lo, plan->device);
+    p->run(1, bufs, hi, lo, plan->device, stream);
   }
   at::Tensor out = bufs[3];
   if (requires_grad) {
@@ -692,6 +685,8 @@ void install(LerpPlan& plan, int slot, int n_buffers, const py::list& allocs, co
     r.offset = t[1].cast<int64_t>();
     r.shape = t[2].cast<std::vector<int64_t>>();
     r.strides = contiguous_strides(r.shape);
+    // The gradient at the buffer's start is the tensor the forward made for the buffer (shaped as it).
+    r.whole = r.offset == 0 && r.shape == plan.acc_shape;
     TORCH_CHECK(r.buffer >= 0 && r.buffer < n_buffers, "flowexec::lerp: bad view");
     p->views.push_back(std::move(r));
   }
@@ -736,11 +731,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("has_backward", [](const LerpPlan& p, int mask) { return p.bwd.at(mask).load() != nullptr; })
       .def("has_forward_acc", [](const LerpPlan& p) { return p.fwd[1].load() != nullptr; })
       .def("has_backward_atomic", [](const LerpPlan& p, int mask) { return p.bwd.at(8 + mask).load() != nullptr; })
-      .def("set_acc", [](LerpPlan& p, int64_t numel, std::vector<int64_t> shape) {
+      .def("set_acc", [](LerpPlan& p, int64_t numel, std::vector<int64_t> shape, at::ScalarType dtype) {
         int64_t n = 1;
         for (int64_t d : shape) n *= d;
         TORCH_CHECK(n <= numel, "flowexec::lerp: the atomic buffer's first gradient does not fit in it");
         p.acc_numel = numel;
+        p.acc_bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
         p.acc_strides = flowexec::contiguous_strides(shape);
         p.acc_shape = std::move(shape);
       })
