@@ -2,6 +2,7 @@
 
     python3 benchmarks/report.py            # print
     python3 benchmarks/report.py --readme   # rewrite the block between the report markers in README.md
+    python3 benchmarks/report.py --pool benchmarks/results/ops_ef035a6*.json   # lerp rounds of several runs pooled
 
 Every figure comes from a results file written by a benchmark script; nothing here measures.
 """
@@ -97,6 +98,42 @@ def lerp() -> None:
           "one run can land on either side of it).\n")
 
 
+LERP_GOALS = {"case1": 2.0, "case2": 1.5, "case3": 2.0, "case4": 1.5}  # issue 3's wall speed-ups
+
+
+def pool_lerp(paths: list[str]) -> None:
+    """The wall rounds of several ``benchmarks/ops.py`` runs taken together, per reference case:
+    the median of the per-round ratios PyTorch ÷ flowexec, how many rounds meet the issue's goal,
+    the same median against the floor ops (bounds), and flowexec − three-gradient floor op."""
+    import statistics
+
+    rounds: dict[str, dict[str, list[float]]] = {}
+    for path in paths:
+        with open(path) as fh:
+            cases = json.load(fh)["cases"]
+        for name in LERP_GOALS:
+            wr = cases.get(name, {}).get("wall_rounds")
+            if not wr:
+                continue
+            r = rounds.setdefault(name, {})
+            for impl in ("torch", "flowexec", "floor", "floor3"):
+                r.setdefault(impl, []).extend(wr.get(f"{impl}:wall_fwd_bwd_us", []))
+    print(f"Wall rounds of {len(paths)} runs pooled (median of per-round ratios):\n")
+    print("| case | rounds | PyTorch ÷ flowexec | rounds meeting the goal | bound: one / three gradients "
+          "| flowexec − floor3 |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rounds.items():
+        t, f = r["torch"], r["flowexec"]
+        ratios = [a / b for a, b in zip(t, f)]
+        bounds = " / ".join(f"{statistics.median(a / b for a, b in zip(t, r[k])):.2f}×" if len(r.get(k, [])) == len(t)
+                            else "–" for k in ("floor", "floor3"))
+        gap = (f"{statistics.median(b - c for b, c in zip(f, r['floor3'])):.1f} µs"
+               if len(r.get("floor3", [])) == len(f) else "–")
+        met = sum(x >= LERP_GOALS[name] for x in ratios)
+        print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f}× | {met} (goal {LERP_GOALS[name]}×) "
+              f"| {bounds} | {gap} |")
+
+
 def graph_inputs() -> None:
     d = load("graph_inputs.json")
     if not d:
@@ -144,6 +181,9 @@ def main() -> None:
     import io
     import sys
 
+    if "--pool" in sys.argv:  # the paths follow it
+        pool_lerp(sys.argv[sys.argv.index("--pool") + 1:])
+        return
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         step_time()
