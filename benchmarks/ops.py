@@ -2,8 +2,9 @@
 
 Per case and implementation: forward, backward and forward+backward wall time as a user calls
 them (``triton.testing.do_bench``, median, autograd included; forward and forward+backward in
-five rounds (``--rounds``) alternating PyTorch, flowexec and two floor ops, median of the rounds),
-GPU time of forward and of
+five rounds (``--rounds``) alternating PyTorch, flowexec and two floor ops, median of the rounds;
+and do_bench's per-call samples with the four taking turns call by call (``--turns`` calls each,
+median), which puts them all under the same host drift), GPU time of forward and of
 forward+backward (one CUDA graph replayed; backward = the difference) and the sum of the
 forward+backward kernels' own durations (profiler), the bytes the case must move against the
 device-to-device copy bandwidth measured in the same run (memory floor), and speed-ups.
@@ -13,6 +14,7 @@ Every case is first checked against float64. Prints a table and writes JSON.
     PYTHONPATH=. python3 benchmarks/ops.py --sweep          # also kernel configs on the 4 reference cases
     PYTHONPATH=. python3 benchmarks/ops.py --host           # host cost of the front doors, CPU only
     PYTHONPATH=. python3 benchmarks/ops.py --cases case1 case3 --rounds 15   # steadier wall medians
+    PYTHONPATH=. python3 benchmarks/ops.py --cases case1 --rounds 1 --turns 3000   # mostly alternating calls
 
 Ratios are what to compare: absolute times drift between machines.
 """
@@ -26,6 +28,7 @@ import importlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -241,6 +244,94 @@ def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5
     return got
 
 
+def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warmup: int = 20,
+                      timer: Any = None) -> dict[str, list[float]]:
+    """``triton.testing.do_bench``'s per-call samples (µs), the functions taking turns call by call.
+
+    Each sample is what do_bench times for one call: the L2 flushed (do_bench's own 256 MiB
+    memset), a start event, the call, an end event; all are read after one synchronize at the end,
+    as do_bench does. Here the calls of all ``fns`` alternate and the order rotates every turn, so
+    each function follows each other one equally often and all of them sample the host in the same
+    states. The host of the lent machines drifts by 2× within seconds (``wall_rounds``), which a
+    do_bench of one function after another's turns into noise in the ratio of their medians.
+    ``timer`` replaces (event class, flush, synchronize) in tests.
+
+    >>> s = bench_alternating({"a": lambda: None, "b": lambda: None}, calls=3, timer=FakeTimer())
+    >>> sorted(s), len(s["a"])
+    (['a', 'b'], 3)
+    """
+    if timer is None:
+        from triton import runtime
+
+        drv = runtime.driver.active
+        di = drv.get_device_interface()
+        cache = drv.get_empty_cache_for_benchmark()
+        timer = (lambda: di.Event(enable_timing=True), lambda: drv.clear_cache(cache), di.synchronize)
+    event, flush, sync = timer
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    sync()
+    marks = {name: [(event(), event()) for _ in range(calls)] for name in names}
+    for i in range(calls):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            start, end = marks[name][i]
+            flush()
+            start.record()
+            fns[name]()
+            end.record()
+    sync()
+    return {name: [s.elapsed_time(e) * 1e3 for s, e in pairs] for name, pairs in marks.items()}
+
+
+class FakeTimer(tuple):
+    """(event class, flush, synchronize) on the host clock: runs ``bench_alternating`` without a GPU."""
+
+    class Event:
+        def __init__(self) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end: "FakeTimer.Event") -> float:  # ms, as CUDA events give
+            return (end.t - self.t) * 1e3
+
+    def __new__(cls) -> "FakeTimer":
+        return super().__new__(cls, (cls.Event, lambda: None, lambda: None))
+
+
+def alternating_walls(case: Case, dev: str, row: dict[str, Any], turns: int = 1000,
+                      segments: int = 5, timer: Any = None) -> dict[str, Any]:
+    """PyTorch, flowexec and the two floor ops by ``bench_alternating``: forward + ``autograd.grad``
+    in one alternation, the forward in another. Returns per implementation and key the median and
+    quartiles over all calls and the medians of ``segments`` consecutive stretches of the run (how
+    far the host drifted while it ran); the speed-ups are PyTorch's median over flowexec's.
+    ``timer``: as for ``bench_alternating``."""
+    impls = ("torch", "flowexec", "floor", "floor3")
+    made = {impl: calls(case, impl, dev) for impl in impls}
+    out: dict[str, Any] = {"turns": turns}
+    for key, pick in (("wall_fwd_bwd_us", 1), ("wall_fwd_us", 0)):
+        got = bench_alternating({impl: made[impl][pick] for impl in impls}, turns, timer=timer)
+        for impl, vals in got.items():
+            q = statistics.quantiles(vals, n=4)
+            seg = max(1, len(vals) // segments)
+            out.setdefault(impl, {})[key] = {
+                "median": statistics.median(vals), "q1": q[0], "q3": q[2],
+                "segment_medians": [statistics.median(vals[j:j + seg]) for j in range(0, seg * segments, seg)
+                                    if vals[j:j + seg]]}
+    t, f = out["torch"], out["flowexec"]
+    out["speedup"] = {k: t[k]["median"] / f[k]["median"] for k in t}
+    out["segment_speedups"] = [a / b for a, b in zip(t["wall_fwd_bwd_us"]["segment_medians"],
+                                                     f["wall_fwd_bwd_us"]["segment_medians"])]
+    out["bound"] = t["wall_fwd_bwd_us"]["median"] / out["floor"]["wall_fwd_bwd_us"]["median"]
+    out["bound3"] = t["wall_fwd_bwd_us"]["median"] / out["floor3"]["wall_fwd_bwd_us"]["median"]
+    row["alternating"] = out
+    return out
+
+
 def loop_us(fn: Callable[[], Any], n: int = 200) -> float:
     """Time per call of n back-to-back calls, then one sync (host and device overlapped, L2 warm).
 
@@ -278,7 +369,7 @@ def copy_bandwidth(dev: str) -> float:
 
 
 def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None],
-              res: dict[str, Any], save: Callable[[], None], rounds: int = 5) -> dict[str, Any]:
+              res: dict[str, Any], save: Callable[[], None], rounds: int = 5, turns: int = 1000) -> dict[str, Any]:
     for case in cases:
         fb, bb = floor_bytes(case)
         row: dict[str, Any] = {
@@ -291,6 +382,8 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
             for impl in ("torch", "flowexec"):
                 row[impl] = measure(case, impl, dev, walls=False)
             row["wall_rounds"] = interleaved_walls(case, dev, row, rounds)
+            if turns:
+                alternating_walls(case, dev, row, turns)
         except Exception:  # keep going: the other cases still tell something
             row["error"] = traceback.format_exc(limit=4)
             res[case.name] = row
@@ -310,7 +403,11 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
             f"(floor {row['floor_fwd_bwd_us']:.1f}, kernels {fx['kernels_fwd_bwd_us']:.1f}), wall fb "
             f"{t['wall_fwd_bwd_us']:.1f} vs {fx['wall_fwd_bwd_us']:.1f}, loop fb {t['loop_fwd_bwd_us']:.1f} vs "
             f"{fx['loop_fwd_bwd_us']:.1f}, wall bound {row['wall_speedup_bound']:.2f} (three gradients "
-            f"{row['wall_speedup_bound3']:.2f}), err {row['max_rel_err']:.1e}")
+            f"{row['wall_speedup_bound3']:.2f}), err {row['max_rel_err']:.1e}"
+            + (f"; calls alternating: wall fb {row['alternating']['speedup']['wall_fwd_bwd_us']:.2f}× "
+               f"(bound3 {row['alternating']['bound3']:.2f}, stretches "
+               + " ".join(f"{v:.2f}" for v in row['alternating']['segment_speedups'])
+               + f"), fwd {row['alternating']['speedup']['wall_fwd_us']:.2f}×" if "alternating" in row else ""))
         save()
     return res
 
@@ -468,9 +565,13 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="only the front doors' host cost (CPU), printed")
     ap.add_argument("--rounds", type=int, default=5,
                     help="alternating rounds of wall times per case (their median is the figure; default 5)")
+    ap.add_argument("--turns", type=int, default=1000,
+                    help="calls per implementation of the call-by-call alternating wall times (0: none; default 1000)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.turns < 0 or args.turns == 1:
+        ap.error("--turns must be 0 (none) or at least 2")
     if args.host:
         for k, v in host_overhead().items():
             print(f"{v:7.1f} µs  {k}")
@@ -485,6 +586,7 @@ def main() -> None:
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     command = ("PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else "")
                + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+               + (f" --turns {args.turns}" if args.turns != 1000 else "")
                + (f" --cases {' '.join(args.cases)}" if args.cases else ""))
     result: dict[str, Any] = {**run_meta(command),
                               "copy_bandwidth_TBps": bw / 1e12}
@@ -507,7 +609,7 @@ def main() -> None:
     with L.configured(**cfg) as used:
         result["config"] = dataclasses.asdict(used)
         result["cases"] = {}
-        run_cases(cases, dev, bw, log, result["cases"], save, args.rounds)
+        run_cases(cases, dev, bw, log, result["cases"], save, args.rounds, args.turns)
         result["direct_launch_active"] = direct_launch_active()
         result["native_front_door_active"] = importlib.import_module("flowexec.kernels._native").front_door is not None
     save()

@@ -75,19 +75,25 @@ def lerp() -> None:
           f"(`{d['command']}`):\n")
     print("| case | GPU fwd+bwd PyTorch → flowexec | ÷ memory floor (graph / kernels) "
           "| wall fwd+bwd (do_bench) PyTorch → flowexec | wall bound: one / three gradients "
-          "| wall fwd PyTorch → flowexec |")
-    print("|---|---|---|---|---|---|")
+          "| wall fwd+bwd, calls alternating (bound3) | wall fwd PyTorch → flowexec (calls alternating) |")
+    print("|---|---|---|---|---|---|---|")
     for name in ("case1", "case2", "case3", "case4"):
         c = d["cases"].get(name)
         if not c:
             continue
         t, f = c["torch"], c["flowexec"]
         bound = " / ".join(f"{c[k]:.2f}×" if k in c else "–" for k in ("wall_speedup_bound", "wall_speedup_bound3"))
+        a = c.get("alternating")
+        alt = alt_fwd = "–"
+        if a:
+            at, af = a["torch"]["wall_fwd_bwd_us"]["median"], a["flowexec"]["wall_fwd_bwd_us"]["median"]
+            alt = f"{at:.0f} → {af:.0f} µs ({at / af:.2f}×; {a['bound3']:.2f}×)"
+            alt_fwd = f"{a['torch']['wall_fwd_us']['median']:.1f} → {a['flowexec']['wall_fwd_us']['median']:.1f} µs"
         print(f"| {name}: x {c['x']} y {c['y']} w {c['w']} {c['dtype']} "
               f"| {t['gpu_fwd_bwd_us']:.1f} → {f['gpu_fwd_bwd_us']:.1f} µs ({t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}×) "
               f"| {c['flowexec_gpu_over_floor']:.2f} / {c['flowexec_kernels_over_floor']:.2f} "
               f"| {t['wall_fwd_bwd_us']:.0f} → {f['wall_fwd_bwd_us']:.0f} µs ({t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}×) "
-              f"| {bound} | {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
+              f"| {bound} | {alt} | {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs ({alt_fwd}) |")
     print("\nWall bound: PyTorch's median wall time over that of a floor op, measured in the same alternating "
           "rounds. One gradient: `t * 2` and its backward on one output-sized tensor (one launch each way). Three "
           "gradients: `torch.cat` of three leaves (together the output's size: one of all but two elements, two of "
@@ -95,7 +101,10 @@ def lerp() -> None:
           "backward of views only. Every gradient that reaches a leaf is a task of its own for autograd's engine, "
           "and lerp returns three, so the three-gradient bound is about the most any implementation of it could gain "
           "by wall time on that host (each bound is a ratio of medians over rounds that vary by tens of percent, so "
-          "one run can land on either side of it).\n")
+          "one run can land on either side of it). Calls alternating: do_bench's per-call samples (L2 flushed, "
+          "events around the call) with PyTorch, flowexec and both floor ops taking turns call by call, "
+          f"{d['cases']['case1'].get('alternating', {}).get('turns', '–')} calls each, medians; every implementation "
+          "then sees the same host.\n")
 
 
 LERP_GOALS = {"case1": 2.0, "case2": 1.5, "case3": 2.0, "case4": 1.5}  # issue 3's wall speed-ups
@@ -132,6 +141,22 @@ def pool_lerp(paths: list[str]) -> None:
         met = sum(x >= LERP_GOALS[name] for x in ratios)
         print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f}× | {met} (goal {LERP_GOALS[name]}×) "
               f"| {bounds} | {gap} |")
+    runs = []
+    for path in paths:
+        with open(path) as fh:
+            cases = json.load(fh)["cases"]
+        alt = {n: cases[n]["alternating"] for n in LERP_GOALS if "alternating" in cases.get(n, {})}
+        if alt:
+            runs.append((os.path.basename(path), alt))
+    if runs:
+        print("\nCalls alternating, per run: PyTorch ÷ flowexec (three-gradient bound; the five stretches):\n")
+        print("| run | " + " | ".join(LERP_GOALS) + " |")
+        print("|---|" + "---|" * len(LERP_GOALS))
+        for base, alt in runs:
+            cells = [f"{alt[n]['speedup']['wall_fwd_bwd_us']:.2f}× ({alt[n]['bound3']:.2f}; "
+                     + " ".join(f"{v:.2f}" for v in alt[n]["segment_speedups"]) + ")" if n in alt else "–"
+                     for n in LERP_GOALS]
+            print(f"| {base} | " + " | ".join(cells) + " |")
 
 
 def graph_inputs() -> None:
