@@ -296,10 +296,10 @@ class FakeTimer(tuple):
         def record(self) -> None:
             self.t = time.perf_counter()
 
-        def elapsed_time(self, end: "FakeTimer.Event") -> float:  # ms, as CUDA events give
+        def elapsed_time(self, end: FakeTimer.Event) -> float:  # ms, as CUDA events give
             return (end.t - self.t) * 1e3
 
-    def __new__(cls) -> "FakeTimer":
+    def __new__(cls) -> FakeTimer:  # noqa: PYI034
         return super().__new__(cls, (cls.Event, lambda: None, lambda: None))
 
 

@@ -37,7 +37,7 @@ class Recorder:
                 self.t = rec.clock
                 rec.log.append("event")
 
-            def elapsed_time(self, end: "Event") -> float:
+            def elapsed_time(self, end: Event) -> float:
                 return end.t - self.t
 
         self.timer = (Event, lambda: self.log.append("flush"), lambda: self.log.append("sync"))
