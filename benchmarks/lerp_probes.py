@@ -43,6 +43,12 @@ device idle (a synchronize after each call). PyTorch, the floor ops and flowexec
 backward launch, all launches, or direct allocations left out, in five alternating rounds.
 
     PYTHONPATH=. python3 benchmarks/lerp_probes.py hosttime --out benchmarks/results/probes/lerp_hosttime.json
+
+``alternation``: why calls measure slower in ``ops.py``'s call-by-call alternation than in
+do_bench's run of one function: event and host times of each implementation alone, all four
+alternating, four copies of one alternating, and pairs (cases 1 and 3).
+
+    PYTHONPATH=. python3 benchmarks/lerp_probes.py alternation --out benchmarks/results/probes/lerp_alternation.json
 """
 from __future__ import annotations
 
@@ -476,10 +482,51 @@ def probe_hosttime(iters: int = 300, rounds: int = 5) -> dict[str, Any]:
     return res
 
 
+def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
+    """Why a call measures slower when other implementations' calls come between (``ops.py``'s
+    calls alternating) than in do_bench's run of one function: for cases 1 and 3, medians (µs) of
+    the event-timed span and of the host time of each call, (a) by do_bench, one implementation
+    after another in ``rounds`` alternating rounds; (b) all four alternating call by call; (c) four
+    copies of one implementation (inputs of their own) alternating: the procedure without the
+    mixing; (d) pairs alternating."""
+    import statistics
+
+    from ops import bench, bench_alternating
+
+    res: dict[str, Any] = {}
+    for name in ("case1", "case3"):
+        case = CASES[name]
+        impls = ("torch", "flowexec", "floor", "floor3")
+        r: dict[str, Any] = {}
+        made = {i: calls(case, i, "cuda")[1] for i in impls}
+        got: dict[str, list[float]] = {}
+        for rnd in range(rounds):
+            for i in (impls if rnd % 2 == 0 else impls[::-1]):
+                got.setdefault(i, []).append(bench(made[i]))
+        r["do_bench rounds"] = {i: statistics.median(v) for i, v in got.items()}
+        # host time of do_bench's loop, one function at a time (the same flush and events)
+        for i in impls:
+            host: dict[str, list[float]] = {}
+            ev = bench_alternating({i: made[i]}, turns, host=host)
+            r.setdefault("one at a time", {})[i] = {"events": statistics.median(ev[i]),
+                                                    "host": statistics.median(host[i])}
+        groups = {"all four": {i: made[i] for i in impls},
+                  **{f"four copies of {i}": {f"{i}#{k}": calls(case, i, "cuda")[1] for k in range(4)} for i in impls},
+                  "torch, flowexec": {i: made[i] for i in ("torch", "flowexec")},
+                  "flowexec, floor3": {i: made[i] for i in ("flowexec", "floor3")}}
+        for g, fns in groups.items():
+            host = {}
+            ev = bench_alternating(fns, turns, host=host)
+            r[g] = {k: {"events": statistics.median(v), "host": statistics.median(host[k])} for k, v in ev.items()}
+        res[name] = r
+        print(name, json.dumps(r, indent=None), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics", "contention",
-                                          "hosttime"))
+                                          "hosttime", "alternation"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -487,7 +534,7 @@ def main() -> None:
     res = {**run_meta(f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}"),
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
                   "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics, "contention": probe_contention,
-                  "hosttime": probe_hosttime,
+                  "hosttime": probe_hosttime, "alternation": probe_alternation,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -245,7 +245,7 @@ def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5
 
 
 def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warmup: int = 20,
-                      timer: Any = None) -> dict[str, list[float]]:
+                      timer: Any = None, host: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """``triton.testing.do_bench``'s per-call samples (µs), the functions taking turns call by call.
 
     Each sample is what do_bench times for one call: the L2 flushed (do_bench's own 256 MiB
@@ -254,7 +254,8 @@ def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warm
     each function follows each other one equally often and all of them sample the host in the same
     states. The host of the lent machines drifts by 2× within seconds (``wall_rounds``), which a
     do_bench of one function after another's turns into noise in the ratio of their medians.
-    ``timer`` replaces (event class, flush, synchronize) in tests.
+    ``timer`` replaces (event class, flush, synchronize) in tests. ``host``, when given, receives
+    each call's host time (µs, ``perf_counter`` around the call, inside the timed span).
 
     >>> s = bench_alternating({"a": lambda: None, "b": lambda: None}, calls=3, timer=FakeTimer())
     >>> sorted(s), len(s["a"])
@@ -280,7 +281,12 @@ def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warm
             start, end = marks[name][i]
             flush()
             start.record()
-            fns[name]()
+            if host is None:
+                fns[name]()
+            else:
+                t0 = time.perf_counter()
+                fns[name]()
+                host.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
             end.record()
     sync()
     return {name: [s.elapsed_time(e) * 1e3 for s, e in pairs] for name, pairs in marks.items()}

@@ -61,6 +61,9 @@ def test_calls_take_turns_in_rotating_order(ops):
     assert timed[-1] == "sync" and rec.log.count("sync") == 2
     assert timed[:-1] == [e for n in ["a", "b", "c", "b", "c", "a", "c", "a", "b"] for e in ("flush", "event", n, "event")]
     assert got == {"a": [1000.0] * 3, "b": [2000.0] * 3, "c": [3000.0] * 3}  # ms of the events -> µs
+    host: dict = {}
+    ops.bench_alternating(fns, calls=4, warmup=0, timer=rec.timer, host=host)
+    assert sorted(host) == ["a", "b", "c"] and all(len(v) == 4 and min(v) >= 0 for v in host.values())
 
 
 def test_alternating_walls_summarises_every_implementation(ops):
