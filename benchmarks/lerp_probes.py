@@ -488,8 +488,10 @@ def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
     the event-timed span and of the host time of each call, (a) by do_bench, one implementation
     after another in ``rounds`` alternating rounds; (b) all four alternating call by call; (c) four
     copies of one implementation (inputs of their own) alternating: the procedure without the
-    mixing; (d) pairs alternating."""
+    mixing; (d) pairs alternating; (e) host time per call of a plain loop (no flush, no events),
+    one implementation's calls on the same inputs against four copies' in turn."""
     import statistics
+    import time
 
     from ops import bench, bench_alternating
 
@@ -518,6 +520,19 @@ def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
             host = {}
             ev = bench_alternating(fns, turns, host=host)
             r[g] = {k: {"events": statistics.median(v), "host": statistics.median(host[k])} for k, v in ev.items()}
+        # the same without do_bench's flush and events: host time per call, synchronized at the end
+        for i in impls:
+            copies = [calls(case, i, "cuda")[1] for _ in range(4)]
+            for label, seq in ((f"host loop, {i} alone", [made[i]] * 4), (f"host loop, four copies of {i}", copies)):
+                times = []
+                for rep in range(turns // 4 + 20):
+                    for fn in seq:
+                        t0 = time.perf_counter()
+                        fn()
+                        if rep >= 20:
+                            times.append((time.perf_counter() - t0) * 1e6)
+                torch.cuda.synchronize()
+                r[label] = statistics.median(times)
         res[name] = r
         print(name, json.dumps(r, indent=None), flush=True)
     return res

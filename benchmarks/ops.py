@@ -3,8 +3,8 @@
 Per case and implementation: forward, backward and forward+backward wall time as a user calls
 them (``triton.testing.do_bench``, median, autograd included; forward and forward+backward in
 five rounds (``--rounds``) alternating PyTorch, flowexec and two floor ops, median of the rounds;
-and do_bench's per-call samples with the four taking turns call by call (``--turns`` calls each,
-median), which puts them all under the same host drift), GPU time of forward and of
+and, with ``--turns N``, do_bench's per-call samples with the four taking turns call by call), GPU
+time of forward and of
 forward+backward (one CUDA graph replayed; backward = the difference) and the sum of the
 forward+backward kernels' own durations (profiler), the bytes the case must move against the
 device-to-device copy bandwidth measured in the same run (memory floor), and speed-ups.
@@ -14,7 +14,7 @@ Every case is first checked against float64. Prints a table and writes JSON.
     PYTHONPATH=. python3 benchmarks/ops.py --sweep          # also kernel configs on the 4 reference cases
     PYTHONPATH=. python3 benchmarks/ops.py --host           # host cost of the front doors, CPU only
     PYTHONPATH=. python3 benchmarks/ops.py --cases case1 case3 --rounds 15   # steadier wall medians
-    PYTHONPATH=. python3 benchmarks/ops.py --cases case1 --rounds 1 --turns 3000   # mostly alternating calls
+    PYTHONPATH=. python3 benchmarks/ops.py --cases case1 case3 --turns 3000   # also calls alternating
 
 Ratios are what to compare: absolute times drift between machines.
 """
@@ -252,8 +252,9 @@ def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warm
     memset), a start event, the call, an end event; all are read after one synchronize at the end,
     as do_bench does. Here the calls of all ``fns`` alternate and the order rotates every turn, so
     each function follows each other one equally often and all of them sample the host in the same
-    states. The host of the lent machines drifts by 2× within seconds (``wall_rounds``), which a
-    do_bench of one function after another's turns into noise in the ratio of their medians.
+    states (the host of the lent machines drifts by 2× within seconds, ``wall_rounds``). It is not
+    do_bench's figure with less drift: calls taking turns cost the host more than calls of one
+    function in a row, even four copies of one op with three leaves (``lerp_probes.py alternation``).
     ``timer`` replaces (event class, flush, synchronize) in tests. ``host``, when given, receives
     each call's host time (µs, ``perf_counter`` around the call, inside the timed span).
 
@@ -375,7 +376,7 @@ def copy_bandwidth(dev: str) -> float:
 
 
 def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None],
-              res: dict[str, Any], save: Callable[[], None], rounds: int = 5, turns: int = 1000) -> dict[str, Any]:
+              res: dict[str, Any], save: Callable[[], None], rounds: int = 5, turns: int = 0) -> dict[str, Any]:
     for case in cases:
         fb, bb = floor_bytes(case)
         row: dict[str, Any] = {
@@ -571,8 +572,9 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="only the front doors' host cost (CPU), printed")
     ap.add_argument("--rounds", type=int, default=5,
                     help="alternating rounds of wall times per case (their median is the figure; default 5)")
-    ap.add_argument("--turns", type=int, default=1000,
-                    help="calls per implementation of the call-by-call alternating wall times (0: none; default 1000)")
+    ap.add_argument("--turns", type=int, default=0,
+                    help="calls per implementation of the call-by-call alternating wall times (default 0: none; "
+                         "they are not do_bench's figure with less drift, see docs/kernels.md)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -592,7 +594,7 @@ def main() -> None:
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     command = ("PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else "")
                + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
-               + (f" --turns {args.turns}" if args.turns != 1000 else "")
+               + (f" --turns {args.turns}" if args.turns else "")
                + (f" --cases {' '.join(args.cases)}" if args.cases else ""))
     result: dict[str, Any] = {**run_meta(command),
                               "copy_bandwidth_TBps": bw / 1e12}
