@@ -88,3 +88,23 @@ def test_bench_alternating_rejects_nothing_silently(ops):
 
     with pytest.raises(ValueError, match="bad call"):
         ops.bench_alternating({"ok": lambda: None, "boom": boom}, calls=2, warmup=1, timer=ops.FakeTimer())
+
+
+def test_table_reads_a_committed_run(ops):
+    """Every case of the committed run gets a GPU row (forward, backward, forward+backward, bytes/s
+    against the run's copy bandwidth) and a wall row; the achieved fraction is the JSON's own."""
+    import json
+
+    with open(os.path.join(os.path.dirname(_PATH), "results", "ops.json")) as fh:
+        run = json.load(fh)
+    text = ops.table(run["cases"])
+    gpu, wall = text.split("Wall time")
+    for name, row in run["cases"].items():
+        g = next(line for line in gpu.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in g.strip("|").split("|")]
+        assert len(cells) == 8 and cells[1] == row["dtype"]
+        assert f"{row['flowexec']['gpu_bwd_us']:.1f} µs" in cells[3]
+        assert f"({row['achieved_fraction_of_copy_bw']:.0%} of {run['copy_bandwidth_TBps']:.2f})" in cells[6]
+        w = next(line for line in wall.splitlines() if line.startswith(f"| {name} |"))
+        t, f = row["torch"]["wall_fwd_bwd_us"], row["flowexec"]["wall_fwd_bwd_us"]
+        assert f"({t / f:.2f}×)" in w.split("|")[2]
