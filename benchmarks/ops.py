@@ -253,9 +253,9 @@ def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warm
     as do_bench does. Here the calls of all ``fns`` alternate and the order rotates every turn, so
     each function follows each other one equally often and all of them sample the host in the same
     states (the host of the lent machines drifts by 2× within seconds, ``wall_rounds``). It is not
-    do_bench's figure with less drift: on the H200 hosts every implementation read slower taking
-    turns than alone, by more than the drift, for reasons the ``lerp_probes.py alternation`` runs
-    did not settle (docs/kernels.md).
+    do_bench's figure with less drift: in ``lerp_probes.py alternation`` every implementation read
+    slower taking turns than alone, on both H200 machines, for reasons those runs did not settle
+    (docs/kernels.md).
     ``timer`` replaces (event class, flush, synchronize) in tests. ``host``, when given, receives
     each call's host time (µs, ``perf_counter`` around the call, inside the timed span).
 

@@ -102,8 +102,8 @@ def lerp() -> None:
           "by wall time on that host (each bound is a ratio of medians over rounds that vary by tens of percent, so "
           "one run can land on either side of it)."
           + (" Calls alternating (`--turns`): do_bench's per-call samples with PyTorch, flowexec and both floor ops "
-             "taking turns call by call; every implementation reads slower taking turns than alone, so it is not "
-             "do_bench's figure with less drift (docs/kernels.md)." if alternating else "")
+             "taking turns call by call; in the alternation probe every implementation read slower taking turns "
+             "than alone, so it is not do_bench's figure with less drift (docs/kernels.md)." if alternating else "")
           + "\n")
 
 
