@@ -493,27 +493,26 @@ def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
     import statistics
     import time
 
-    from ops import bench, bench_alternating
+    from ops import WALL_IMPLS, bench, bench_alternating
 
     res: dict[str, Any] = {}
     for name in ("case1", "case3"):
         case = CASES[name]
-        impls = ("torch", "flowexec", "floor", "floor3")
         r: dict[str, Any] = {}
-        made = {i: calls(case, i, "cuda")[1] for i in impls}
+        made = {i: calls(case, i, "cuda")[1] for i in WALL_IMPLS}
         got: dict[str, list[float]] = {}
         for rnd in range(rounds):
-            for i in (impls if rnd % 2 == 0 else impls[::-1]):
+            for i in (WALL_IMPLS if rnd % 2 == 0 else WALL_IMPLS[::-1]):
                 got.setdefault(i, []).append(bench(made[i]))
         r["do_bench rounds"] = {i: statistics.median(v) for i, v in got.items()}
         # host time of do_bench's loop, one function at a time (the same flush and events)
-        for i in impls:
+        for i in WALL_IMPLS:
             host: dict[str, list[float]] = {}
             ev = bench_alternating({i: made[i]}, turns, host=host)
             r.setdefault("one at a time", {})[i] = {"events": statistics.median(ev[i]),
                                                     "host": statistics.median(host[i])}
-        groups = {"all four": {i: made[i] for i in impls},
-                  **{f"four copies of {i}": {f"{i}#{k}": calls(case, i, "cuda")[1] for k in range(4)} for i in impls},
+        groups = {"all four": {i: made[i] for i in WALL_IMPLS},
+                  **{f"four copies of {i}": {f"{i}#{k}": calls(case, i, "cuda")[1] for k in range(4)} for i in WALL_IMPLS},
                   "torch, flowexec": {i: made[i] for i in ("torch", "flowexec")},
                   "flowexec, floor3": {i: made[i] for i in ("flowexec", "floor3")}}
         for g, fns in groups.items():
@@ -521,7 +520,7 @@ def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
             ev = bench_alternating(fns, turns, host=host)
             r[g] = {k: {"events": statistics.median(v), "host": statistics.median(host[k])} for k, v in ev.items()}
         # the same without do_bench's flush and events: host time per call, synchronized at the end
-        for i in impls:
+        for i in WALL_IMPLS:
             copies = [calls(case, i, "cuda")[1] for _ in range(4)]
             for label, seq in ((f"host loop, {i} alone", [made[i]] * 4), (f"host loop, four copies of {i}", copies)):
                 times = []

@@ -224,18 +224,22 @@ def measure(case: Case, impl: str, dev: str, full: bool = True, walls: bool = Tr
     return r
 
 
+# What the wall figures compare: PyTorch, flowexec and the two floor ops (engine-bound least
+# costs, see calls()).
+WALL_IMPLS = ("torch", "flowexec", "floor", "floor3")
+
+
 def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5) -> dict[str, list[float]]:
     """Wall times of PyTorch, flowexec and the two floor ops measured in alternating rounds (the
     host's speed drifts by tens of percent within a run; alternating puts all under the same
     drift). The medians over rounds go into ``row[impl]``; the rounds are returned."""
     fns: dict[str, dict[str, Callable[[], Any]]] = {}
-    impls = ("torch", "flowexec", "floor", "floor3")  # the floors: engine-bound least costs (see calls())
-    for impl in impls:
+    for impl in WALL_IMPLS:
         fwd, fwd_bwd, _, _ = calls(case, impl, dev)
         fns[impl] = {"wall_fwd_bwd_us": fwd_bwd, "wall_fwd_us": fwd}
     got: dict[str, list[float]] = {}
     for r in range(rounds):
-        for impl in (impls if r % 2 == 0 else impls[::-1]):
+        for impl in (WALL_IMPLS if r % 2 == 0 else WALL_IMPLS[::-1]):
             for key, fn in fns[impl].items():
                 got.setdefault(f"{impl}:{key}", []).append(bench(fn))
     for name, vals in got.items():
@@ -259,7 +263,7 @@ def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warm
     ``timer`` replaces (event class, flush, synchronize) in tests. ``host``, when given, receives
     each call's host time (µs, ``perf_counter`` around the call, inside the timed span).
 
-    >>> s = bench_alternating({"a": lambda: None, "b": lambda: None}, calls=3, timer=FakeTimer())
+    >>> s = bench_alternating({"a": lambda: None, "b": lambda: None}, calls=3, timer=host_timer())
     >>> sorted(s), len(s["a"])
     (['a', 'b'], 3)
     """
@@ -294,21 +298,22 @@ def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warm
     return {name: [s.elapsed_time(e) * 1e3 for s, e in pairs] for name, pairs in marks.items()}
 
 
-class FakeTimer(tuple):
+class _HostEvent:
+    """A CUDA event's two calls on the host clock."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _HostEvent) -> float:  # ms, as CUDA events give
+        return (end.t - self.t) * 1e3
+
+
+def host_timer() -> tuple[Callable[[], Any], Callable[[], None], Callable[[], None]]:
     """(event class, flush, synchronize) on the host clock: runs ``bench_alternating`` without a GPU."""
-
-    class Event:
-        def __init__(self) -> None:
-            self.t = 0.0
-
-        def record(self) -> None:
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, end: FakeTimer.Event) -> float:  # ms, as CUDA events give
-            return (end.t - self.t) * 1e3
-
-    def __new__(cls) -> FakeTimer:  # noqa: PYI034
-        return super().__new__(cls, (cls.Event, lambda: None, lambda: None))
+    return _HostEvent, lambda: None, lambda: None
 
 
 def alternating_walls(case: Case, dev: str, row: dict[str, Any], turns: int = 1000,
@@ -318,11 +323,10 @@ def alternating_walls(case: Case, dev: str, row: dict[str, Any], turns: int = 10
     quartiles over all calls and the medians of ``segments`` consecutive stretches of the run (how
     far the host drifted while it ran); the speed-ups are PyTorch's median over flowexec's.
     ``timer``: as for ``bench_alternating``."""
-    impls = ("torch", "flowexec", "floor", "floor3")
-    made = {impl: calls(case, impl, dev) for impl in impls}
+    made = {impl: calls(case, impl, dev) for impl in WALL_IMPLS}
     out: dict[str, Any] = {"turns": turns}
     for key, pick in (("wall_fwd_bwd_us", 1), ("wall_fwd_us", 0)):
-        got = bench_alternating({impl: made[impl][pick] for impl in impls}, turns, timer=timer)
+        got = bench_alternating({impl: made[impl][pick] for impl in WALL_IMPLS}, turns, timer=timer)
         for impl, vals in got.items():
             q = statistics.quantiles(vals, n=4)
             seg = max(1, len(vals) // segments)
@@ -504,13 +508,13 @@ def table(res: dict[str, Any]) -> str:
             gpu.append(f"| {name} | {r['dtype']} | failed: see the log |")
             continue
         t, f = r["torch"], r["flowexec"]
-        moved = r["bytes_fwd"] + r["bytes_bwd"]
-        copy_tbps = moved / r["floor_fwd_bwd_us"] / 1e6  # the floor is these bytes at the copy bandwidth
-        got_tbps = moved / f["gpu_fwd_bwd_us"] / 1e6
+        # the floor is the case's bytes at the copy bandwidth
+        copy_tbps = (r["bytes_fwd"] + r["bytes_bwd"]) / r["floor_fwd_bwd_us"] / 1e6
+        frac = r["achieved_fraction_of_copy_bw"]
         gpu.append(
             f"| {name} | {r['dtype']} | {pair(t, f, 'gpu_fwd_us')} | {pair(t, f, 'gpu_bwd_us')} "
             f"| {pair(t, f, 'gpu_fwd_bwd_us')} | {r['floor_fwd_bwd_us']:.1f} µs "
-            f"| {got_tbps:.2f} TB/s ({got_tbps / copy_tbps:.0%} of {copy_tbps:.2f}) "
+            f"| {frac * copy_tbps:.2f} TB/s ({frac:.0%} of {copy_tbps:.2f}) "
             f"| {r['flowexec_kernels_over_floor']:.2f} |")
         wall.append(
             f"| {name} | {pair(t, f, 'wall_fwd_bwd_us', 0)} "

@@ -83,11 +83,10 @@ def lerp() -> None:
         c = d["cases"][name]
         t, f = c["torch"], c["flowexec"]
         bound = " / ".join(f"{c[k]:.2f}×" if k in c else "–" for k in ("wall_speedup_bound", "wall_speedup_bound3"))
-        alt = ""
-        if alternating:
-            a = c.get("alternating")
-            at, af = (a["torch"]["wall_fwd_bwd_us"]["median"], a["flowexec"]["wall_fwd_bwd_us"]["median"]) if a else (0, 0)
-            alt = f"| {at:.0f} → {af:.0f} µs ({at / af:.2f}×; {a['bound3']:.2f}×) " if a else "| – "
+        a = c.get("alternating")
+        alt = "" if not alternating else "| – " if not a else (
+            f"| {a['torch']['wall_fwd_bwd_us']['median']:.0f} → {a['flowexec']['wall_fwd_bwd_us']['median']:.0f} µs "
+            f"({a['speedup']['wall_fwd_bwd_us']:.2f}×; {a['bound3']:.2f}×) ")
         print(f"| {name}: x {c['x']} y {c['y']} w {c['w']} {c['dtype']} "
               f"| {t['gpu_fwd_bwd_us']:.1f} → {f['gpu_fwd_bwd_us']:.1f} µs ({t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}×) "
               f"| {c['flowexec_gpu_over_floor']:.2f} / {c['flowexec_kernels_over_floor']:.2f} "
@@ -116,10 +115,12 @@ def pool_lerp(paths: list[str]) -> None:
     the same median against the floor ops (bounds), and flowexec − three-gradient floor op."""
     import statistics
 
-    rounds: dict[str, dict[str, list[float]]] = {}
+    runs: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
         with open(path) as fh:
-            cases = json.load(fh)["cases"]
+            runs.append((os.path.basename(path), json.load(fh)["cases"]))
+    rounds: dict[str, dict[str, list[float]]] = {}
+    for _, cases in runs:
         for name in LERP_GOALS:
             wr = cases.get(name, {}).get("wall_rounds")
             if not wr:
@@ -141,18 +142,14 @@ def pool_lerp(paths: list[str]) -> None:
         met = sum(x >= LERP_GOALS[name] for x in ratios)
         print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f}× | {met} (goal {LERP_GOALS[name]}×) "
               f"| {bounds} | {gap} |")
-    runs = []
-    for path in paths:
-        with open(path) as fh:
-            cases = json.load(fh)["cases"]
-        alt = {n: cases[n]["alternating"] for n in LERP_GOALS if "alternating" in cases.get(n, {})}
-        if alt:
-            runs.append((os.path.basename(path), alt))
-    if runs:
+    alternating = [(base, {n: cases[n]["alternating"] for n in LERP_GOALS if "alternating" in cases.get(n, {})})
+                   for base, cases in runs]
+    alternating = [(base, alt) for base, alt in alternating if alt]
+    if alternating:
         print("\nCalls alternating, per run: PyTorch ÷ flowexec (three-gradient bound; the five stretches):\n")
         print("| run | " + " | ".join(LERP_GOALS) + " |")
         print("|---|" + "---|" * len(LERP_GOALS))
-        for base, alt in runs:
+        for base, alt in alternating:
             cells = [f"{alt[n]['speedup']['wall_fwd_bwd_us']:.2f}× ({alt[n]['bound3']:.2f}; "
                      + " ".join(f"{v:.2f}" for v in alt[n]["segment_speedups"]) + ")" if n in alt else "–"
                      for n in LERP_GOALS]

@@ -69,7 +69,7 @@ def test_calls_take_turns_in_rotating_order(ops):
 def test_alternating_walls_summarises_every_implementation(ops):
     case = ops.Case("tiny", (4, 8), (4, 8), (1,), torch.float32)
     row: dict = {}
-    out = ops.alternating_walls(case, "cpu", row, turns=10, segments=5, timer=ops.FakeTimer())
+    out = ops.alternating_walls(case, "cpu", row, turns=10, segments=5, timer=ops.host_timer())
     assert row["alternating"] is out and out["turns"] == 10
     for impl in ("torch", "flowexec", "floor", "floor3"):
         for key in ("wall_fwd_bwd_us", "wall_fwd_us"):
@@ -87,7 +87,7 @@ def test_bench_alternating_rejects_nothing_silently(ops):
         raise ValueError("bad call")
 
     with pytest.raises(ValueError, match="bad call"):
-        ops.bench_alternating({"ok": lambda: None, "boom": boom}, calls=2, warmup=1, timer=ops.FakeTimer())
+        ops.bench_alternating({"ok": lambda: None, "boom": boom}, calls=2, warmup=1, timer=ops.host_timer())
 
 
 def test_table_reads_a_committed_run(ops):

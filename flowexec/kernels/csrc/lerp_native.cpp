@@ -19,7 +19,6 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
-#include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <ATen/ExpandUtils.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -37,7 +36,6 @@
 #include <vector>
 
 #ifdef FLOWEXEC_WITH_CUDA
-#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -183,14 +181,6 @@ constexpr c10::DispatchKey kBackend = c10::DispatchKey::CUDA;
 constexpr c10::DispatchKey kBackend = c10::DispatchKey::CPU;
 #endif
 
-at::Tensor allocate(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& on) {
-  if (dispatch_alloc.load(std::memory_order_relaxed)) return at::empty(sizes, on.options().dtype(dtype));
-#ifdef FLOWEXEC_WITH_CUDA
-  return at::Tensor(at::detail::empty_cuda(sizes, dtype, on.device(), std::nullopt));
-#else
-  return at::Tensor(at::detail::empty_cpu(sizes, dtype, false, std::nullopt));
-#endif
-}
 
 // The current stream of `device` as a number (its handle; 0 on the CPU build).
 int64_t current_stream(int device) {
@@ -327,10 +317,12 @@ struct Program {
     const int at = kind == 1 ? kFwdIn : kBwdIn;
     for (const auto& v : views) bufs[v.buffer] = v.whole ? acc : v.in(acc.storage(), acc.scalar_type(), acc.storage_offset());
     stamp(Stamp(at + 2));
-    const bool own = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
-    c10::Storage block = block_bytes > 0 && !own ? allocate_storage(block_bytes, false) : c10::Storage();
+    const bool dispatched = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
+    c10::Storage block = block_bytes > 0 && !dispatched ? allocate_storage(block_bytes, false) : c10::Storage();
     for (const auto& a : allocs)
-      bufs[a.buffer] = own ? allocate(a.shape, a.dtype, bufs[0]) : a.in_block ? a.in(block, a.dtype) : a.alone();
+      bufs[a.buffer] = dispatched ? at::empty(a.shape, bufs[0].options().dtype(a.dtype))
+                       : a.in_block ? a.in(block, a.dtype)
+                                    : a.alone();
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
     stamp(Stamp(at + 3));
