@@ -16,9 +16,10 @@ rewrite and with ``fuse_lerp="all"``: what ``passes/fuse_lerp.py``'s default res
     PYTHONPATH=. python3 benchmarks/lerp_probes.py forward --out benchmarks/results/probes/lerp_forward.json
     PYTHONPATH=. python3 benchmarks/lerp_probes.py inplace --out benchmarks/results/probes/lerp_inplace.json
 
-``fwdwall``: the forward alone (cases 4, 1, 4 bfloat16), PyTorch's against ours and tile, warp
-and store variants, in five alternating rounds, three ways: wall (``do_bench``), CUDA-graph replay
-(no host launch) and kernel time; it asks whether the case-4 forward's wall gap is the kernel.
+``fwdwall``: the forward alone (cases 4, 1, the float weight, 4 bfloat16), PyTorch's against ours
+with and without the L1-bypassing loads and the streaming store, in five alternating rounds, three
+ways: wall (``do_bench``), CUDA-graph replay (no host launch) and kernel time; and the kernel time
+of forward + backward (does the forward's variant change the backward after it?).
 ``hostprof``: profiler traces of case 1's forward + ``autograd.grad`` (PyTorch, ours, ``t * 2``),
 autograd's multithreading on and off, written beside the JSON.
 
@@ -49,6 +50,16 @@ do_bench's run of one function: event and host times of each implementation alon
 alternating, four copies of one alternating, and pairs (cases 1 and 3).
 
     PYTHONPATH=. python3 benchmarks/lerp_probes.py alternation --out benchmarks/results/probes/lerp_alternation.json
+
+``tma``: the case-4 forward (and its bfloat16 variant), PyTorch's and ours against TMA-descriptor
+kernels (tile or persistent) and inline-PTX 16-byte loads with the ``L2::256B`` prefetch-size hint.
+
+    PYTHONPATH=. python3 benchmarks/lerp_probes.py tma --out benchmarks/results/probes/lerp_tma.json
+
+``hints``: which part of the fastest ``tma`` load (``L1::no_allocate`` with ``L2::256B``) speeds the
+case-4 forward, against ``tl.load``'s cache modifiers and eviction policies in the same kernel.
+
+    PYTHONPATH=. python3 benchmarks/lerp_probes.py hints --out benchmarks/results/probes/lerp_hints.json
 """
 from __future__ import annotations
 
@@ -234,9 +245,7 @@ def probe_persistent() -> dict[str, Any]:
 
 
 FWD_WALL_VARIANTS: dict[str, dict[str, Any]] = {
-    "shipped": {}, "no .cs store": {"fwd_stream_store": False},
-    "tile1024": {"fwd_tile": {2: 2048, 4: 1024, 8: 512}}, "tile512": {"fwd_tile": {2: 1024, 4: 512, 8: 256}},
-    "8 warps": {"fwd_warps": 8}, "2 warps": {"fwd_warps": 2},
+    "shipped": {}, "no L1 bypass": {"fwd_l1_bypass": False}, "no .cs store": {"fwd_stream_store": False},
 }
 
 
@@ -247,10 +256,11 @@ def probe_fwdwall() -> dict[str, Any]:
     from ops import bench
 
     res: dict[str, Any] = {}
-    for name in ("case4", "case1", "case4-bf16"):
-        x, y, w, _ = make_inputs(CASES[name], "cuda")
+    for name in ("case4", "case1", "float-weight", "case4-bf16"):
+        x, y, w, go = make_inputs(CASES[name], "cuda")
         xd, yd = x.detach(), y.detach()
         wd = w.detach() if isinstance(w, torch.Tensor) else w
+        ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
         row: dict[str, dict[str, list[float]]] = {}
         res[name] = row
         for rnd in range(5):
@@ -269,6 +279,10 @@ def probe_fwdwall() -> dict[str, Any]:
                     r.setdefault("wall", []).append(bench(fn))
                     r.setdefault("graph replay", []).append(bench(g.replay))
                     r.setdefault("kernel", []).append(per_kernel(fn)["total"])
+                    # forward + backward by kernel time: does the forward's variant change the backward?
+                    f = torch.lerp if vn == "torch" else L.lerp
+                    r.setdefault("kernels fwd+bwd", []).append(
+                        per_kernel(lambda: torch.autograd.grad(f(x, y, w), ins, go))["total"])
                     del g
         med = {vn: {k: sorted(v)[2] for k, v in r.items()} for vn, r in row.items()}
         res[name + " medians"] = med
@@ -537,10 +551,190 @@ def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
     return res
 
 
+def _asm_kernels() -> tuple[Any, Any]:
+    """The flat forward twice: operands through TMA descriptors, and through inline-PTX 16-byte
+    loads that can carry an L2 prefetch-size hint (``L2::256B``), which ``tl.load`` does not emit."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fwd_tma(xd, yd, wd, od, R, BM: tl.constexpr, STAGES: tl.constexpr, PERSIST: tl.constexpr):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) if PERSIST else R // BM
+        for b in tl.range(pid, R // BM, step, num_stages=STAGES):
+            xr = xd.load([b * BM, 0])
+            xv = xr.to(tl.float32)
+            yv = yd.load([b * BM, 0]).to(tl.float32)
+            wv = wd.load([b * BM, 0]).to(tl.float32)
+            d = yv - xv
+            r = tl.where(tl.abs(wv) < 0.5, xv + wv * d, yv - d * (1.0 - wv))
+            od.store([b * BM, 0], r.to(xr.dtype))
+
+    @triton.jit
+    def _ld4(p, LD: tl.constexpr):
+        return tl.inline_asm_elementwise(LD, "=f,=f,=f,=f,l", [p],
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _one(x, y, w):
+        d = y - x
+        return tl.where(tl.abs(w) < 0.5, x + w * d, y - d * (1.0 - w))
+
+    @triton.jit
+    def _bits(v):
+        return v.to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def fwd_ptx(x_ptr, y_ptr, w_ptr, o_ptr, LD: tl.constexpr, ST: tl.constexpr, BLOCK: tl.constexpr):
+        # float32 only: one pointer per 4 elements, each thread's loads and stores 16 bytes wide.
+        # The stored values go in as int32 bits: Triton 3.6 refuses a pointer beside floats there.
+        q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK // 4) * 4
+        x0, x1, x2, x3 = _ld4(x_ptr + q, LD)
+        y0, y1, y2, y3 = _ld4(y_ptr + q, LD)
+        w0, w1, w2, w3 = _ld4(w_ptr + q, LD)
+        tl.inline_asm_elementwise(ST, "=r,l,r,r,r,r",
+                                  [o_ptr + q, _bits(_one(x0, y0, w0)), _bits(_one(x1, y1, w1)),
+                                   _bits(_one(x2, y2, w2)), _bits(_one(x3, y3, w3))],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def fwd_tl(x_ptr, y_ptr, w_ptr, o_ptr, CM: tl.constexpr, EV: tl.constexpr, BLOCK: tl.constexpr):
+        # The same with tl.load: Triton's cache modifiers and eviction policies, for comparison.
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        xv = tl.load(x_ptr + offs, cache_modifier=CM, eviction_policy=EV)
+        yv = tl.load(y_ptr + offs, cache_modifier=CM, eviction_policy=EV)
+        wv = tl.load(w_ptr + offs, cache_modifier=CM, eviction_policy=EV)
+        tl.store(o_ptr + offs, _one(xv, yv, wv))
+
+    return fwd_tma, fwd_ptx, fwd_tl
+
+
+TMA_SETTINGS = [(bm, 0, 1, nw) for bm in (8, 16, 32) for nw in (4, 8)] + [(16, 1, s, 4) for s in (2, 3)]
+# (load, store, block); each asm string is one constant (Triton 3.6 does not concatenate constexpr
+# strings inside a kernel).
+PTX_SETTINGS = [(ld, st, b) for ld, st in (("ld.global.v4.f32", "st.global.v4.b32"),
+                                           ("ld.global.nc.v4.f32", "st.global.v4.b32"),
+                                           ("ld.global.L2::128B.v4.f32", "st.global.v4.b32"),
+                                           ("ld.global.L2::256B.v4.f32", "st.global.v4.b32"),
+                                           ("ld.global.nc.L2::256B.v4.f32", "st.global.v4.b32"),
+                                           ("ld.global.L1::no_allocate.L2::256B.v4.f32", "st.global.v4.b32"),
+                                           ("ld.global.L2::256B.v4.f32", "st.global.cs.v4.b32"))
+                for b in (1024, 2048)]
+
+
+def probe_tma() -> dict[str, Any]:
+    """The case-4 forward (three full float32 operands), PyTorch's against ours and against two
+    kinds of kernel this project had not tried: TMA descriptor loads and stores (one tile a program,
+    or persistent and software-pipelined), and 16-byte PTX loads with the ``L2::256B`` prefetch-size
+    hint. Five alternating rounds, wall (``do_bench``) and the profiler's kernel time."""
+    from ops import bench
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    fwd_tma, fwd_ptx, _ = _asm_kernels()
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    res: dict[str, Any] = {}
+    for name in ("case4", "case4-bf16"):
+        x, y, w, _ = make_inputs(CASES[name], "cuda")
+        xd, yd, wd = x.detach(), y.detach(), w.detach()
+        n = xd.numel()
+        o = torch.empty_like(xd)
+        ref = torch.lerp(xd, yd, wd)
+        fns: dict[str, Any] = {"torch": lambda: torch.lerp(xd, yd, wd), "shipped": lambda: L.lerp(xd, yd, wd)}
+        v2 = [t.view(n // 256, 256) for t in (xd, yd, wd, o)]
+        for bm, persist, stages, nw in TMA_SETTINGS:
+            descs = [TensorDescriptor.from_tensor(t, [bm, 256]) for t in v2]
+            grid = (min(2 * nsm, n // 256 // bm) if persist else n // 256 // bm,)
+
+            def tma(descs: list = descs, bm: int = bm, persist: int = persist, stages: int = stages, nw: int = nw,
+                    grid: tuple = grid) -> Any:
+                fwd_tma[grid](*descs, n // 256, bm, stages, persist, num_warps=nw)
+                return o
+            fns[f"tma {bm}x256 {'persistent s' + str(stages) if persist else 'tile'} w{nw}"] = tma
+        if xd.dtype == torch.float32:
+            for ld, st, b in PTX_SETTINGS:
+                def ptx(lda: str = ld + " {$0, $1, $2, $3}, [$4];", b: int = b,
+                        sta: str = st + " [$1], {$2, $3, $4, $5}; mov.u32 $0, 0;") -> Any:
+                    fwd_ptx[(n // b,)](xd, yd, wd, o, lda, sta, b, num_warps=4)
+                    return o
+                fns[f"ptx {ld[10:-7] or 'plain'} / {st[10:-7] or 'plain'} b{b}"] = ptx
+        row: dict[str, dict[str, list[float]]] = {}
+        res[name] = row
+        for vn, fn in list(fns.items()):
+            try:
+                o.fill_(float("nan"))
+                torch.testing.assert_close(fn(), ref)
+            except Exception as e:  # a variant that fails to compile or computes wrong stays out
+                row[vn] = {"error": [f"{type(e).__name__}: {str(e)[-600:]}"]}
+                del fns[vn]
+        for rnd in range(5):
+            order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
+            for vn in order:
+                r = row.setdefault(vn, {})
+                r.setdefault("wall", []).append(bench(fns[vn]))
+                r.setdefault("kernel", []).append(per_kernel(fns[vn])["total"])
+        med = {vn: {k: sorted(v)[2] for k, v in r.items() if k != "error"} for vn, r in row.items() if "error" not in r}
+        res[name + " medians"] = med
+        print(name, json.dumps(med, indent=0), {k: v for k, v in row.items() if "error" in v}, flush=True)
+    return res
+
+
+HINT_LOADS = ("ld.global.v4.f32", "ld.global.L1::no_allocate.v4.f32", "ld.global.L1::no_allocate.L2::128B.v4.f32",
+              "ld.global.L1::no_allocate.L2::256B.v4.f32", "ld.global.nc.L1::no_allocate.L2::256B.v4.f32",
+              "ld.global.L1::evict_first.v4.f32", "ld.global.L1::evict_first.L2::256B.v4.f32",
+              "ld.global.L2::256B.v4.f32")
+HINT_TL = (("", ""), (".cg", ""), ("", "evict_first"))
+
+
+def probe_hints() -> dict[str, Any]:
+    """Which part of ``tma``'s fastest load (``ld.global.L1::no_allocate.L2::256B``) makes the case-4
+    forward faster: the L1 no-allocate hint, the L2 prefetch size, or both; against ``tl.load``'s
+    own cache modifiers and eviction policies in the same kernel shape. Seven alternating rounds,
+    wall (``do_bench``) and the profiler's kernel time."""
+    from ops import bench
+
+    _, fwd_ptx, fwd_tl = _asm_kernels()
+    x, y, w, _ = make_inputs(CASES["case4"], "cuda")
+    xd, yd, wd = x.detach(), y.detach(), w.detach()
+    n = xd.numel()
+    o = torch.empty_like(xd)
+    ref = torch.lerp(xd, yd, wd)
+    st = "st.global.v4.b32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0;"
+    fns: dict[str, Any] = {"torch": lambda: torch.lerp(xd, yd, wd), "shipped": lambda: L.lerp(xd, yd, wd)}
+    for ld in HINT_LOADS:
+        for b in (512, 1024):
+            def ptx(lda: str = ld + " {$0, $1, $2, $3}, [$4];", b: int = b) -> Any:
+                fwd_ptx[(n // b,)](xd, yd, wd, o, lda, st, b, num_warps=4)
+                return o
+            fns[f"ptx {ld[10:-7] or 'plain'} b{b}"] = ptx
+    for cm, ev in HINT_TL:
+        def tlv(cm: str = cm, ev: str = ev) -> Any:
+            fwd_tl[(n // 1024,)](xd, yd, wd, o, cm, ev, 1024, num_warps=4)
+            return o
+        fns[f"tl.load {cm or 'plain'} {ev or '-'} b1024"] = tlv
+    row: dict[str, dict[str, list[float]]] = {}
+    for vn, fn in list(fns.items()):
+        try:
+            o.fill_(float("nan"))
+            torch.testing.assert_close(fn(), ref)
+        except Exception as e:
+            row[vn] = {"error": [f"{type(e).__name__}: {str(e)[-600:]}"]}
+            del fns[vn]
+    for rnd in range(7):
+        order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
+        for vn in order:
+            r = row.setdefault(vn, {})
+            r.setdefault("wall", []).append(bench(fns[vn]))
+            r.setdefault("kernel", []).append(per_kernel(fns[vn])["total"])
+    med = {vn: {k: sorted(v)[3] for k, v in r.items()} for vn, r in row.items() if "error" not in r}
+    print(json.dumps(med, indent=0), flush=True)
+    return {"case4": row, "case4 medians": med}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics", "contention",
-                                          "hosttime", "alternation"))
+                                          "hosttime", "alternation", "tma", "hints"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -548,7 +742,7 @@ def main() -> None:
     res = {**run_meta(f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}"),
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
                   "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics, "contention": probe_contention,
-                  "hosttime": probe_hosttime, "alternation": probe_alternation,
+                  "hosttime": probe_hosttime, "alternation": probe_alternation, "tma": probe_tma, "hints": probe_hints,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
