@@ -56,8 +56,9 @@ kernels (tile or persistent) and inline-PTX 16-byte loads with the ``L2::256B`` 
 
     PYTHONPATH=. python3 benchmarks/lerp_probes.py tma --out benchmarks/results/probes/lerp_tma.json
 
-``hints``: which part of the fastest ``tma`` load (``L1::no_allocate`` with ``L2::256B``) speeds the
-case-4 forward, against ``tl.load``'s cache modifiers and eviction policies in the same kernel.
+``hints``: the fastest ``tma`` load (``L1::no_allocate``) against L1 and L2 hints and ``tl.load``'s
+cache modifiers and eviction policies in the same kernel, each followed by a kernel that reads the
+three operands again (what the backward finds in L2 after such a forward).
 
     PYTHONPATH=. python3 benchmarks/lerp_probes.py hints --out benchmarks/results/probes/lerp_hints.json
 """
@@ -244,9 +245,9 @@ def probe_persistent() -> dict[str, Any]:
     return res
 
 
-FWD_WALL_VARIANTS: dict[str, dict[str, Any]] = {
-    "shipped": {}, "no L1 bypass": {"fwd_l1_bypass": False}, "no .cs store": {"fwd_stream_store": False},
-}
+# At e8706d8 (probes/lerp_forward_wall_l1bypass_e8706d8.json) the variants were the shipped
+# forward with the since-reverted fwd_l1_bypass on, and with it off.
+FWD_WALL_VARIANTS: dict[str, dict[str, Any]] = {"shipped": {}, "no .cs store": {"fwd_stream_store": False}}
 
 
 def probe_fwdwall() -> dict[str, Any]:
@@ -679,20 +680,28 @@ def probe_tma() -> dict[str, Any]:
     return res
 
 
-HINT_LOADS = ("ld.global.v4.f32", "ld.global.L1::no_allocate.v4.f32", "ld.global.L1::no_allocate.L2::128B.v4.f32",
-              "ld.global.L1::no_allocate.L2::256B.v4.f32", "ld.global.nc.L1::no_allocate.L2::256B.v4.f32",
-              "ld.global.L1::evict_first.v4.f32", "ld.global.L1::evict_first.L2::256B.v4.f32",
-              "ld.global.L2::256B.v4.f32")
+def _policy_load(l2: str) -> str:
+    """A 16-byte load that skips L1 and gives L2 an explicit eviction priority (a cache policy)."""
+    return ("{ .reg .b64 pol; createpolicy.fractional.L2::" + l2 + ".b64 pol, 1.0; "
+            "ld.global.L1::no_allocate.L2::cache_hint.v4.f32 {$0, $1, $2, $3}, [$4], pol; }")
+
+
+HINT_LOADS = ("ld.global.v4.f32", "ld.global.L1::no_allocate.v4.f32", "ld.global.L1::evict_first.v4.f32",
+              _policy_load("evict_normal"), _policy_load("evict_unchanged"), _policy_load("evict_last"))
 HINT_TL = (("", ""), (".cg", ""), ("", "evict_first"))
 
 
 def probe_hints() -> dict[str, Any]:
-    """Which part of ``tma``'s fastest load (``ld.global.L1::no_allocate.L2::256B``) makes the case-4
-    forward faster: the L1 no-allocate hint, the L2 prefetch size, or both; against ``tl.load``'s
-    own cache modifiers and eviction policies in the same kernel shape. Seven alternating rounds,
-    wall (``do_bench``) and the profiler's kernel time."""
-    from ops import bench
+    """Which load makes the case-4 forward faster, and what it leaves in L2 for the backward.
 
+    Each variant's forward kernel (PTX loads with L1 and L2 hints, ``tl.load``'s cache modifiers and
+    eviction policies, PyTorch's and ours), and the kernel after
+    it: ``torch.addcmul`` reading the same three operands again (fast when they stayed in L2, as
+    the backward reads them). Five alternating rounds, the profiler's kernel times. (At e8706d8,
+    ``probes/lerp_hints_reread_e8706d8.json``, "shipped" had the since-reverted ``fwd_l1_bypass``
+    on, and "shipped no L1 bypass" was the shipped forward.) Lines loaded ``evict_last`` survive
+    the L2 flush between repetitions (docs/kernels.md), so variants timed after that one in a
+    round read too fast."""
     _, fwd_ptx, fwd_tl = _asm_kernels()
     x, y, w, _ = make_inputs(CASES["case4"], "cuda")
     xd, yd, wd = x.detach(), y.detach(), w.detach()
@@ -702,16 +711,15 @@ def probe_hints() -> dict[str, Any]:
     st = "st.global.v4.b32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0;"
     fns: dict[str, Any] = {"torch": lambda: torch.lerp(xd, yd, wd), "shipped": lambda: L.lerp(xd, yd, wd)}
     for ld in HINT_LOADS:
-        for b in (512, 1024):
-            def ptx(lda: str = ld + " {$0, $1, $2, $3}, [$4];", b: int = b) -> Any:
-                fwd_ptx[(n // b,)](xd, yd, wd, o, lda, st, b, num_warps=4)
-                return o
-            fns[f"ptx {ld[10:-7] or 'plain'} b{b}"] = ptx
+        def ptx(lda: str = ld if "{" in ld else ld + " {$0, $1, $2, $3}, [$4];") -> Any:
+            fwd_ptx[(n // 1024,)](xd, yd, wd, o, lda, st, 1024, num_warps=4)
+            return o
+        fns[f"ptx {ld[10:-7] if '{' not in ld else 'L1::no_allocate + policy ' + ld.split('L2::')[1].split('.')[0]}"] = ptx
     for cm, ev in HINT_TL:
         def tlv(cm: str = cm, ev: str = ev) -> Any:
             fwd_tl[(n // 1024,)](xd, yd, wd, o, cm, ev, 1024, num_warps=4)
             return o
-        fns[f"tl.load {cm or 'plain'} {ev or '-'} b1024"] = tlv
+        fns[f"tl.load {cm or 'plain'} {ev or '-'}"] = tlv
     row: dict[str, dict[str, list[float]]] = {}
     for vn, fn in list(fns.items()):
         try:
@@ -720,14 +728,16 @@ def probe_hints() -> dict[str, Any]:
         except Exception as e:
             row[vn] = {"error": [f"{type(e).__name__}: {str(e)[-600:]}"]}
             del fns[vn]
-    for rnd in range(7):
+    for rnd in range(5):
         order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
         for vn in order:
+            k = per_kernel(lambda: (fns[vn](), torch.addcmul(xd, yd, wd)))
+            times = [v for key, v in k.items() if key != "total"]
             r = row.setdefault(vn, {})
-            r.setdefault("wall", []).append(bench(fns[vn]))
-            r.setdefault("kernel", []).append(per_kernel(fns[vn])["total"])
-    med = {vn: {k: sorted(v)[3] for k, v in r.items()} for vn, r in row.items() if "error" not in r}
-    print(json.dumps(med, indent=0), flush=True)
+            r.setdefault("kernel", []).append(times[0])
+            r.setdefault("re-read after it", []).append(times[1])
+    med = {vn: {k: sorted(v)[2] for k, v in r.items()} for vn, r in row.items() if "error" not in r}
+    print(json.dumps(med, indent=0), {k: v for k, v in row.items() if "error" in v}, flush=True)
     return {"case4": row, "case4 medians": med}
 
 

@@ -249,47 +249,12 @@ def _zero_fill(acc_ptr, n_acc, ZB: tl.constexpr = 1024):
 
 
 @triton.jit
-def _ld4_l1na(ptr, M: tl.constexpr, q, zero):
-    """Four float32 lanes of an operand at element offsets ``q`` (each 16-byte aligned): for an
-    output-sized operand one 16-byte load per offset that does not allocate in L1 (inline PTX:
-    ``tl.load`` has no such hint, and its ``evict_first`` also marks the lines evict-first in L2,
-    where the backward reads them again); a one-element operand is loaded once and broadcast."""
-    if M & 1:
-        a, b, c, d = tl.inline_asm_elementwise(
-            "ld.global.L1::no_allocate.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", [ptr + q],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        a = tl.load(ptr).to(tl.float32) + zero
-        b = a
-        c = a
-        d = a
-    return a, b, c, d
-
-
-@triton.jit
-def _st4(ptr, q, a, b, c, d, STREAM: tl.constexpr):
-    """Store four float32 lanes at element offsets ``q``, 16 bytes each (the values go in as int32
-    bits: Triton 3.6 refuses a pointer beside floats in one inline-asm call)."""
-    a = a.to(tl.int32, bitcast=True)
-    b = b.to(tl.int32, bitcast=True)
-    c = c.to(tl.int32, bitcast=True)
-    d = d.to(tl.int32, bitcast=True)
-    if STREAM:
-        tl.inline_asm_elementwise("st.global.cs.v4.b32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0;", "=r,l,r,r,r,r",
-                                  [ptr + q, a, b, c, d], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("st.global.v4.b32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0;", "=r,l,r,r,r,r",
-                                  [ptr + q, a, b, c, d], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _lerp_fwd_kernel(
     x_ptr, y_ptr, w_ptr, out_ptr, w_hi, w_lo,
     n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FULL: tl.constexpr, STREAM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr, FASTDIV: tl.constexpr,
-    L1NA: tl.constexpr,
     acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
@@ -297,39 +262,20 @@ def _lerp_fwd_kernel(
         VEC, BIG, BN, False, FLAT, EVEN, FASTDIV)
     if W_SCALAR:
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
-    if L1NA:
-        # A flat float32 call in whole tiles, every pointer 16-byte aligned (the plan and the
-        # launch check both): PTX loads that skip L1 allocation (H200, all-[16,102400] forward:
-        # 8.29 µs against 8.70 with plain 16-byte loads and PyTorch's 8.70,
-        # probes/lerp_hints_*.json). Loaded as four lanes of BN // 4 offsets.
-        q = jn * BN + tl.arange(0, BN // 4) * 4
-        zero = tl.zeros([BN // 4], tl.float32)
-        x0, x1, x2, x3 = _ld4_l1na(x_ptr, MX, q, zero)
-        y0, y1, y2, y3 = _ld4_l1na(y_ptr, MY, q, zero)
+    for r0 in range(row_lo, row_hi, BM):
+        rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
+        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
+        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
         if W_SCALAR:
-            w0 = w_s + zero
-            w1 = w0
-            w2 = w0
-            w3 = w0
+            wv = w_s
         else:
-            w0, w1, w2, w3 = _ld4_l1na(w_ptr, MW, q, zero)
-        _st4(out_ptr, q, _lerp_values(x0, y0, w0, zero), _lerp_values(x1, y1, w1, zero),
-             _lerp_values(x2, y2, w2, zero), _lerp_values(x3, y3, w3, zero), STREAM)
-    else:
-        for r0 in range(row_lo, row_hi, BM):
-            rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
-            xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
-            yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
-            if W_SCALAR:
-                wv = w_s
-            else:
-                wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
-            res = _lerp_values(xv, yv, wv, _to_acc(tl.zeros([BM, BN], tl.float32), ACC_F64))
-            offs = _tile_offsets(15, bo, rows, cols, so2, VEC)
-            if STREAM:  # written once, read by nobody soon: do not keep it in the caches
-                tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :], cache_modifier=".cs")
-            else:
-                tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :])
+            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
+        res = _lerp_values(xv, yv, wv, _to_acc(tl.zeros([BM, BN], tl.float32), ACC_F64))
+        offs = _tile_offsets(15, bo, rows, cols, so2, VEC)
+        if STREAM:  # written once, read by nobody soon: do not keep it in the caches
+            tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :], cache_modifier=".cs")
+        else:
+            tl.store(out_ptr + offs, res, mask=rm[:, None] & cm[None, :])
     if ZERO:  # after the tile: a store ahead of the loads would hold them back (they may alias)
         _zero_fill(acc_ptr, n_acc)
 

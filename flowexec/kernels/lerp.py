@@ -87,8 +87,6 @@ class LerpConfig:
       backward through the same graph, the partial sums are used. 0: never.
     * ``fast_div``: programs find their coordinates by multiplying with a magic number the plan
       computes (``magic_div``) instead of dividing by runtime sizes.
-    * ``fwd_l1_bypass``: a flat float32 forward in whole tiles on CUDA, with every pointer 16-byte
-      aligned, loads through PTX that does not allocate in L1 (case 4: 8.70 -> 8.3 µs on the H200).
 
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
@@ -114,7 +112,6 @@ class LerpConfig:
     atomic_max: int = 1 << 16
     fast_div: bool = True
     flat3_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {4: 1024})
-    fwd_l1_bypass: bool = True
 
     def __post_init__(self) -> None:
         # Triton's tl.arange takes powers of two: a bad knob fails here, not inside a kernel.
@@ -436,19 +433,12 @@ class _Plan:
             self.fwd = self.launcher(self.kernels._lerp_fwd_plane_kernel, n0 * n1 * nbp, config.fwd_warps)
             self.fwd_tail = (n0, n1, n2, plane, nbp, *magic, *self.masks, self.w_scalar, self.acc_f64, self.big,
                              min(plane & -plane, 16), n3, ftile, config.fwd_stream_store, fastdiv)
-            self.fwd_tail_unaligned = self.fwd_tail
         else:
             magic, fastdiv = _division_args(fnb3, row_tiles, n1)
-            even = self.flat and config.even_tiles and n3 % fbn == 0
-            # PTX loads (no interpreter): only CUDA, and only on launches whose pointers are all
-            # 16-byte aligned (others take ``fwd_tail_unaligned``).
-            l1na = (config.fwd_l1_bypass and even and fbn >= 512 and device.type == "cuda"
-                    and dtype == torch.float32)
             self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
             self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *magic, *self.masks, self.w_scalar, self.acc_f64,
                              self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
-                             self.flat, even, fastdiv, l1na)
-            self.fwd_tail_unaligned = (*self.fwd_tail[:-1], False)
+                             self.flat, self.flat and config.even_tiles and n3 % fbn == 0, fastdiv)
         # The same forward that also zeroes the buffer its backward sums into (another compiled
         # specialisation, so a launcher of its own).
         self.fwd_zero = self.launcher(self.fwd.fn, self.fwd.grid, self.fwd.num_warps)
@@ -457,14 +447,12 @@ class _Plan:
         return Launcher(fn, grid, num_warps, self.device_index)
 
     def forward_args(self, x: Any, y: Any, wt: Any, out: Any, hi: float, lo: float,
-                     acc: Tensor | None = None, aligned: bool = True) -> tuple:
+                     acc: Tensor | None = None) -> tuple:
         """The forward kernel's arguments (``fwd``, or ``fwd_zero`` with ``acc``, the buffer the
         kernel then also zeroes); ``acc`` sits at index ``6 + len(fwd_tail)``. ``x``, ``y``,
-        ``wt``, ``out``: tensors, or placeholders where only the layout matters. ``aligned``:
-        whether all four pointers are 16-byte aligned (if not, no PTX loads)."""
+        ``wt``, ``out``: tensors, or placeholders where only the layout matters."""
         zero = acc is not None
-        return (x, y, wt, out, hi, lo, *(self.fwd_tail if aligned else self.fwd_tail_unaligned),
-                acc if zero else out, acc.numel() if zero else 0, zero)
+        return (x, y, wt, out, hi, lo, *self.fwd_tail, acc if zero else out, acc.numel() if zero else 0, zero)
 
     def backward_plan(self, needs: tuple[bool, bool, bool], atomic: bool = False) -> _Backward:
         """The backward for these needed gradients; ``atomic``: summing into the forward's zeroed
@@ -647,7 +635,7 @@ def _forward_impl(x: Tensor, y: Tensor, w: Tensor | None, wv: float, plan: _Plan
     ptrs = (x.data_ptr(), y.data_ptr(), wt.data_ptr(), out.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
     zero = acc is not None
-    args = plan.forward_args(x, y, wt, out, hi, lo, acc, aligned)
+    args = plan.forward_args(x, y, wt, out, hi, lo, acc)
     (plan.fwd_zero if zero else plan.fwd)(args, aligned, ptrs)
     if plan.native_pending[zero] and aligned and fresh:  # the native program allocates its output
         plan.install_native_forward(args, zero)

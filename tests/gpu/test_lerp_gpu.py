@@ -204,60 +204,6 @@ def test_atomic_sums_on_cuda():
     assert_matches(x, y, w, out, first, g)
 
 
-L1NA_SHAPES = [  # flat float32 in whole tiles: the forward's L1-bypassing PTX loads
-    ((16, 1024), (16, 1024), (16, 1024)),  # three full operands (case 4's pattern)
-    ((16, 1024), (16, 1024), (1,)),  # a one-element weight, summed by atomics (case 1's)
-    ((16, 1024), (16, 1024), None),  # a float weight
-    ((1,), (8192,), (8192,)),  # a one-element x, broadcast
-]
-
-
-@pytest.mark.parametrize("shapes", L1NA_SHAPES, ids=["full", "w1", "float-w", "x1"])
-def test_l1_bypassing_forward_matches_plain_loads(shapes):
-    """The PTX-load forward is planned for these calls only, and gives what the tl.load forward gives,
-    on aligned tensors (normal, then direct and native launches) and on misaligned views, where the
-    launch takes the plain specialisation; gradients (with the forward's zeroed buffer) included."""
-    xs, ys, ws = shapes
-    x, y, w = inputs(xs, ys, ws, torch.float32)
-    wt = w if isinstance(w, torch.Tensor) else None  # plans take a float weight as None
-    assert L._plan(x, y, wt).fwd_tail[-1] is True
-    assert L._plan(x.detach().bfloat16(), y.detach().bfloat16(),
-                   None if wt is None else wt.detach().bfloat16()).fwd_tail[-1] is False
-    with L.configured(fwd_l1_bypass=False):
-        assert L._plan(x, y, wt).fwd_tail[-1] is False
-    n = max(x.numel(), y.numel())
-    g = torch.randn(torch.broadcast_shapes(x.shape, y.shape), device="cuda")
-    ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor)]
-    with L.configured(fwd_l1_bypass=False):
-        want = lerp(x, y, w)
-        want_grads = torch.autograd.grad(want, ins, g)
-    for _ in range(3):  # Python launch, direct launch, native
-        out = lerp(x, y, w)
-        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-        for a, b in zip(torch.autograd.grad(out, ins, g), want_grads):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert_matches(x, y, w, out, torch.autograd.grad(lerp(x, y, w), ins, g), g)
-    # Misaligned: each operand in turn a view 4 bytes into a buffer.
-    for i, t in enumerate((x, y, w)):
-        if not isinstance(t, torch.Tensor):
-            continue
-        base = torch.empty(t.numel() + 1, device="cuda")
-        view = base[1:].view(t.shape)
-        view.copy_(t.detach())
-        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in (x, y, w)]
-        args[i] = view
-        torch.testing.assert_close(lerp(*args), want.detach(), rtol=1e-6, atol=1e-6)
-    # In place into a misaligned, then an aligned self (x full only).
-    if x.numel() == n:
-        for off in (1, 0):
-            base = torch.empty(n + off, device="cuda")
-            self_ = base[off:].view(x.shape)
-            self_.copy_(x.detach())
-            torch.ops.flowexec.lerp_(self_, y.detach(), None if wt is None else wt.detach(),
-                                     w if wt is None else 0.0)
-            torch.testing.assert_close(self_, want.detach(), rtol=1e-6, atol=1e-6)
-
-
 def test_reference_cases_full_size():
     cases = [((16, 102400), (16, 102400), (1,), torch.float32), ((16, 204800), (16, 204800), (1,), torch.float64),
              ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32),
