@@ -138,8 +138,11 @@ class CudaGraphRunner:
                 self.graph, outs = capture({})
         in_nodes = set(self.staging.index) if self.staging is not None else set()
         self._staged_ptrs = [(i, static[i].data_ptr()) for i in self._staged if i not in in_nodes]
-        # Outputs that are the caller's own memory (inputs, state) are live views, never protected.
-        input_storages = {a.untyped_storage().data_ptr() for a in [*example_inputs, *static, *state] if isinstance(a, torch.Tensor)}
+        # Outputs that are the caller's own memory (borrowed inputs, state) are live views, never
+        # protected. A staged input's buffer is the graph's own: an output that is (a view of) it,
+        # such as an input autograd saves for backward, is protected like any other, or the next
+        # call's staging would overwrite what a pending backward reads.
+        input_storages = {a.untyped_storage().data_ptr() for a in [*example_inputs, *state] if isinstance(a, torch.Tensor)}
         skip = set(unprotected_outputs)
         self._protect = []
         for i, o in enumerate(outs):
@@ -164,11 +167,11 @@ class CudaGraphRunner:
         return True
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
+        self.outputs.release()  # first: an output may be a staged input's buffer
         if self._staged_ptrs:
             self._stage_from_python(args)
         if self.staging is not None:
             self.staging.point(args)
-        self.outputs.release()
         if self.before_replay is not None:
             self.before_replay()
         self._replay()
