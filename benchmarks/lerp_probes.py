@@ -82,6 +82,25 @@ L = importlib.import_module("flowexec.kernels.lerp")
 CASES = {c.name: c for c in REFERENCE + EXTRA}
 
 
+def _keep_correct(fns: dict[str, Any], out: torch.Tensor, ref: torch.Tensor) -> dict[str, dict[str, list]]:
+    """Run each variant once into ``out`` (filled with NaN first); one that fails to compile or
+    computes something else than ``ref`` leaves ``fns`` and is recorded with its error."""
+    row: dict[str, dict[str, list]] = {}
+    for vn, fn in list(fns.items()):
+        try:
+            out.fill_(float("nan"))
+            torch.testing.assert_close(fn(), ref)
+        except Exception as e:
+            row[vn] = {"error": [f"{type(e).__name__}: {str(e)[-600:]}"]}
+            del fns[vn]
+    return row
+
+
+def _alternating(names: Any, rounds: int) -> list[list[Any]]:
+    """The order of each round: as listed, then reversed, and so on."""
+    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
+
+
 def probe_l2() -> dict[str, Any]:
     flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
     res: dict[str, Any] = {}
@@ -264,9 +283,7 @@ def probe_fwdwall() -> dict[str, Any]:
         ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
         row: dict[str, dict[str, list[float]]] = {}
         res[name] = row
-        for rnd in range(5):
-            order = ["torch", *FWD_WALL_VARIANTS]
-            order = order if rnd % 2 == 0 else order[::-1]
+        for order in _alternating(["torch", *FWD_WALL_VARIANTS], 5):
             for vn in order:
                 ch = {} if vn == "torch" else FWD_WALL_VARIANTS[vn]
                 fn = (lambda: torch.lerp(xd, yd, wd)) if vn == "torch" else (lambda: L.lerp(xd, yd, wd))
@@ -442,8 +459,7 @@ def probe_hosttime(iters: int = 300, rounds: int = 5) -> dict[str, Any]:
         impls = {"torch": "torch", "floor": "floor", "floor3": "floor3", **{k: "flowexec" for k in HOSTTIME_FX}}
         fns = {k: calls(case, impl, "cuda") for k, impl in impls.items()}
         got: dict[str, dict[str, list[float]]] = {}
-        for rnd in range(rounds):
-            order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
+        for order in _alternating(fns, rounds):
             for mode in ("do_bench", "idle"):
                 for k in order:
                     fwd, _, ins, go = fns[k]
@@ -516,8 +532,8 @@ def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
         r: dict[str, Any] = {}
         made = {i: calls(case, i, "cuda")[1] for i in WALL_IMPLS}
         got: dict[str, list[float]] = {}
-        for rnd in range(rounds):
-            for i in (WALL_IMPLS if rnd % 2 == 0 else WALL_IMPLS[::-1]):
+        for order in _alternating(WALL_IMPLS, rounds):
+            for i in order:
                 got.setdefault(i, []).append(bench(made[i]))
         r["do_bench rounds"] = {i: statistics.median(v) for i, v in got.items()}
         # host time of do_bench's loop, one function at a time (the same flush and events)
@@ -552,9 +568,10 @@ def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
     return res
 
 
-def _asm_kernels() -> tuple[Any, Any]:
-    """The flat forward twice: operands through TMA descriptors, and through inline-PTX 16-byte
-    loads that can carry an L2 prefetch-size hint (``L2::256B``), which ``tl.load`` does not emit."""
+def _asm_kernels() -> tuple[Any, Any, Any]:
+    """The flat forward three ways: operands through TMA descriptors; through inline-PTX 16-byte
+    loads, whose cache hints (``L1::no_allocate``, ``L2::256B``, L2 cache policies) ``tl.load``
+    does not emit; and through ``tl.load`` with a cache modifier and eviction policy."""
     import triton
     import triton.language as tl
 
@@ -659,17 +676,8 @@ def probe_tma() -> dict[str, Any]:
                     fwd_ptx[(n // b,)](xd, yd, wd, o, lda, sta, b, num_warps=4)
                     return o
                 fns[f"ptx {ld[10:-7] or 'plain'} / {st[10:-7] or 'plain'} b{b}"] = ptx
-        row: dict[str, dict[str, list[float]]] = {}
-        res[name] = row
-        for vn, fn in list(fns.items()):
-            try:
-                o.fill_(float("nan"))
-                torch.testing.assert_close(fn(), ref)
-            except Exception as e:  # a variant that fails to compile or computes wrong stays out
-                row[vn] = {"error": [f"{type(e).__name__}: {str(e)[-600:]}"]}
-                del fns[vn]
-        for rnd in range(5):
-            order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
+        row = res[name] = _keep_correct(fns, o, ref)
+        for order in _alternating(fns, 5):
             for vn in order:
                 r = row.setdefault(vn, {})
                 r.setdefault("wall", []).append(bench(fns[vn]))
@@ -686,8 +694,15 @@ def _policy_load(l2: str) -> str:
             "ld.global.L1::no_allocate.L2::cache_hint.v4.f32 {$0, $1, $2, $3}, [$4], pol; }")
 
 
-HINT_LOADS = ("ld.global.v4.f32", "ld.global.L1::no_allocate.v4.f32", "ld.global.L1::evict_first.v4.f32",
-              _policy_load("evict_normal"), _policy_load("evict_unchanged"), _policy_load("evict_last"))
+# label -> the load's inline PTX. An evict_last policy is left out: its lines outlive the L2 flush
+# between repetitions and make whatever runs after it read fast (it was in the e8706d8 run).
+HINT_LOADS = {
+    "plain": "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];",
+    "L1::no_allocate": "ld.global.L1::no_allocate.v4.f32 {$0, $1, $2, $3}, [$4];",
+    "L1::evict_first": "ld.global.L1::evict_first.v4.f32 {$0, $1, $2, $3}, [$4];",
+    "L1::no_allocate + L2 evict_normal": _policy_load("evict_normal"),
+    "L1::no_allocate + L2 evict_unchanged": _policy_load("evict_unchanged"),
+}
 HINT_TL = (("", ""), (".cg", ""), ("", "evict_first"))
 
 
@@ -695,41 +710,32 @@ def probe_hints() -> dict[str, Any]:
     """Which load makes the case-4 forward faster, and what it leaves in L2 for the backward.
 
     Each variant's forward kernel (PTX loads with L1 and L2 hints, ``tl.load``'s cache modifiers and
-    eviction policies, PyTorch's and ours), and the kernel after
-    it: ``torch.addcmul`` reading the same three operands again (fast when they stayed in L2, as
-    the backward reads them). Five alternating rounds, the profiler's kernel times. (At e8706d8,
-    ``probes/lerp_hints_reread_e8706d8.json``, "shipped" had the since-reverted ``fwd_l1_bypass``
-    on, and "shipped no L1 bypass" was the shipped forward.) Lines loaded ``evict_last`` survive
-    the L2 flush between repetitions (docs/kernels.md), so variants timed after that one in a
-    round read too fast."""
+    eviction policies, PyTorch's and ours), and the kernel after it: ``torch.addcmul`` reading the
+    same three operands again (fast when they stayed in L2, as the backward reads them). Five
+    alternating rounds, the profiler's kernel times. Earlier forms of this probe:
+    ``probes/lerp_hints_7cbc119.json`` (forward only, with L2 prefetch-size hints and 512-element
+    blocks) and ``probes/lerp_hints_reread_e8706d8.json`` (with an evict_last policy, and
+    "shipped" the since-reverted ``fwd_l1_bypass`` forward, "shipped no L1 bypass" the shipped one).
+    """
     _, fwd_ptx, fwd_tl = _asm_kernels()
     x, y, w, _ = make_inputs(CASES["case4"], "cuda")
     xd, yd, wd = x.detach(), y.detach(), w.detach()
     n = xd.numel()
     o = torch.empty_like(xd)
-    ref = torch.lerp(xd, yd, wd)
     st = "st.global.v4.b32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0;"
     fns: dict[str, Any] = {"torch": lambda: torch.lerp(xd, yd, wd), "shipped": lambda: L.lerp(xd, yd, wd)}
-    for ld in HINT_LOADS:
-        def ptx(lda: str = ld if "{" in ld else ld + " {$0, $1, $2, $3}, [$4];") -> Any:
-            fwd_ptx[(n // 1024,)](xd, yd, wd, o, lda, st, 1024, num_warps=4)
+    for label, ld in HINT_LOADS.items():
+        def ptx(ld: str = ld) -> Any:
+            fwd_ptx[(n // 1024,)](xd, yd, wd, o, ld, st, 1024, num_warps=4)
             return o
-        fns[f"ptx {ld[10:-7] if '{' not in ld else 'L1::no_allocate + policy ' + ld.split('L2::')[1].split('.')[0]}"] = ptx
+        fns[f"ptx {label}"] = ptx
     for cm, ev in HINT_TL:
         def tlv(cm: str = cm, ev: str = ev) -> Any:
             fwd_tl[(n // 1024,)](xd, yd, wd, o, cm, ev, 1024, num_warps=4)
             return o
         fns[f"tl.load {cm or 'plain'} {ev or '-'}"] = tlv
-    row: dict[str, dict[str, list[float]]] = {}
-    for vn, fn in list(fns.items()):
-        try:
-            o.fill_(float("nan"))
-            torch.testing.assert_close(fn(), ref)
-        except Exception as e:
-            row[vn] = {"error": [f"{type(e).__name__}: {str(e)[-600:]}"]}
-            del fns[vn]
-    for rnd in range(5):
-        order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
+    row = _keep_correct(fns, o, torch.lerp(xd, yd, wd))
+    for order in _alternating(fns, 5):
         for vn in order:
             k = per_kernel(lambda: (fns[vn](), torch.addcmul(xd, yd, wd)))
             times = [v for key, v in k.items() if key != "total"]
