@@ -233,9 +233,10 @@ def test_graph_mode_reads_state_arguments_in_place():
 
 @pytest.mark.parametrize("depth", [2, 3])
 def test_backend_graph_two_forwards_then_two_backwards(depth):
-    """Micro-batches whose forwards all run before their backwards (the graph's second replay
-    overwrites the static buffers the first forward's activations live in, unless they are
-    protected): the gradients must be eager's."""
+    """Micro-batches whose forwards all run before their backwards: each replay overwrites the
+    static buffers that the previous forward's saved tensors live in (its activations, and its
+    input, staged into the graph's buffer: unprotected until d340c67, which made the first
+    layer's weight gradient wrong), unless they are moved first. The gradients must be eager's."""
     torch.manual_seed(0)
     m1 = make_mlp(64, depth).cuda()
     m2 = copy.deepcopy(m1)
