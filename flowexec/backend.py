@@ -93,7 +93,13 @@ class GraphProgram:
             return self.run(*args)
         if self.graph_runner is None or not self.graph_runner.matches(args):
             if self.graph_runner is not None:
-                warnings.warn("flowexec: a borrowed input moved to another address; capturing the CUDA graph again")
+                # Also the backward of a micro-batch whose forward ran before another forward of the
+                # same graph: its saved tensors were moved out of the graph's buffers (outputs.py).
+                warnings.warn("flowexec: an input this CUDA graph reads in place is at another address "
+                              "(a parameter replaced, or the saved tensors of a forward that another forward "
+                              "of the same graph followed before its backward); capturing the graph again. "
+                              "Loops that run several forwards before their backwards are faster in "
+                              "mode='trace'", stacklevel=2)
             self._capture(args)
         return self.graph_runner(args)
 
