@@ -50,6 +50,9 @@ class GraphProgram:
     autograd as fresh aliases of its static buffers, so ``AccumulateGrad`` adopts them as
     ``.grad`` instead of copying each one; before the next replay a ``.grad`` that still holds
     a buffer is given a private copy (the forward's leaf inputs are where those are looked for).
+    A call whose borrowed inputs moved runs the lowered trace when they are one-call copies (a
+    micro-batch's saved tensors, moved out of the forward's buffers), and captures the graph
+    again when a parameter or static input moved.
     """
 
     _boxed_call = True  # AOTAutograd passes the argument list itself
@@ -64,6 +67,7 @@ class GraphProgram:
         self.graph_runner: Any = None
         self.forward = forward
         self.leaf_inputs: list[Any] = []  # weak refs to the leaf tensors this graph reads (grad owners)
+        self.transient_calls = 0  # calls run as a trace because a borrowed input was a one-call copy
         if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
@@ -91,17 +95,26 @@ class GraphProgram:
         args = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
         if self.mode == "trace":
             return self.run(*args)
-        if self.graph_runner is None or not self.graph_runner.matches(args):
-            if self.graph_runner is not None:
-                # Also the backward of a micro-batch whose forward ran before another forward of the
-                # same graph: its saved tensors were moved out of the graph's buffers (outputs.py).
-                warnings.warn("flowexec: an input this CUDA graph reads in place is at another address "
-                              "(a parameter replaced, or the saved tensors of a forward that another forward "
-                              "of the same graph followed before its backward); capturing the graph again. "
-                              "Loops that run several forwards before their backwards are faster in "
-                              "mode='trace'", stacklevel=2)
+        runner = self.graph_runner
+        if runner is not None and not runner.matches(args):
+            if self._only_transient(args, runner.moved(args)):
+                # The backward of a micro-batch whose forward another forward of the same graph
+                # followed: its saved tensors were moved out of the graph's buffers (outputs.py),
+                # for this call only. Run the lowered trace on them instead of capturing again.
+                self.transient_calls += 1
+                return self.run(*args)
+            warnings.warn("flowexec: an input this CUDA graph reads in place is at another address "
+                          "(a parameter or static buffer was replaced); capturing the graph again", stacklevel=2)
+            runner = None
+        if runner is None:
             self._capture(args)
         return self.graph_runner(args)
+
+    def _only_transient(self, args: list[Any], moved: list[int]) -> bool:
+        """Whether every moved input is a one-call copy: not a parameter, not an input
+        AOTAutograd marks static (those move for good, so the graph is captured again)."""
+        return bool(moved) and all(i not in self.static_idx and not isinstance(args[i], torch.nn.Parameter)
+                                   for i in moved)
 
 
 def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None) -> Callable[..., Any]:

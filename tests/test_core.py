@@ -149,3 +149,51 @@ def test_strided_input_recaptures_instead_of_failing():
     with pytest.warns(flowexec.RecaptureWarning, match="stride"):
         got = exe(xt)
     assert_close_rel(got, fn(xt))
+
+
+class _FakeRunner:
+    """Stands in for a captured CudaGraphRunner (CPU): every borrowed input has moved."""
+
+    def __init__(self, moved):
+        self._moved, self.replays = moved, 0
+
+    def matches(self, args):
+        return not self._moved
+
+    def moved(self, args):
+        return list(self._moved)
+
+    def __call__(self, args):
+        self.replays += 1
+        return ["replayed"]
+
+
+def test_graph_program_runs_a_trace_for_one_call_copies_and_captures_again_for_parameters(monkeypatch):
+    """A graph-mode program whose borrowed inputs moved: one-call copies (a micro-batch's saved
+    tensors moved out of another graph's buffers) run the lowered trace for that call, with the
+    captured graph kept; a replaced parameter captures the graph again, with a warning."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from flowexec.backend import GraphProgram
+
+    a, b = torch.randn(3), torch.randn(3)
+    gp = GraphProgram(make_fx(lambda a, b: (a * b,))(a, b), [a, b], "graph", "fast", 1)
+    captures = []
+    monkeypatch.setattr(gp, "_capture", lambda args: (captures.append(args), setattr(gp, "graph_runner", _FakeRunner([]))))
+
+    gp.graph_runner = kept = _FakeRunner([1])  # b moved, and b is a plain tensor
+    (got,) = gp(a, b)
+    assert_close_rel(got, a * b)
+    assert gp.graph_runner is kept and kept.replays == 0 and gp.transient_calls == 1 and not captures
+
+    p = torch.nn.Parameter(torch.randn(3))
+    gp.graph_runner = _FakeRunner([1])  # the moved input is a parameter: it moved for good
+    with pytest.warns(UserWarning, match="capturing the graph again"):
+        assert gp(a, p) == ["replayed"]
+    assert len(captures) == 1 and gp.transient_calls == 1
+
+    gp.static_idx = {1}  # an input AOTAutograd marks static moves for good too
+    gp.graph_runner = _FakeRunner([1])
+    with pytest.warns(UserWarning, match="capturing the graph again"):
+        gp(a, b)
+    assert len(captures) == 2

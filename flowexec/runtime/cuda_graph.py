@@ -166,6 +166,10 @@ class CudaGraphRunner:
                 return False
         return True
 
+    def moved(self, args: Sequence[Any]) -> list[int]:
+        """The positions of borrowed inputs that are not at their captured address."""
+        return [i for i, ptr in self._borrowed if args[i].data_ptr() != ptr]
+
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         self.outputs.release()  # first: an output may be a staged input's buffer
         if self._staged_ptrs:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import warnings
 
 import pytest
 import torch
@@ -245,8 +247,15 @@ def test_backend_graph_two_forwards_then_two_backwards(depth):
     F.cross_entropy(c2(data[0][0]), data[0][1]).backward()  # compile and capture first
     for p in (*m1.parameters(), *m2.parameters()):
         p.grad = None
-    for m in (m1, c2):
-        losses = [F.cross_entropy(m(x), y) for x, y in data]  # every forward first
-        for loss in losses:
-            loss.backward()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for m in (m1, c2):
+            losses = [F.cross_entropy(m(x), y) for x, y in data]  # every forward first
+            for loss in losses:
+                loss.backward()
     assert_same_state(m1, m2)
+    # The first two backwards read moved saved tensors: they ran as traces, the graph was kept.
+    assert not [w for w in said if "capturing the graph again" in str(w.message)]
+    from flowexec.backend import GraphProgram
+    backward = [o for o in gc.get_objects() if isinstance(o, GraphProgram) and o.forward is not None]
+    assert sum(b.transient_calls for b in backward) >= 2
