@@ -109,6 +109,8 @@ def split(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor, n
         def backward(ctx: Any, g: torch.Tensor) -> tuple:
             return g, g, g.sum().view(1)
 
+    from ops import alternating_orders
+
     t = go.detach().clone().requires_grad_()
     for subset in ((x,), (y,), (w,), (x, y), (x, y, w)):  # plan every gradient set first
         for _ in range(2):
@@ -131,9 +133,9 @@ def split(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor, n
         name = "multithreaded" if mt else "single-threaded"
         rounds: dict[str, list[float]] = {}
         with torch.autograd.set_multithreading_enabled(mt):
-            for rnd in range(5):
-                for k, fn in (list(fns.items()) if rnd % 2 == 0 else list(fns.items())[::-1]):
-                    rounds.setdefault(k, []).append(loop_us(fn, n=2000))
+            for order in alternating_orders(fns, 5):
+                for k in order:
+                    rounds.setdefault(k, []).append(loop_us(fns[k], n=2000))
         res[name] = {k: sorted(v)[2] for k, v in rounds.items()}
         res[name + " rounds"] = rounds
     return res

@@ -76,7 +76,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lerp_kernels import per_kernel  # noqa: E402
-from ops import EXTRA, REFERENCE, calls, make_inputs, run_meta  # noqa: E402
+from ops import EXTRA, REFERENCE, alternating_orders, calls, make_inputs, run_meta  # noqa: E402
 
 L = importlib.import_module("flowexec.kernels.lerp")
 CASES = {c.name: c for c in REFERENCE + EXTRA}
@@ -94,11 +94,6 @@ def _keep_correct(fns: dict[str, Any], out: torch.Tensor, ref: torch.Tensor) -> 
             row[vn] = {"error": [f"{type(e).__name__}: {str(e)[-600:]}"]}
             del fns[vn]
     return row
-
-
-def _alternating(names: Any, rounds: int) -> list[list[Any]]:
-    """The order of each round: as listed, then reversed, and so on."""
-    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
 
 
 def probe_l2() -> dict[str, Any]:
@@ -283,7 +278,7 @@ def probe_fwdwall() -> dict[str, Any]:
         ins = [t for t in (x, y, w) if isinstance(t, torch.Tensor) and t.requires_grad]
         row: dict[str, dict[str, list[float]]] = {}
         res[name] = row
-        for order in _alternating(["torch", *FWD_WALL_VARIANTS], 5):
+        for order in alternating_orders(["torch", *FWD_WALL_VARIANTS], 5):
             for vn in order:
                 ch = {} if vn == "torch" else FWD_WALL_VARIANTS[vn]
                 fn = (lambda: torch.lerp(xd, yd, wd)) if vn == "torch" else (lambda: L.lerp(xd, yd, wd))
@@ -459,7 +454,7 @@ def probe_hosttime(iters: int = 300, rounds: int = 5) -> dict[str, Any]:
         impls = {"torch": "torch", "floor": "floor", "floor3": "floor3", **{k: "flowexec" for k in HOSTTIME_FX}}
         fns = {k: calls(case, impl, "cuda") for k, impl in impls.items()}
         got: dict[str, dict[str, list[float]]] = {}
-        for order in _alternating(fns, rounds):
+        for order in alternating_orders(fns, rounds):
             for mode in ("do_bench", "idle"):
                 for k in order:
                     fwd, _, ins, go = fns[k]
@@ -532,7 +527,7 @@ def probe_alternation(turns: int = 2000, rounds: int = 3) -> dict[str, Any]:
         r: dict[str, Any] = {}
         made = {i: calls(case, i, "cuda")[1] for i in WALL_IMPLS}
         got: dict[str, list[float]] = {}
-        for order in _alternating(WALL_IMPLS, rounds):
+        for order in alternating_orders(WALL_IMPLS, rounds):
             for i in order:
                 got.setdefault(i, []).append(bench(made[i]))
         r["do_bench rounds"] = {i: statistics.median(v) for i, v in got.items()}
@@ -677,7 +672,7 @@ def probe_tma() -> dict[str, Any]:
                     return o
                 fns[f"ptx {ld[10:-7] or 'plain'} / {st[10:-7] or 'plain'} b{b}"] = ptx
         row = res[name] = _keep_correct(fns, o, ref)
-        for order in _alternating(fns, 5):
+        for order in alternating_orders(fns, 5):
             for vn in order:
                 r = row.setdefault(vn, {})
                 r.setdefault("wall", []).append(bench(fns[vn]))
@@ -735,7 +730,7 @@ def probe_hints() -> dict[str, Any]:
             return o
         fns[f"tl.load {cm or 'plain'} {ev or '-'}"] = tlv
     row = _keep_correct(fns, o, torch.lerp(xd, yd, wd))
-    for order in _alternating(fns, 5):
+    for order in alternating_orders(fns, 5):
         for vn in order:
             k = per_kernel(lambda: (fns[vn](), torch.addcmul(xd, yd, wd)))
             times = [v for key, v in k.items() if key != "total"]

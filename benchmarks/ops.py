@@ -229,6 +229,16 @@ def measure(case: Case, impl: str, dev: str, full: bool = True, walls: bool = Tr
 WALL_IMPLS = ("torch", "flowexec", "floor", "floor3")
 
 
+def alternating_orders(names: Any, rounds: int) -> list[list[Any]]:
+    """The order of each of ``rounds`` rounds: as listed, then reversed, and so on (so that host
+    drift within a run falls on every name alike).
+
+    >>> alternating_orders("ab", 3)
+    [['a', 'b'], ['b', 'a'], ['a', 'b']]
+    """
+    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
+
+
 def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5) -> dict[str, list[float]]:
     """Wall times of PyTorch, flowexec and the two floor ops measured in alternating rounds (the
     host's speed drifts by tens of percent within a run; alternating puts all under the same
@@ -238,8 +248,8 @@ def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5
         fwd, fwd_bwd, _, _ = calls(case, impl, dev)
         fns[impl] = {"wall_fwd_bwd_us": fwd_bwd, "wall_fwd_us": fwd}
     got: dict[str, list[float]] = {}
-    for r in range(rounds):
-        for impl in (WALL_IMPLS if r % 2 == 0 else WALL_IMPLS[::-1]):
+    for order in alternating_orders(WALL_IMPLS, rounds):
+        for impl in order:
             for key, fn in fns[impl].items():
                 got.setdefault(f"{impl}:{key}", []).append(bench(fn))
     for name, vals in got.items():

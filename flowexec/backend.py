@@ -52,7 +52,7 @@ class GraphProgram:
     a buffer is given a private copy (the forward's leaf inputs are where those are looked for).
     A call whose borrowed inputs moved runs the lowered trace when they are one-call copies (a
     micro-batch's saved tensors, moved out of the forward's buffers), and captures the graph
-    again when a parameter or static input moved.
+    again when an input moved for good (static, or now at a stable address such as a parameter's).
     """
 
     _boxed_call = True  # AOTAutograd passes the argument list itself
@@ -96,8 +96,9 @@ class GraphProgram:
         if self.mode == "trace":
             return self.run(*args)
         runner = self.graph_runner
-        if runner is not None and not runner.matches(args):
-            if self._only_transient(args, runner.moved(args)):
+        moved = runner.moved(args) if runner is not None else []
+        if moved:
+            if self._only_transient(args, moved):
                 # The backward of a micro-batch whose forward another forward of the same graph
                 # followed: its saved tensors were moved out of the graph's buffers (outputs.py),
                 # for this call only. Run the lowered trace on them instead of capturing again.
@@ -111,10 +112,12 @@ class GraphProgram:
         return self.graph_runner(args)
 
     def _only_transient(self, args: list[Any], moved: list[int]) -> bool:
-        """Whether every moved input is a one-call copy: not a parameter, not an input
-        AOTAutograd marks static (those move for good, so the graph is captured again)."""
-        return bool(moved) and all(i not in self.static_idx and not isinstance(args[i], torch.nn.Parameter)
-                                   for i in moved)
+        """Whether every moved input is a one-call copy: neither an input AOTAutograd marks static
+        nor a tensor that keeps its address (``is_stable``: parameters, other graphs' outputs),
+        which moved for good, so the graph is captured again."""
+        from .runtime.cuda_graph import is_stable
+
+        return all(i not in self.static_idx and not is_stable(args[i]) for i in moved)
 
 
 def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None) -> Callable[..., Any]:
