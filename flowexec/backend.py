@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -58,12 +58,15 @@ class GraphProgram:
     _boxed_call = True  # AOTAutograd passes the argument list itself
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
-                 fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None) -> None:
+                 fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None,
+                 static_idx: Iterable[int] = ()) -> None:
+        """``static_idx``: input positions AOTAutograd marks static (:func:`_static_input_indices`,
+        a forward's only); ``forward``: the forward GraphProgram of a backward graph."""
         self.plan = build_plan(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), gc)
         self.run = lower_trace(self.plan)
         self.mode = mode
         self.warmup = warmup
-        self.static_idx = _static_input_indices()
+        self.static_idx = set(static_idx)
         self.graph_runner: Any = None
         self.forward = forward
         self.leaf_inputs: list[Any] = []  # weak refs to the leaf tensors this graph reads (grad owners)
@@ -139,13 +142,17 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     forwards: list[GraphProgram] = []  # AOTAutograd compiles this graph's forward, then its backward
 
     def compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
-        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"))
+        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices())
 
     def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
         forwards.append(compiler(g, inputs))
         return forwards[-1]
 
     def bw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
+        # No static indices: the tracing context still holds the forward's, which index the
+        # forward's inputs (taken for the backward's, they made a tangent "static", so every call
+        # moved it and captured again). The backward borrows by address instead (is_stable:
+        # parameters and the forward's outputs, which its saved tensors are).
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)

@@ -197,3 +197,31 @@ def test_graph_program_runs_a_trace_for_one_call_copies_and_captures_again_for_p
     with pytest.warns(UserWarning, match="capturing the graph again"):
         gp(a, b)
     assert len(captures) == 2
+
+
+def test_backend_static_inputs_are_the_forwards_own(monkeypatch):
+    """AOTAutograd's static input indices belong to the forward graph; the backward, compiled
+    while the tracing context still holds them, must not take them as its own. It did: saved
+    activations (and, in other shapes, the tangent) became "static", so in graph mode a backward
+    whose saved tensors were moved (micro-batches) captured again instead of running a trace."""
+    import flowexec.backend as backend
+
+    made = []
+    init = backend.GraphProgram.__init__
+
+    def record(self, gm, example_inputs, *args, **kwargs):
+        init(self, gm, example_inputs, *args, **kwargs)
+        made.append((self, [n.name for n in gm.graph.nodes if n.op == "placeholder"]))
+
+    monkeypatch.setattr(backend.GraphProgram, "__init__", record)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    c = torch.compile(make_mlp(16, 2), backend="flowexec", options={"mode": "trace"})
+    F.cross_entropy(c(torch.randn(4, 16)), torch.randint(0, 10, (4,))).backward()
+    (fw, fw_names), (bw, bw_names) = made
+    assert bw.forward is fw
+    # The forward's static inputs are its parameters; the input batch (primals_3) is not.
+    assert fw.static_idx == {i for i, n in enumerate(fw_names) if n != "primals_3"}, (fw_names, fw.static_idx)
+    # The backward reads saved tensors and the tangent: activations and per-call tensors, none
+    # static (its parameters, where it reads any, are borrowed by address: is_stable).
+    assert bw.static_idx == set(), (bw_names, bw.static_idx)
