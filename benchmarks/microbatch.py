@@ -81,7 +81,8 @@ def main() -> None:
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         times = interleaved(fns, sync, args.rounds, args.per_round)
-    recaptures = sum("capturing the graph again" in str(w.message) for w in said)
+    recaptured = [str(w.message) for w in said if "capturing the graph again" in str(w.message)]
+    recaptures = len(recaptured)
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "python": platform.python_version(),
@@ -89,6 +90,7 @@ def main() -> None:
         "command": "PYTHONPATH=. python3 benchmarks/microbatch.py " + " ".join(sys.argv[1:]),
         "model": "MLP 8x256, SGD", "micro_batches": args.micro, "batch": args.batch,
         "step_us": times, "recapture_warnings_while_timed": recaptures,
+        "recapture_messages": sorted(set(recaptured)),
         "speedup_vs_eager": {k: times[f"eager, {k.split(', ')[1]}"] / v for k, v in times.items()},
     }
     os.makedirs(args.out, exist_ok=True)
@@ -97,6 +99,8 @@ def main() -> None:
     for k, v in times.items():
         print(f"{k:38s} {v:9.1f} µs  {out['speedup_vs_eager'][k]:.2f}×")
     print(f"re-capture warnings while timed: {recaptures}")
+    for m in sorted(set(recaptured)):
+        print("  ", m)
 
 
 if __name__ == "__main__":

@@ -107,8 +107,8 @@ class GraphProgram:
                 # for this call only. Run the lowered trace on them instead of capturing again.
                 self.transient_calls += 1
                 return self.run(*args)
-            warnings.warn("flowexec: an input this CUDA graph reads in place is at another address "
-                          "(a parameter or static buffer was replaced); capturing the graph again", stacklevel=2)
+            warnings.warn(f"flowexec: {self._describe_moved(args, moved)} of this {self._role} graph, read in place "
+                          "by its CUDA graph, moved for good; capturing the graph again", stacklevel=2)
             runner = None
         if runner is None:
             self._capture(args)
@@ -121,6 +121,25 @@ class GraphProgram:
         from .runtime.cuda_graph import is_stable
 
         return all(i not in self.static_idx and not is_stable(args[i]) for i in moved)
+
+    @property
+    def _role(self) -> str:
+        return "backward" if self.forward is not None else "forward"
+
+    def _describe_moved(self, args: list[Any], moved: list[int]) -> str:
+        """Names the moved inputs and why each counts as moved for good, for the warning."""
+        from .runtime.cuda_graph import is_stable
+
+        prog = self.plan.program
+        names = [prog.values[vid].label for vid in prog.inputs]
+        parts = []
+        for i in moved:
+            a = args[i]
+            why = ("a parameter" if isinstance(a, torch.nn.Parameter) else "static for AOTAutograd"
+                   if i in self.static_idx else "at another graph's output address" if is_stable(a) else "a copy")
+            name = f" {names[i]}" if i < len(names) else ""
+            parts.append(f"input {i}{name} {tuple(a.shape)} ({why})")
+        return ", ".join(parts)
 
 
 def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None) -> Callable[..., Any]:

@@ -188,13 +188,13 @@ def test_graph_program_runs_a_trace_for_one_call_copies_and_captures_again_for_p
 
     p = torch.nn.Parameter(torch.randn(3))
     gp.graph_runner = _FakeRunner([1])  # the moved input is a parameter: it moved for good
-    with pytest.warns(UserWarning, match="capturing the graph again"):
+    with pytest.warns(UserWarning, match=r"input 1 \w+ \(3,\) \(a parameter\) of this forward graph.*capturing the graph again"):
         assert gp(a, p) == ["replayed"]
     assert len(captures) == 1 and gp.transient_calls == 1
 
     gp.static_idx = {1}  # an input AOTAutograd marks static moves for good too
     gp.graph_runner = _FakeRunner([1])
-    with pytest.warns(UserWarning, match="capturing the graph again"):
+    with pytest.warns(UserWarning, match=r"input 1 \w+ \(3,\) \(static for AOTAutograd\).*capturing the graph again"):
         gp(a, b)
     assert len(captures) == 2
 
@@ -225,3 +225,25 @@ def test_backend_static_inputs_are_the_forwards_own(monkeypatch):
     # The backward reads saved tensors and the tangent: activations and per-call tensors, none
     # static (its parameters, where it reads any, are borrowed by address: is_stable).
     assert bw.static_idx == set(), (bw_names, bw.static_idx)
+
+
+def test_stable_address_needs_its_owner_still_there():
+    """An address counts as stable while the tensor recorded for it still holds it: an alias
+    moved by outputs.py (``.data = clone``) must not vouch for its old address, which may be freed
+    and handed to a per-call tensor (that one was then borrowed, moved, and captured again)."""
+    from flowexec.runtime.cuda_graph import is_stable, mark_stable
+
+    alias = torch.zeros(4)
+    old = alias.untyped_storage()
+    mark_stable(alias)
+    assert is_stable(torch.empty(0).set_(old))
+    alias.data = alias.clone()  # moved: its old memory is someone else's now
+    assert not is_stable(torch.empty(0).set_(old))
+    assert not is_stable(alias)  # nor is it stable where it went
+
+    buf = torch.zeros(4)
+    mark_stable(buf)
+    view = buf.detach()
+    mark_stable(view)  # a borrowed alias of a live buffer does not replace the buffer's record
+    view.data = view.clone()
+    assert is_stable(buf)

@@ -38,16 +38,23 @@ _STABLE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDic
 
 def mark_stable(t: torch.Tensor) -> None:
     """Record that ``t``'s memory keeps its address (a graph reads it in place)."""
-    _STABLE[t.data_ptr()] = t
+    ptr = t.data_ptr()
+    held = _STABLE.get(ptr)
+    if held is None or held.data_ptr() != ptr:  # keep a live owner; a borrowed alias may move later
+        _STABLE[ptr] = t
 
 
 def is_stable(t: torch.Tensor) -> bool:
-    """Whether a tensor keeps its address across steps (so a graph may read it in place)."""
-    return (
-        isinstance(t, torch.nn.Parameter)
-        or getattr(t, "_dynamo_static_input_type", None) is not None
-        or t.data_ptr() in _STABLE
-    )
+    """Whether a tensor keeps its address across steps (so a graph may read it in place).
+
+    An address counts while the tensor recorded for it is still there: an alias whose memory was
+    swapped (``.data = ...``, as outputs.py moves held outputs) no longer vouches for it.
+    """
+    if isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None:
+        return True
+    ptr = t.data_ptr()
+    held = _STABLE.get(ptr)
+    return held is not None and held.data_ptr() == ptr
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
