@@ -27,7 +27,7 @@ from .executable import MODES, rewrite_program
 from .plan import GC_MODES, build_plan
 from .runtime.interpreter import lower_trace
 
-BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp")
+BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size")
 # Dynamo wraps compiled backward functions in a way that hides our _boxed_call flag; the
 # unboxed call it falls back to is correct, so its advice is noise for our users.
 warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd is returning a function that doesn't take boxed")
@@ -50,24 +50,32 @@ class GraphProgram:
     autograd as fresh aliases of its static buffers, so ``AccumulateGrad`` adopts them as
     ``.grad`` instead of copying each one; before the next replay a ``.grad`` that still holds
     a buffer is given a private copy (the forward's leaf inputs are where those are looked for).
-    A call whose borrowed inputs moved runs the lowered trace when they are one-call copies (a
-    micro-batch's saved tensors, moved out of the forward's buffers), and captures the graph
-    again when an input moved for good (static, or now at a stable address such as a parameter's).
+
+    The CUDA graph reads some inputs in place (borrowed: parameters, other graphs' outputs), so
+    it is valid for one set of their addresses. Graphs are kept per set, up to ``cache_size``,
+    the least recently used dropped first: Dynamo shares one compiled graph between modules of
+    one class, whose parameters differ. A call whose borrowed inputs moved runs the lowered
+    trace when they are one-call copies (a micro-batch's saved tensors, moved out of the
+    forward's buffers), replays the graph of its addresses where one is kept, and otherwise
+    captures one (warned).
     """
 
     _boxed_call = True  # AOTAutograd passes the argument list itself
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
                  fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None,
-                 static_idx: Iterable[int] = ()) -> None:
+                 static_idx: Iterable[int] = (), cache_size: int = 8) -> None:
         """``static_idx``: input positions AOTAutograd marks static (:func:`_static_input_indices`,
-        a forward's only); ``forward``: the forward GraphProgram of a backward graph."""
+        a forward's only); ``forward``: the forward GraphProgram of a backward graph;
+        ``cache_size``: how many captured graphs (sets of borrowed addresses) to keep."""
         self.plan = build_plan(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), gc)
         self.run = lower_trace(self.plan)
         self.mode = mode
         self.warmup = warmup
         self.static_idx = set(static_idx)
-        self.graph_runner: Any = None
+        self.cache_size = cache_size
+        self.graph_runner: Any = None  # the graph of the last call; graph_runners[0] when set
+        self.graph_runners: list[Any] = []  # most recently used first
         self.forward = forward
         self.leaf_inputs: list[Any] = []  # weak refs to the leaf tensors this graph reads (grad owners)
         self.transient_calls = 0  # calls run as a trace because a borrowed input was a one-call copy
@@ -75,7 +83,7 @@ class GraphProgram:
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
 
-    def _capture(self, args: list[Any]) -> None:
+    def _capture(self, args: list[Any]) -> Any:
         from .runtime.cuda_graph import CudaGraphRunner, is_stable, mark_stable
 
         borrow = [isinstance(a, torch.Tensor) and (i in self.static_idx or is_stable(a)) for i, a in enumerate(args)]
@@ -86,12 +94,16 @@ class GraphProgram:
         index = {vid: k for k, vid in enumerate(prog.inputs)}
         mutated_inputs = [index[v] for v in self.plan.mutated if v in index]
         mutated = [args[i] for i in mutated_inputs if borrow[i]]
-        self.leaf_inputs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf]
+        # Every graph's leaves stay candidates: a kept graph of other parameters replays later.
+        known = {id(t) for t in (r() for r in self.leaf_inputs) if t is not None}
+        self.leaf_inputs = [r for r in self.leaf_inputs if r() is not None] + [
+            weakref.ref(a) for a in args
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and id(a) not in known]
         fwd = self.forward
         fresh = range(len(prog.outputs)) if fwd is not None else ()
         candidates = (lambda: [t for t in (r() for r in fwd.leaf_inputs) if t is not None]) if fwd is not None else None
-        self.graph_runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs,
-                                            warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates)
+        return CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs,
+                               warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates)
 
     def __call__(self, *args: Any) -> list[Any]:
         # AOTAutograd calls boxed (one list) where it sees _boxed_call, unboxed elsewhere.
@@ -99,19 +111,35 @@ class GraphProgram:
         if self.mode == "trace":
             return self.run(*args)
         runner = self.graph_runner
-        moved = runner.moved(args) if runner is not None else []
-        if moved:
+        if runner is not None and not runner.moved(args):
+            return runner(args)
+        return self._call_moved(args)
+
+    def _call_moved(self, args: list[Any]) -> list[Any]:
+        """A call whose borrowed inputs are not where the last call's graph reads them."""
+        first_moved: list[int] = []
+        for k, runner in enumerate(self.graph_runners):
+            moved = runner.moved(args)
+            if not moved:  # a kept graph of these addresses
+                self.graph_runners.insert(0, self.graph_runners.pop(k))
+                self.graph_runner = runner
+                return runner(args)
             if self._only_transient(args, moved):
                 # The backward of a micro-batch whose forward another forward of the same graph
                 # followed: its saved tensors were moved out of the graph's buffers (outputs.py),
                 # for this call only. Run the lowered trace on them instead of capturing again.
                 self.transient_calls += 1
                 return self.run(*args)
-            warnings.warn(f"flowexec: {self._describe_moved(args, moved)} of this {self._role} graph, read in place "
-                          "by its CUDA graph, moved for good; capturing the graph again", stacklevel=2)
-            runner = None
-        if runner is None:
-            self._capture(args)
+            first_moved = first_moved or moved
+        if self.graph_runners:
+            dropped = len(self.graph_runners) >= self.cache_size
+            warnings.warn(f"flowexec: {self._describe_moved(args, first_moved)} of this {self._role} graph, read in "
+                          f"place by its CUDA graph, moved for good; capturing the graph again for the new addresses "
+                          f"({len(self.graph_runners) + 1 - dropped} graph(s) kept, cache_size={self.cache_size}"
+                          + (", the least recently used dropped)" if dropped else ")"), stacklevel=3)
+            del self.graph_runners[self.cache_size - 1:]
+        self.graph_runner = self._capture(args)
+        self.graph_runners.insert(0, self.graph_runner)
         return self.graph_runner(args)
 
     def _only_transient(self, args: list[Any], moved: list[int]) -> bool:
@@ -158,10 +186,14 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     if mode == "graph" and not torch.cuda.is_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
+    cache_size = int(opts.get("cache_size", 8))
+    if cache_size < 1:
+        raise OptionError(f"cache_size={cache_size} keeps no graph; it must be at least 1")
     forwards: list[GraphProgram] = []  # AOTAutograd compiles this graph's forward, then its backward
 
     def compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
-        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices())
+        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
+                            cache_size=cache_size)
 
     def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
         forwards.append(compiler(g, inputs))
@@ -172,7 +204,8 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         # forward's inputs (taken for the backward's, they made a tangent "static", so every call
         # moved it and captured again). The backward borrows by address instead (is_stable:
         # parameters and the forward's outputs, which its saved tensors are).
-        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None)
+        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None,
+                            cache_size=cache_size)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)
 

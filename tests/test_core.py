@@ -152,51 +152,83 @@ def test_strided_input_recaptures_instead_of_failing():
 
 
 class _FakeRunner:
-    """Stands in for a captured CudaGraphRunner (CPU): every borrowed input has moved."""
+    """Stands in for a captured CudaGraphRunner (CPU): it borrows input ``borrowed`` at the
+    address it had when captured, as the real one does."""
 
-    def __init__(self, moved):
-        self._moved, self.replays = moved, 0
-
-    def matches(self, args):
-        return not self._moved
+    def __init__(self, args, borrowed=(1,)):
+        self._borrowed = [(i, args[i].data_ptr()) for i in borrowed]
+        self.replays = 0
 
     def moved(self, args):
-        return list(self._moved)
+        return [i for i, ptr in self._borrowed if args[i].data_ptr() != ptr]
 
     def __call__(self, args):
         self.replays += 1
         return ["replayed"]
 
 
-def test_graph_program_runs_a_trace_for_one_call_copies_and_captures_again_for_parameters(monkeypatch):
-    """A graph-mode program whose borrowed inputs moved: one-call copies (a micro-batch's saved
-    tensors moved out of another graph's buffers) run the lowered trace for that call, with the
-    captured graph kept; a replaced parameter captures the graph again, with a warning."""
+def _fake_graph_program(monkeypatch, cache_size=8):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from flowexec.backend import GraphProgram
 
     a, b = torch.randn(3), torch.randn(3)
-    gp = GraphProgram(make_fx(lambda a, b: (a * b,))(a, b), [a, b], "graph", "fast", 1)
+    gp = GraphProgram(make_fx(lambda a, b: (a * b,))(a, b), [a, b], "graph", "fast", 1, cache_size=cache_size)
     captures = []
-    monkeypatch.setattr(gp, "_capture", lambda args: (captures.append(args), setattr(gp, "graph_runner", _FakeRunner([]))))
+    monkeypatch.setattr(gp, "_capture", lambda args: captures.append(_FakeRunner(args)) or captures[-1])
+    return gp, captures
 
-    gp.graph_runner = kept = _FakeRunner([1])  # b moved, and b is a plain tensor
-    (got,) = gp(a, b)
+
+def test_graph_program_runs_a_trace_for_one_call_copies_and_captures_again_for_parameters(monkeypatch):
+    """A graph-mode program whose borrowed inputs moved: one-call copies (a micro-batch's saved
+    tensors moved out of another graph's buffers) run the lowered trace for that call, with the
+    captured graph kept; a parameter at a new address gets a graph of its own, with a warning."""
+    gp, captures = _fake_graph_program(monkeypatch)
+    a, b = torch.randn(3), torch.randn(3)
+    assert gp(a, b) == ["replayed"] and len(captures) == 1  # the first call captures, silently
+    kept = captures[0]
+
+    (got,) = gp(a, b.clone())  # b moved, and the copy is a plain tensor
     assert_close_rel(got, a * b)
-    assert gp.graph_runner is kept and kept.replays == 0 and gp.transient_calls == 1 and not captures
+    assert gp.graph_runner is kept and kept.replays == 1 and gp.transient_calls == 1 and len(captures) == 1
 
-    p = torch.nn.Parameter(torch.randn(3))
-    gp.graph_runner = _FakeRunner([1])  # the moved input is a parameter: it moved for good
-    with pytest.warns(UserWarning, match=r"input 1 \w+ \(3,\) \(a parameter\) of this forward graph.*capturing the graph again"):
+    p = torch.nn.Parameter(torch.randn(3))  # the moved input is a parameter: it moved for good
+    with pytest.warns(UserWarning, match=r"input 1 \w+ \(3,\) \(a parameter\) of this forward graph.*capturing the "
+                      r"graph again for the new addresses \(2 graph\(s\) kept, cache_size=8\)"):
         assert gp(a, p) == ["replayed"]
-    assert len(captures) == 1 and gp.transient_calls == 1
+    assert len(captures) == 2 and gp.transient_calls == 1
 
     gp.static_idx = {1}  # an input AOTAutograd marks static moves for good too
-    gp.graph_runner = _FakeRunner([1])
     with pytest.warns(UserWarning, match=r"input 1 \w+ \(3,\) \(static for AOTAutograd\).*capturing the graph again"):
-        gp(a, b)
-    assert len(captures) == 2
+        gp(a, torch.randn(3))
+    assert len(captures) == 3
+
+
+def test_graph_program_keeps_a_graph_per_set_of_parameter_addresses(monkeypatch):
+    """Dynamo shares one compiled graph between modules of one class: two parameter sets taking
+    turns capture once each and then replay their own graphs; past cache_size the least recently
+    used graph is dropped (said in the warning) and captured again when its addresses return."""
+    import warnings
+
+    gp, captures = _fake_graph_program(monkeypatch, cache_size=2)
+    a = torch.randn(3)
+    p1, p2, p3 = (torch.nn.Parameter(torch.randn(3)) for _ in range(3))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            gp(a, p1)
+            gp(a, p2)
+    assert len(captures) == 2 and len(said) == 1  # p2's graph is the one capture warned about
+    assert [r.replays for r in captures] == [3, 3] and gp.graph_runners == [captures[1], captures[0]]
+
+    with pytest.warns(UserWarning, match=r"2 graph\(s\) kept, cache_size=2, the least recently used dropped"):
+        gp(a, p3)
+    assert gp.graph_runners == [captures[2], captures[1]]  # p1's graph went
+    gp(a, p2)
+    assert len(captures) == 3 and captures[1].replays == 4
+    with pytest.warns(UserWarning, match="least recently used dropped"):
+        gp(a, p1)
+    assert len(captures) == 4 and gp.graph_runners == [captures[3], captures[1]]
 
 
 def test_backend_static_inputs_are_the_forwards_own(monkeypatch):

@@ -197,6 +197,33 @@ def test_backend_gradients_avoid_accumulate_grad_copies():
     assert all(adopted), adopted
 
 
+def test_backend_graph_two_modules_of_one_class_take_turns():
+    """Dynamo may share one compiled graph between two modules of one class (their parameters
+    are graph inputs): each parameter set gets a graph of its own, captured once, and the steps
+    taking turns match eager — gradients accumulated over two micro-batches included, whose
+    .grad the other module's backward must not overwrite."""
+    torch.manual_seed(0)
+    eager = [make_mlp(64, 2).cuda() for _ in range(2)]
+    mine = [copy.deepcopy(m) for m in eager]
+    compiled = [torch.compile(m, backend="flowexec", options={"mode": "graph"}) for m in mine]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (*eager, *mine)]
+    data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for k in range(2):
+                for model, opt in ((eager[k], opts[k]), (compiled[k], opts[2 + k])):
+                    for x, y in data:  # two micro-batches, gradients accumulated
+                        F.cross_entropy(model(x), y).backward()
+                    if step < 2:
+                        opt.step()
+                        opt.zero_grad()
+    for e, m in zip(eager, mine):
+        assert_same_state(e, m)  # parameters after two steps, and the third step's gradients
+    recaptured = [str(w.message) for w in said if "capturing the graph again" in str(w.message)]
+    assert len(recaptured) <= 2, recaptured  # the second module's forward and backward, once each
+
+
 def _adam_like(p, g, m, v, ema):
     m.lerp_(g, 0.1)
     v.mul_(0.999).addcmul_(g, g, value=0.001)
