@@ -202,6 +202,7 @@ def test_backend_graph_two_modules_of_one_class_take_turns():
     are graph inputs): each parameter set gets a graph of its own, captured once, and the steps
     taking turns match eager — gradients accumulated over two micro-batches included, whose
     .grad the other module's backward must not overwrite."""
+    torch._dynamo.reset()  # earlier tests' modules of this class would hold graphs of their own
     torch.manual_seed(0)
     eager = [make_mlp(64, 2).cuda() for _ in range(2)]
     mine = [copy.deepcopy(m) for m in eager]
