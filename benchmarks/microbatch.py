@@ -3,8 +3,8 @@ torch.compile backend: eager vs flowexec trace vs flowexec graph, side by side i
 
 In graph mode each forward replay would overwrite the buffers that the previous micro-batch's
 saved tensors live in, so those are moved to private memory first, and the backward of every
-micro-batch but the last reads them there: it runs as the lowered trace, and only the last one
-replays its CUDA graph. The per-micro-batch order (forward, backward, forward, ...) replays
+micro-batch but the last reads them there: it replays a second graph that copies them in, and
+only the last one replays the graph that reads them in place. The per-micro-batch order (forward, backward, forward, ...) replays
 every graph, and is timed too for comparison. The row of graph mode also counts re-capture
 warnings over the timed steps (0 expected).
 

@@ -54,10 +54,12 @@ class GraphProgram:
     The CUDA graph reads some inputs in place (borrowed: parameters, other graphs' outputs), so
     it is valid for one set of their addresses. Graphs are kept per set, up to ``cache_size``,
     the least recently used dropped first: Dynamo shares one compiled graph between modules of
-    one class, whose parameters differ. A call whose borrowed inputs moved runs the lowered
-    trace when they are one-call copies (a micro-batch's saved tensors, moved out of the
-    forward's buffers), replays the graph of its addresses where one is kept, and otherwise
-    captures one (warned).
+    one class, whose parameters differ. A call whose borrowed inputs moved replays the graph of
+    its addresses where one is kept, and otherwise captures one (warned). When the inputs that
+    moved are one-call copies instead (a micro-batch's saved tensors, moved out of the
+    forward's buffers because another forward of the graph ran first), a second kind of graph
+    runs the call: one that copies those inputs in (captured once, silently; up to
+    ``cache_size`` of them, then the lowered trace runs such calls).
     """
 
     _boxed_call = True  # AOTAutograd passes the argument list itself
@@ -76,9 +78,11 @@ class GraphProgram:
         self.cache_size = cache_size
         self.graph_runner: Any = None  # the graph of the last call; graph_runners[0] when set
         self.graph_runners: list[Any] = []  # most recently used first
+        self.staging_runners: list[Any] = []  # graphs that copy one-call copies in; most recent first
         self.forward = forward
         self.leaf_inputs: list[Any] = []  # weak refs to the leaf tensors this graph reads (grad owners)
-        self.transient_calls = 0  # calls run as a trace because a borrowed input was a one-call copy
+        self.staged_calls = 0  # calls whose one-call copies a staging graph copied in
+        self.transient_calls = 0  # such calls run as a trace (no staging graph may be kept)
         if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
@@ -118,19 +122,17 @@ class GraphProgram:
     def _call_moved(self, args: list[Any]) -> list[Any]:
         """A call whose borrowed inputs are not where the last call's graph reads them."""
         first_moved: list[int] = []
+        transient = False
         for k, runner in enumerate(self.graph_runners):
             moved = runner.moved(args)
             if not moved:  # a kept graph of these addresses
                 self.graph_runners.insert(0, self.graph_runners.pop(k))
                 self.graph_runner = runner
                 return runner(args)
-            if self._only_transient(args, moved):
-                # The backward of a micro-batch whose forward another forward of the same graph
-                # followed: its saved tensors were moved out of the graph's buffers (outputs.py),
-                # for this call only. Run the lowered trace on them instead of capturing again.
-                self.transient_calls += 1
-                return self.run(*args)
+            transient = transient or self._only_transient(args, moved)
             first_moved = first_moved or moved
+        if transient:
+            return self._call_staging(args)
         if self.graph_runners:
             dropped = len(self.graph_runners) >= self.cache_size
             warnings.warn(f"flowexec: {self._describe_moved(args, first_moved)} of this {self._role} graph, read in "
@@ -141,6 +143,24 @@ class GraphProgram:
         self.graph_runner = self._capture(args)
         self.graph_runners.insert(0, self.graph_runner)
         return self.graph_runner(args)
+
+    def _call_staging(self, args: list[Any]) -> list[Any]:
+        """A call whose moved inputs are one-call copies: the backward of a micro-batch whose
+        forward another forward of the same graph followed, its saved tensors moved out of the
+        graph's buffers (outputs.py) for this call only. A graph captured on such a call borrows
+        only the stable inputs and copies the rest in, so it serves every such call; the graphs
+        that read them in place stay for the calls that find them there."""
+        for k, runner in enumerate(self.staging_runners):
+            if not runner.moved(args):
+                self.staging_runners.insert(0, self.staging_runners.pop(k))
+                self.staged_calls += 1
+                return runner(args)
+        if len(self.staging_runners) < self.cache_size:
+            self.staging_runners.insert(0, self._capture(args))
+            self.staged_calls += 1
+            return self.staging_runners[0](args)
+        self.transient_calls += 1
+        return self.run(*args)
 
     def _only_transient(self, args: list[Any], moved: list[int]) -> bool:
         """Whether every moved input is a one-call copy: neither an input AOTAutograd marks static

@@ -152,10 +152,10 @@ def test_strided_input_recaptures_instead_of_failing():
 
 
 class _FakeRunner:
-    """Stands in for a captured CudaGraphRunner (CPU): it borrows input ``borrowed`` at the
-    address it had when captured, as the real one does."""
+    """Stands in for a captured CudaGraphRunner (CPU): it borrows the inputs at ``borrowed``
+    where they were when captured, as the real one does."""
 
-    def __init__(self, args, borrowed=(1,)):
+    def __init__(self, args, borrowed):
         self._borrowed = [(i, args[i].data_ptr()) for i in borrowed]
         self.replays = 0
 
@@ -168,40 +168,76 @@ class _FakeRunner:
 
 
 def _fake_graph_program(monkeypatch, cache_size=8):
+    """A GraphProgram of ``a * b`` whose captures make stand-in runners that borrow what the real
+    capture borrows: AOTAutograd-static inputs and stable ones (parameters, graph outputs)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from flowexec.backend import GraphProgram
+    from flowexec.runtime.cuda_graph import is_stable
 
     a, b = torch.randn(3), torch.randn(3)
     gp = GraphProgram(make_fx(lambda a, b: (a * b,))(a, b), [a, b], "graph", "fast", 1, cache_size=cache_size)
     captures = []
-    monkeypatch.setattr(gp, "_capture", lambda args: captures.append(_FakeRunner(args)) or captures[-1])
+
+    def capture(args):
+        captures.append(_FakeRunner(args, [i for i, t in enumerate(args) if i in gp.static_idx or is_stable(t)]))
+        return captures[-1]
+
+    monkeypatch.setattr(gp, "_capture", capture)
     return gp, captures
 
 
-def test_graph_program_runs_a_trace_for_one_call_copies_and_captures_again_for_parameters(monkeypatch):
+def test_graph_program_stages_one_call_copies_and_captures_again_for_parameters(monkeypatch):
     """A graph-mode program whose borrowed inputs moved: one-call copies (a micro-batch's saved
-    tensors moved out of another graph's buffers) run the lowered trace for that call, with the
-    captured graph kept; a parameter at a new address gets a graph of its own, with a warning."""
-    gp, captures = _fake_graph_program(monkeypatch)
-    a, b = torch.randn(3), torch.randn(3)
-    assert gp(a, b) == ["replayed"] and len(captures) == 1  # the first call captures, silently
-    kept = captures[0]
+    tensors moved out of another graph's buffers) run on a second graph that copies them in,
+    captured once and silently, the first graph kept for calls that find them in place; past
+    cache_size such calls run the lowered trace. A parameter at a new address gets a graph of
+    its own, with a warning."""
+    import warnings
 
-    (got,) = gp(a, b.clone())  # b moved, and the copy is a plain tensor
-    assert_close_rel(got, a * b)
-    assert gp.graph_runner is kept and kept.replays == 1 and gp.transient_calls == 1 and len(captures) == 1
+    from flowexec.runtime.cuda_graph import mark_stable
+
+    gp, captures = _fake_graph_program(monkeypatch, cache_size=1)
+    a, b = torch.randn(3), torch.randn(3)
+    mark_stable(b)  # b stands for another graph's output: borrowed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gp(a, b) == ["replayed"] and len(captures) == 1  # the first call captures, silently
+        kept = captures[0]
+        assert gp(a, b.clone()) == ["replayed"]  # b moved, and the copy is a plain tensor
+        assert gp(a, b.clone()) == ["replayed"]
+    assert len(captures) == 2 and captures[1].replays == 2 and gp.staged_calls == 2
+    assert gp.graph_runner is kept and gp.staging_runners == [captures[1]]
+    assert gp(a, b) == ["replayed"] and kept.replays == 2  # in place again: the first graph
 
     p = torch.nn.Parameter(torch.randn(3))  # the moved input is a parameter: it moved for good
+    mark_stable(p)
     with pytest.warns(UserWarning, match=r"input 1 \w+ \(3,\) \(a parameter\) of this forward graph.*capturing the "
-                      r"graph again for the new addresses \(2 graph\(s\) kept, cache_size=8\)"):
+                      r"graph again for the new addresses \(1 graph\(s\) kept, cache_size=1, the least recently"):
         assert gp(a, p) == ["replayed"]
-    assert len(captures) == 2 and gp.transient_calls == 1
+    assert len(captures) == 3 and gp.graph_runners == [captures[2]]
+    # A copy of p is a one-call copy for p's graph; the staging graph (it borrows nothing) runs it.
+    assert gp(a, p.detach().clone()) == ["replayed"] and captures[1].replays == 3 and len(captures) == 3
 
     gp.static_idx = {1}  # an input AOTAutograd marks static moves for good too
     with pytest.warns(UserWarning, match=r"input 1 \w+ \(3,\) \(static for AOTAutograd\).*capturing the graph again"):
         gp(a, torch.randn(3))
-    assert len(captures) == 3
+    assert len(captures) == 4 and gp.transient_calls == 0
+
+
+def test_graph_program_runs_a_trace_when_no_staging_graph_fits(monkeypatch):
+    """One-call copies that no kept staging graph serves (it borrows a parameter that differs)
+    and no room for another: the lowered trace runs the call, and its result is the program's."""
+    from flowexec.runtime.cuda_graph import mark_stable
+
+    gp, captures = _fake_graph_program(monkeypatch, cache_size=1)
+    a, b = torch.randn(3), torch.randn(3)
+    mark_stable(b)
+    gp(a, b)
+    gp.staging_runners = [_FakeRunner([torch.randn(3), torch.randn(3)], [0])]  # borrows another a
+    (got,) = gp(a, b.clone())
+    assert_close_rel(got, a * b)
+    assert gp.transient_calls == 1 and gp.staged_calls == 0 and len(captures) == 1
 
 
 def test_graph_program_keeps_a_graph_per_set_of_parameter_addresses(monkeypatch):
