@@ -43,6 +43,19 @@ def _static_input_indices() -> set[int]:
         return set()
 
 
+def _saved_outputs_start() -> int | None:
+    """Where the tensors a forward graph saves for backward begin among its outputs (after the
+    mutated inputs, user outputs and intermediate bases AOTAutograd returns first); None where
+    that is not known (effect tokens, or another torch layout)."""
+    try:
+        ctx = torch._guards.TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+        n = getattr(meta, "num_forward", None)
+        return None if n is None or getattr(meta, "tokens", None) else int(n)
+    except Exception:
+        return None
+
+
 class GraphProgram:
     """One AOT graph, planned and lowered; graph mode captures lazily at the first real call.
 
@@ -55,7 +68,15 @@ class GraphProgram:
     it is valid for one set of their addresses. Graphs are kept per set, up to ``cache_size``,
     the least recently used dropped first: Dynamo shares one compiled graph between modules of
     one class, whose parameters differ. A call whose borrowed inputs moved replays the graph of
-    its addresses where one is kept, and otherwise captures one (warned). When the inputs that
+    its addresses where one is kept, and otherwise captures one (warned where a parameter or a
+    static input moved; silently where the inputs are another graph's outputs, such as the
+    saved tensors of the forward graph that a micro-batch ran on).
+
+    A forward (``saved_from``: where its saved tensors begin among its outputs) whose graph's
+    saved tensors are still held when it is called again (micro-batches in GPipe order: all
+    forwards, then all backwards) replays another kept graph whose saved tensors are free, or
+    captures one (up to ``cache_size``), so no saved tensor is copied; the backward then
+    finds them in that graph's buffers. When the inputs that
     moved are one-call copies instead (a micro-batch's saved tensors, moved out of the
     forward's buffers because another forward of the graph ran first), a second kind of graph
     runs the call: one that copies those inputs in (captured once, silently; up to
@@ -66,16 +87,18 @@ class GraphProgram:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
                  fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None,
-                 static_idx: Iterable[int] = (), cache_size: int = 8) -> None:
+                 static_idx: Iterable[int] = (), cache_size: int = 8, saved_from: int | None = None) -> None:
         """``static_idx``: input positions AOTAutograd marks static (:func:`_static_input_indices`,
         a forward's only); ``forward``: the forward GraphProgram of a backward graph;
-        ``cache_size``: how many captured graphs (sets of borrowed addresses) to keep."""
+        ``cache_size``: how many captured graphs (sets of borrowed addresses) to keep;
+        ``saved_from``: a forward's first output that autograd saves (:func:`_saved_outputs_start`)."""
         self.plan = build_plan(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), gc)
         self.run = lower_trace(self.plan)
         self.mode = mode
         self.warmup = warmup
         self.static_idx = set(static_idx)
         self.cache_size = cache_size
+        self.saved_from = saved_from
         self.graph_runner: Any = None  # the graph of the last call; graph_runners[0] when set
         self.graph_runners: list[Any] = []  # most recently used first
         self.staging_runners: list[Any] = []  # graphs that copy one-call copies in; most recent first
@@ -106,8 +129,11 @@ class GraphProgram:
         fwd = self.forward
         fresh = range(len(prog.outputs)) if fwd is not None else ()
         candidates = (lambda: [t for t in (r() for r in fwd.leaf_inputs) if t is not None]) if fwd is not None else None
-        return CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs,
-                               warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates)
+        runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs,
+                                 warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates)
+        if self.saved_from is not None:
+            runner.outputs.watch_saved(self.saved_from)
+        return runner
 
     def __call__(self, *args: Any) -> list[Any]:
         # AOTAutograd calls boxed (one list) where it sees _boxed_call, unboxed elsewhere.
@@ -116,33 +142,58 @@ class GraphProgram:
             return self.run(*args)
         runner = self.graph_runner
         if runner is not None and not runner.moved(args):
-            return runner(args)
-        return self._call_moved(args)
+            if self.saved_from is None:
+                return runner(args)
+            if not runner.outputs.saved_held():
+                return runner(args, saved_checked=True)
+        return self._call_slow(args)
 
-    def _call_moved(self, args: list[Any]) -> list[Any]:
-        """A call whose borrowed inputs are not where the last call's graph reads them."""
+    def _call_slow(self, args: list[Any]) -> list[Any]:
+        """A call the last call's graph cannot serve as it is: its borrowed inputs moved, or (a
+        forward) the saved tensors of its last call are still held."""
         first_moved: list[int] = []
         transient = False
+        busy = None
+        watched = self.saved_from is not None
         for k, runner in enumerate(self.graph_runners):
             moved = runner.moved(args)
-            if not moved:  # a kept graph of these addresses
-                self.graph_runners.insert(0, self.graph_runners.pop(k))
-                self.graph_runner = runner
-                return runner(args)
+            if not moved:
+                if watched and runner.outputs.saved_held():
+                    busy = busy or runner  # its last call's backward has not run yet
+                    continue
+                self._use(k)
+                return runner(args, saved_checked=watched)
             transient = transient or self._only_transient(args, moved)
             first_moved = first_moved or moved
+        if busy is not None:
+            # Another micro-batch's forward while earlier ones wait for their backwards (GPipe
+            # order): a graph of its own, so nothing is copied out of the busy ones. With no
+            # room for one, the busy graph's held outputs are moved to private memory first.
+            if len(self.graph_runners) < self.cache_size:
+                return self._add(self._capture(args), args)
+            self._use(self.graph_runners.index(busy))
+            return busy(args)
         if transient:
             return self._call_staging(args)
-        if self.graph_runners:
+        if self.graph_runners and any(isinstance(args[i], torch.nn.Parameter) or i in self.static_idx
+                                      for i in first_moved):
             dropped = len(self.graph_runners) >= self.cache_size
             warnings.warn(f"flowexec: {self._describe_moved(args, first_moved)} of this {self._role} graph, read in "
                           f"place by its CUDA graph, moved for good; capturing the graph again for the new addresses "
                           f"({len(self.graph_runners) + 1 - dropped} graph(s) kept, cache_size={self.cache_size}"
                           + (", the least recently used dropped)" if dropped else ")"), stacklevel=3)
-            del self.graph_runners[self.cache_size - 1:]
-        self.graph_runner = self._capture(args)
-        self.graph_runners.insert(0, self.graph_runner)
-        return self.graph_runner(args)
+        return self._add(self._capture(args), args)
+
+    def _use(self, k: int) -> None:
+        self.graph_runners.insert(0, self.graph_runners.pop(k))
+        self.graph_runner = self.graph_runners[0]
+
+    def _add(self, runner: Any, args: list[Any]) -> list[Any]:
+        """Keep a new graph (the least recently used dropped past cache_size) and run it."""
+        self.graph_runners.insert(0, runner)
+        del self.graph_runners[self.cache_size:]
+        self.graph_runner = runner
+        return runner(args, saved_checked=False)
 
     def _call_staging(self, args: list[Any]) -> list[Any]:
         """A call whose moved inputs are one-call copies: the backward of a micro-batch whose
@@ -211,12 +262,12 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise OptionError(f"cache_size={cache_size} keeps no graph; it must be at least 1")
     forwards: list[GraphProgram] = []  # AOTAutograd compiles this graph's forward, then its backward
 
-    def compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
+    def compiler(g: fx.GraphModule, inputs: Sequence[Any], saved_from: int | None = None) -> GraphProgram:
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
-                            cache_size=cache_size)
+                            cache_size=cache_size, saved_from=saved_from)
 
     def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
-        forwards.append(compiler(g, inputs))
+        forwards.append(compiler(g, inputs, _saved_outputs_start()))
         return forwards[-1]
 
     def bw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:

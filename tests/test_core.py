@@ -158,16 +158,21 @@ class _FakeRunner:
     def __init__(self, args, borrowed):
         self._borrowed = [(i, args[i].data_ptr()) for i in borrowed]
         self.replays = 0
+        self.outputs = self  # saved_held(): whether the last call's saved tensors are held
+        self.held = False
 
     def moved(self, args):
         return [i for i, ptr in self._borrowed if args[i].data_ptr() != ptr]
 
-    def __call__(self, args):
+    def saved_held(self):
+        return self.held
+
+    def __call__(self, args, saved_checked=False):
         self.replays += 1
         return ["replayed"]
 
 
-def _fake_graph_program(monkeypatch, cache_size=8):
+def _fake_graph_program(monkeypatch, cache_size=8, saved_from=None):
     """A GraphProgram of ``a * b`` whose captures make stand-in runners that borrow what the real
     capture borrows: AOTAutograd-static inputs and stable ones (parameters, graph outputs)."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -176,7 +181,8 @@ def _fake_graph_program(monkeypatch, cache_size=8):
     from flowexec.runtime.cuda_graph import is_stable
 
     a, b = torch.randn(3), torch.randn(3)
-    gp = GraphProgram(make_fx(lambda a, b: (a * b,))(a, b), [a, b], "graph", "fast", 1, cache_size=cache_size)
+    gp = GraphProgram(make_fx(lambda a, b: (a * b,))(a, b), [a, b], "graph", "fast", 1, cache_size=cache_size,
+                      saved_from=saved_from)
     captures = []
 
     def capture(args):
@@ -293,6 +299,11 @@ def test_backend_static_inputs_are_the_forwards_own(monkeypatch):
     # The backward reads saved tensors and the tangent: activations and per-call tensors, none
     # static (its parameters, where it reads any, are borrowed by address: is_stable).
     assert bw.static_idx == set(), (bw_names, bw.static_idx)
+    # The forward's outputs: the logits, then the tensors saved for backward, which the backward
+    # reads (with its tangent).
+    assert fw.saved_from == 1 and bw.saved_from is None
+    n_saved = len(fw.plan.program.outputs) - fw.saved_from
+    assert n_saved == sum(not n.startswith("tangents") for n in bw_names), (n_saved, bw_names)
 
 
 def test_stable_address_needs_its_owner_still_there():
@@ -315,3 +326,28 @@ def test_stable_address_needs_its_owner_still_there():
     mark_stable(view)  # a borrowed alias of a live buffer does not replace the buffer's record
     view.data = view.clone()
     assert is_stable(buf)
+
+
+def test_forward_with_saved_tensors_in_flight_gets_a_graph_of_its_own(monkeypatch):
+    """GPipe order: a forward called while the saved tensors of its graph's last call are held
+    (that micro-batch's backward has not run) replays a kept graph whose saved tensors are free,
+    or captures one, silently; with no room it replays a busy one (whose held outputs the real
+    runner moves to private memory first)."""
+    import warnings
+
+    gp, captures = _fake_graph_program(monkeypatch, cache_size=2, saved_from=1)
+    a, b = torch.randn(3), torch.randn(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gp(a, b)
+        captures[0].held = True  # micro-batch 1 waits for its backward
+        gp(a, b)
+        assert len(captures) == 2 and gp.graph_runner is captures[1]
+        captures[1].held = True
+        gp(a, b)  # both busy, no room: the busy graph used last runs it
+        assert len(captures) == 2 and captures[1].replays == 2 and captures[0].replays == 1
+        captures[0].held = captures[1].held = False  # the backwards ran
+        gp(a, b)
+        captures[1].held = True
+        gp(a, b)  # the other kept graph is free
+        assert len(captures) == 2 and captures[0].replays == 2 and gp.graph_runner is captures[0]

@@ -102,3 +102,24 @@ def test_fresh_output_held_by_a_stranger_warns():
     with pytest.warns(RuntimeWarning, match="clone gradients you keep"):
         h.release()
     assert stranger.data_ptr() == buf.data_ptr()
+
+
+def test_saved_outputs_are_watched_apart_from_the_others():
+    """watch_saved(first): saved_held() says whether an output from position ``first`` on (what
+    autograd saves for backward) is held; release(saved_checked=True) then moves only the others
+    that are held, and release() all of them."""
+    bufs = [torch.zeros(2), torch.zeros(2), torch.zeros(2)]
+    h = HandedOutputs(bufs)
+    h.watch_saved(1)
+    assert not h.saved_held()
+    user = h.aliases[0]  # the caller keeps the user output: not a saved tensor
+    assert not h.saved_held()
+    saved = h.aliases[2]  # autograd holds a saved tensor (a C++ reference does as well)
+    assert h.saved_held()
+    del saved
+    assert not h.saved_held()
+    h.release(saved_checked=True)
+    assert h.moved == 1 and user.data_ptr() != bufs[0].data_ptr()  # the user output, only
+    saved = h.aliases[1]
+    h.release()
+    assert h.moved == 2 and saved.data_ptr() != bufs[1].data_ptr()

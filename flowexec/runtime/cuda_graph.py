@@ -177,8 +177,9 @@ class CudaGraphRunner:
         """The positions of borrowed inputs that are not at their captured address."""
         return [i for i, ptr in self._borrowed if args[i].data_ptr() != ptr]
 
-    def __call__(self, args: Sequence[Any]) -> list[Any]:
-        self.outputs.release()  # first: an output may be a staged input's buffer
+    def __call__(self, args: Sequence[Any], saved_checked: bool = False) -> list[Any]:
+        """One replay on ``args`` (``saved_checked``: see :meth:`HandedOutputs.release`)."""
+        self.outputs.release(saved_checked)  # first: an output may be a staged input's buffer
         if self._staged_ptrs:
             self._stage_from_python(args)
         if self.staging is not None:

@@ -53,6 +53,9 @@ class HandedOutputs:
         for k in self.kept:
             self.aliases[k] = self.template[self.positions[k]] = self.buffers[k].detach()
         self.moved = 0  # how many held outputs were moved to private memory (for tests/stats)
+        # Kept buffers whose holders saved_held() checks (autograd's saved tensors), and the rest.
+        self._kept_saved: list[int] = []
+        self._kept_other = list(self.kept)
         self.candidates = candidates
         self._base = self._refcounts()
         self._storages = [self.buffers[k].untyped_storage()._cdata for k in self.fresh]
@@ -70,19 +73,40 @@ class HandedOutputs:
             counts[k] = getrefcount(alias)
         return counts
 
-    def release(self) -> None:
-        """Make every output the next replay overwrites private to whoever still holds it."""
+    def watch_saved(self, first: int) -> None:
+        """Outputs from position ``first`` on are tensors autograd saves for backward:
+        :meth:`saved_held` says whether any of them is still held."""
+        self._kept_saved = [k for k in self.kept if self.positions[k] >= first]
+        self._kept_other = [k for k in self.kept if self.positions[k] < first]
+
+    def saved_held(self) -> bool:
+        """Whether an output :meth:`watch_saved` names is still held (a backward is pending)."""
         aliases, base = self.aliases, self._base
-        for k in self.kept:
+        for k in self._kept_saved:
+            alias = aliases[k]
+            if getrefcount(alias) > base[k] or alias._use_count() > 1:
+                return True
+        return False
+
+    def release(self, saved_checked: bool = False) -> None:
+        """Make every output the next replay overwrites private to whoever still holds it
+        (``saved_checked``: :meth:`saved_held` just said that the saved ones are free)."""
+        self._move_held(self._kept_other)
+        if not saved_checked:
+            self._move_held(self._kept_saved)
+        use_count, storage_base = torch._C._storage_Use_Count, self._storage_base
+        for j, cdata in enumerate(self._storages):
+            if use_count(cdata) > storage_base[j]:
+                self._release_fresh(j)
+
+    def _move_held(self, kept: list[int]) -> None:
+        aliases, base = self.aliases, self._base
+        for k in kept:
             alias = aliases[k]
             if getrefcount(alias) > base[k] or alias._use_count() > 1:
                 alias.data = alias.clone()
                 aliases[k] = self.template[self.positions[k]] = self.buffers[k].detach()
                 self.moved += 1
-        use_count, storage_base = torch._C._storage_Use_Count, self._storage_base
-        for j, cdata in enumerate(self._storages):
-            if use_count(cdata) > storage_base[j]:
-                self._release_fresh(j)
 
     def _release_fresh(self, j: int) -> None:
         k = self.fresh[j]

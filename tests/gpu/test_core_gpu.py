@@ -261,18 +261,24 @@ def test_graph_mode_reads_state_arguments_in_place():
     assert said == [4] and runner.graph_count == 3
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-def test_backend_graph_two_forwards_then_two_backwards(depth):
+@pytest.mark.parametrize("depth,cache_size", [(2, 8), (3, 8), (2, 1)])
+def test_backend_graph_two_forwards_then_two_backwards(depth, cache_size):
     """Micro-batches whose forwards all run before their backwards: each replay overwrites the
     static buffers that the previous forward's saved tensors live in (its activations, and its
     input, staged into the graph's buffer: unprotected until d340c67, which made the first
     layer's weight gradient wrong), unless they are moved first. The gradients must be eager's,
-    over two such steps (gradients accumulated)."""
-    torch._dynamo.reset()  # only this test's graphs are counted below
+    over two such steps (gradients accumulated). With room for one graph only, the forward moves
+    the saved tensors and a staging graph copies them in for the backward."""
+    from flowexec.backend import GraphProgram
+
+    torch._dynamo.reset()
+    gc.collect()
+    # type(): gc also lists dead weak proxies, whose isinstance raises
+    before = {id(o) for o in gc.get_objects() if type(o) is GraphProgram}
     torch.manual_seed(0)
     m1 = make_mlp(64, depth).cuda()
     m2 = copy.deepcopy(m1)
-    c2 = torch.compile(m2, backend="flowexec", options={"mode": "graph"})
+    c2 = torch.compile(m2, backend="flowexec", options={"mode": "graph", "cache_size": cache_size})
     data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(3)]
     F.cross_entropy(c2(data[0][0]), data[0][1]).backward()  # compile and capture first
     for p in (*m1.parameters(), *m2.parameters()):
@@ -285,12 +291,15 @@ def test_backend_graph_two_forwards_then_two_backwards(depth):
                 for loss in losses:
                     loss.backward()
     assert_same_state(m1, m2)
-    # In each step the first two backwards read moved saved tensors: a graph that copies them in
-    # ran them (captured once), the graph that reads them in place was kept for the last one.
+    # Each micro-batch in flight ran on a forward graph of its own, so no saved tensor was copied,
+    # and each backward replayed the graph that reads that forward's buffers in place.
     assert not [w for w in said if "capturing the graph again" in str(w.message)]
-    from flowexec.backend import GraphProgram
-    gc.collect()
-    # type(): gc also lists dead weak proxies, whose isinstance raises
-    backward = [o for o in gc.get_objects() if type(o) is GraphProgram and o.forward is not None]
-    assert sum(b.staged_calls for b in backward) == 4 and not sum(b.transient_calls for b in backward)
-    assert sum(len(b.staging_runners) for b in backward) == 1
+    (fw,) = [o for o in gc.get_objects() if type(o) is GraphProgram and id(o) not in before and o.forward is None]
+    (bw,) = [o for o in gc.get_objects() if type(o) is GraphProgram and id(o) not in before and o.forward is not None]
+    assert fw.saved_from == 1 and bw.transient_calls == 0
+    if cache_size >= 3:
+        assert len(fw.graph_runners) == 3 and len(bw.graph_runners) == 3
+        assert sum(r.outputs.moved for r in fw.graph_runners) == 0 and bw.staged_calls == 0
+    else:  # one forward graph: the first two micro-batches' saved tensors moved, then staged
+        assert len(fw.graph_runners) == 1 and fw.graph_runners[0].outputs.moved > 0
+        assert bw.staged_calls == 4 and len(bw.staging_runners) == 1
