@@ -130,7 +130,8 @@ class GraphProgram:
         fresh = range(len(prog.outputs)) if fwd is not None else ()
         candidates = (lambda: [t for t in (r() for r in fwd.leaf_inputs) if t is not None]) if fwd is not None else None
         runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs,
-                                 warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates)
+                                 warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates,
+                                 keep_borrowed=False)  # a backward's hold would keep its forward busy
         if self.saved_from is not None:
             runner.outputs.watch_saved(self.saved_from)
         return runner

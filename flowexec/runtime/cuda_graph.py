@@ -85,7 +85,10 @@ class CudaGraphRunner:
     ``fresh_outputs``: output positions handed out as fresh aliases (see
     :class:`HandedOutputs`), with ``grad_candidates`` the parameters whose ``.grad`` they may
     become. ``stage_in_graph``: stage contiguous per-call inputs with memcpy nodes in the graph
-    (:class:`StagingNodes`) where CUDA's runtime bindings are installed.
+    (:class:`StagingNodes`) where CUDA's runtime bindings are installed. ``keep_borrowed``:
+    hold the borrowed inputs (``static_inputs`` lists them); without it their places there are
+    None, so that holding a graph does not count as holding another graph's outputs (which
+    :meth:`HandedOutputs.saved_held` counts); each call checks their addresses (``moved``).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class CudaGraphRunner:
         fresh_outputs: Sequence[int] = (),
         grad_candidates: Callable[[], Sequence[torch.Tensor]] | None = None,
         stage_in_graph: bool = True,
+        keep_borrowed: bool = True,
     ) -> None:
         self.before_replay = before_replay
         tensors = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
@@ -143,6 +147,9 @@ class CudaGraphRunner:
             else:  # a copy became something other than a memcpy node: stage every input from Python
                 del staging, outs
                 self.graph, outs = capture({})
+        if not keep_borrowed:
+            for i, _ in self._borrowed:
+                static[i] = None
         in_nodes = set(self.staging.index) if self.staging is not None else set()
         self._staged_ptrs = [(i, static[i].data_ptr()) for i in self._staged if i not in in_nodes]
         # Outputs that are the caller's own memory (borrowed inputs, state) are live views, never
