@@ -76,10 +76,9 @@ class GraphProgram:
     saved tensors are still held when it is called again (micro-batches in GPipe order: all
     forwards, then all backwards) replays another kept graph whose saved tensors are free, or
     captures one (up to ``cache_size``), so no saved tensor is copied; the backward then
-    finds them in that graph's buffers. When the inputs that
-    moved are one-call copies instead (a micro-batch's saved tensors, moved out of the
-    forward's buffers because another forward of the graph ran first), a second kind of graph
-    runs the call: one that copies those inputs in (captured once, silently; up to
+    finds them in that graph's buffers. Past ``cache_size`` the busy graph's held outputs are
+    moved to private memory, and a call whose moved inputs are such one-call copies runs on a
+    second kind of graph, one that copies them in (captured once, silently; up to
     ``cache_size`` of them, then the lowered trace runs such calls).
     """
 
@@ -236,7 +235,7 @@ class GraphProgram:
         for i in moved:
             a = args[i]
             why = ("a parameter" if isinstance(a, torch.nn.Parameter) else "static for AOTAutograd"
-                   if i in self.static_idx else "at another graph's output address" if is_stable(a) else "a copy")
+                   if i in self.static_idx else "at a stable address" if is_stable(a) else "a copy")
             name = f" {names[i]}" if i < len(names) else ""
             parts.append(f"input {i}{name} {tuple(a.shape)} ({why})")
         return ", ".join(parts)
