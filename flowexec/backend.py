@@ -79,7 +79,7 @@ class GraphProgram:
     finds them in that graph's buffers. Past ``cache_size`` the busy graph's held outputs are
     moved to private memory, and a call whose moved inputs are such one-call copies runs on a
     second kind of graph, one that copies them in (captured once, silently; up to
-    ``cache_size`` of them, then the lowered trace runs such calls).
+    ``cache_size`` of them).
     """
 
     _boxed_call = True  # AOTAutograd passes the argument list itself
@@ -104,7 +104,7 @@ class GraphProgram:
         self.forward = forward
         self.leaf_inputs: list[Any] = []  # weak refs to the leaf tensors this graph reads (grad owners)
         self.staged_calls = 0  # calls whose one-call copies a staging graph copied in
-        self.transient_calls = 0  # such calls run as a trace (no staging graph may be kept)
+        self.dropped = 0  # graphs dropped to keep cache_size (a warning once it keeps happening)
         if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
@@ -151,38 +151,57 @@ class GraphProgram:
     def _call_slow(self, args: list[Any]) -> list[Any]:
         """A call the last call's graph cannot serve as it is: its borrowed inputs moved, or (a
         forward) the saved tensors of its last call are still held."""
-        first_moved: list[int] = []
-        transient = False
         busy = None
         watched = self.saved_from is not None
         for k, runner in enumerate(self.graph_runners):
-            moved = runner.moved(args)
-            if not moved:
+            if runner.matches(args):
                 if watched and runner.outputs.saved_held():
                     busy = busy or runner  # its last call's backward has not run yet
                     continue
                 self._use(k)
                 return runner(args, saved_checked=watched)
-            transient = transient or self._only_transient(args, moved)
-            first_moved = first_moved or moved
         if busy is not None:
             # Another micro-batch's forward while earlier ones wait for their backwards (GPipe
             # order): a graph of its own, so nothing is copied out of the busy ones. With no
             # room for one, the busy graph's held outputs are moved to private memory first.
-            if len(self.graph_runners) < self.cache_size:
+            if self._make_room():
                 return self._add(self._capture(args), args)
             self._use(self.graph_runners.index(busy))
             return busy(args)
-        if transient:
+        moved = [runner.moved(args) for runner in self.graph_runners]
+        if any(self._only_transient(args, m) for m in moved):
             return self._call_staging(args)
-        if self.graph_runners and any(isinstance(args[i], torch.nn.Parameter) or i in self.static_idx
-                                      for i in first_moved):
-            dropped = len(self.graph_runners) >= self.cache_size
-            warnings.warn(f"flowexec: {self._describe_moved(args, first_moved)} of this {self._role} graph, read in "
-                          f"place by its CUDA graph, moved for good; capturing the graph again for the new addresses "
-                          f"({len(self.graph_runners) + 1 - dropped} graph(s) kept, cache_size={self.cache_size}"
-                          + (", the least recently used dropped)" if dropped else ")"), stacklevel=3)
+        # Warned only where no kept graph has this call's parameters and static inputs where they
+        # are (new parameters); a graph for another graph's outputs (saved tensors) is silent.
+        permanent = [[i for i in m if isinstance(args[i], torch.nn.Parameter) or i in self.static_idx] for m in moved]
+        full = len(self.graph_runners) >= self.cache_size
+        self._make_room()
+        if permanent and all(permanent):
+            warnings.warn(f"flowexec: {self._describe_moved(args, min(moved, key=len))} of this {self._role} graph, "
+                          f"read in place by its CUDA graph, moved for good; capturing the graph again for the new "
+                          f"addresses ({min(len(self.graph_runners) + 1, self.cache_size)} graph(s) kept, cache_size="
+                          f"{self.cache_size}" + (", the least recently used dropped)" if full else ")"), stacklevel=3)
         return self._add(self._capture(args), args)
+
+    def _make_room(self) -> bool:
+        """Whether a graph can be added without dropping one that is busy: where the cache is
+        full, the least recently used graph whose saved tensors are free is dropped."""
+        runners = self.graph_runners
+        if len(runners) < self.cache_size:
+            return True
+        for k in range(len(runners) - 1, -1, -1):
+            if self.saved_from is None or not runners[k].outputs.saved_held():
+                del runners[k]
+                self._note_dropped()
+                return True
+        return False
+
+    def _note_dropped(self) -> None:
+        self.dropped += 1
+        if self.dropped == 2 * self.cache_size:  # once: captures that keep dropping graphs cost every call
+            warnings.warn(f"flowexec: this {self._role} graph has dropped {self.dropped} captured graphs to keep "
+                          f"cache_size={self.cache_size}; more sets of addresses take turns than it keeps, so calls "
+                          "keep capturing graphs. Pass a larger options={'cache_size': ...}", stacklevel=4)
 
     def _use(self, k: int) -> None:
         self.graph_runners.insert(0, self.graph_runners.pop(k))
@@ -191,7 +210,9 @@ class GraphProgram:
     def _add(self, runner: Any, args: list[Any]) -> list[Any]:
         """Keep a new graph (the least recently used dropped past cache_size) and run it."""
         self.graph_runners.insert(0, runner)
-        del self.graph_runners[self.cache_size:]
+        if len(self.graph_runners) > self.cache_size:
+            del self.graph_runners[self.cache_size:]
+            self._note_dropped()
         self.graph_runner = runner
         return runner(args, saved_checked=False)
 
@@ -200,18 +221,19 @@ class GraphProgram:
         forward another forward of the same graph followed, its saved tensors moved out of the
         graph's buffers (outputs.py) for this call only. A graph captured on such a call borrows
         only the stable inputs and copies the rest in, so it serves every such call; the graphs
-        that read them in place stay for the calls that find them there."""
+        that read them in place stay for the calls that find them there. Kept like the others:
+        the least recently used dropped past ``cache_size``."""
         for k, runner in enumerate(self.staging_runners):
-            if not runner.moved(args):
+            if runner.matches(args):
                 self.staging_runners.insert(0, self.staging_runners.pop(k))
                 self.staged_calls += 1
                 return runner(args)
-        if len(self.staging_runners) < self.cache_size:
-            self.staging_runners.insert(0, self._capture(args))
-            self.staged_calls += 1
-            return self.staging_runners[0](args)
-        self.transient_calls += 1
-        return self.run(*args)
+        self.staging_runners.insert(0, self._capture(args))
+        if len(self.staging_runners) > self.cache_size:
+            del self.staging_runners[self.cache_size:]
+            self._note_dropped()
+        self.staged_calls += 1
+        return self.staging_runners[0](args)
 
     def _only_transient(self, args: list[Any], moved: list[int]) -> bool:
         """Whether every moved input is a one-call copy: neither an input AOTAutograd marks static

@@ -160,15 +160,21 @@ class _FakeRunner:
         self.replays = 0
         self.outputs = self  # saved_held(): whether the last call's saved tensors are held
         self.held = False
+        self.checked = []  # saved_checked per call: True skips moving held saved tensors
 
     def moved(self, args):
         return [i for i, ptr in self._borrowed if args[i].data_ptr() != ptr]
+
+    def matches(self, args):
+        return not self.moved(args)
 
     def saved_held(self):
         return self.held
 
     def __call__(self, args, saved_checked=False):
+        assert not (saved_checked and self.held), "a busy graph's held saved tensors would be overwritten"
         self.replays += 1
+        self.checked.append(saved_checked)
         return ["replayed"]
 
 
@@ -196,9 +202,8 @@ def _fake_graph_program(monkeypatch, cache_size=8, saved_from=None):
 def test_graph_program_stages_one_call_copies_and_captures_again_for_parameters(monkeypatch):
     """A graph-mode program whose borrowed inputs moved: one-call copies (a micro-batch's saved
     tensors moved out of another graph's buffers) run on a second graph that copies them in,
-    captured once and silently, the first graph kept for calls that find them in place; past
-    cache_size such calls run the lowered trace. A parameter at a new address gets a graph of
-    its own, with a warning."""
+    captured once and silently, the first graph kept for calls that find them in place. A
+    parameter at a new address gets a graph of its own, with a warning."""
     import warnings
 
     from flowexec.runtime.cuda_graph import mark_stable
@@ -228,22 +233,23 @@ def test_graph_program_stages_one_call_copies_and_captures_again_for_parameters(
     gp.static_idx = {1}  # an input AOTAutograd marks static moves for good too
     with pytest.warns(UserWarning, match=r"input 1 \w+ \(3,\) \(static for AOTAutograd\).*capturing the graph again"):
         gp(a, torch.randn(3))
-    assert len(captures) == 4 and gp.transient_calls == 0
+    assert len(captures) == 4
 
 
-def test_graph_program_runs_a_trace_when_no_staging_graph_fits(monkeypatch):
-    """One-call copies that no kept staging graph serves (it borrows a parameter that differs)
-    and no room for another: the lowered trace runs the call, and its result is the program's."""
+def test_graph_program_drops_the_least_recently_used_staging_graph(monkeypatch):
+    """Staging graphs are kept like the others: one-call copies that no kept staging graph
+    serves (it borrows another parameter) get a new one, the least recently used dropped past
+    cache_size, and the result is the replayed graph's."""
     from flowexec.runtime.cuda_graph import mark_stable
 
     gp, captures = _fake_graph_program(monkeypatch, cache_size=1)
     a, b = torch.randn(3), torch.randn(3)
     mark_stable(b)
     gp(a, b)
-    gp.staging_runners = [_FakeRunner([torch.randn(3), torch.randn(3)], [0])]  # borrows another a
-    (got,) = gp(a, b.clone())
-    assert_close_rel(got, a * b)
-    assert gp.transient_calls == 1 and gp.staged_calls == 0 and len(captures) == 1
+    old = _FakeRunner([torch.randn(3), torch.randn(3)], [0])  # borrows another a
+    gp.staging_runners = [old]
+    assert gp(a, b.clone()) == ["replayed"]
+    assert gp.staging_runners == [captures[1]] and old.replays == 0 and gp.staged_calls == 1 and gp.dropped == 1
 
 
 def test_graph_program_keeps_a_graph_per_set_of_parameter_addresses(monkeypatch):
@@ -271,6 +277,41 @@ def test_graph_program_keeps_a_graph_per_set_of_parameter_addresses(monkeypatch)
     with pytest.warns(UserWarning, match="least recently used dropped"):
         gp(a, p1)
     assert len(captures) == 4 and gp.graph_runners == [captures[3], captures[1]]
+
+
+def test_backend_saved_tensors_start_after_mutations_outputs_and_bases(monkeypatch):
+    """``saved_from`` (where the forward's saved tensors begin among its outputs) on a forward
+    that also returns mutated inputs (BatchNorm's running statistics), several user outputs and
+    views of them: the outputs from there on are exactly the backward's non-tangent inputs."""
+    import flowexec.backend as backend
+
+    made = []
+    init = backend.GraphProgram.__init__
+
+    def record(self, gm, example_inputs, *args, **kwargs):
+        init(self, gm, example_inputs, *args, **kwargs)
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        made.append((self, [n.name for n in gm.graph.nodes if n.op == "placeholder"],
+                     [getattr(o, "name", None) for o in out]))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+
+        def forward(self, x):
+            h = torch.relu(self.bn(self.lin(x)))
+            return h, h.view(-1), h.t()
+
+    monkeypatch.setattr(backend.GraphProgram, "__init__", record)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    c = torch.compile(Net().train(), backend="flowexec", options={"mode": "trace"})
+    h, flat, ht = c(torch.randn(4, 8))
+    (h.sum() + flat.pow(2).sum() + ht.mean()).backward()
+    (fw, _, fw_outs), (bw, bw_names, _) = made
+    assert fw.saved_from is not None and fw.saved_from > 3  # after 3 running-stat writes and the outputs
+    assert fw_outs[fw.saved_from:] == [n for n in bw_names if not n.startswith("tangents")], (fw.saved_from, fw_outs, bw_names)
 
 
 def test_backend_static_inputs_are_the_forwards_own(monkeypatch):
@@ -351,3 +392,46 @@ def test_forward_with_saved_tensors_in_flight_gets_a_graph_of_its_own(monkeypatc
         captures[1].held = True
         gp(a, b)  # the other kept graph is free
         assert len(captures) == 2 and captures[0].replays == 2 and gp.graph_runner is captures[0]
+    # A new graph's first call, and the busy graph's call, move whatever is held (False); a free
+    # graph's call was checked just before (True).
+    assert captures[0].checked == [False, True] and captures[1].checked == [False, False, True]
+
+
+def test_full_cache_drops_an_idle_graph_before_copying_saved_tensors(monkeypatch):
+    """With cache_size graphs kept, a forward whose own graph is busy drops the least recently
+    used graph that is idle (another parameter set's) to capture one, instead of copying."""
+    from flowexec.runtime.cuda_graph import mark_stable
+
+    gp, captures = _fake_graph_program(monkeypatch, cache_size=2, saved_from=1)
+    a = torch.randn(3)
+    p1, p2 = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    for p in (p1, p2):
+        mark_stable(p)
+    gp(a, p1)
+    with pytest.warns(UserWarning, match="a parameter"):
+        gp(a, p2)
+    captures[1].held = True  # p2's micro-batch waits for its backward
+    gp(a, p2)
+    assert gp.graph_runners == [captures[2], captures[1]] and gp.dropped == 1  # p1's graph went
+
+
+def test_new_saved_tensors_for_known_parameters_capture_silently(monkeypatch):
+    """Two modules of one class share a backward graph: a call with the first module's
+    parameters and another micro-batch's saved tensors (stable: another graph's outputs) moved
+    no parameter for good, whichever graph ran last, so its graph is captured without a warning."""
+    import warnings
+
+    from flowexec.runtime.cuda_graph import mark_stable
+
+    gp, captures = _fake_graph_program(monkeypatch)
+    p1, p2 = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    s1, s2, s3 = torch.randn(3), torch.randn(3), torch.randn(3)
+    for t in (p1, p2, s1, s2, s3):
+        mark_stable(t)
+    gp(p1, s1)
+    with pytest.warns(UserWarning, match=r"input 0 \w+ \(3,\) \(a parameter\)"):
+        gp(p2, s2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gp(p1, s3)
+    assert len(captures) == 3

@@ -118,8 +118,9 @@ def test_saved_outputs_are_watched_apart_from_the_others():
     assert h.saved_held()
     del saved
     assert not h.saved_held()
+    saved = h.aliases[1]  # held after the check: release(saved_checked=True) trusts the check
     h.release(saved_checked=True)
     assert h.moved == 1 and user.data_ptr() != bufs[0].data_ptr()  # the user output, only
-    saved = h.aliases[1]
+    assert saved.data_ptr() == bufs[1].data_ptr()
     h.release()
     assert h.moved == 2 and saved.data_ptr() != bufs[1].data_ptr()
