@@ -43,6 +43,11 @@ def _static_input_indices() -> set[int]:
         return set()
 
 
+def _cuda_available() -> bool:
+    """Whether graph mode can capture CUDA graphs here (tests on CPU stand a runner in)."""
+    return torch.cuda.is_available()
+
+
 def _saved_outputs_start() -> int | None:
     """Where the tensors a forward graph saves for backward begin among its outputs (after the
     mutated inputs, user outputs and intermediate bases AOTAutograd returns first); None where
@@ -276,7 +281,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
     if gc not in GC_MODES:
         raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
-    if mode == "graph" and not torch.cuda.is_available():
+    if mode == "graph" and not _cuda_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
     cache_size = int(opts.get("cache_size", 8))
