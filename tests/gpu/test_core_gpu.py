@@ -228,10 +228,14 @@ def test_backend_graph_two_modules_of_one_class_take_turns():
     recaptured = [str(w.message) for w in said if "capturing the graph again" in str(w.message)]
     forwards = [o for o in gc.get_objects() if type(o) is GraphProgram and id(o) not in before and o.forward is None]
     # One graph per module either way; where Dynamo shared the program (seen on torch 2.11), the
-    # second module's parameters were said once (its backward's new addresses are graph outputs
-    # and parameter views, captured silently).
+    # second module's parameters were said once by the forward (its backward's new addresses
+    # are graph outputs and parameter views, captured silently on torch 2.13's partition; a
+    # backward that reads a parameter itself says so too).
     assert sum(len(f.graph_runners) for f in forwards) == 2, [len(f.graph_runners) for f in forwards]
-    assert len(recaptured) == (1 if len(forwards) == 1 else 0), recaptured
+    if len(forwards) == 1:
+        assert 1 <= len(recaptured) <= 2 and "forward graph" in recaptured[0], recaptured
+    else:
+        assert not recaptured
 
 
 def _adam_like(p, g, m, v, ema):
