@@ -268,6 +268,13 @@ class GraphProgram:
         return ", ".join(parts)
 
 
+def _count_option(opts: dict[str, Any], name: str, default: int, least: int) -> int:
+    value = opts.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise OptionError(f"{name}={value!r} must be a whole number of at least {least}")
+    return value
+
+
 def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """The Dynamo backend: AOTAutograd with flowexec compiling the forward and backward graphs."""
     from torch._dynamo.backends.common import aot_autograd
@@ -276,7 +283,8 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     unknown = sorted(set(opts) - set(BACKEND_OPTIONS))
     if unknown:
         raise OptionError(f"unknown flowexec backend option(s) {unknown}; valid: {', '.join(BACKEND_OPTIONS)}")
-    mode, gc, warmup = opts.get("mode", "trace"), opts.get("gc", "fast"), int(opts.get("warmup", 1))
+    mode, gc = opts.get("mode", "trace"), opts.get("gc", "fast")
+    warmup, cache_size = _count_option(opts, "warmup", 1, 0), _count_option(opts, "cache_size", 8, 1)
     if mode not in MODES:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
     if gc not in GC_MODES:
@@ -284,9 +292,6 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     if mode == "graph" and not _cuda_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
-    cache_size = int(opts.get("cache_size", 8))
-    if cache_size < 1:
-        raise OptionError(f"cache_size={cache_size} keeps no graph; it must be at least 1")
     forwards: list[GraphProgram] = []  # AOTAutograd compiles this graph's forward, then its backward
 
     def compiler(g: fx.GraphModule, inputs: Sequence[Any], saved_from: int | None = None) -> GraphProgram:

@@ -62,6 +62,13 @@ def test_backend_unknown_option():
         torch.compile(lambda x: x * 2, backend="flowexec", options={"modee": "trace"})(torch.randn(2))
 
 
+@pytest.mark.parametrize("opt,value", [("cache_size", 0), ("cache_size", "8"), ("warmup", -1), ("warmup", 1.5)])
+def test_backend_count_options_are_checked(opt, value):
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=f"{opt}={value!r} must be a whole number of at least"):
+        torch.compile(lambda x: x * 2, backend="flowexec", options={"mode": "trace", opt: value})(torch.randn(2))
+
+
 def test_data_dependent_control_flow_names_line_and_backend():
     def g(x):
         if x.sum() > 0:  # data-dependent branch
