@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from .capture import program_from_graph
 from .errors import OptionError
-from .executable import MODES, rewrite_program
+from .executable import MODES, RecaptureWarning, rewrite_program
 from .plan import GC_MODES, build_plan
 from .runtime.interpreter import lower_trace
 
@@ -185,7 +185,8 @@ class GraphProgram:
             warnings.warn(f"flowexec: {self._describe_moved(args, min(moved, key=len))} of this {self._role} graph, "
                           f"read in place by its CUDA graph, moved for good; capturing the graph again for the new "
                           f"addresses ({min(len(self.graph_runners) + 1, self.cache_size)} graph(s) kept, cache_size="
-                          f"{self.cache_size}" + (", the least recently used dropped)" if full else ")"), stacklevel=3)
+                          f"{self.cache_size}" + (", the least recently used dropped)" if full else ")"),
+                          RecaptureWarning, stacklevel=3)
         return self._add(self._capture(args), args)
 
     def _make_room(self) -> bool:
@@ -206,7 +207,8 @@ class GraphProgram:
         if self.dropped == 2 * self.cache_size:  # once: captures that keep dropping graphs cost every call
             warnings.warn(f"flowexec: this {self._role} graph has dropped {self.dropped} captured graphs to keep "
                           f"cache_size={self.cache_size}; more sets of addresses take turns than it keeps, so calls "
-                          "keep capturing graphs. Pass a larger options={'cache_size': ...}", stacklevel=4)
+                          "keep capturing graphs. Pass a larger options={'cache_size': ...}", RecaptureWarning,
+                          stacklevel=4)
 
     def _use(self, k: int) -> None:
         self.graph_runners.insert(0, self.graph_runners.pop(k))
