@@ -112,7 +112,8 @@ LERP_GOALS = {"case1": 2.0, "case2": 1.5, "case3": 2.0, "case4": 1.5}  # issue 3
 def pool_lerp(paths: list[str]) -> None:
     """The wall rounds of several ``benchmarks/ops.py`` runs taken together, per reference case:
     the median of the per-round ratios PyTorch ÷ flowexec, how many rounds meet the issue's goal,
-    the same median against the floor ops (bounds), and flowexec − three-gradient floor op."""
+    the same median against the floor ops (bounds), and flowexec − three-gradient floor op; then
+    the forward alone: the median per-round ratio, and how many rounds and runs had it slower."""
     import statistics
 
     runs: list[tuple[str, dict[str, Any]]] = []
@@ -142,6 +143,18 @@ def pool_lerp(paths: list[str]) -> None:
         met = sum(x >= LERP_GOALS[name] for x in ratios)
         print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f}× | {met} (goal {LERP_GOALS[name]}×) "
               f"| {bounds} | {gap} |")
+    print("\nForward alone (goal: never slower), wall rounds pooled:\n")
+    print("| case | rounds | PyTorch ÷ flowexec, median per round | rounds slower | runs slower (by the run's medians) |")
+    print("|---|---|---|---|---|")
+    for name in LERP_GOALS:
+        per_run = [(wr.get("torch:wall_fwd_us", []), wr.get("flowexec:wall_fwd_us", []))
+                   for wr in (cases.get(name, {}).get("wall_rounds") for _, cases in runs) if wr]
+        ratios = [a / b for t, f in per_run for a, b in zip(t, f)]
+        if not ratios:
+            continue
+        slower_runs = sum(statistics.median(t) < statistics.median(f) for t, f in per_run if t and f)
+        print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.4f} | {sum(x < 1 for x in ratios)} "
+              f"| {slower_runs} of {len(per_run)} |")
     alternating = [(base, {n: cases[n]["alternating"] for n in LERP_GOALS if "alternating" in cases.get(n, {})})
                    for base, cases in runs]
     alternating = [(base, alt) for base, alt in alternating if alt]

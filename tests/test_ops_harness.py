@@ -108,3 +108,18 @@ def test_table_reads_a_committed_run(ops):
         w = next(line for line in wall.splitlines() if line.startswith(f"| {name} |"))
         t, f = row["torch"]["wall_fwd_bwd_us"], row["flowexec"]["wall_fwd_bwd_us"]
         assert f"({t / f:.2f}×)" in w.split("|")[2]
+
+
+def test_pooled_report_counts_forward_rounds_and_runs(capsys):
+    """report.py --pool's forward table, from two committed runs (one of them twice, so pooling
+    is visible): per-round ratios pooled, rounds and runs where flowexec's forward was slower."""
+    spec = importlib.util.spec_from_file_location(
+        "flowexec_bench_report", os.path.join(os.path.dirname(_PATH), "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    run = os.path.join(os.path.dirname(_PATH), "results", "ops_ed6d148_r15.json")
+    report.pool_lerp([run, run])
+    out = capsys.readouterr().out
+    table = out[out.index("Forward alone"):].splitlines()
+    assert "| case1 | 30 | 1.1906 | 0 | 0 of 2 |" in table
+    assert "| case4 | 30 | 1.0029 | 6 | 0 of 2 |" in table
