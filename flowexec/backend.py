@@ -33,14 +33,24 @@ BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size")
 warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd is returning a function that doesn't take boxed")
 
 
-def _static_input_indices() -> set[int]:
-    """Indices AOTAutograd marks as static (parameters, buffers) for the graph being compiled."""
+def _fw_metadata() -> Any:
+    """AOTAutograd's metadata of the forward being compiled (the tracing context's), or None."""
     try:
         ctx = torch._guards.TracingContext.try_get()
-        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-        return set(getattr(meta, "static_input_indices", None) or ())
+        return getattr(ctx, "fw_metadata", None) if ctx is not None else None
     except Exception:
-        return set()
+        return None
+
+
+def _static_input_indices() -> set[int]:
+    """Indices AOTAutograd marks as static (parameters, buffers) for the graph being compiled."""
+    return set(getattr(_fw_metadata(), "static_input_indices", None) or ())
+
+
+def _to_front(runners: list[Any], k: int) -> Any:
+    """Move ``runners[k]`` first (most recently used) and return it."""
+    runners.insert(0, runners.pop(k))
+    return runners[0]
 
 
 def _cuda_available() -> bool:
@@ -52,13 +62,9 @@ def _saved_outputs_start() -> int | None:
     """Where the tensors a forward graph saves for backward begin among its outputs (after the
     mutated inputs, user outputs and intermediate bases AOTAutograd returns first); None where
     that is not known (effect tokens, or another torch layout)."""
-    try:
-        ctx = torch._guards.TracingContext.try_get()
-        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-        n = getattr(meta, "num_forward", None)
-        return None if n is None or getattr(meta, "tokens", None) else int(n)
-    except Exception:
-        return None
+    meta = _fw_metadata()
+    n = getattr(meta, "num_forward", None)
+    return None if n is None or getattr(meta, "tokens", None) else int(n)
 
 
 class GraphProgram:
@@ -103,13 +109,14 @@ class GraphProgram:
         self.static_idx = set(static_idx)
         self.cache_size = cache_size
         self.saved_from = saved_from
-        self.graph_runner: Any = None  # the graph of the last call; graph_runners[0] when set
-        self.graph_runners: list[Any] = []  # most recently used first
+        self.graph_runners: list[Any] = []  # most recently used first: [0] ran the last call
         self.staging_runners: list[Any] = []  # graphs that copy one-call copies in; most recent first
         self.forward = forward
         self.leaf_inputs: list[Any] = []  # weak refs to the leaf tensors this graph reads (grad owners)
         self.staged_calls = 0  # calls whose one-call copies a staging graph copied in
         self.dropped = 0  # graphs dropped to keep cache_size (a warning once it keeps happening)
+        index = {vid: k for k, vid in enumerate(self.plan.program.inputs)}
+        self.mutated_inputs = [index[v] for v in self.plan.mutated if v in index]  # positions written in place
         if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
@@ -121,19 +128,16 @@ class GraphProgram:
         for a, b in zip(args, borrow):
             if b:
                 mark_stable(a)
-        prog = self.plan.program
-        index = {vid: k for k, vid in enumerate(prog.inputs)}
-        mutated_inputs = [index[v] for v in self.plan.mutated if v in index]
-        mutated = [args[i] for i in mutated_inputs if borrow[i]]
+        mutated = [args[i] for i in self.mutated_inputs if borrow[i]]
         # Every graph's leaves stay candidates: a kept graph of other parameters replays later.
         known = {id(t) for t in (r() for r in self.leaf_inputs) if t is not None}
         self.leaf_inputs = [r for r in self.leaf_inputs if r() is not None] + [
             weakref.ref(a) for a in args
             if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and id(a) not in known]
         fwd = self.forward
-        fresh = range(len(prog.outputs)) if fwd is not None else ()
+        fresh = range(len(self.plan.program.outputs)) if fwd is not None else ()
         candidates = (lambda: [t for t in (r() for r in fwd.leaf_inputs) if t is not None]) if fwd is not None else None
-        runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=mutated_inputs,
+        runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=self.mutated_inputs,
                                  warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates,
                                  keep_borrowed=False)  # a backward's hold would keep its forward busy
         if self.saved_from is not None:
@@ -145,13 +149,19 @@ class GraphProgram:
         args = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
         if self.mode == "trace":
             return self.run(*args)
-        runner = self.graph_runner
-        if runner is not None and not runner.moved(args):
+        runners = self.graph_runners
+        if runners and runners[0].matches(args):
+            runner = runners[0]
             if self.saved_from is None:
                 return runner(args)
             if not runner.outputs.saved_held():
                 return runner(args, saved_checked=True)
         return self._call_slow(args)
+
+    @property
+    def graph_runner(self) -> Any:
+        """The graph of the last call (None before the first)."""
+        return self.graph_runners[0] if self.graph_runners else None
 
     def _call_slow(self, args: list[Any]) -> list[Any]:
         """A call the last call's graph cannot serve as it is: its borrowed inputs moved, or (a
@@ -163,7 +173,7 @@ class GraphProgram:
                 if watched and runner.outputs.saved_held():
                     busy = busy or runner  # its last call's backward has not run yet
                     continue
-                self._use(k)
+                _to_front(self.graph_runners, k)
                 return runner(args, saved_checked=watched)
         if busy is not None:
             # Another micro-batch's forward while earlier ones wait for their backwards (GPipe
@@ -171,7 +181,7 @@ class GraphProgram:
             # room for one, the busy graph's held outputs are moved to private memory first.
             if self._make_room():
                 return self._add(self._capture(args), args)
-            self._use(self.graph_runners.index(busy))
+            _to_front(self.graph_runners, self.graph_runners.index(busy))
             return busy(args)
         moved = [runner.moved(args) for runner in self.graph_runners]
         if any(self._only_transient(args, m) for m in moved):
@@ -210,37 +220,30 @@ class GraphProgram:
                           "keep capturing graphs. Pass a larger options={'cache_size': ...}", RecaptureWarning,
                           stacklevel=4)
 
-    def _use(self, k: int) -> None:
-        self.graph_runners.insert(0, self.graph_runners.pop(k))
-        self.graph_runner = self.graph_runners[0]
+    def _keep(self, runners: list[Any], runner: Any) -> Any:
+        """Put a new graph first in ``runners``, the least recently used dropped past cache_size."""
+        runners.insert(0, runner)
+        if len(runners) > self.cache_size:
+            del runners[self.cache_size:]
+            self._note_dropped()
+        return runner
 
     def _add(self, runner: Any, args: list[Any]) -> list[Any]:
-        """Keep a new graph (the least recently used dropped past cache_size) and run it."""
-        self.graph_runners.insert(0, runner)
-        if len(self.graph_runners) > self.cache_size:
-            del self.graph_runners[self.cache_size:]
-            self._note_dropped()
-        self.graph_runner = runner
-        return runner(args, saved_checked=False)
+        """Keep a new graph and run it."""
+        return self._keep(self.graph_runners, runner)(args, saved_checked=False)
 
     def _call_staging(self, args: list[Any]) -> list[Any]:
         """A call whose moved inputs are one-call copies: the backward of a micro-batch whose
         forward another forward of the same graph followed, its saved tensors moved out of the
         graph's buffers (outputs.py) for this call only. A graph captured on such a call borrows
         only the stable inputs and copies the rest in, so it serves every such call; the graphs
-        that read them in place stay for the calls that find them there. Kept like the others:
-        the least recently used dropped past ``cache_size``."""
-        for k, runner in enumerate(self.staging_runners):
-            if runner.matches(args):
-                self.staging_runners.insert(0, self.staging_runners.pop(k))
-                self.staged_calls += 1
-                return runner(args)
-        self.staging_runners.insert(0, self._capture(args))
-        if len(self.staging_runners) > self.cache_size:
-            del self.staging_runners[self.cache_size:]
-            self._note_dropped()
+        that read them in place stay for the calls that find them there. Kept like the others."""
         self.staged_calls += 1
-        return self.staging_runners[0](args)
+        runners = self.staging_runners
+        for k, runner in enumerate(runners):
+            if runner.matches(args):
+                return _to_front(runners, k)(args)
+        return self._keep(runners, self._capture(args))(args)
 
     def _only_transient(self, args: list[Any], moved: list[int]) -> bool:
         """Whether every moved input is a one-call copy: neither an input AOTAutograd marks static

@@ -44,3 +44,21 @@ def twin(model: torch.nn.Module, make_opt: Callable[[Any], torch.optim.Optimizer
     """Two identical (model, optimizer) pairs."""
     m2 = copy.deepcopy(model)
     return (model, make_opt(model.parameters())), (m2, make_opt(m2.parameters()))
+
+
+def record_graph_programs(monkeypatch: Any) -> list[tuple[Any, list[str], list[Any]]]:
+    """Every backend GraphProgram made from now on (with monkeypatch): (program, placeholder
+    names, output node names) of the AOT graph it was built from."""
+    import flowexec.backend as backend
+
+    made: list[tuple[Any, list[str], list[Any]]] = []
+    init = backend.GraphProgram.__init__
+
+    def record(self: Any, gm: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, gm, *args, **kwargs)
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        made.append((self, [n.name for n in gm.graph.nodes if n.op == "placeholder"],
+                     [getattr(o, "name", None) for o in out]))
+
+    monkeypatch.setattr(backend.GraphProgram, "__init__", record)
+    return made

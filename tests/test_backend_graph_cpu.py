@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from flowexec.models import make_mlp
 from flowexec.runtime.cuda_graph import mark_stable
 from flowexec.runtime.outputs import HandedOutputs
-from helpers import assert_same_state
+from helpers import assert_same_state, record_graph_programs
 
 
 def _view_of(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
@@ -94,23 +94,17 @@ class CpuGraphRunner:
 
 @pytest.fixture
 def cpu_graphs(monkeypatch):
-    """Graph mode through the backend on CPU, with CpuGraphRunner; yields the GraphPrograms made."""
+    """Graph mode through the backend on CPU, with CpuGraphRunner; yields the GraphPrograms made
+    (``record_graph_programs``)."""
     import flowexec.backend as backend
     import flowexec.runtime.cuda_graph as cuda_graph
 
     monkeypatch.setattr(cuda_graph, "CudaGraphRunner", CpuGraphRunner)
     monkeypatch.setattr(backend, "_cuda_available", lambda: True)  # the backend's check for mode="graph"
-    made: list[Any] = []
-    init = backend.GraphProgram.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(backend.GraphProgram, "__init__", record)
+    made = record_graph_programs(monkeypatch)
     torch._dynamo.reset()
     CpuGraphRunner.captures = 0
-    yield made
+    yield made  # (program, placeholder names, output names), filled as the test compiles
     torch._dynamo.reset()
     gc.collect()
 
@@ -146,7 +140,7 @@ def test_gpipe_order_matches_eager(cpu_graphs, cache_size):
                     opt.step()
                     opt.zero_grad()
     assert_same_state(m1, m2)
-    fw, bw = cpu_graphs
+    (fw, _, _), (bw, _, _) = cpu_graphs
     assert bw.forward is fw and fw.saved_from == 1
     if cache_size >= 3:
         assert len(fw.graph_runners) == 3 and len(bw.graph_runners) == 3 and bw.staged_calls == 0
@@ -167,7 +161,7 @@ def test_per_micro_batch_order_replays_one_graph_each(cpu_graphs):
         F.cross_entropy(m1(x), y).backward()
         F.cross_entropy(c2(x), y).backward()
     assert_same_state(m1, m2)
-    fw, bw = cpu_graphs
+    (fw, _, _), (bw, _, _) = cpu_graphs
     assert len(fw.graph_runners) == 1 and len(bw.graph_runners) == 1 and CpuGraphRunner.captures == 2
     assert fw.graph_runners[0].outputs.moved == 0
 
@@ -194,7 +188,7 @@ def test_two_modules_of_one_class_take_turns(cpu_graphs):
     for e, m in zip(eager, mine):
         assert_same_state(e, m)
     recaptured = [str(w.message) for w in said if "capturing the graph again" in str(w.message)]
-    forwards = [g for g in cpu_graphs if g.forward is None]
+    forwards = [g for g, _, _ in cpu_graphs if g.forward is None]
     assert sum(len(f.graph_runners) for f in forwards) == 2
     if len(forwards) == 1:  # Dynamo shared the program between the two modules
         assert len(recaptured) == 1 and "a parameter" in recaptured[0], recaptured

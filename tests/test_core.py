@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import flowexec
 from flowexec.models import Block, ConvNet, lm_loss, make_lm_step, make_mlp, make_step
-from helpers import assert_close_rel, assert_same_state, twin
+from helpers import assert_close_rel, assert_same_state, record_graph_programs, twin
 
 torch.backends.mkldnn.enabled = True
 
@@ -283,17 +283,6 @@ def test_backend_saved_tensors_start_after_mutations_outputs_and_bases(monkeypat
     """``saved_from`` (where the forward's saved tensors begin among its outputs) on a forward
     that also returns mutated inputs (BatchNorm's running statistics), several user outputs and
     views of them: the outputs from there on are exactly the backward's non-tangent inputs."""
-    import flowexec.backend as backend
-
-    made = []
-    init = backend.GraphProgram.__init__
-
-    def record(self, gm, example_inputs, *args, **kwargs):
-        init(self, gm, example_inputs, *args, **kwargs)
-        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        made.append((self, [n.name for n in gm.graph.nodes if n.op == "placeholder"],
-                     [getattr(o, "name", None) for o in out]))
-
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -303,7 +292,7 @@ def test_backend_saved_tensors_start_after_mutations_outputs_and_bases(monkeypat
             h = torch.relu(self.bn(self.lin(x)))
             return h, h.view(-1), h.t()
 
-    monkeypatch.setattr(backend.GraphProgram, "__init__", record)
+    made = record_graph_programs(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     c = torch.compile(Net().train(), backend="flowexec", options={"mode": "trace"})
@@ -319,21 +308,12 @@ def test_backend_static_inputs_are_the_forwards_own(monkeypatch):
     while the tracing context still holds them, must not take them as its own. It did: saved
     activations (and, in other shapes, the tangent) became "static", so in graph mode a backward
     whose saved tensors were moved (micro-batches) captured again instead of running a trace."""
-    import flowexec.backend as backend
-
-    made = []
-    init = backend.GraphProgram.__init__
-
-    def record(self, gm, example_inputs, *args, **kwargs):
-        init(self, gm, example_inputs, *args, **kwargs)
-        made.append((self, [n.name for n in gm.graph.nodes if n.op == "placeholder"]))
-
-    monkeypatch.setattr(backend.GraphProgram, "__init__", record)
+    made = record_graph_programs(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     c = torch.compile(make_mlp(16, 2), backend="flowexec", options={"mode": "trace"})
     F.cross_entropy(c(torch.randn(4, 16)), torch.randint(0, 10, (4,))).backward()
-    (fw, fw_names), (bw, bw_names) = made
+    (fw, fw_names, _), (bw, bw_names, _) = made
     assert bw.forward is fw
     # The forward's static inputs are its parameters; the input batch (primals_3) is not.
     assert fw.static_idx == {i for i, n in enumerate(fw_names) if n != "primals_3"}, (fw_names, fw.static_idx)

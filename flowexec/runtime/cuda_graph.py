@@ -36,25 +36,26 @@ __all__ = ["CudaGraphRunner", "HandedOutputs", "StagingNodes", "capture_graph", 
 _STABLE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
+def _owner(ptr: int) -> torch.Tensor | None:
+    """The tensor recorded for ``ptr`` while it still holds that address (a borrowed alias may
+    have been moved since: ``.data = ...``, as outputs.py moves held outputs)."""
+    held = _STABLE.get(ptr)
+    return held if held is not None and held.data_ptr() == ptr else None
+
+
 def mark_stable(t: torch.Tensor) -> None:
     """Record that ``t``'s memory keeps its address (a graph reads it in place)."""
     ptr = t.data_ptr()
-    held = _STABLE.get(ptr)
-    if held is None or held.data_ptr() != ptr:  # keep a live owner; a borrowed alias may move later
+    if _owner(ptr) is None:  # keep a live owner
         _STABLE[ptr] = t
 
 
 def is_stable(t: torch.Tensor) -> bool:
-    """Whether a tensor keeps its address across steps (so a graph may read it in place).
-
-    An address counts while the tensor recorded for it is still there: an alias whose memory was
-    swapped (``.data = ...``, as outputs.py moves held outputs) no longer vouches for it.
-    """
+    """Whether a tensor keeps its address across steps (so a graph may read it in place): a
+    parameter, a static input for Dynamo, or memory whose recorded owner still holds it."""
     if isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None:
         return True
-    ptr = t.data_ptr()
-    held = _STABLE.get(ptr)
-    return held is not None and held.data_ptr() == ptr
+    return _owner(t.data_ptr()) is not None
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,

@@ -65,7 +65,8 @@ class HandedOutputs:
         self._warned = False
 
     def _refcounts(self) -> list[int]:
-        # Same access pattern as release(): the list, the local name, getrefcount's argument.
+        # Same access pattern as saved_held() and _move_held(), which compare against these counts:
+        # the list, the local name, getrefcount's argument (a helper taking the alias would add one).
         aliases = self.aliases
         counts = [0] * len(aliases)
         for k in self.kept:
