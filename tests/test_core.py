@@ -224,7 +224,7 @@ def test_graph_program_stages_one_call_copies_and_captures_again_for_parameters(
     p = torch.nn.Parameter(torch.randn(3))  # the moved input is a parameter: it moved for good
     mark_stable(p)
     with pytest.warns(flowexec.RecaptureWarning, match=r"input 1 \w+ \(3,\) \(a parameter\) of this forward graph.*capturing the "
-                      r"graph again for the new addresses \(1 graph\(s\) kept, cache_size=1, the least recently"):
+                      r"graph again for them \(1 graph\(s\) kept, cache_size=1, the least recently"):
         assert gp(a, p) == ["replayed"]
     assert len(captures) == 3 and gp.graph_runners == [captures[2]]
     # A copy of p is a one-call copy for p's graph; the staging graph (it borrows nothing) runs it.

@@ -28,8 +28,8 @@ import torch
 from .outputs import HandedOutputs
 from .staging import StagingNodes, graph_node_count, memcpy_runtime
 
-__all__ = ["CudaGraphRunner", "HandedOutputs", "StagingNodes", "capture_graph", "graph_node_count",
-           "is_stable", "mark_stable"]
+__all__ = ["CudaGraphRunner", "HandedOutputs", "StagingNodes", "capture_graph", "capture_stream",
+           "graph_node_count", "is_stable", "mark_stable"]
 
 # data_ptr -> tensor: memory that keeps its address across steps (static outputs of flowexec
 # graphs, inputs a graph borrowed), which other graphs may borrow in turn.
@@ -58,22 +58,43 @@ def is_stable(t: torch.Tensor) -> bool:
     return _owner(t.data_ptr()) is not None
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: int | None = None) -> torch.cuda.Stream:
+    """The one side stream per device on which every flowexec graph warms up and is captured.
+
+    cuBLAS keeps a workspace per (handle, stream) until the process ends (32 MiB each on the
+    H200): warming each graph up on a stream of its own left one behind per capture (GPipe-order
+    micro-batches through the backend reserved 356 MiB against eager's 70), and a warm-up on
+    another stream than the capture's left the capture stream's workspace to be allocated inside
+    the first graph's private pool. Graphs captured here share the capture stream's workspace,
+    as graphs captured on ``torch.cuda.graph``'s default stream do: replay them one at a time.
+    """
+    index = torch.cuda.current_device() if device is None else device
+    stream = _CAPTURE_STREAMS.get(index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
                   keep_graph: bool = False) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm ``fn`` up on a side stream, then capture one call of it; returns (graph, its outputs).
 
     The warm-up lets lazily created library state (cuBLAS handles, workspaces) exist before
-    capture, where creating it is not allowed. ``keep_graph`` keeps the captured graph's nodes
+    capture, where creating it is not allowed; it runs on the capture stream
+    (:func:`capture_stream`), so the workspaces it creates are the ones the capture uses. ``keep_graph`` keeps the captured graph's nodes
     (instantiated here) so that they can be inspected and updated (:class:`StagingNodes`).
     """
-    stream = torch.cuda.Stream()
+    stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         outs = fn()
     if keep_graph:
         graph.instantiate()

@@ -316,3 +316,27 @@ def test_backend_graph_two_forwards_then_two_backwards(depth, cache_size):
     else:  # one forward graph: the first two micro-batches' saved tensors moved, then staged
         assert len(fw.graph_runners) == 1 and fw.graph_runners[0].outputs.moved > 0
         assert bw.staged_calls == 4 and len(bw.staging_runners) == 1
+
+
+def test_graphs_warm_up_and_capture_on_one_stream_sharing_its_cublas_workspace():
+    # cuBLAS keeps a workspace per (handle, stream) for the life of the process (32 MiB on
+    # sm_90): a stream per capture left one behind per graph
+    from flowexec.runtime.cuda_graph import capture_graph
+
+    w, x = torch.randn(64, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+    seen = []
+
+    def fn():
+        seen.append(torch.cuda.current_stream().cuda_stream)
+        return x @ w
+
+    first = capture_graph(fn, warmup=1)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    more = [capture_graph(fn, warmup=1) for _ in range(3)]
+    grown = torch.cuda.memory_allocated() - before
+    assert len(set(seen)) == 1, seen  # every warm-up and capture, on one stream
+    assert grown < 2**20, grown  # three [8, 64] outputs, no new workspace
+    for graph, out in [first, *more]:
+        graph.replay()
+        assert_close_rel(out, x @ w)
