@@ -27,7 +27,7 @@ __all__ = [
     "OptionError", "ExecutionError", "RecaptureWarning", "fast_item", "Fetch", "FetchRing",
 ]
 
-from . import backend as _backend  # noqa: E402  registers torch.compile(backend="flowexec")
+from . import backend as _backend  # noqa: E402, F401  registers torch.compile(backend="flowexec")
 
 
 def __getattr__(name: str) -> Any:
