@@ -109,6 +109,24 @@ def lerp() -> None:
 LERP_GOALS = {"case1": 2.0, "case2": 1.5, "case3": 2.0, "case4": 1.5}  # issue 3's wall speed-ups
 
 
+def cluster_interval(runs: list[list[float]], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the pooled median: each draw resamples the runs, then the
+    rounds within each drawn run, so that rounds of one run (one host) do not count as
+    independent. Seeded: the same files give the same interval.
+
+    >>> cluster_interval([[1.0, 1.0], [1.0]], draws=10)
+    (1.0, 1.0)
+    """
+    import random
+    import statistics
+
+    runs = [r for r in runs if r]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median([x for r in rng.choices(runs, k=len(runs)) for x in rng.choices(r, k=len(r))])
+                  for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
 def pool_lerp(paths: list[str]) -> None:
     """The wall rounds of several ``benchmarks/ops.py`` runs taken together, per reference case:
     the median of the per-round ratios PyTorch ÷ flowexec, how many rounds meet the issue's goal,
@@ -143,9 +161,11 @@ def pool_lerp(paths: list[str]) -> None:
         met = sum(x >= LERP_GOALS[name] for x in ratios)
         print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f}× | {met} (goal {LERP_GOALS[name]}×) "
               f"| {bounds} | {gap} |")
-    print("\nForward alone (goal: never slower), wall rounds pooled:\n")
-    print("| case | rounds | PyTorch ÷ flowexec, median per round | rounds slower | runs slower (by the run's medians) |")
-    print("|---|---|---|---|---|")
+    print("\nForward alone (goal: never slower), wall rounds pooled; the interval resamples runs, then "
+          "rounds within them (rounds of one run share a host):\n")
+    print("| case | rounds | PyTorch ÷ flowexec, median per round | 95% interval | rounds slower "
+          "| runs slower (by the run's medians) |")
+    print("|---|---|---|---|---|---|")
     for name in LERP_GOALS:
         per_run = [(wr.get("torch:wall_fwd_us", []), wr.get("flowexec:wall_fwd_us", []))
                    for wr in (cases.get(name, {}).get("wall_rounds") for _, cases in runs) if wr]
@@ -153,8 +173,9 @@ def pool_lerp(paths: list[str]) -> None:
         if not ratios:
             continue
         slower_runs = sum(statistics.median(t) < statistics.median(f) for t, f in per_run if t and f)
-        print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.4f} | {sum(x < 1 for x in ratios)} "
-              f"| {slower_runs} of {len(per_run)} |")
+        lo, hi = cluster_interval([[a / b for a, b in zip(t, f)] for t, f in per_run])
+        print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.4f} | {lo:.4f}–{hi:.4f} "
+              f"| {sum(x < 1 for x in ratios)} | {slower_runs} of {len(per_run)} |")
     alternating = [(base, {n: cases[n]["alternating"] for n in LERP_GOALS if "alternating" in cases.get(n, {})})
                    for base, cases in runs]
     alternating = [(base, alt) for base, alt in alternating if alt]

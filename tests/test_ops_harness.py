@@ -110,16 +110,30 @@ def test_table_reads_a_committed_run(ops):
         assert f"({t / f:.2f}×)" in w.split("|")[2]
 
 
-def test_pooled_report_counts_forward_rounds_and_runs(capsys):
-    """report.py --pool's forward table, from two committed runs (one of them twice, so pooling
-    is visible): per-round ratios pooled, rounds and runs where flowexec's forward was slower."""
+def _report():
     spec = importlib.util.spec_from_file_location(
         "flowexec_bench_report", os.path.join(os.path.dirname(_PATH), "report.py"))
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
+    return report
+
+
+def test_pooled_report_counts_forward_rounds_and_runs(capsys):
+    """report.py --pool's forward table, from two committed runs (one of them twice, so pooling
+    is visible): per-round ratios pooled, rounds and runs where flowexec's forward was slower."""
+    report = _report()
     run = os.path.join(os.path.dirname(_PATH), "results", "ops_ed6d148_r15.json")
     report.pool_lerp([run, run])
     out = capsys.readouterr().out
     table = out[out.index("Forward alone"):].splitlines()
-    assert "| case1 | 30 | 1.1906 | 0 | 0 of 2 |" in table
-    assert "| case4 | 30 | 1.0029 | 6 | 0 of 2 |" in table
+    assert "| case1 | 30 | 1.1906 | 1.1405–1.1950 | 0 | 0 of 2 |" in table
+    assert "| case4 | 30 | 1.0029 | 1.0027–1.0525 | 6 | 0 of 2 |" in table
+
+
+def test_cluster_interval_counts_runs_not_rounds():
+    """Two runs that disagree leave the pooled median undecided however many rounds each has;
+    the same rounds spread over many runs narrow it."""
+    report = _report()
+    assert report.cluster_interval([[1.2] * 50, [0.9] * 50], draws=400) == (0.9, 1.2)
+    lo, hi = report.cluster_interval([[1.2, 0.9, 1.1]] * 40, draws=400)
+    assert 1.0 < lo <= hi <= 1.2
