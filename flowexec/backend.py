@@ -193,8 +193,9 @@ class GraphProgram:
         self._make_room()
         if permanent and all(permanent):
             warnings.warn(f"flowexec: {self._describe_moved(args, min(moved, key=len))} of this {self._role} graph, "
-                          f"read in place by its CUDA graph, came at new addresses (moved, or another module's that "
-                          f"shares this compiled code); capturing the graph again for them ({min(len(self.graph_runners) + 1, self.cache_size)} graph(s) kept, cache_size="
+                          "read in place by its CUDA graph, came at new addresses (moved, or another module's that "
+                          "shares this compiled code); capturing the graph again for them "
+                          f"({min(len(self.graph_runners) + 1, self.cache_size)} graph(s) kept, cache_size="
                           f"{self.cache_size}" + (", the least recently used dropped)" if full else ")"),
                           RecaptureWarning, stacklevel=3)
         return self._add(self._capture(args), args)

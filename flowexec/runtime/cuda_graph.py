@@ -84,8 +84,9 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
 
     The warm-up lets lazily created library state (cuBLAS handles, workspaces) exist before
     capture, where creating it is not allowed; it runs on the capture stream
-    (:func:`capture_stream`), so the workspaces it creates are the ones the capture uses. ``keep_graph`` keeps the captured graph's nodes
-    (instantiated here) so that they can be inspected and updated (:class:`StagingNodes`).
+    (:func:`capture_stream`), so the workspaces it creates are the ones the capture uses.
+    ``keep_graph`` keeps the captured graph's nodes (instantiated here) so that they can be
+    inspected and updated (:class:`StagingNodes`).
     """
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
