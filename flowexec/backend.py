@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from .capture import program_from_graph
-from .errors import OptionError
+from .errors import OptionError, count_option
 from .executable import MODES, RecaptureWarning, rewrite_program
 from .plan import GC_MODES, build_plan
 from .runtime.interpreter import lower_trace
@@ -274,13 +274,6 @@ class GraphProgram:
         return ", ".join(parts)
 
 
-def _count_option(opts: dict[str, Any], name: str, default: int, least: int) -> int:
-    value = opts.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise OptionError(f"{name}={value!r} must be a whole number of at least {least}")
-    return value
-
-
 def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """The Dynamo backend: AOTAutograd with flowexec compiling the forward and backward graphs."""
     from torch._dynamo.backends.common import aot_autograd
@@ -290,7 +283,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     if unknown:
         raise OptionError(f"unknown flowexec backend option(s) {unknown}; valid: {', '.join(BACKEND_OPTIONS)}")
     mode, gc = opts.get("mode", "trace"), opts.get("gc", "fast")
-    warmup, cache_size = _count_option(opts, "warmup", 1, 0), _count_option(opts, "cache_size", 8, 1)
+    warmup, cache_size = count_option(opts, "warmup", 1, 0), count_option(opts, "cache_size", 8, 1)
     if mode not in MODES:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
     if gc not in GC_MODES:

@@ -20,3 +20,11 @@ class OptionError(FlowexecError, ValueError):
 
 class ExecutionError(FlowexecError):
     """An op failed while running; the message names the op and its source line."""
+
+
+def count_option(opts: dict, name: str, default: int, least: int) -> int:
+    """``opts[name]`` (or ``default``) checked to be a whole number of at least ``least``."""
+    value = opts.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise OptionError(f"{name}={value!r} must be a whole number of at least {least}")
+    return value

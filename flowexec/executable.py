@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .capture import capture
-from .errors import InputError, OptionError
+from .errors import InputError, OptionError, count_option
 from .plan import GC_MODES, ExecutionPlan, build_plan
 from .program import Program, Ref
 from .runtime.interpreter import lower_trace
@@ -41,6 +41,9 @@ OPTIONS = {
     "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp / aten.lerp_ on CUDA where it measured "
                  "faster (a broadcast operand, >= 2**20 elements): by default in graph mode, with True in every "
                  "mode; 'all': every eligible lerp and lerp_; False: none",
+    "streams": "run independent ops on up to this many CUDA streams (default 1), ordered by statically planned "
+               "events; pays in graph mode, where the events are edges of the graph (trace mode pays host time "
+               "for every stream switch and event)",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
@@ -99,6 +102,7 @@ class Executable:
     def __init__(self, fn: Callable[..., Any], mode: str, gc: str, options: dict[str, Any]) -> None:
         self.fn, self.mode, self.gc = fn, mode, gc
         self.cache_size = int(options.get("cache_size", 8))
+        self.streams = count_option(options, "streams", 1, 1)
         self.warmup = int(options.get("warmup", 1))
         fetch = options.get("fetch", ())
         self.fetch: bool | tuple[int, ...] = fetch if isinstance(fetch, bool) else tuple(int(i) for i in fetch)
@@ -116,7 +120,7 @@ class Executable:
     def _build(self, args: Sequence[Any]) -> _Compiled:
         t0 = time.perf_counter()
         cap = capture(self.fn, args)
-        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc)
+        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams)
         run = lower_trace(plan)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)

@@ -1,8 +1,9 @@
 """ExecutionPlan: the analysed program, one Instruction per op, ready to lower.
 
 Planning is separate from running: ``build_plan`` composes the passes once; the interpreter
-only reads the result. Instruction records already carry the fields later run modes fill
-(stream, events to wait on and record) so those modes slot in without a new record type.
+only reads the result. With ``streams > 1`` the plan also says which CUDA stream runs each op,
+which events it waits on and records (``passes/streams.py``: statically pruned) and which
+streams each freed value must be recorded on before its ``del``.
 
 Example::
 
@@ -19,6 +20,7 @@ from typing import Any
 from .errors import OptionError
 from .passes.dependencies import alias_groups, dependencies, mutated_state
 from .passes.liveness import Liveness, analyse_liveness
+from .passes.streams import assign_streams, plan_events, side_outputs, stream_uses
 from .program import Op, Program, lint
 
 GC_MODES = ("fast", "none")
@@ -34,6 +36,7 @@ class Instruction:
     waits: tuple[int, ...] = ()  # event ids to wait on before running
     records: tuple[int, ...] = ()  # event ids to record after running
     frees: tuple[int, ...] = ()  # value ids dropped after running
+    stream_uses: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (freed value, other streams that used it)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class ExecutionPlan:
     liveness: Liveness
     mutated: tuple[int, ...]  # input/state values the program writes in place
     gc: str
+    n_streams: int = 1  # streams the ops were spread over (0: the caller's current stream)
+    n_events: int = 0
+    side_outputs: tuple[int, ...] = ()  # outputs whose storage a side stream allocated
 
     def stats(self) -> dict[str, Any]:
         """Counts that summarise the plan: ops, values, frees, planned peak bytes …"""
@@ -60,16 +66,30 @@ class ExecutionPlan:
             "planned_peak_bytes": self.liveness.peak_bytes,
             "max_live_intermediates": max(self.liveness.live_after, default=0),
             "gc": self.gc,
+            "streams": self.n_streams,
+            "events": self.n_events,
         }
 
 
-def build_plan(prog: Program, gc: str = "fast") -> ExecutionPlan:
-    """Lint the program and run every pass once."""
+def build_plan(prog: Program, gc: str = "fast", streams: int = 1) -> ExecutionPlan:
+    """Lint the program and run every pass once; ``streams``: spread ops over up to that many
+    CUDA streams (1: every op on the caller's stream, no events)."""
     if gc not in GC_MODES:
         raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise OptionError(f"streams must be a whole number >= 1, not {streams!r}")
     lint(prog)
     groups = alias_groups(prog)
     deps = dependencies(prog, groups)
     live = analyse_liveness(prog, groups, drop=(gc != "none"))
-    instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)
-    return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc)
+    if streams == 1:
+        instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)
+        return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc)
+    where = assign_streams(deps, streams)
+    events = plan_events(deps, where)
+    uses = stream_uses(prog, groups, where, live.frees)
+    instrs = tuple(Instruction(op, deps[op.index], where[op.index], events.waits[op.index],
+                               events.records[op.index], live.frees[op.index], uses[op.index])
+                   for op in prog.ops)
+    return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc,
+                         max(where, default=0) + 1, events.n_events, side_outputs(prog, groups, where))

@@ -79,8 +79,14 @@ def explain_failure(plan: ExecutionPlan, index: int, exc: BaseException) -> Exec
     )
 
 
-def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None) -> Callable[..., list[Any]]:
-    """Generate the straight-line runner for ``plan``: ``run(*inputs) -> list of flat outputs``."""
+def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None,
+                streams: Any = None) -> Callable[..., list[Any]]:
+    """Generate the straight-line runner for ``plan``: ``run(*inputs) -> list of flat outputs``.
+
+    A plan over several streams (``plan.n_streams > 1``) also switches streams, records and
+    waits on its events and marks cross-stream frees, through ``streams`` (by default
+    :class:`~flowexec.runtime.streams.CudaStreams` on the plan's device): see ``runtime/streams.py``.
+    """
     prog = plan.program
     glb: dict[str, Any] = {"__builtins__": __builtins__}
     glb.update({f"s{vid}": t for vid, t in prog.state.items()})
@@ -91,8 +97,29 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
     params = ", ".join(_slot(i) for i in prog.inputs)
     lines = [f"def run({params}):"]
     line_to_op: dict[int, int] = {}
+    multi = plan.n_streams > 1
+    if multi:
+        if streams is None:
+            from .streams import CudaStreams, device_of
+
+            streams = CudaStreams(plan.n_streams, plan.n_events, device_of(plan))
+        glb.update({"_cur": streams.current, "_set": streams.set, "_fork": streams.fork, "_join": streams.join,
+                    "_rs": streams.record_stream})
+        glb.update({f"S{k}": streams.side[k] for k in range(1, plan.n_streams)})
+        glb.update({f"E{e}": ev for e, ev in enumerate(streams.events)})
+        lines += ["    _s0 = _cur()", "    _fork(_s0)"]
+    on = 0  # the stream the generated code has made current
+
+    def stream_name(k: int) -> str:
+        return "_s0" if k == 0 else f"S{k}"
+
     for ins in plan.instructions:
         op = ins.op
+        if multi:
+            if ins.stream != on:
+                lines.append(f"    _set({stream_name(ins.stream)})")
+                on = ins.stream
+            lines += [f"    {stream_name(on)}.wait_event(E{e})" for e in ins.waits]
         fname = f"f{op.index}"
         glb[fname] = callable_of(op.target)
         args = [render(a) for a in op.args] + [f"{k}={render(v)}" for k, v in op.kwargs]
@@ -107,8 +134,16 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             stmt = call
         lines.append("    " + stmt)
         line_to_op[len(lines)] = op.index
+        if multi:
+            lines += [f"    E{e}.record({stream_name(on)})" for e in ins.records]
+            lines += [f"    _rs({_slot(v)}, {stream_name(k)})" for v, ks in ins.stream_uses for k in ks]
         if ins.frees:
             lines.append("    del " + ", ".join(_slot(v) for v in ins.frees))
+    if multi:
+        if on != 0:
+            lines.append("    _set(_s0)")
+        lines.append("    _join(_s0)")
+        lines += [f"    _rs({_slot(v)}, _s0)" for v in plan.side_outputs]
     lines.append("    return [" + ", ".join(render(o) for o in prog.outputs) + "]")
     src = "\n".join(lines) + "\n"
     filename = f"<flowexec-plan-{next(_counter)}>"
@@ -117,11 +152,13 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
 
     set_grad = torch._C._set_grad_enabled
     is_grad = torch.is_grad_enabled
+    current, set_stream = (streams.current, streams.set) if multi else (None, None)
 
     def run(*args: Any) -> list[Any]:
         # The program already holds its backward ops: running it must not build an autograd graph.
         prev = is_grad()
         set_grad(False)
+        s0 = current() if current is not None else None
         try:
             return inner(*args)
         except Exception as e:
@@ -136,6 +173,8 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             raise explain_failure(plan, line_to_op[line], e) from e
         finally:
             set_grad(prev)
+            if set_stream is not None:  # an op that failed on a side stream left it current
+                set_stream(s0)
 
     run.source = src  # type: ignore[attr-defined]
     run.inner = inner  # type: ignore[attr-defined]

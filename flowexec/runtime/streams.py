@@ -1,0 +1,69 @@
+"""The objects a multi-stream trace runner calls: side streams, events, fork and join.
+
+The runner that ``lower_trace`` generates for a plan with ``n_streams > 1`` switches streams,
+records and waits on events and marks cross-stream frees through one of these, so that the
+same generated code runs on CUDA (:class:`CudaStreams`) and under a recording stand-in on the
+CPU (tests check there that every dependency is ordered by what the code actually does).
+
+Stream 0 is the caller's current stream at each call: on entry every side stream waits on an
+event recorded there (inputs are ready), and before returning the caller's stream waits on
+an event recorded on every side stream (outputs, in-place writes and pending reads are done).
+Inside CUDA-graph capture this fork and join are what make the side streams part of the graph.
+
+Example (needs CUDA)::
+
+    >>> import torch, flowexec  # doctest: +SKIP
+    >>> ws = [torch.randn(256, 256, device="cuda") for _ in range(4)]  # doctest: +SKIP
+    >>> f = lambda x: sum((x @ w).relu() for w in ws)  # doctest: +SKIP
+    >>> exe = flowexec.compile(f, torch.randn(8, 256, device="cuda"), mode="graph", streams=4)  # doctest: +SKIP
+    >>> exe.plan.stats()["streams"]  # doctest: +SKIP
+    4
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class CudaStreams:
+    """``n_streams - 1`` side streams and ``n_events`` events on one CUDA device."""
+
+    def __init__(self, n_streams: int, n_events: int, device: torch.device) -> None:
+        self.device = device
+        self.side = [None] + [torch.cuda.Stream(device=device) for _ in range(n_streams - 1)]
+        self.events = [torch.cuda.Event() for _ in range(n_events)]
+        self._entry = torch.cuda.Event()
+        self._exit = [torch.cuda.Event() for _ in range(n_streams)]
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def set(self, stream: Any) -> None:
+        torch.cuda.set_stream(stream)
+
+    def fork(self, s0: Any) -> None:
+        self._entry.record(s0)
+        for s in self.side[1:]:
+            s.wait_event(self._entry)
+
+    def join(self, s0: Any) -> None:
+        for k, s in enumerate(self.side[1:], 1):
+            self._exit[k].record(s)
+            s0.wait_event(self._exit[k])
+
+    @staticmethod
+    def record_stream(t: Any, stream: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            t.record_stream(stream)
+
+
+def device_of(plan: Any) -> torch.device:
+    """The CUDA device a multi-stream plan runs on (its tensors'); an error where it has none."""
+    devices = {v.meta.device for v in plan.program.values if v.meta is not None and v.meta.device.type == "cuda"}
+    if len(devices) != 1:
+        from ..errors import OptionError
+
+        found = ", ".join(sorted(map(str, devices))) or "no CUDA tensor"
+        raise OptionError(f"streams > 1 runs ops on CUDA streams of one device; this program has {found}")
+    return devices.pop()

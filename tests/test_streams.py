@@ -1,0 +1,224 @@
+"""Stream assignment, the pruned event plan, and the multi-stream runner's generated code.
+
+The planning passes are checked against readable tables and, on random dependency graphs,
+for soundness (every dependency ordered) and for having no wait that the others imply. The
+runner is run on the CPU through a recording stand-in for CUDA streams and events, and the
+order its calls give is checked against the program's dependencies, independently of the
+planner.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import flowexec
+from flowexec.capture import capture
+from flowexec.errors import OptionError
+from flowexec.passes.streams import EventPlan, assign_streams, plan_events, stream_uses, unordered
+from flowexec.plan import build_plan
+from flowexec.runtime.interpreter import lower_trace
+
+
+def three_branches(x):
+    a = x.sin() * 2
+    b = x.cos() * 3
+    c = x.exp()
+    return a + b + c
+
+
+def table(plan):
+    return [(i.op.name.split(".")[0] + "." + i.op.name.split(".")[1], i.deps, i.stream, i.waits, i.records, i.stream_uses) for i in plan.instructions]
+
+
+def test_three_branches_spread_over_three_streams_and_join_with_two_waits():
+    plan = build_plan(capture(three_branches, (torch.randn(4),)).program, streams=3)
+    assert table(plan) == [
+        # op             deps    stream waits records stream_uses (freed value, streams to record)
+        ("aten.sin",     (),     0,     (),   (),     ()),
+        ("aten.mul",     (0,),   0,     (),   (),     ()),
+        ("aten.cos",     (),     1,     (),   (),     ()),
+        ("aten.mul",     (2,),   1,     (),   (0,),   ()),
+        ("aten.exp",     (),     2,     (),   (1,),   ()),
+        ("aten.add",     (1, 3), 0,     (0,), (),     ((4, (0,)),)),  # v4 made on stream 1, read on 0
+        ("aten.add",     (4, 5), 0,     (1,), (),     ((5, (0,)),)),
+    ]
+    assert plan.stats()["streams"] == 3 and plan.stats()["events"] == 2
+
+
+def test_one_stream_plans_no_events_and_a_chain_stays_on_its_stream():
+    prog = capture(three_branches, (torch.randn(4),)).program
+    assert {(i.stream, i.waits, i.records, i.stream_uses) for i in build_plan(prog).instructions} == {(0, (), (), ())}
+    chain = build_plan(capture(lambda x: x.sin().cos().exp(), (torch.randn(4),)).program, streams=4)
+    assert [i.stream for i in chain.instructions] == [0, 0, 0] and chain.n_events == 0
+
+
+def test_an_implied_wait_is_left_out():
+    # op 2 on stream 0 waits for op 1 (stream 1), which waited for op 0 (stream 2): op 3 on
+    # stream 0 needs op 0 too, but the wait before op 2 already orders it
+    deps = ((), (0,), (1,), (0, 2))
+    streams = (2, 1, 0, 0)
+    ev = plan_events(deps, streams)
+    assert ev == EventPlan(waits=((), (0,), (1,), ()), records=((0,), (1,), (), ()), n_events=2)
+    assert unordered(deps, streams, ev) == []
+    # and a wait that is needed is not: without op 2's, op 1 -> op 2 is unordered
+    assert unordered(deps, streams, EventPlan(((), (0,), (), ()), ev.records, 2)) == [(1, 2), (0, 3)]
+
+
+@st.composite
+def dags(draw):
+    n = draw(st.integers(1, 24))
+    return tuple(tuple(sorted(draw(st.sets(st.integers(0, j - 1), max_size=3)))) if j else () for j in range(n))
+
+
+@settings(max_examples=300, deadline=None)
+@given(deps=dags(), n_streams=st.integers(1, 5))
+def test_event_plans_order_every_dependency_with_no_wait_to_spare(deps, n_streams):
+    streams = assign_streams(deps, n_streams)
+    assert set(streams) <= set(range(n_streams))
+    ev = plan_events(deps, streams)
+    assert unordered(deps, streams, ev) == []
+    recorded = [e for r in ev.records for e in r]
+    assert sorted(recorded) == list(range(ev.n_events)) == sorted({e for w in ev.waits for e in w})  # once, and used
+    for j, waits in enumerate(ev.waits):
+        for e in waits:
+            fewer = tuple(tuple(x for x in w if x != e) if k == j else w for k, w in enumerate(ev.waits))
+            assert unordered(deps, streams, EventPlan(fewer, ev.records, ev.n_events)), (j, e)
+
+
+def test_a_value_read_on_another_stream_is_recorded_there_before_it_is_freed():
+    prog = capture(three_branches, (torch.randn(4),)).program
+    plan = build_plan(prog, streams=2)
+    frees = [i.frees for i in plan.instructions]
+    uses = stream_uses(prog, plan.groups, [i.stream for i in plan.instructions], frees)
+    assert any(uses), "the program has no cross-stream free to check"
+    # every freed value that an op on a stream other than its maker's read is listed
+    made_on = {o: i.stream for i in plan.instructions for o in i.op.outputs}
+    read_on: dict[int, set[int]] = {}
+    for i in plan.instructions:
+        for r in i.op.refs():
+            read_on.setdefault(r, set()).add(i.stream)
+    listed = {vid: set(ks) for entry in uses for vid, ks in entry}
+    for i in plan.instructions:
+        for vid in i.frees:
+            assert listed.get(vid, set()) == read_on.get(vid, set()) - {made_on[vid]}
+
+
+class _Stream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_event(self, ev):
+        self.log.append(("wait", self.name, ev.name))
+
+
+class _Event:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def record(self, stream):
+        self.log.append(("record", stream.name, self.name))
+
+
+class RecordingStreams:
+    """CUDA streams and events played on the CPU: every call is logged in order."""
+
+    def __init__(self, n_streams, n_events):
+        self.log = []
+        self.s0 = _Stream(self.log, 0)
+        self.side = [None] + [_Stream(self.log, k) for k in range(1, n_streams)]
+        self.events = [_Event(self.log, e) for e in range(n_events)]
+        self.on = self.s0
+
+    def current(self):
+        return self.on
+
+    def set(self, stream):
+        self.on = stream
+
+    def fork(self, s0):
+        self.log += [("record", 0, "entry")] + [("wait", s.name, "entry") for s in self.side[1:]]
+
+    def join(self, s0):
+        for s in self.side[1:]:
+            self.log += [("record", s.name, f"exit{s.name}"), ("wait", 0, f"exit{s.name}")]
+
+    def record_stream(self, t, stream):
+        self.log.append(("record_stream", stream.name, t.data_ptr()))
+
+
+def run_logged(plan, *args):
+    """Run ``plan``'s generated code on the stand-in, with every op logging the stream it ran on."""
+    rec = RecordingStreams(plan.n_streams, plan.n_events)
+    run = lower_trace(plan, streams=rec)
+    glb = run.inner.__globals__
+    for ins in plan.instructions:
+        fn = glb[f"f{ins.op.index}"]
+        glb[f"f{ins.op.index}"] = (lambda i, fn: lambda *a, **k: (rec.log.append(("op", rec.on.name, i)), fn(*a, **k))[1])(
+            ins.op.index, fn)
+    return run(*args), rec
+
+
+def ordered_pairs(log):
+    """(i, j) for ops i, j that the logged calls order: program order on a stream, and each
+    wait after the record of its event, with what that record had ordered."""
+    clock: dict = {}  # stream -> set of ops ordered before its next call
+    at_record: dict = {}
+    before: dict = {}
+    for kind, s, x in log:
+        seen = clock.setdefault(s, set())
+        if kind == "op":
+            before[x] = set(seen)
+            seen.add(x)
+        elif kind == "record":
+            at_record[x] = set(seen)
+        elif kind == "wait":
+            seen |= at_record[x]
+    return before
+
+
+def test_the_generated_runner_orders_every_dependency_by_its_own_calls():
+    torch.manual_seed(0)
+    w = [torch.randn(16, 16) for _ in range(4)]
+
+    def branches(x):
+        ys = [(x @ wi).relu() for wi in w]
+        return ys[0] * ys[1] + ys[2] - ys[3], ys[1].sum()
+
+    x = torch.randn(8, 16)
+    plan = build_plan(capture(branches, (x,)).program, streams=4)
+    assert plan.n_streams == 4 and plan.n_events > 0
+    out, rec = run_logged(plan, x)
+    for got, want in zip(out, branches(x)):
+        torch.testing.assert_close(got, want)
+    before = ordered_pairs(rec.log)
+    for ins in plan.instructions:
+        assert ("op", ins.stream, ins.op.index) in rec.log
+        assert set(ins.deps) <= before[ins.op.index], ins.op.index
+    assert rec.log[-1][0] in ("wait", "record_stream") and rec.on is rec.s0  # joined, back on the caller's stream
+
+
+def test_a_failing_op_names_itself_and_leaves_the_callers_stream_current():
+    def f(x, idx):
+        a = x.sin()
+        b = x.cos()[idx]  # fails on a bad index, on a side stream
+        return a, b
+
+    x = torch.randn(4)
+    plan = build_plan(capture(f, (x, torch.tensor([1]))).program, streams=2)
+    rec = RecordingStreams(plan.n_streams, plan.n_events)
+    run = lower_trace(plan, streams=rec)
+    with pytest.raises(flowexec.ExecutionError, match=r"aten\.index"):
+        run(x, torch.tensor([9]))
+    assert rec.on is rec.s0
+
+
+def test_streams_option_is_checked():
+    x = torch.randn(4)
+    for bad in (0, "2", 1.5, True):
+        with pytest.raises(OptionError, match="streams"):
+            flowexec.compile(three_branches, x, streams=bad)
+    with pytest.raises(OptionError, match="CUDA streams of one device; this program has no CUDA tensor"):
+        flowexec.compile(three_branches, x, streams=2)
+    exe = flowexec.compile(three_branches, x, streams=1)
+    torch.testing.assert_close(exe(x), three_branches(x))
