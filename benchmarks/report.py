@@ -232,6 +232,35 @@ def item() -> None:
     print()
 
 
+def streams() -> None:
+    path = os.path.join(HERE, "streams.json")
+    if not os.path.exists(path):
+        return
+    d = load("streams.json")
+    print(f"Several streams — {d['device']}, torch {d['torch']}, {d['date']}, commit {d['commit']} "
+          f"(`{d['command']}`; {d['timing']}):\n")
+    print("| four branches of 6 × (256-wide matmul + SiLU), batch 8 | call | vs eager |")
+    print("|---|---|---|")
+    for k, v in d["branches"]["us"].items():
+        print(f"| {k} | {v:,.1f} µs | {d['branches']['vs_eager'][k]:.2f}× |")
+    b = d["branches"]["four_over_one"]
+    print(f"\nFour streams over one: by hand {b['by hand (cuda graph)']:.2f}×, flowexec graph "
+          f"{b['flowexec graph']:.2f}×, flowexec trace {b['flowexec trace']:.2f}× (host time per switch and event).\n")
+    m = d["mlp_step"]
+    print("| MLP 8×256, batch 32, SGD step | step | vs eager | events planned |")
+    print("|---|---|---|---|")
+    for k, v in m["us"].items():
+        plan = m.get(f"{k} plan", {})
+        print(f"| {k} | {v:,.1f} µs | {m['vs_eager step'][k]:.2f}× | {plan.get('events', '–')} |")
+    g = d.get("gpt2_tiny")
+    if g:
+        print("\n| GPT-2 tiny training step (torch.compile backend, AdamW eager) | step | vs eager |")
+        print("|---|---|---|")
+        for k, v in g["us"].items():
+            print(f"| {k} | {v:,.1f} µs | {g['vs_eager'][k]:.2f}× |")
+    print()
+
+
 def main() -> None:
     import contextlib
     import io
@@ -246,6 +275,7 @@ def main() -> None:
         lerp()
         graph_inputs()
         item()
+        streams()
     text = buf.getvalue()
     if "--readme" not in sys.argv:
         print(text, end="")

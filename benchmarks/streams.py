@@ -6,7 +6,8 @@ graph on one stream (177.8 µs) and on four streams forked and joined by hand (6
 replay followed by a synchronize. Rows: eager; those two hand-made graphs, rebuilt here; flowexec
 graph and trace mode with ``streams=1`` and ``streams=4``. Then the reference MLP training step
 (8×256, batch 32, SGD) in graph mode with 1, 2 and 4 streams, to show what streams do to a
-step with little parallelism. Every flowexec row is checked against eager first.
+step with little parallelism (every flowexec row checked against eager first), and the GPT-2
+tiny training step through the torch.compile backend in graph mode with 1 and 4 streams.
 
     PYTHONPATH=. python3 benchmarks/streams.py --out benchmarks/results
 
@@ -104,6 +105,31 @@ def step_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], An
     return rows
 
 
+def gpt2_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """GPT-2 (2 layers, 64 wide, batch 2×16; the step_time tiny config) through the torch.compile
+    backend in graph mode, one stream against four; AdamW stays eager, as in step_time."""
+    import functools
+
+    import transformers
+
+    from flowexec.models import make_lm_step
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg).to(dev)
+    ids = torch.randint(0, 211, (2, 16), device=dev)
+    rows: dict[str, Callable[[], Any]] = {}
+    for name, options in (("eager", None), ("flowexec graph, streams=1", {"mode": "graph"}),
+                          ("flowexec graph, streams=4", {"mode": "graph", "streams": 4})):
+        m = copy.deepcopy(base)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        torch._dynamo.reset()
+        fwd = m if options is None else torch.compile(m, backend="flowexec", options=options)
+        rows[name] = functools.partial(make_lm_step(fwd, opt), ids)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -122,7 +148,7 @@ def main() -> None:
         "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),  # the device machine's git may be stale
         "timing": "median µs per call including a synchronize, alternating rounds",
     }
-    for name, build in (("branches", branch_rows), ("mlp_step", step_rows)):
+    for name, build in (("branches", branch_rows), ("mlp_step", step_rows), ("gpt2_tiny", gpt2_rows)):
         facts: dict[str, Any] = {}
         rows = build(dev, facts)
         for fn in rows.values():

@@ -27,7 +27,7 @@ from .executable import MODES, RecaptureWarning, rewrite_program
 from .plan import GC_MODES, build_plan
 from .runtime.interpreter import lower_trace
 
-BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size")
+BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams")
 # Dynamo wraps compiled backward functions in a way that hides our _boxed_call flag; the
 # unboxed call it falls back to is correct, so its advice is noise for our users.
 warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd is returning a function that doesn't take boxed")
@@ -97,12 +97,16 @@ class GraphProgram:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
                  fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None,
-                 static_idx: Iterable[int] = (), cache_size: int = 8, saved_from: int | None = None) -> None:
+                 static_idx: Iterable[int] = (), cache_size: int = 8, saved_from: int | None = None,
+                 streams: int = 1) -> None:
         """``static_idx``: input positions AOTAutograd marks static (:func:`_static_input_indices`,
         a forward's only); ``forward``: the forward GraphProgram of a backward graph;
         ``cache_size``: how many captured graphs (sets of borrowed addresses) to keep;
-        ``saved_from``: a forward's first output that autograd saves (:func:`_saved_outputs_start`)."""
-        self.plan = build_plan(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), gc)
+        ``saved_from``: a forward's first output that autograd saves (:func:`_saved_outputs_start`);
+        ``streams``: CUDA streams to spread the graph's ops over (``flowexec.compile``'s option)."""
+        program = rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp)
+        self.plan = build_plan(program, gc, streams if any(
+            v.meta is not None and v.meta.device.type == "cuda" for v in program.values) else 1)
         self.run = lower_trace(self.plan)
         self.mode = mode
         self.warmup = warmup
@@ -284,10 +288,13 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise OptionError(f"unknown flowexec backend option(s) {unknown}; valid: {', '.join(BACKEND_OPTIONS)}")
     mode, gc = opts.get("mode", "trace"), opts.get("gc", "fast")
     warmup, cache_size = count_option(opts, "warmup", 1, 0), count_option(opts, "cache_size", 8, 1)
+    streams = count_option(opts, "streams", 1, 1)
     if mode not in MODES:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
     if gc not in GC_MODES:
         raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
+    if streams > 1 and not _cuda_available():
+        raise OptionError(f"streams={streams} runs ops on CUDA streams, but this machine has no CUDA device; use streams=1")
     if mode == "graph" and not _cuda_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
@@ -295,7 +302,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
 
     def compiler(g: fx.GraphModule, inputs: Sequence[Any], saved_from: int | None = None) -> GraphProgram:
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
-                            cache_size=cache_size, saved_from=saved_from)
+                            cache_size=cache_size, saved_from=saved_from, streams=streams)
 
     def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
         forwards.append(compiler(g, inputs, _saved_outputs_start()))
@@ -307,7 +314,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         # moved it and captured again). The backward borrows by address instead (is_stable:
         # parameters and the forward's outputs, which its saved tensors are).
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None,
-                            cache_size=cache_size)
+                            cache_size=cache_size, streams=streams)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)
 

@@ -222,3 +222,17 @@ def test_streams_option_is_checked():
         flowexec.compile(three_branches, x, streams=2)
     exe = flowexec.compile(three_branches, x, streams=1)
     torch.testing.assert_close(exe(x), three_branches(x))
+
+
+def test_backend_streams_option_is_checked():
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    for bad, match in ((0, "streams=0 must be a whole number of at least 1"),
+                       (2, "streams=2 runs ops on CUDA streams, but this machine has no CUDA device")):
+        if bad == 2 and torch.cuda.is_available():
+            continue
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=match):
+            torch.compile(model, backend="flowexec", options={"streams": bad})(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(model, backend="flowexec", options={"streams": 1})(x), model(x))

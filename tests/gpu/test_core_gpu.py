@@ -71,8 +71,9 @@ def test_graph_mode_copies_back_mutated_inputs():
     assert torch.equal(b1, b2)
 
 
+@pytest.mark.parametrize("streams", [1, 4])
 @pytest.mark.parametrize("mode", ["trace", "graph"])
-def test_hf_gpt2_backend_matches_eager(mode):
+def test_hf_gpt2_backend_matches_eager(mode, streams):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=32,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -81,7 +82,7 @@ def test_hf_gpt2_backend_matches_eager(mode):
     m2 = copy.deepcopy(m1)
     o1, o2 = torch.optim.AdamW(m1.parameters(), lr=1e-3), torch.optim.AdamW(m2.parameters(), lr=1e-3)
     torch._dynamo.reset()
-    c2 = torch.compile(m2, backend="flowexec", options={"mode": mode})
+    c2 = torch.compile(m2, backend="flowexec", options={"mode": mode, "streams": streams})
 
     step1, step2 = make_lm_step(m1, o1), make_lm_step(c2, o2)
 
