@@ -54,7 +54,8 @@ class CudaStreams:
 
     @staticmethod
     def record_stream(t: Any, stream: Any) -> None:
-        if isinstance(t, torch.Tensor):
+        # Dynamo's graphs mix in CPU tensors (lifted constants); their memory is not stream-ordered
+        if isinstance(t, torch.Tensor) and t.is_cuda:
             t.record_stream(stream)
 
 
