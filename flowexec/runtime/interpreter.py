@@ -185,7 +185,8 @@ class Interpreter:
     """The reference loop: runs instructions one by one over a slot table, with a hook.
 
     Slower than the lowered trace runner; used for checks (e.g. that no more intermediates
-    are alive than the plan says) and as the base of tooling.
+    are alive than the plan says) and as the base of tooling. It runs every instruction on the
+    current stream, whatever stream the plan gave it (the reference order).
     """
 
     def __init__(self, plan: ExecutionPlan) -> None:
