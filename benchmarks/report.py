@@ -252,12 +252,14 @@ def streams() -> None:
     for k, v in m["us"].items():
         plan = m.get(f"{k} plan", {})
         print(f"| {k} | {v:,.1f} µs | {m['vs_eager step'][k]:.2f}× | {plan.get('events', '–')} |")
-    g = d.get("gpt2_tiny")
-    if g:
-        print("\n| GPT-2 tiny training step (torch.compile backend, AdamW eager) | step | vs eager |")
-        print("|---|---|---|")
-        for k, v in g["us"].items():
-            print(f"| {k} | {v:,.1f} µs | {g['vs_eager'][k]:.2f}× |")
+    for size, label in (("gpt2_tiny", "tiny: 2 layers, 64 wide, batch 2×16"),
+                        ("gpt2_small", "small: 4 layers, 256 wide, batch 8×128")):
+        g = d.get(size)
+        if g:
+            print(f"\n| GPT-2 {label} (torch.compile backend, AdamW eager) | step | vs eager |")
+            print("|---|---|---|")
+            for k, v in g["us"].items():
+                print(f"| {k} | {v:,.1f} µs | {g['vs_eager'][k]:.2f}× |")
     print()
 
 

@@ -7,7 +7,8 @@ replay followed by a synchronize. Rows: eager; those two hand-made graphs, rebui
 graph and trace mode with ``streams=1`` and ``streams=4``. Then the reference MLP training step
 (8×256, batch 32, SGD) in graph mode with 1, 2 and 4 streams, to show what streams do to a
 step with little parallelism (every flowexec row checked against eager first), and the GPT-2
-tiny training step through the torch.compile backend in graph mode with 1 and 4 streams.
+tiny and small training steps through the torch.compile backend in graph mode with 1 and 4
+streams.
 
     PYTHONPATH=. python3 benchmarks/streams.py --out benchmarks/results
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import os
 import platform
@@ -105,20 +107,26 @@ def step_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], An
     return rows
 
 
-def gpt2_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], Any]]:
-    """GPT-2 (2 layers, 64 wide, batch 2×16; the step_time tiny config) through the torch.compile
-    backend in graph mode, one stream against four; AdamW stays eager, as in step_time."""
+GPT2_SIZES = {  # step_time.py's configs: (config, batch, sequence)
+    "gpt2_tiny": (dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=32), 2, 16),
+    "gpt2_small": (dict(n_layer=4, n_embd=256, n_head=4, vocab_size=5000, n_positions=128), 8, 128),
+}
+
+
+def gpt2_rows(size: str, dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """GPT-2 (step_time.py's ``size`` config) through the torch.compile backend in graph mode,
+    one stream against four; AdamW stays eager, as in step_time."""
     import functools
 
     import transformers
 
     from flowexec.models import make_lm_step
 
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg_kw, b, t = GPT2_SIZES[size]
+    cfg = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **cfg_kw)
     torch.manual_seed(0)
     base = transformers.GPT2LMHeadModel(cfg).to(dev)
-    ids = torch.randint(0, 211, (2, 16), device=dev)
+    ids = torch.randint(0, cfg_kw["vocab_size"], (b, t), device=dev)
     rows: dict[str, Callable[[], Any]] = {}
     for name, options in (("eager", None), ("flowexec graph, streams=1", {"mode": "graph"}),
                           ("flowexec graph, streams=4", {"mode": "graph", "streams": 4})):
@@ -148,7 +156,9 @@ def main() -> None:
         "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),  # the device machine's git may be stale
         "timing": "median µs per call including a synchronize, alternating rounds",
     }
-    for name, build in (("branches", branch_rows), ("mlp_step", step_rows), ("gpt2_tiny", gpt2_rows)):
+    builds: dict[str, Callable[..., Any]] = {"branches": branch_rows, "mlp_step": step_rows}
+    builds.update({size: functools.partial(gpt2_rows, size) for size in GPT2_SIZES})
+    for name, build in builds.items():
         facts: dict[str, Any] = {}
         rows = build(dev, facts)
         for fn in rows.values():
