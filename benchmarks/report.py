@@ -247,19 +247,21 @@ def streams() -> None:
     print(f"\nFour streams over one: by hand {b['by hand (cuda graph)']:.2f}×, flowexec graph "
           f"{b['flowexec graph']:.2f}×, flowexec trace {b['flowexec trace']:.2f}× (host time per switch and event).\n")
     m = d["mlp_step"]
-    print("| MLP 8×256, batch 32, SGD step | step | vs eager | events planned |")
-    print("|---|---|---|---|")
+    print("| MLP 8×256, batch 32, SGD step | step | vs eager | events planned | MiB reserved by the build |")
+    print("|---|---|---|---|---|")
     for k, v in m["us"].items():
-        plan = m.get(f"{k} plan", {})
-        print(f"| {k} | {v:,.1f} µs | {m['vs_eager step'][k]:.2f}× | {plan.get('events', '–')} |")
+        plan, mib = m.get(f"{k} plan", {}), m.get(f"{k} reserved_MiB")
+        print(f"| {k} | {v:,.1f} µs | {m['vs_eager step'][k]:.2f}× | {plan.get('events', '–')} "
+              f"| {'–' if mib is None else f'{mib:,.0f}'} |")
     for size, label in (("gpt2_tiny", "tiny: 2 layers, 64 wide, batch 2×16"),
                         ("gpt2_small", "small: 4 layers, 256 wide, batch 8×128")):
         g = d.get(size)
         if g:
-            print(f"\n| GPT-2 {label} (torch.compile backend, AdamW eager) | step | vs eager |")
-            print("|---|---|---|")
+            print(f"\n| GPT-2 {label} (torch.compile backend, AdamW eager) | step | vs eager | MiB reserved by 3 first steps |")
+            print("|---|---|---|---|")
             for k, v in g["us"].items():
-                print(f"| {k} | {v:,.1f} µs | {g['vs_eager'][k]:.2f}× |")
+                mib = g.get(f"{k} reserved_MiB")
+                print(f"| {k} | {v:,.1f} µs | {g['vs_eager'][k]:.2f}× | {'–' if mib is None else f'{mib:,.0f}'} |")
     print()
 
 

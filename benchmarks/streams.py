@@ -60,6 +60,15 @@ def by_hand_four_streams(br: list[list[torch.Tensor]], streams: list[torch.cuda.
     return fn
 
 
+def reserved_by(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and the MiB the caching allocator reserved during it (CUDA graph pools included)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (torch.cuda.memory_reserved() - before) / 2**20
+
+
 def branch_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     torch.manual_seed(0)
     xs = torch.randn(B, D, device=dev)
@@ -76,7 +85,8 @@ def branch_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], 
     rows["cuda graph, four streams by hand"] = g4.replay
     for mode in ("graph", "trace"):
         for n in (1, 4):
-            exe = flowexec.compile(one_stream, xs, mode=mode, streams=n)
+            exe, mib = reserved_by(lambda: flowexec.compile(one_stream, xs, mode=mode, streams=n))
+            r[f"flowexec {mode}, streams={n} reserved_MiB"] = mib
             torch.testing.assert_close(exe(xs), want, rtol=1e-5, atol=1e-5)
             r[f"flowexec {mode}, streams={n} plan"] = {k: exe.plan.stats()[k] for k in ("ops", "streams", "events")}
             rows[f"flowexec {mode}, streams={n}"] = (lambda exe=exe: exe(xs))
@@ -94,7 +104,8 @@ def step_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], An
     for n in (1, 2, 4):
         m = copy.deepcopy(base)
         step = make_step(m, torch.optim.SGD(m.parameters(), lr=1e-3), F.cross_entropy)
-        exe = flowexec.compile(step, x, y, mode="graph", streams=n)
+        exe, mib = reserved_by(lambda: flowexec.compile(step, x, y, mode="graph", streams=n))
+        r[f"flowexec graph step, streams={n} reserved_MiB"] = mib
         check = copy.deepcopy(base)
         check_step = make_step(check, torch.optim.SGD(check.parameters(), lr=1e-3), F.cross_entropy)
         m.load_state_dict(base.state_dict())
@@ -135,6 +146,7 @@ def gpt2_rows(size: str, dev: torch.device, r: dict[str, Any]) -> dict[str, Call
         torch._dynamo.reset()
         fwd = m if options is None else torch.compile(m, backend="flowexec", options=options)
         rows[name] = functools.partial(make_lm_step(fwd, opt), ids)
+        r[f"{name} reserved_MiB"] = reserved_by(lambda: [rows[name]() for _ in range(3)])[1]  # compiles and captures
     return rows
 
 
@@ -158,6 +170,9 @@ def main() -> None:
     }
     builds: dict[str, Callable[..., Any]] = {"branches": branch_rows, "mlp_step": step_rows}
     builds.update({size: functools.partial(gpt2_rows, size) for size in GPT2_SIZES})
+    # the capture stream's cuBLAS workspace, made before any row's build is measured
+    a = torch.randn(8, 8, device=dev)
+    capture_graph(lambda: a @ a)
     for name, build in builds.items():
         facts: dict[str, Any] = {}
         rows = build(dev, facts)

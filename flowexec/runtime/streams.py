@@ -26,12 +26,30 @@ from typing import Any
 import torch
 
 
+_SIDE: dict[int, list[torch.cuda.Stream]] = {}
+
+
+def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """The first ``count`` of the side streams every plan on ``device`` shares.
+
+    Shared because cuBLAS keeps a workspace per (handle, stream) for the life of the process
+    (32 MiB on the H200): streams of their own per compiled program would leave one behind for
+    each. Sharing is safe: a run forks them from its caller's stream and joins them back, so
+    runs that follow each other on the host are ordered through that stream.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = _SIDE.setdefault(index, [])
+    while len(pool) < count:
+        pool.append(torch.cuda.Stream(device=index))
+    return pool[:count]
+
+
 class CudaStreams:
-    """``n_streams - 1`` side streams and ``n_events`` events on one CUDA device."""
+    """The side streams (shared, :func:`side_streams`) and ``n_events`` events of one plan."""
 
     def __init__(self, n_streams: int, n_events: int, device: torch.device) -> None:
         self.device = device
-        self.side = [None] + [torch.cuda.Stream(device=device) for _ in range(n_streams - 1)]
+        self.side = [None] + side_streams(device, n_streams - 1)
         self.events = [torch.cuda.Event() for _ in range(n_events)]
         self._entry = torch.cuda.Event()
         self._exit = [torch.cuda.Event() for _ in range(n_streams)]
