@@ -103,10 +103,11 @@ class GraphProgram:
         a forward's only); ``forward``: the forward GraphProgram of a backward graph;
         ``cache_size``: how many captured graphs (sets of borrowed addresses) to keep;
         ``saved_from``: a forward's first output that autograd saves (:func:`_saved_outputs_start`);
-        ``streams``: CUDA streams to spread the graph's ops over (``flowexec.compile``'s option)."""
+        ``streams``: CUDA streams to spread the graph's ops over (``flowexec.compile``'s option;
+        a graph on no CUDA device, or on several, runs on one)."""
         program = rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp)
-        self.plan = build_plan(program, gc, streams if any(
-            v.meta is not None and v.meta.device.type == "cuda" for v in program.values) else 1)
+        cuda = {v.meta.device for v in program.values if v.meta is not None and v.meta.device.type == "cuda"}
+        self.plan = build_plan(program, gc, streams if len(cuda) == 1 else 1)  # streams of one device
         self.run = lower_trace(self.plan)
         self.mode = mode
         self.warmup = warmup

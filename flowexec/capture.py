@@ -386,4 +386,32 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
         Op(i, r["target"], r["args"], r["kwargs"], tuple(r["outputs"]), r["unpack"], r["source"])
         for i, r in enumerate(ops)
     )
-    return Program(tuple(values), final_ops, tuple(inputs), tuple(outs), out_spec, state, consts)
+    tensors = list(zip(inputs, example_inputs or ())) + list(state.items())
+    return Program(tuple(values), final_ops, tuple(inputs), tuple(outs), out_spec, state, consts,
+                   shared_storage(tensors))
+
+
+def storage_key(t: Any) -> int:
+    """The address of a real tensor's storage (0 for anything else: fake tensors, empty ones)."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return 0
+
+
+def shared_storage(tensors: Sequence[tuple[int, Any]]) -> tuple[tuple[int, int], ...]:
+    """(value, first value on the same storage) for each (value id, tensor) whose storage an
+    earlier one already uses: aliasing the graph cannot see (``x`` and ``x[2:]`` passed as two
+    arguments, an argument that is closure state)."""
+    first: dict[int, int] = {}
+    pairs = []
+    for vid, t in tensors:
+        key = storage_key(t)
+        if key:
+            if key in first:
+                pairs.append((vid, first[key]))
+            else:
+                first[key] = vid
+    return tuple(pairs)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture import capture
+from .capture import capture, storage_key
 from .errors import InputError, OptionError, count_option
 from .plan import GC_MODES, ExecutionPlan, build_plan
 from .program import Program, Ref
@@ -66,6 +66,8 @@ def _describe(sig_item: Any) -> str:
     if isinstance(sig_item[0], torch.Size):
         shape, dtype, device, stride = sig_item
         return f"Tensor(shape={list(shape)}, dtype={dtype}, device={device}, stride={stride})"
+    if isinstance(sig_item[0], str):  # ("shared storage", per tensor argument: the first on its storage)
+        return f"{sig_item[0]} {list(sig_item[1])} (per tensor argument: the first argument on its storage, -2: state)"
     return f"{sig_item[0].__name__} {sig_item[1]!r}"
 
 
@@ -103,6 +105,10 @@ class Executable:
         self.fn, self.mode, self.gc = fn, mode, gc
         self.cache_size = int(options.get("cache_size", 8))
         self.streams = count_option(options, "streams", 1, 1)
+        # Over several streams, arguments that share memory (with each other or with state) must
+        # be planned as one buffer: the call's pattern of sharing joins its signature.
+        self._sig: Callable[[Sequence[Any]], tuple[Any, ...]] = _signature if self.streams == 1 else self._shared_signature
+        self._state_keys: frozenset[int] = frozenset()
         self.warmup = int(options.get("warmup", 1))
         fetch = options.get("fetch", ())
         self.fetch: bool | tuple[int, ...] = fetch if isinstance(fetch, bool) else tuple(int(i) for i in fetch)
@@ -180,29 +186,46 @@ class Executable:
         for i in indices:
             flat[i] = self._ring.submit(flat[i])
 
+    def _shared_signature(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """The signature plus, per tensor argument, the first argument on its storage (-2: a
+        state tensor's storage)."""
+        first: dict[int, int] = {}
+        shared = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                k = storage_key(a)
+                shared.append(-2 if k in self._state_keys else first.setdefault(k, i) if k else -1)
+        return (*_signature(args), ("shared storage", tuple(shared)))
+
     def _lookup(self, args: tuple[Any, ...]) -> _Compiled:
-        sig = _signature(args)
+        sig = self._sig(args)
         hit = self._cache.get(sig)
         if hit is not None:
             return hit
         first = self._first_sig
         if first is not None:
-            if len(args) != len(first):
-                raise InputError(f"expected {len(first)} argument(s), got {len(args)}")
+            n_args = len(first) - (self.streams > 1)  # the storage-sharing entry is not an argument
+            if len(args) != n_args:
+                raise InputError(f"expected {n_args} argument(s), got {len(args)}")
             for i, (got, want) in enumerate(zip(sig, first)):
                 if isinstance(want[0], torch.Size) != isinstance(got[0], torch.Size):
                     raise InputError(f"argument {i}: expected {_describe(want)}, got {_describe(got)}")
             i, got, want = next((i, g, w) for i, (g, w) in enumerate(zip(sig, first)) if g != w)
             if len(self._cache) >= self.cache_size:
+                where = "arguments" if i == len(args) else f"argument {i}"
                 raise InputError(
-                    f"argument {i}: expected {_describe(want)}, got {_describe(got)} — "
+                    f"{where}: expected {_describe(want)}, got {_describe(got)} — "
                     f"{len(self._cache)} signature(s) compiled already (cache_size={self.cache_size})"
                 )
             warnings.warn(
-                f"flowexec: new input signature (argument {i}: {_describe(got)}, compiled for "
+                f"flowexec: new input signature ({'arguments' if i == len(args) else f'argument {i}'}: "
+                f"{_describe(got)}, compiled for "
                 f"{_describe(want)}); capturing fn again", RecaptureWarning, stacklevel=3,
             )
         compiled = self._build(args)
+        if self.streams > 1:  # the state is known now
+            self._state_keys |= {storage_key(t) for t in compiled.plan.program.state.values()} - {0}
+            sig = self._sig(args)
         if first is None:
             self._first_sig = sig
         self._cache[sig] = compiled
@@ -211,7 +234,7 @@ class Executable:
 
     # -- running --------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        c = self._cache.get(_signature(args)) if self._cache else None
+        c = self._cache.get(self._sig(args)) if self._cache else None
         if c is None:
             c = self._lookup(args)
         flat = c.runner(args if c.all_tensors else [args[i] for i in c.tensor_pos])

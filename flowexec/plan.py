@@ -20,8 +20,8 @@ from typing import Any
 from .errors import OptionError
 from .passes.dependencies import alias_groups, dependencies, mutated_state
 from .passes.liveness import Liveness, analyse_liveness
-from .passes.streams import assign_streams, plan_events, side_outputs, stream_uses
-from .program import Op, Program, lint
+from .passes.streams import assign_streams, exit_uses, plan_events, side_outputs, stream_uses
+from .program import Op, Program, Role, lint
 
 GC_MODES = ("fast", "none")
 
@@ -52,6 +52,7 @@ class ExecutionPlan:
     n_streams: int = 1  # streams the ops were spread over (0: the caller's current stream)
     n_events: int = 0
     side_outputs: tuple[int, ...] = ()  # outputs whose storage a side stream allocated
+    exit_uses: tuple[tuple[int, tuple[int, ...]], ...] = ()  # stream_uses of values dying at return (gc="none")
 
     def stats(self) -> dict[str, Any]:
         """Counts that summarise the plan: ops, values, frees, planned peak bytes …"""
@@ -91,5 +92,8 @@ def build_plan(prog: Program, gc: str = "fast", streams: int = 1) -> ExecutionPl
     instrs = tuple(Instruction(op, deps[op.index], where[op.index], events.waits[op.index],
                                events.records[op.index], live.frees[op.index], uses[op.index])
                    for op in prog.ops)
+    freed = {v for f in live.frees for v in f}
+    at_exit = [v.id for v in prog.values if v.role is Role.TEMP and v.id not in live.protected and v.id not in freed]
     return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc,
-                         max(where, default=0) + 1, events.n_events, side_outputs(prog, groups, where))
+                         max(where, default=0) + 1, events.n_events, side_outputs(prog, groups, where),
+                         exit_uses(prog, groups, where, at_exit))

@@ -135,6 +135,8 @@ class Program:
     out_spec: Any = None  # torch.utils._pytree.TreeSpec, or None for a flat tuple
     state: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     consts: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
+    # (value, value) pairs of inputs and state whose example tensors shared a storage at capture
+    shared_storage: tuple[tuple[int, int], ...] = field(default=(), compare=False, repr=False)
 
     def value(self, vid: int) -> Value:
         return self.values[vid]

@@ -133,6 +133,12 @@ class RecordingStreams:
     def current(self):
         return self.on
 
+    def begin(self):
+        return self.on
+
+    def end(self, token):
+        self.on = token
+
     def set(self, stream):
         self.on = stream
 
@@ -144,7 +150,7 @@ class RecordingStreams:
             self.log += [("record", s.name, f"exit{s.name}"), ("wait", 0, f"exit{s.name}")]
 
     def record_stream(self, t, stream):
-        self.log.append(("record_stream", stream.name, t.data_ptr()))
+        self.log.append(("record_stream", stream.name, None))
 
 
 def run_logged(plan, *args):
@@ -182,12 +188,14 @@ def test_the_generated_runner_orders_every_dependency_by_its_own_calls():
     w = [torch.randn(16, 16) for _ in range(4)]
 
     def branches(x):
-        ys = [(x @ wi).relu() for wi in w]
+        h = x.sin()  # made on the caller's stream, read on every side stream
+        ys = [(h @ wi).relu() for wi in w]
         return ys[0] * ys[1] + ys[2] - ys[3], ys[1].sum()
 
     x = torch.randn(8, 16)
     plan = build_plan(capture(branches, (x,)).program, streams=4)
     assert plan.n_streams == 4 and plan.n_events > 0
+    assert {k for i in plan.instructions for _, ks in i.stream_uses for k in ks} == {0, 1, 2, 3}
     out, rec = run_logged(plan, x)
     for got, want in zip(out, branches(x)):
         torch.testing.assert_close(got, want)
@@ -195,7 +203,83 @@ def test_the_generated_runner_orders_every_dependency_by_its_own_calls():
     for ins in plan.instructions:
         assert ("op", ins.stream, ins.op.index) in rec.log
         assert set(ins.deps) <= before[ins.op.index], ins.op.index
-    assert rec.log[-1][0] in ("wait", "record_stream") and rec.on is rec.s0  # joined, back on the caller's stream
+    assert_forked_and_joined(rec, plan)
+    assert_recorded_as_planned(rec, plan)
+    assert rec.on is rec.s0  # back on the caller's stream
+
+
+def assert_forked_and_joined(rec, plan):
+    """Every side stream waits on the caller's entry event before its first call, and the
+    caller's stream waits on every side stream after its last."""
+    log = rec.log
+    assert log[0] == ("record", 0, "entry")
+    for k in range(1, plan.n_streams):
+        mine = [i for i, e in enumerate(log) if e[1] == k]
+        assert log[mine[0]] == ("wait", k, "entry")
+        exit_at = log.index(("record", k, f"exit{k}"))
+        assert exit_at == max(i for i in mine if log[i][0] != "record_stream")  # after its last op
+        assert log.index(("wait", 0, f"exit{k}")) > exit_at
+
+
+def assert_recorded_as_planned(rec, plan):
+    """record_stream was called once per planned (value, other stream), on that stream."""
+    from collections import Counter
+
+    want = Counter(k for ins in plan.instructions for _, ks in ins.stream_uses for k in ks)
+    want.update(k for _, ks in plan.exit_uses for k in ks)
+    want.update(0 for _ in plan.side_outputs)
+    assert Counter(e[1] for e in rec.log if e[0] == "record_stream") == want
+
+
+def storage_conflicts_unordered(fn, args, n_streams, gc="none"):
+    """An independent reference: run the plan op by op on the CPU, see which storages each op
+    really reads and which it writes (contents changed, or a fresh output), and list the pairs
+    that conflict on a storage but that the plan's order (streams, waits) leaves unordered."""
+    from flowexec.runtime.interpreter import Interpreter
+
+    plan = build_plan(capture(fn, args).program, gc=gc, streams=n_streams)
+    recorder = {e: k for k, i in enumerate(plan.instructions) for e in i.records}
+    prev: dict = {}
+    before: list = []
+    for j, ins in enumerate(plan.instructions):
+        p = set()
+        if ins.stream in prev:
+            p |= before[prev[ins.stream]] | {prev[ins.stream]}
+        for e in ins.waits:
+            p |= before[recorder[e]] | {recorder[e]}
+        before.append(p)
+        prev[ins.stream] = j
+    touched: list = []
+
+    def flat(x):
+        if isinstance(x, torch.Tensor):
+            return [x] if x.untyped_storage().data_ptr() else []
+        if isinstance(x, (list, tuple)):
+            return [t for y in x for t in flat(y)]
+        return []
+
+    def watched(fn_):
+        def call(*a, **k):
+            ts = flat(list(a) + list(k.values()))
+            old = [t.clone() for t in ts]
+            out = fn_(*a, **k)
+            reads = {t.untyped_storage().data_ptr() for t in ts}
+            writes = {t.untyped_storage().data_ptr() for t, o in zip(ts, old) if not torch.equal(t, o)}
+            writes |= {t.untyped_storage().data_ptr() for t in flat(out)} - reads
+            touched.append((reads, writes))
+            return out
+        return call
+
+    interp = Interpreter(plan)
+    interp._fns = [watched(f) for f in interp._fns]
+    interp.run(*args)
+    bad = []
+    for j, (rj, wj) in enumerate(touched):
+        for i in range(j):
+            ri, wi = touched[i]
+            if ((wi & (rj | wj)) or (ri & wj)) and i not in before[j]:
+                bad.append((i, j))
+    return plan, bad
 
 
 def test_a_failing_op_names_itself_and_leaves_the_callers_stream_current():
@@ -211,6 +295,7 @@ def test_a_failing_op_names_itself_and_leaves_the_callers_stream_current():
     with pytest.raises(flowexec.ExecutionError, match=r"aten\.index"):
         run(x, torch.tensor([9]))
     assert rec.on is rec.s0
+    assert rec.log[-2:] == [("record", 1, "exit1"), ("wait", 0, "exit1")]  # joined: what side streams got is ordered
 
 
 def test_streams_option_is_checked():
@@ -236,3 +321,72 @@ def test_backend_streams_option_is_checked():
             torch.compile(model, backend="flowexec", options={"streams": bad})(x)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(model, backend="flowexec", options={"streams": 1})(x), model(x))
+
+
+def test_no_storage_conflict_is_left_unordered_in_training_steps():
+    import torch.nn.functional as F
+
+    from flowexec.models import Block, ConvNet, lm_loss, make_mlp, make_step
+
+    torch.manual_seed(0)
+    m = make_mlp(32, 3)
+    mlp = make_step(m, torch.optim.SGD(m.parameters(), lr=0.1), F.cross_entropy)
+    b = Block()
+    block = make_step(b, torch.optim.Adam(b.parameters(), lr=1e-2, foreach=True), lm_loss)
+    ids = torch.randint(0, 50, (2, 16))
+    block(ids, ids)  # Adam's state exists before capture
+    c = ConvNet()
+    conv = make_step(c, torch.optim.SGD(c.parameters(), lr=0.1, momentum=0.9), F.cross_entropy)
+    xc, yc = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    conv(xc, yc)
+    for fn, args in ((mlp, (torch.randn(8, 32), torch.randint(0, 10, (8,)))), (block, (ids, ids)), (conv, (xc, yc))):
+        plan, bad = storage_conflicts_unordered(fn, args, 4)
+        assert plan.n_events > 0 and bad == [], bad
+
+
+def g_aliased(x, y):
+    x.mul_(2)
+    return y.sin()
+
+
+def test_arguments_sharing_storage_are_one_buffer_to_the_plan():
+    b = torch.randn(8)
+    plan, bad = storage_conflicts_unordered(g_aliased, (b, b[2:]), 2)
+    assert bad == [] and plan.instructions[1].deps == (0,)
+    plan, bad = storage_conflicts_unordered(g_aliased, (torch.randn(8), torch.randn(6)), 2)
+    assert bad == [] and [i.stream for i in plan.instructions] == [0, 1]  # apart: in parallel
+    p = torch.randn(4)
+
+    def h(x):
+        p.add_(1)  # closure state written; the argument may be that state
+        return x.cos()
+
+    plan, bad = storage_conflicts_unordered(h, (p,), 2)
+    assert bad == [] and plan.instructions[1].deps == (0,)
+
+
+def test_a_call_sharing_storage_differently_is_planned_again(monkeypatch):
+    import flowexec.runtime.streams as rs
+
+    made = []
+    monkeypatch.setattr(rs, "CudaStreams", lambda n, e, dev: made.append(RecordingStreams(n, e)) or made[-1])
+    monkeypatch.setattr(rs, "device_of", lambda plan: torch.device("cpu"))
+    exe = flowexec.compile(g_aliased, torch.randn(8), torch.randn(6), streams=2)
+    assert [i.stream for i in exe.plan.instructions] == [0, 1]
+    b = torch.randn(8)
+    c = b.clone()
+    want = g_aliased(c, c[2:])
+    with pytest.warns(flowexec.RecaptureWarning, match=r"arguments: shared storage \[0, 0\]"):
+        got = exe(b, b[2:])
+    torch.testing.assert_close(got, want)
+    assert exe.plan.instructions[1].deps == (0,)
+    exe(torch.randn(8), torch.randn(6))  # the first plan again, silently
+    assert len(exe._cache) == 2
+
+
+def test_gc_none_records_values_dying_at_return():
+    x = torch.randn(4)
+    plan = build_plan(capture(three_branches, (x,)).program, gc="none", streams=3)
+    assert plan.exit_uses and not any(i.stream_uses for i in plan.instructions)
+    out, rec = run_logged(plan, x)
+    assert_recorded_as_planned(rec, plan)

@@ -52,6 +52,8 @@ def alias_groups(prog: Program) -> tuple[int, ...]:
         if ra != rb:
             parent[max(ra, rb)] = min(ra, rb)
 
+    for a, b in prog.shared_storage:  # inputs and state on one storage at capture
+        union(a, b)
     by_storage: dict[int, int] = {}
     for vid, t in prog.state.items():
         ptr = t.untyped_storage().data_ptr()

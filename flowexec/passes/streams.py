@@ -1,4 +1,4 @@
-"""Streams and events: which stream runs each op, and the fewest waits that order them.
+"""Streams and events: which stream runs each op, and waits that order them, none implied by the others.
 
 Planned statically from the program's dependency edges, as seed 000's reviewers asked (not
 from a first run). Three pure functions:
@@ -12,7 +12,8 @@ from a first run). Three pure functions:
   vector clocks: a dependency is left out when an earlier wait on the op's stream, or another
   wait of the same op, already orders it (waiting on a later point of a stream covers every
   earlier point of it, and whatever that point had waited for). An event is recorded after
-  exactly the ops some wait names.
+  exactly the ops some wait names. No wait of the plan is implied by the others; the plan is
+  not always the smallest possible, which could wait earlier on an event that covers more.
 * :func:`stream_uses` — for each value the plan frees, the streams other than the one that
   allocated its storage that used it, so the runtime can ``record_stream`` them before the
   ``del`` (frees are then stream-safe: the caching allocator reuses the block only after
@@ -162,6 +163,15 @@ def stream_uses(prog: Program, groups: Sequence[int], streams: Sequence[int],
                 entry.append((v, others))
         result.append(tuple(entry))
     return tuple(result)
+
+
+def exit_uses(prog: Program, groups: Sequence[int], streams: Sequence[int],
+              values: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """:func:`stream_uses` for ``values`` that the plan never frees (``gc="none"``): they die
+    when the run returns, so the runtime records them after the exit join."""
+    if not prog.ops:
+        return ()
+    return stream_uses(prog, groups, streams, [()] * (len(prog.ops) - 1) + [tuple(values)])[-1]
 
 
 def side_outputs(prog: Program, groups: Sequence[int], streams: Sequence[int]) -> tuple[int, ...]:

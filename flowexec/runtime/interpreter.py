@@ -144,6 +144,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             lines.append("    _set(_s0)")
         lines.append("    _join(_s0)")
         lines += [f"    _rs({_slot(v)}, _s0)" for v in plan.side_outputs]
+        lines += [f"    _rs({_slot(v)}, {stream_name(k)})" for v, ks in plan.exit_uses for k in ks]
     lines.append("    return [" + ", ".join(render(o) for o in prog.outputs) + "]")
     src = "\n".join(lines) + "\n"
     filename = f"<flowexec-plan-{next(_counter)}>"
@@ -152,16 +153,18 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
 
     set_grad = torch._C._set_grad_enabled
     is_grad = torch.is_grad_enabled
-    current, set_stream = (streams.current, streams.set) if multi else (None, None)
 
     def run(*args: Any) -> list[Any]:
         # The program already holds its backward ops: running it must not build an autograd graph.
         prev = is_grad()
         set_grad(False)
-        s0 = current() if current is not None else None
+        token = streams.begin() if multi else None
         try:
             return inner(*args)
         except Exception as e:
+            if multi:  # order the caller's stream after what the side streams were given so far
+                streams.end(token)
+                streams.join(streams.current())
             tb = e.__traceback__
             line = None
             while tb is not None:
@@ -173,8 +176,8 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             raise explain_failure(plan, line_to_op[line], e) from e
         finally:
             set_grad(prev)
-            if set_stream is not None:  # an op that failed on a side stream left it current
-                set_stream(s0)
+            if multi:  # the caller's device and stream, also where an op failed on a side stream
+                streams.end(token)
 
     run.source = src  # type: ignore[attr-defined]
     run.inner = inner  # type: ignore[attr-defined]

@@ -57,6 +57,16 @@ class CudaStreams:
     def current(self) -> Any:
         return torch.cuda.current_stream(self.device)
 
+    def begin(self) -> Any:
+        """What :meth:`end` restores: the current device and the caller's stream."""
+        return torch.cuda.current_device(), self.current()
+
+    def end(self, token: Any) -> None:
+        device, s0 = token
+        torch.cuda.set_stream(s0)  # which also makes s0's device current
+        if torch.cuda.current_device() != device:
+            torch.cuda.set_device(device)
+
     def set(self, stream: Any) -> None:
         torch.cuda.set_stream(stream)
 

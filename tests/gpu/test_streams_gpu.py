@@ -81,19 +81,32 @@ def test_block_adam_trace_on_streams_matches_eager():
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the caller's stream is current again
 
 
-def test_a_side_stream_output_freed_by_the_caller_is_not_reused_too_early():
-    # the output is made on a side stream; the caller reads it on its own stream and drops it.
-    # Without record_stream on the caller's stream, the next call's side-stream allocation could
-    # take the block while the caller's slow read is still queued.
-    f = branches_fn()
-    x = torch.randn(8, 256, device="cuda")
-    exe = flowexec.compile(lambda x: f(x)[1] * 1.0 + 0.0, x, mode="trace", streams=4)
-    want = f(x)[1]
-    sums = []
-    for _ in range(20):
-        out = exe(x)
-        torch.cuda._sleep(200_000)  # the caller's stream is busy: its read of out comes late
-        sums.append(out.clone())
+def test_an_output_dropped_on_one_caller_stream_is_not_reused_by_a_call_from_another():
+    # The output is made on a side stream and recorded on the caller's stream (side_outputs).
+    # A call from a second caller stream is not ordered after the first caller's late read by
+    # its fork; without that record its side-stream allocations would take the output's block
+    # while the read is still queued, and the read would see the second call's values.
+    torch.manual_seed(0)
+    w0, w1 = (torch.randn(256, 256, device="cuda") / 16 for _ in range(2))
+
+    def g(x):
+        a = F.silu(x @ w0)  # the caller's stream
+        b = F.silu(x @ w1)  # a side stream: a root while stream 0 is busy with a's chain
+        return a * 2, b * 2
+
+    x1, x2 = torch.randn(8, 256, device="cuda"), torch.randn(8, 256, device="cuda") * 10
+    exe = flowexec.compile(g, x1, mode="trace", streams=2)
+    assert exe.plan.side_outputs  # b * 2 is made on stream 1
+    want = g(x1)[1]
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for _ in range(10):
+        with torch.cuda.stream(sa):
+            out = exe(x1)[1]
+            torch.cuda._sleep(2_000_000)  # the first caller reads out late
+            snap = out.clone()
         del out
-    for s in sums:
-        torch.testing.assert_close(s, want, rtol=1e-5, atol=1e-4)
+        with torch.cuda.stream(sb):
+            exe(x2)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(snap, want, rtol=1e-5, atol=1e-5)
