@@ -239,10 +239,11 @@ def streams() -> None:
     d = load("streams.json")
     print(f"Several streams — {d['device']}, torch {d['torch']}, {d['date']}, commit {d['commit']} "
           f"(`{d['command']}`; {d['timing']}):\n")
-    print("| four branches of 6 × (256-wide matmul + SiLU), batch 8 | call | vs eager |")
-    print("|---|---|---|")
+    print("| four branches of 6 × (256-wide matmul + SiLU), batch 8 | call | vs eager | MiB reserved by the build |")
+    print("|---|---|---|---|")
     for k, v in d["branches"]["us"].items():
-        print(f"| {k} | {v:,.1f} µs | {d['branches']['vs_eager'][k]:.2f}× |")
+        mib = d["branches"].get(f"{k} reserved_MiB")
+        print(f"| {k} | {v:,.1f} µs | {d['branches']['vs_eager'][k]:.2f}× | {'–' if mib is None else f'{mib:,.0f}'} |")
     b = d["branches"]["four_over_one"]
     print(f"\nFour streams over one: by hand {b['by hand (cuda graph)']:.2f}×, flowexec graph "
           f"{b['flowexec graph']:.2f}×, flowexec trace {b['flowexec trace']:.2f}× (host time per switch and event).\n")
