@@ -46,6 +46,23 @@ def twin(model: torch.nn.Module, make_opt: Callable[[Any], torch.optim.Optimizer
     return (model, make_opt(model.parameters())), (m2, make_opt(m2.parameters()))
 
 
+def block_adam_twins(batches: int):
+    """On CUDA: two identical transformer blocks with foreach, capturable Adam (eager then
+    computes bias corrections on the device, as a captured program does), their training
+    steps, ``batches`` batches of token ids, and one eager step of each taken on the first
+    batch (Adam's state exists before capture): ``(m1, m2, step1, step2, data)``."""
+    device = "cuda"
+    from flowexec.models import Block, lm_loss, make_step
+
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(Block().to(device), lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True, capturable=True))
+    s1, s2 = make_step(m1, o1, lm_loss), make_step(m2, o2, lm_loss)
+    data = [(torch.randint(0, 50, (2, 16), device=device), torch.randint(0, 50, (2, 16), device=device))
+            for _ in range(batches)]
+    s1(*data[0]), s2(*data[0])
+    return m1, m2, s1, s2, data
+
+
 def record_graph_programs(monkeypatch: Any) -> list[tuple[Any, list[str], list[Any]]]:
     """Every backend GraphProgram made from now on (with monkeypatch): (program, placeholder
     names, output node names) of the AOT graph it was built from."""

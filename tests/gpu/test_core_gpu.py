@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import flowexec
-from flowexec.models import Block, lm_loss, make_lm_step, make_mlp, make_step
+from flowexec.models import make_lm_step, make_mlp, make_step
 
-from helpers import assert_close_rel, assert_same_state, twin
+from helpers import assert_close_rel, assert_same_state, block_adam_twins, twin
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -42,16 +42,9 @@ def test_mlp_step_matches_eager(mode):
 
 
 def test_block_adam_graph_matches_eager():
-    torch.manual_seed(0)
-    m1 = Block().cuda()
-    m2 = copy.deepcopy(m1)
-    # capturable=True on both: eager then computes bias corrections on the device, as the
-    # captured program does (the non-capturable eager path uses host floats: other rounding).
-    o1 = torch.optim.Adam(m1.parameters(), lr=1e-2, foreach=True, capturable=True)
-    o2 = torch.optim.Adam(m2.parameters(), lr=1e-2, foreach=True, capturable=True)
-    s1, s2 = make_step(m1, o1, lm_loss), make_step(m2, o2, lm_loss)
-    data = [(torch.randint(0, 50, (2, 16), device="cuda"), torch.randint(0, 50, (2, 16), device="cuda")) for _ in range(4)]
-    s1(*data[0]), s2(*data[0])
+    # capturable=True on both (block_adam_twins): eager then computes bias corrections on the
+    # device, as the captured program does (the non-capturable eager path uses host floats).
+    m1, m2, s1, s2, data = block_adam_twins(4)
     exe = flowexec.compile(s2, *data[0], mode="graph")
     for x, y in data[1:]:
         assert_close_rel(exe(x, y), s1(x, y))

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import flowexec
-from flowexec.models import Block, lm_loss, make_mlp, make_step
+from flowexec.models import make_mlp, make_step
 
-from helpers import assert_close_rel, assert_same_state
+from helpers import assert_close_rel, assert_same_state, block_adam_twins
 
 torch.backends.cuda.matmul.allow_tf32 = False
 
@@ -65,14 +65,7 @@ def test_mlp_training_step_on_streams_matches_eager(streams):
 
 def test_block_adam_trace_on_streams_matches_eager():
     # trace mode: real frees across streams every call (record_stream), Adam state written in place
-    torch.manual_seed(0)
-    m1 = Block().cuda()
-    m2 = copy.deepcopy(m1)
-    o1 = torch.optim.Adam(m1.parameters(), lr=1e-2, foreach=True, capturable=True)
-    o2 = torch.optim.Adam(m2.parameters(), lr=1e-2, foreach=True, capturable=True)
-    s1, s2 = make_step(m1, o1, lm_loss), make_step(m2, o2, lm_loss)
-    data = [(torch.randint(0, 50, (2, 16), device="cuda"), torch.randint(0, 50, (2, 16), device="cuda")) for _ in range(5)]
-    s1(*data[0]), s2(*data[0])
+    m1, m2, s1, s2, data = block_adam_twins(5)
     exe = flowexec.compile(s2, *data[0], mode="trace", streams=3)
     assert exe.plan.stats()["events"] > 0
     for x, y in data[1:]:
