@@ -255,8 +255,8 @@ def streams() -> None:
         print(f"| {k} | {v:,.1f} µs | {m['vs_eager step'][k]:.2f}× | {plan.get('events', '–')} "
               f"| {'–' if mib is None else f'{mib:,.0f}'} |")
     print("\nMiB reserved are measured in one process, row after row: a row also pays what no earlier row "
-          "had made (a cuBLAS workspace, 32 MiB, per new thread and stream; the one-stream MLP row's 34 MiB are "
-          "such first-build costs).")
+          "had made (a cuBLAS workspace, 32 MiB, per new thread and stream); the one-stream MLP row's 34 MiB are "
+          "likely such first-build costs, not yet broken down.")
     for size, label in (("gpt2_tiny", "tiny: 2 layers, 64 wide, batch 2×16"),
                         ("gpt2_small", "small: 4 layers, 256 wide, batch 8×128")):
         g = d.get(size)
