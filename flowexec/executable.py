@@ -66,8 +66,10 @@ def _describe(sig_item: Any) -> str:
     if isinstance(sig_item[0], torch.Size):
         shape, dtype, device, stride = sig_item
         return f"Tensor(shape={list(shape)}, dtype={dtype}, device={device}, stride={stride})"
-    if isinstance(sig_item[0], str):  # ("shared storage", per tensor argument: the first on its storage)
-        return f"{sig_item[0]} {list(sig_item[1])} (per tensor argument: the first argument on its storage, -2: state)"
+    if isinstance(sig_item[0], str):  # ("shared storage", ((position, first position or "state"), ...))
+        pairs = sig_item[1]
+        return ", ".join(f"argument {i} on {'closure state' if j == 'state' else f'argument {j}'}'s storage"
+                         for i, j in pairs) if pairs else "no arguments sharing storage"
     return f"{sig_item[0].__name__} {sig_item[1]!r}"
 
 
@@ -187,14 +189,17 @@ class Executable:
             flat[i] = self._ring.submit(flat[i])
 
     def _shared_signature(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        """The signature plus, per tensor argument, the first argument on its storage (-2: a
-        state tensor's storage)."""
+        """The signature plus the tensor arguments that share a storage: (position, the first
+        argument's position on that storage, or "state") for each."""
         first: dict[int, int] = {}
         shared = []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 k = storage_key(a)
-                shared.append(-2 if k in self._state_keys else first.setdefault(k, i) if k else -1)
+                if k in self._state_keys:
+                    shared.append((i, "state"))
+                elif k and first.setdefault(k, i) != i:
+                    shared.append((i, first[k]))
         return (*_signature(args), ("shared storage", tuple(shared)))
 
     def _lookup(self, args: tuple[Any, ...]) -> _Compiled:

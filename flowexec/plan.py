@@ -86,6 +86,8 @@ def build_plan(prog: Program, gc: str = "fast", streams: int = 1) -> ExecutionPl
     if streams == 1:
         instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)
         return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc)
+    if prog.shared_storage:  # arguments on one storage: ordered as one buffer across streams
+        deps = dependencies(prog, alias_groups(prog, shared=True))
     where = assign_streams(deps, streams)
     events = plan_events(deps, where)
     uses = stream_uses(prog, groups, where, live.frees)

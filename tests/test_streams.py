@@ -139,15 +139,19 @@ class RecordingStreams:
     def end(self, token):
         self.on = token
 
+    def abort(self, token):
+        self.join(token)
+        self.end(token)
+
     def set(self, stream):
         self.on = stream
 
     def fork(self, s0):
-        self.log += [("record", 0, "entry")] + [("wait", s.name, "entry") for s in self.side[1:]]
+        self.log += [("record", s0.name, "entry")] + [("wait", s.name, "entry") for s in self.side[1:]]
 
     def join(self, s0):
         for s in self.side[1:]:
-            self.log += [("record", s.name, f"exit{s.name}"), ("wait", 0, f"exit{s.name}")]
+            self.log += [("record", s.name, f"exit{s.name}"), ("wait", s0.name, f"exit{s.name}")]
 
     def record_stream(self, t, stream):
         self.log.append(("record_stream", stream.name, None))
@@ -376,7 +380,8 @@ def test_a_call_sharing_storage_differently_is_planned_again(monkeypatch):
     b = torch.randn(8)
     c = b.clone()
     want = g_aliased(c, c[2:])
-    with pytest.warns(flowexec.RecaptureWarning, match=r"arguments: shared storage \[0, 0\]"):
+    with pytest.warns(flowexec.RecaptureWarning, match=r"arguments: argument 1 on argument 0's storage, "
+                                                     r"compiled for no arguments sharing storage"):
         got = exe(b, b[2:])
     torch.testing.assert_close(got, want)
     assert exe.plan.instructions[1].deps == (0,)
@@ -387,6 +392,40 @@ def test_a_call_sharing_storage_differently_is_planned_again(monkeypatch):
 def test_gc_none_records_values_dying_at_return():
     x = torch.randn(4)
     plan = build_plan(capture(three_branches, (x,)).program, gc="none", streams=3)
-    assert plan.exit_uses and not any(i.stream_uses for i in plan.instructions)
+    assert not any(i.stream_uses for i in plan.instructions)
+    made = {i.op.outputs[0]: (i.op.name, i.stream) for i in plan.instructions}
+    # cos (stream 1) is read only there; cos * 3 (stream 1) and exp (stream 2) are read on 0
+    assert [(made[v], ks) for v, ks in plan.exit_uses] == [(("aten.mul.Tensor", 1), (0,)), (("aten.exp.default", 2), (0,))]
     out, rec = run_logged(plan, x)
     assert_recorded_as_planned(rec, plan)
+
+
+def test_one_stream_plans_arguments_sharing_storage_as_before():
+    # program order keeps them right on one stream; counting them as one buffer there would
+    # mark the argument only read as written (graph mode would copy its stale copy back)
+    b = torch.randn(8)
+    prog = capture(g_aliased, (b, b[2:])).program
+    assert prog.shared_storage == ((1, 0),)
+    one = build_plan(prog)
+    assert one.mutated == (0,) and one.instructions[1].deps == ()
+    assert build_plan(prog, streams=2).instructions[1].deps == (0,)
+
+
+def test_an_argument_that_is_closure_state_is_planned_again(monkeypatch):
+    import flowexec.runtime.streams as rs
+
+    monkeypatch.setattr(rs, "CudaStreams", lambda n, e, dev: RecordingStreams(n, e))
+    monkeypatch.setattr(rs, "device_of", lambda plan: torch.device("cpu"))
+    p = torch.randn(4)
+
+    def h(x):
+        p.add_(1)
+        return x.cos()
+
+    exe = flowexec.compile(h, torch.randn(4), streams=2)
+    assert exe.plan.instructions[1].deps == ()
+    want = (p + 1).cos()
+    with pytest.warns(flowexec.RecaptureWarning, match=r"argument 0 on closure state's storage"):
+        got = exe(p)
+    torch.testing.assert_close(got, want)
+    assert exe.plan.instructions[1].deps == (0,)

@@ -43,8 +43,10 @@ def _arg_values(op_args: tuple[Any, ...], kwargs: tuple, schema: torch.FunctionS
     return out
 
 
-def alias_groups(prog: Program) -> tuple[int, ...]:
-    """A group id per value: equal ids share (or may share) memory."""
+def alias_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
+    """A group id per value: equal ids share (or may share) memory. ``shared``: also the inputs
+    and state whose example tensors shared a storage at capture (``Program.shared_storage``),
+    which several streams must order although program order covers them on one."""
     parent = list(range(len(prog.values)))
 
     def union(a: int, b: int) -> None:
@@ -52,7 +54,7 @@ def alias_groups(prog: Program) -> tuple[int, ...]:
         if ra != rb:
             parent[max(ra, rb)] = min(ra, rb)
 
-    for a, b in prog.shared_storage:  # inputs and state on one storage at capture
+    for a, b in prog.shared_storage if shared else ():  # inputs and state on one storage at capture
         union(a, b)
     by_storage: dict[int, int] = {}
     for vid, t in prog.state.items():

@@ -163,8 +163,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             return inner(*args)
         except Exception as e:
             if multi:  # order the caller's stream after what the side streams were given so far
-                streams.end(token)
-                streams.join(streams.current())
+                streams.abort(token)
             tb = e.__traceback__
             line = None
             while tb is not None:

@@ -21,6 +21,7 @@ Example (needs CUDA)::
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -60,6 +61,14 @@ class CudaStreams:
     def begin(self) -> Any:
         """What :meth:`end` restores: the current device and the caller's stream."""
         return torch.cuda.current_device(), self.current()
+
+    def abort(self, token: Any) -> None:
+        """After an op failed: the caller's stream waits on the side streams (what they were
+        given stays ordered for the caller), then :meth:`end`. A join that fails too (the op
+        broke a graph capture) is left out: the op's error is the one to raise."""
+        with contextlib.suppress(Exception):
+            self.join(token[1])
+        self.end(token)
 
     def end(self, token: Any) -> None:
         device, s0 = token
