@@ -12,7 +12,25 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     demo.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")
     demo.add_argument("--out", default=None, help="directory for demo.json (loss curves and figures)")
+    prof = sub.add_parser("profile", help="time each instruction of the demo's training step (trace mode)")
+    prof.add_argument("--runs", type=int, default=20, help="timed steps (default 20)")
+    prof.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")
+    prof.add_argument("--out", default="flowexec-trace.json", help="Chrome trace file (default flowexec-trace.json)")
+    prof.add_argument("--top", type=int, default=10, help="instructions listed (default 10)")
+    prof.add_argument("--streams", type=int, default=1, help="CUDA streams (default 1)")
     args = parser.parse_args(argv)
+    if args.command == "profile":
+        if args.runs < 1 or args.top < 1:
+            parser.error("--runs and --top must be at least 1")
+        from .demo import run_profile
+        from .errors import FlowexecError
+
+        try:
+            run_profile(args.runs, args.device, args.out, args.top, args.streams)
+        except FlowexecError as e:
+            print(f"flowexec profile: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "demo":
         if args.steps < 2:
             parser.error("--steps must be at least 2")

@@ -107,3 +107,29 @@ def run_demo(steps: int = 300, device: str | None = None, out: str | None = None
             json.dump({**result, "losses": fx_losses, "eager_losses": eager_losses}, fh, indent=1)
         console.print(f"wrote {path}")
     return result
+
+
+def run_profile(runs: int = 20, device: str | None = None, out: str = "flowexec-trace.json", top: int = 10,
+                streams: int = 1, console: Console | None = None) -> Any:
+    """``flowexec profile``: the demo's training step in trace mode, each instruction's host time
+    over ``runs`` steps; prints the costliest and writes the Chrome trace to ``out``."""
+    console = console or Console()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise flowexec.OptionError("--device cuda asked for, but this machine has no CUDA device")
+    width, depth, classes, batch = 256, 3, 10, 32
+    torch.manual_seed(0)
+    model = make_mlp(width, depth, classes).to(dev)
+    step = make_step(model, torch.optim.SGD(model.parameters(), lr=0.2), F.cross_entropy)
+    x, y = _batches(1, dev, width, classes, batch)[0]
+    console.print(f"[bold]flowexec profile[/]: the demo's step (MLP {depth}×{width}, batch {batch}, SGD) in trace "
+                  f"mode on {dev}, {runs} runs, host time per instruction"
+                  + (" (on CUDA: launch time, not kernel time)" if dev.type == "cuda" else ""))
+    tl = flowexec.profile(step, x, y, runs=runs, streams=streams)
+    table = Table("#", "op", "source", "µs per run", "share")
+    for i, text, src, us, share in tl.top(top):
+        table.add_row(str(i), text, src, f"{us:.1f}", f"{share:.0%}")
+    console.print(table)
+    console.print(tl.summary())
+    console.print(f"Chrome trace: {tl.save(out)} (open in https://ui.perfetto.dev)")
+    return tl

@@ -80,12 +80,14 @@ def explain_failure(plan: ExecutionPlan, index: int, exc: BaseException) -> Exec
 
 
 def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None,
-                streams: Any = None) -> Callable[..., list[Any]]:
+                streams: Any = None, clock: list[int] | None = None) -> Callable[..., list[Any]]:
     """Generate the straight-line runner for ``plan``: ``run(*inputs) -> list of flat outputs``.
 
     A plan over several streams (``plan.n_streams > 1``) also switches streams, records and
     waits on its events and marks cross-stream frees, through ``streams`` (by default
     :class:`~flowexec.runtime.streams.CudaStreams` on the plan's device): see ``runtime/streams.py``.
+    ``clock`` (a list of ``len(plan.instructions) + 1`` ints; profiling only) makes the runner
+    write ``time.perf_counter_ns()`` into it on entry and after each instruction and its frees.
     """
     prog = plan.program
     glb: dict[str, Any] = {"__builtins__": __builtins__}
@@ -97,6 +99,11 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
     params = ", ".join(_slot(i) for i in prog.inputs)
     lines = [f"def run({params}):"]
     line_to_op: dict[int, int] = {}
+    if clock is not None:
+        import time
+
+        glb.update({"_now": time.perf_counter_ns, "_T": clock})
+        lines.append("    _T[0] = _now()")
     multi = plan.n_streams > 1
     if multi:
         if streams is None:
@@ -113,7 +120,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
     def stream_name(k: int) -> str:
         return "_s0" if k == 0 else f"S{k}"
 
-    for ins in plan.instructions:
+    for pos, ins in enumerate(plan.instructions):
         op = ins.op
         if multi:
             if ins.stream != on:
@@ -139,6 +146,8 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             lines += [f"    _rs({_slot(v)}, {stream_name(k)})" for v, ks in ins.stream_uses for k in ks]
         if ins.frees:
             lines.append("    del " + ", ".join(_slot(v) for v in ins.frees))
+        if clock is not None:
+            lines.append(f"    _T[{pos + 1}] = _now()")
     if multi:
         if on != 0:
             lines.append("    _set(_s0)")
