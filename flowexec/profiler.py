@@ -4,7 +4,8 @@
 trace mode) and runs it ``runs`` times through a copy of its generated runner that stamps
 ``time.perf_counter_ns()`` after every instruction (and the frees that follow it): an
 instruction's time is everything the runner did since the previous stamp — its stream switches
-and waits, the call, its frees. The stamps cost about 0.1 µs each.
+and waits, the call, its frees. A stamp costs about 0.08 µs (200 tiny adds on the 2-core CPU
+machine: 633 µs per call unstamped, 649 stamped).
 
 What it measures is host time. On the CPU that is where the work happens; on CUDA it is the
 time to *launch* each op (the host cost trace mode pays per op), not the kernel's time on the
