@@ -24,6 +24,7 @@ import torch.fx as fx
 from .capture import program_from_graph
 from .errors import OptionError, count_option
 from .executable import MODES, RecaptureWarning, rewrite_program
+from .passes.streams import cuda_devices
 from .plan import GC_MODES, build_plan
 from .runtime.interpreter import lower_trace
 
@@ -106,8 +107,7 @@ class GraphProgram:
         ``streams``: CUDA streams to spread the graph's ops over (``flowexec.compile``'s option;
         a graph on no CUDA device, or on several, runs on one)."""
         program = rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp)
-        cuda = {v.meta.device for v in program.values if v.meta is not None and v.meta.device.type == "cuda"}
-        self.plan = build_plan(program, gc, streams if len(cuda) == 1 else 1)  # streams of one device
+        self.plan = build_plan(program, gc, streams if len(cuda_devices(program)) == 1 else 1)  # streams of one device
         self.run = lower_trace(self.plan)
         self.mode = mode
         self.warmup = warmup

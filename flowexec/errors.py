@@ -22,9 +22,14 @@ class ExecutionError(FlowexecError):
     """An op failed while running; the message names the op and its source line."""
 
 
-def count_option(opts: dict, name: str, default: int, least: int) -> int:
-    """``opts[name]`` (or ``default``) checked to be a whole number of at least ``least``."""
-    value = opts.get(name, default)
+def whole_number(name: str, value: object, least: int) -> int:
+    """``value`` checked to be a whole number of at least ``least`` (an ``OptionError`` naming
+    ``name`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise OptionError(f"{name}={value!r} must be a whole number of at least {least}")
     return value
+
+
+def count_option(opts: dict, name: str, default: int, least: int) -> int:
+    """``opts[name]`` (or ``default``) checked by :func:`whole_number`."""
+    return whole_number(name, opts.get(name, default), least)

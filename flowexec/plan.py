@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import OptionError
+from .errors import OptionError, whole_number
 from .passes.dependencies import alias_groups, dependencies, mutated_state
 from .passes.liveness import Liveness, analyse_liveness
 from .passes.streams import assign_streams, exit_uses, plan_events, side_outputs, stream_uses
@@ -77,17 +77,17 @@ def build_plan(prog: Program, gc: str = "fast", streams: int = 1) -> ExecutionPl
     CUDA streams (1: every op on the caller's stream, no events)."""
     if gc not in GC_MODES:
         raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
-    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-        raise OptionError(f"streams must be a whole number >= 1, not {streams!r}")
+    whole_number("streams", streams, 1)
     lint(prog)
     groups = alias_groups(prog)
-    deps = dependencies(prog, groups)
+    # Arguments on one storage are one buffer to the dependencies only where several streams
+    # need ordering that program order gives one stream (liveness and the mutated set never).
+    shared = streams > 1 and bool(prog.shared_storage)
+    deps = dependencies(prog, alias_groups(prog, shared=True) if shared else groups)
     live = analyse_liveness(prog, groups, drop=(gc != "none"))
     if streams == 1:
         instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)
         return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc)
-    if prog.shared_storage:  # arguments on one storage: ordered as one buffer across streams
-        deps = dependencies(prog, alias_groups(prog, shared=True))
     where = assign_streams(deps, streams)
     events = plan_events(deps, where)
     uses = stream_uses(prog, groups, where, live.frees)

@@ -34,7 +34,7 @@ Example (two independent branches, joined)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from ..program import Program, Role
 
@@ -133,59 +133,82 @@ def unordered(deps: Sequence[Sequence[int]], streams: Sequence[int], plan: Event
     return [(i, j) for j, d in enumerate(deps) for i in d if i not in before[j]]
 
 
-def stream_uses(prog: Program, groups: Sequence[int], streams: Sequence[int],
-                frees: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]:
-    """Per op: for each value freed after it, the streams besides its storage's allocating one
-    that touched the storage up to then (empty entries left out).
+def _caller_groups(prog: Program, groups: Sequence[int]) -> set[int]:
+    """Groups rooted in an input, state or a constant: the caller's storage, never freed here
+    (the exit join orders it for the caller)."""
+    return {groups[v.id] for v in prog.values if v.role is not Role.TEMP}
 
-    Storage rooted in an input, state, a constant or an output is the caller's: it is never
-    freed here, and the exit join orders it for the caller.
-    """
-    foreign = {groups[v.id] for v in prog.values if v.role is not Role.TEMP}
-    out_groups = {groups[r.id] for r in prog.outputs if hasattr(r, "id")}
+
+def _freed_elsewhere(prog: Program, groups: Sequence[int]) -> set[int]:
+    """Groups the plan never frees: the caller's, and the outputs' (the caller frees those)."""
+    return _caller_groups(prog, groups) | {groups[r.id] for r in prog.outputs if hasattr(r, "id")}
+
+
+def _walk(prog: Program, groups: Sequence[int], streams: Sequence[int]) -> Iterator[tuple[dict[int, int], dict[int, set[int]]]]:
+    """After each op: the stream that allocated each group so far, and the streams that
+    touched it (the same two dicts, updated in place)."""
     alloc: dict[int, int] = {}
     touched: dict[int, set[int]] = {}
-    result: list[tuple[tuple[int, tuple[int, ...]], ...]] = []
-    for op, s, freed in zip(prog.ops, streams, frees):
+    for op, s in zip(prog.ops, streams):
         for r in op.refs():
             touched.setdefault(groups[r], set()).add(s)
         for o in op.outputs:
             if o >= 0:
                 alloc.setdefault(groups[o], s)
                 touched.setdefault(groups[o], set()).add(s)
-        entry = []
-        for v in freed:
-            g = groups[v]
-            if g in foreign or g in out_groups or g not in alloc:
-                continue
+        yield alloc, touched
+
+
+def _after_all(prog: Program, groups: Sequence[int], streams: Sequence[int]) -> tuple[dict[int, int], dict[int, set[int]]]:
+    """:func:`_walk`'s dicts once every op has run."""
+    final: tuple[dict[int, int], dict[int, set[int]]] = ({}, {})
+    for final in _walk(prog, groups, streams):
+        pass
+    return final
+
+
+def _other_streams(values: Sequence[int], groups: Sequence[int], skip: set[int], alloc: dict[int, int],
+                   touched: dict[int, set[int]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    entry = []
+    for v in values:
+        g = groups[v]
+        if g not in skip and g in alloc:
             others = tuple(sorted(touched[g] - {alloc[g]}))
             if others:
                 entry.append((v, others))
-        result.append(tuple(entry))
-    return tuple(result)
+    return tuple(entry)
+
+
+def stream_uses(prog: Program, groups: Sequence[int], streams: Sequence[int],
+                frees: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]:
+    """Per op: for each value freed after it, the streams besides its storage's allocating one
+    that touched the storage up to then (empty entries left out). Storage that is the caller's
+    (inputs, state, constants) or an output's is never freed here."""
+    skip = _freed_elsewhere(prog, groups)
+    return tuple(_other_streams(freed, groups, skip, alloc, touched)
+                 for (alloc, touched), freed in zip(_walk(prog, groups, streams), frees))
 
 
 def exit_uses(prog: Program, groups: Sequence[int], streams: Sequence[int],
               values: Sequence[int]) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """:func:`stream_uses` for ``values`` that the plan never frees (``gc="none"``): they die
     when the run returns, so the runtime records them after the exit join."""
-    if not prog.ops:
-        return ()
-    return stream_uses(prog, groups, streams, [()] * (len(prog.ops) - 1) + [tuple(values)])[-1]
+    return _other_streams(values, groups, _freed_elsewhere(prog, groups), *_after_all(prog, groups, streams))
 
 
 def side_outputs(prog: Program, groups: Sequence[int], streams: Sequence[int]) -> tuple[int, ...]:
     """Output values whose storage a side stream allocated: the runtime marks them used on the
     caller's stream, so that freeing them later waits for the caller's work."""
-    alloc: dict[int, int] = {}
-    for op, s in zip(prog.ops, streams):
-        for o in op.outputs:
-            if o >= 0:
-                alloc.setdefault(groups[o], s)
-    foreign = {groups[v.id] for v in prog.values if v.role is not Role.TEMP}
-    ids = []
+    alloc = _after_all(prog, groups, streams)[0]
+    caller = _caller_groups(prog, groups)
+    ids: list[int] = []
     for r in prog.outputs:
         vid = getattr(r, "id", None)
-        if vid is not None and groups[vid] not in foreign and alloc.get(groups[vid], 0) != 0 and vid not in ids:
+        if vid is not None and groups[vid] not in caller and alloc.get(groups[vid], 0) != 0 and vid not in ids:
             ids.append(vid)
     return tuple(ids)
+
+
+def cuda_devices(prog: Program) -> set:
+    """The CUDA devices of the program's tensor values (several streams need exactly one)."""
+    return {v.meta.device for v in prog.values if v.meta is not None and v.meta.device.type == "cuda"}

@@ -98,7 +98,9 @@ class CudaStreams:
 
 def device_of(plan: Any) -> torch.device:
     """The CUDA device a multi-stream plan runs on (its tensors'); an error where it has none."""
-    devices = {v.meta.device for v in plan.program.values if v.meta is not None and v.meta.device.type == "cuda"}
+    from ..passes.streams import cuda_devices
+
+    devices = cuda_devices(plan.program)
     if len(devices) != 1:
         from ..errors import OptionError
 
