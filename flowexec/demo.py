@@ -38,23 +38,33 @@ def _batches(n: int, device: torch.device, width: int, classes: int, batch: int)
     return out
 
 
-def run_demo(steps: int = 300, device: str | None = None, out: str | None = None, console: Console | None = None) -> dict[str, Any]:
-    """Train through flowexec and eager; return (and print) the figures."""
-    console = console or Console()
+WIDTH, DEPTH, CLASSES, BATCH = 256, 3, 10, 32  # the demo's MLP and batch
+
+
+def _device(device: str | None) -> torch.device:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise flowexec.OptionError("--device cuda asked for, but this machine has no CUDA device")
+    return dev
+
+
+def _sgd_step(model: torch.nn.Module) -> Any:
+    return make_step(model, torch.optim.SGD(model.parameters(), lr=0.2), F.cross_entropy)
+
+
+def run_demo(steps: int = 300, device: str | None = None, out: str | None = None, console: Console | None = None) -> dict[str, Any]:
+    """Train through flowexec and eager; return (and print) the figures."""
+    console = console or Console()
+    dev = _device(device)
     mode = "graph" if dev.type == "cuda" else "trace"
-    width, depth, classes, batch = 256, 3, 10, 32
+    width, depth, classes, batch = WIDTH, DEPTH, CLASSES, BATCH
     torch.manual_seed(0)
     model = make_mlp(width, depth, classes).to(dev)
     twin = copy.deepcopy(model)
     data = _batches(min(steps, 64), dev, width, classes, batch)
 
-    opt_e = torch.optim.SGD(twin.parameters(), lr=0.2)
-    eager = make_step(twin, opt_e, F.cross_entropy)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    step = make_step(model, opt, F.cross_entropy)
+    eager = _sgd_step(twin)
+    step = _sgd_step(model)
 
     console.print(f"[bold]flowexec demo[/]: MLP {depth}×{width}, batch {batch}, SGD, {steps} steps on {dev} (mode={mode})")
     t0 = time.perf_counter()
@@ -114,15 +124,11 @@ def run_profile(runs: int = 20, device: str | None = None, out: str = "flowexec-
     """``flowexec profile``: the demo's training step in trace mode, each instruction's host time
     over ``runs`` steps; prints the costliest and writes the Chrome trace to ``out``."""
     console = console or Console()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise flowexec.OptionError("--device cuda asked for, but this machine has no CUDA device")
-    width, depth, classes, batch = 256, 3, 10, 32
+    dev = _device(device)
     torch.manual_seed(0)
-    model = make_mlp(width, depth, classes).to(dev)
-    step = make_step(model, torch.optim.SGD(model.parameters(), lr=0.2), F.cross_entropy)
-    x, y = _batches(1, dev, width, classes, batch)[0]
-    console.print(f"[bold]flowexec profile[/]: the demo's step (MLP {depth}×{width}, batch {batch}, SGD) in trace "
+    step = _sgd_step(make_mlp(WIDTH, DEPTH, CLASSES).to(dev))
+    x, y = _batches(1, dev, WIDTH, CLASSES, BATCH)[0]
+    console.print(f"[bold]flowexec profile[/]: the demo's step (MLP {DEPTH}×{WIDTH}, batch {BATCH}, SGD) in trace "
                   f"mode on {dev}, {runs} runs, host time per instruction"
                   + (" (on CUDA: launch time, not kernel time)" if dev.type == "cuda" else ""))
     tl = flowexec.profile(step, x, y, runs=runs, streams=streams)
