@@ -261,7 +261,13 @@ def probe_persistent() -> dict[str, Any]:
 
 # At e8706d8 (probes/lerp_forward_wall_l1bypass_e8706d8.json) the variants were the shipped
 # forward with the since-reverted fwd_l1_bypass on, and with it off.
-FWD_WALL_VARIANTS: dict[str, dict[str, Any]] = {"shipped": {}, "no .cs store": {"fwd_stream_store": False}}
+# At 44b1a46 the variants were the shipped forward and "no .cs store" ({"fwd_stream_store": False}),
+# for cases 4, 1, the float weight and 4 in bfloat16. Since then: the operands a three-full-operand
+# forward loads evict-first (``flat3_evict``), which only such calls take.
+FWD_WALL_VARIANTS: dict[str, dict[str, Any]] = {
+    "shipped": {}, "evict-first x, y, w": {"flat3_evict": 7}, "evict-first x, y": {"flat3_evict": 3},
+    "evict-first w": {"flat3_evict": 4}, "evict-first x": {"flat3_evict": 1}}
+FWD_WALL_CASES = ("case4", "case4-bf16")
 
 
 def probe_fwdwall() -> dict[str, Any]:
@@ -271,7 +277,7 @@ def probe_fwdwall() -> dict[str, Any]:
     from ops import bench
 
     res: dict[str, Any] = {}
-    for name in ("case4", "case1", "float-weight", "case4-bf16"):
+    for name in FWD_WALL_CASES:
         x, y, w, go = make_inputs(CASES[name], "cuda")
         xd, yd = x.detach(), y.detach()
         wd = w.detach() if isinstance(w, torch.Tensor) else w

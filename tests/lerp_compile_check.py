@@ -42,6 +42,7 @@ CASES = {  # name: (x, y, w or None, dtype, config changes)
     "case3 plane": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float16, {"fwd_plane": True}),
     "case4": ((16, 102400), (16, 102400), (16, 102400), torch.bfloat16, {}),
     "case4 float32": ((16, 102400), (16, 102400), (16, 102400), torch.float32, {}),
+    "case4 float32, loads evict-first": ((16, 102400), (16, 102400), (16, 102400), torch.float32, {"flat3_evict": 7}),
     "flat float weight": ((16, 102400), (16, 102400), None, torch.float32, {}),
     "case3 without cache hints": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"bwd_stream": False}),
     "case3 dx, dw flushed apart": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float64,
@@ -101,10 +102,13 @@ def describe_sass(label: str, cubin: bytes) -> str:
     return f"{regs.group(1) if regs else '?'} registers, {len(instrs)} instructions, first load at {first}"
 
 
-def compile_one(label: str, launcher, args: tuple, dtype: torch.dtype, n_ptrs: int, ptr_dtypes=None) -> bool:
+def compile_one(label: str, launcher, args: tuple, dtype: torch.dtype, n_ptrs: int, ptr_dtypes=None,
+                ptx_has: str | None = None) -> bool:
     try:
         k = triton.compile(signature(launcher.fn, args, dtype, n_ptrs, ptr_dtypes or {}), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": launcher.num_warps})
+        if ptx_has is not None and ptx_has not in k.asm["ptx"]:
+            raise AssertionError(f"the PTX has no {ptx_has!r}")
         extra = f"  ({describe_sass(label, k.asm['cubin'])})" if SASS_DIR else ""
         print(f"ok      {label}{extra}")
         return True
@@ -123,7 +127,8 @@ def main() -> int:
             assert plan.use_triton, name
             acc_arg = 6 + len(plan.fwd_tail)
             ok &= compile_one(f"{name}: forward ({plan.fwd.fn.__name__})", plan.fwd,
-                              plan.forward_args(0, 0, 0, 0, 0.25, 0.0), dtype, 4, {acc_arg: PTR[dtype]})
+                              plan.forward_args(0, 0, 0, 0, 0.25, 0.0), dtype, 4, {acc_arg: PTR[dtype]},
+                              "evict_first" if changes.get("flat3_evict") else None)
             needs = (True, True, ws is not None)
             bw = plan.backward_plan(needs)
             part = PTR[plan.part_dtype]

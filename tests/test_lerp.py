@@ -103,7 +103,7 @@ def broadcast_cases(draw):
                  flat_programs=draw(st.booleans()), even_tiles=draw(st.booleans()),
                  bwd_loads_first=draw(st.booleans()), bwd_stream=draw(st.booleans()),
                  bwd_joint_flush=draw(st.booleans()), fwd_plane=draw(st.booleans()), final_cols=draw(st.sampled_from([1, 16])),
-                 atomic_max=draw(st.sampled_from([0, 1 << 16])))
+                 atomic_max=draw(st.sampled_from([0, 1 << 16])), flat3_evict=draw(st.sampled_from([0, 7])))
     return xs, ys, ws, dtype, needs, tile, (fused_max, knobs)
 
 

@@ -120,7 +120,10 @@ def _load(ptr, M: tl.constexpr, base, rows, cols, s2, rm, cm, VEC: tl.constexpr,
         if VEC > 1:
             base = tl.multiple_of(base, VEC)
         offs = base + (rows * 0)[:, None] + cols[None, :]
-        v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
+        if EVICT:
+            v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0, eviction_policy="evict_first")
+        else:
+            v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
     elif FULL and (M & 3) == 2:
         offs = base + (rows * s2)[:, None] + (cols * 0)[None, :]
         v = tl.load(ptr + offs, mask=rm[:, None] & cm[None, :], other=0.0)
@@ -255,8 +258,10 @@ def _lerp_fwd_kernel(
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     FULL: tl.constexpr, STREAM: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr, FASTDIV: tl.constexpr,
+    EVICT: tl.constexpr,
     acc_ptr, n_acc, ZERO: tl.constexpr,
 ):
+    # EVICT: bits (x 1, y 2, w 4) of the output-sized operands loaded evict-first.
     i0, i1, s, jn, sx2, sy2, sw2, so2, kx, ky, kw, bx, by, bw, bo, cols, cm, row_lo, row_hi = _program_setup(
         MX, MY, MW, n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
         VEC, BIG, BN, False, FLAT, EVEN, FASTDIV)
@@ -264,12 +269,12 @@ def _lerp_fwd_kernel(
         w_s = _scalar_weight(w_hi, w_lo, ACC_F64)
     for r0 in range(row_lo, row_hi, BM):
         rows, rm = _row_tile(r0, row_hi, BM, BIG, EVEN)
-        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL)
-        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL)
+        xv = _load(x_ptr, MX, bx, rows, cols, sx2, rm, cm, VEC, ACC_F64, FULL, (EVICT & 1) != 0)
+        yv = _load(y_ptr, MY, by, rows, cols, sy2, rm, cm, VEC, ACC_F64, FULL, (EVICT & 2) != 0)
         if W_SCALAR:
             wv = w_s
         else:
-            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL)
+            wv = _load(w_ptr, MW, bw, rows, cols, sw2, rm, cm, VEC, ACC_F64, FULL, (EVICT & 4) != 0)
         res = _lerp_values(xv, yv, wv, _to_acc(tl.zeros([BM, BN], tl.float32), ACC_F64))
         offs = _tile_offsets(15, bo, rows, cols, so2, VEC)
         if STREAM:  # written once, read by nobody soon: do not keep it in the caches

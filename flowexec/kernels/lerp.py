@@ -87,6 +87,8 @@ class LerpConfig:
       backward through the same graph, the partial sums are used. 0: never.
     * ``fast_div``: programs find their coordinates by multiplying with a magic number the plan
       computes (``magic_div``) instead of dividing by runtime sizes.
+    * ``flat3_evict``: in flat calls on three output-sized operands, the forward loads these
+      operands evict-first (bits: x 1, y 2, w 4; 0: none).
 
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
@@ -112,6 +114,7 @@ class LerpConfig:
     atomic_max: int = 1 << 16
     fast_div: bool = True
     flat3_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {4: 1024})
+    flat3_evict: int = 0
 
     def __post_init__(self) -> None:
         # Triton's tl.arange takes powers of two: a bad knob fails here, not inside a kernel.
@@ -123,6 +126,8 @@ class LerpConfig:
         bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0)}
         if bad:
             raise ValueError(f"LerpConfig: these must be powers of two: {bad}")
+        if self.flat3_evict not in range(8):
+            raise ValueError(f"LerpConfig: flat3_evict takes bits x 1, y 2, w 4 (0-7), not {self.flat3_evict!r}")
 
 
 config = LerpConfig()
@@ -438,7 +443,8 @@ class _Plan:
             self.fwd = self.launcher(self.kernels._lerp_fwd_kernel, n0 * n1 * row_tiles * fnb3, warps)
             self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *magic, *self.masks, self.w_scalar, self.acc_f64,
                              self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
-                             self.flat, self.flat and config.even_tiles and n3 % fbn == 0, fastdiv)
+                             self.flat, self.flat and config.even_tiles and n3 % fbn == 0, fastdiv,
+                             config.flat3_evict if three_full else 0)
         # The same forward that also zeroes the buffer its backward sums into (another compiled
         # specialisation, so a launcher of its own).
         self.fwd_zero = self.launcher(self.fwd.fn, self.fwd.grid, self.fwd.num_warps)
