@@ -49,6 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "backward 8 warps": {"bwd_warps": 8},
     "last-block final": {"fused_final_max": 1 << 30, "atomic_max": 0},
     "three full operands: 2048-element tiles (before)": {"flat3_tile": {}},
+    "three full operands: no evict-first loads (before)": {"flat3_evict": {}},
     "plane tile ÷2": {"plane_tile": {2: 1024, 4: 512, 8: 256}},
     "forward 2 warps": {"fwd_warps": 2},
     "forward 8 warps": {"fwd_warps": 8},

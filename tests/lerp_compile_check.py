@@ -42,7 +42,8 @@ CASES = {  # name: (x, y, w or None, dtype, config changes)
     "case3 plane": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float16, {"fwd_plane": True}),
     "case4": ((16, 102400), (16, 102400), (16, 102400), torch.bfloat16, {}),
     "case4 float32": ((16, 102400), (16, 102400), (16, 102400), torch.float32, {}),
-    "case4 float32, loads evict-first": ((16, 102400), (16, 102400), (16, 102400), torch.float32, {"flat3_evict": 7}),
+    "case4 float32, no evict-first loads": ((16, 102400), (16, 102400), (16, 102400), torch.float32,
+                                            {"flat3_evict": {}}),
     "flat float weight": ((16, 102400), (16, 102400), None, torch.float32, {}),
     "case3 without cache hints": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"bwd_stream": False}),
     "case3 dx, dw flushed apart": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float64,
@@ -128,7 +129,7 @@ def main() -> int:
             acc_arg = 6 + len(plan.fwd_tail)
             ok &= compile_one(f"{name}: forward ({plan.fwd.fn.__name__})", plan.fwd,
                               plan.forward_args(0, 0, 0, 0, 0.25, 0.0), dtype, 4, {acc_arg: PTR[dtype]},
-                              "evict_first" if changes.get("flat3_evict") else None)
+                              "evict_first" if name == "case4 float32" else None)
             needs = (True, True, ws is not None)
             bw = plan.backward_plan(needs)
             part = PTR[plan.part_dtype]

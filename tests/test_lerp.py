@@ -103,7 +103,7 @@ def broadcast_cases(draw):
                  flat_programs=draw(st.booleans()), even_tiles=draw(st.booleans()),
                  bwd_loads_first=draw(st.booleans()), bwd_stream=draw(st.booleans()),
                  bwd_joint_flush=draw(st.booleans()), fwd_plane=draw(st.booleans()), final_cols=draw(st.sampled_from([1, 16])),
-                 atomic_max=draw(st.sampled_from([0, 1 << 16])), flat3_evict=draw(st.sampled_from([0, 7])))
+                 atomic_max=draw(st.sampled_from([0, 1 << 16])), flat3_evict=draw(st.sampled_from([{}, {2: 7, 4: 7, 8: 7}])))
     return xs, ys, ws, dtype, needs, tile, (fused_max, knobs)
 
 
@@ -289,17 +289,19 @@ def test_planned_tiles_by_pattern():
     reference patterns (defaults: docs/kernels.md says where each number comes from)."""
     f32, bf16 = torch.float32, torch.bfloat16
     full = (16, 102400)
-    table = {  # (x, y, w or None, dtype): (forward kernel, forward programs, backward BM x BN)
-        (full, full, full, f32): ("_lerp_fwd_kernel", 1600, (1, 1024)),  # flat3_tile
-        (full, full, full, bf16): ("_lerp_fwd_kernel", 400, (1, 4096)),
-        (full, full, (1,), f32): ("_lerp_fwd_kernel", 800, (1, 2048)),
-        (full, full, None, f32): ("_lerp_fwd_kernel", 800, (1, 2048)),
-        ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), f32): ("_lerp_fwd_plane_kernel", 2832, (8, 256)),
+    table = {  # (x, y, w or None, dtype): (forward kernel, forward programs, backward BM x BN,
+        #                                  operands loaded evict-first: bits x 1, y 2, w 4)
+        (full, full, full, f32): ("_lerp_fwd_kernel", 1600, (1, 1024), 3),  # flat3_tile, flat3_evict
+        (full, full, full, bf16): ("_lerp_fwd_kernel", 400, (1, 4096), 0),
+        (full, full, (1,), f32): ("_lerp_fwd_kernel", 800, (1, 2048), 0),
+        (full, full, None, f32): ("_lerp_fwd_kernel", 800, (1, 2048), 0),
+        ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), f32): ("_lerp_fwd_plane_kernel", 2832, (8, 256), None),
     }
     with L.triton_on_cpu():
         for (xs, ys, ws, dtype), want in table.items():
             p = L._Plan(torch.Size(xs), torch.Size(ys), torch.Size(ws) if ws else None, dtype, torch.device("cpu"))
-            assert (p.fwd.fn.__name__, p.fwd.grid, (p.bm, p.bn)) == want, (xs, ys, ws, dtype)
+            evict = p.fwd_tail[-1] if p.fwd.fn.__name__ == "_lerp_fwd_kernel" else None
+            assert (p.fwd.fn.__name__, p.fwd.grid, (p.bm, p.bn), evict) == want, (xs, ys, ws, dtype)
         with L.configured(flat3_tile={}):  # no special case: the dtype's tile
             p = L._Plan(torch.Size(full), torch.Size(full), torch.Size(full), f32, torch.device("cpu"))
             assert (p.fwd.grid, p.bn) == (800, 2048)

@@ -87,8 +87,14 @@ class LerpConfig:
       backward through the same graph, the partial sums are used. 0: never.
     * ``fast_div``: programs find their coordinates by multiplying with a magic number the plan
       computes (``magic_div``) instead of dividing by runtime sizes.
-    * ``flat3_evict``: in flat calls on three output-sized operands, the forward loads these
-      operands evict-first (bits: x 1, y 2, w 4; 0: none).
+    * ``flat3_evict``: by element size, the operands (bits: x 1, y 2, w 4) that the forward of a
+      flat call on three output-sized operands loads evict-first. After a pass that leaves L2
+      dirty, the lines it reads then make room for its own next loads instead of forcing
+      write-backs (H200, all-[16,102400] float32 forward: 8.32 µs against 8.67 plain and
+      PyTorch's 8.67-8.74). The price falls on a backward that runs at once: it finds x and y
+      in memory, not L2 (forward + backward kernels 17.1 -> 19.6 µs, 1.15x the memory floor);
+      in a model, where other layers run between the two, they would be gone anyway. bfloat16
+      gained 0.08 µs for 1.3 µs of backward, so only 4-byte types take it.
 
     Measurements: docs/kernels.md and ``benchmarks/lerp_kernels.py``.
     """
@@ -114,7 +120,7 @@ class LerpConfig:
     atomic_max: int = 1 << 16
     fast_div: bool = True
     flat3_tile: dict[int, int] = dataclasses.field(default_factory=lambda: {4: 1024})
-    flat3_evict: int = 0
+    flat3_evict: dict[int, int] = dataclasses.field(default_factory=lambda: {4: 3})
 
     def __post_init__(self) -> None:
         # Triton's tl.arange takes powers of two: a bad knob fails here, not inside a kernel.
@@ -126,7 +132,7 @@ class LerpConfig:
         bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0)}
         if bad:
             raise ValueError(f"LerpConfig: these must be powers of two: {bad}")
-        if self.flat3_evict not in range(8):
+        if any(v not in range(8) for v in self.flat3_evict.values()):
             raise ValueError(f"LerpConfig: flat3_evict takes bits x 1, y 2, w 4 (0-7), not {self.flat3_evict!r}")
 
 
@@ -444,7 +450,7 @@ class _Plan:
             self.fwd_tail = (n0, n1, n2, n3, row_tiles, fnb3, fbm, *magic, *self.masks, self.w_scalar, self.acc_f64,
                              self.big, self.vec, fbm, fbn, config.full_tile_loads, config.fwd_stream_store,
                              self.flat, self.flat and config.even_tiles and n3 % fbn == 0, fastdiv,
-                             config.flat3_evict if three_full else 0)
+                             config.flat3_evict.get(dtype.itemsize, 0) if three_full else 0)
         # The same forward that also zeroes the buffer its backward sums into (another compiled
         # specialisation, so a launcher of its own).
         self.fwd_zero = self.launcher(self.fwd.fn, self.fwd.grid, self.fwd.num_warps)
