@@ -111,6 +111,30 @@ def bench(fn: Callable[[], Any]) -> float:
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # µs
 
 
+def bench_samples(fn: Callable[[], Any]) -> list[float]:
+    """``bench``'s samples (µs), one per call: the flush, a start event, the call, an end event."""
+    import triton.testing as tt
+
+    return [t * 1e3 for t in tt.do_bench(fn, warmup=25, rep=100, return_mode="all")]
+
+
+def trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
+    """The mean of ``xs`` without its lowest and highest ``cut`` fractions.
+
+    CUDA events tick in steps of about half a microsecond (the H200's read 11.36 or 11.9 µs for
+    one forward, nothing between), so the median of µs-scale samples sits on one step or the next
+    and two kernels 0.3 µs apart can swap places run to run. The mean sees how often each step
+    comes up and resolves less than a step; trimming keeps the host's rare stalls out of it.
+
+    >>> trimmed_mean([1.0, 2.0, 2.0, 3.0, 100.0], cut=0.2)
+    2.3333333333333335
+    """
+    xs = sorted(xs)
+    k = int(len(xs) * cut)
+    kept = xs[k:len(xs) - k] or xs
+    return sum(kept) / len(kept)
+
+
 def graph_of(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     return capture_graph(fn)[0]
 
@@ -239,10 +263,15 @@ def alternating_orders(names: Any, rounds: int) -> list[list[Any]]:
     return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
 
 
-def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5) -> dict[str, list[float]]:
+def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5,
+                      sampler: Callable[[Callable[[], Any]], list[float]] | None = None) -> dict[str, list[float]]:
     """Wall times of PyTorch, flowexec and the two floor ops measured in alternating rounds (the
     host's speed drifts by tens of percent within a run; alternating puts all under the same
-    drift). The medians over rounds go into ``row[impl]``; the rounds are returned."""
+    drift). Per round and call, the median of ``bench``'s samples (key ``wall_fwd_us``, the
+    issue's figure) and their ``trimmed_mean`` (``wall_fwd_tmean_us``: finer than one event tick).
+    The medians over rounds go into ``row[impl]``; the rounds are returned. ``sampler`` replaces
+    ``bench_samples`` in tests."""
+    sampler = sampler or bench_samples
     fns: dict[str, dict[str, Callable[[], Any]]] = {}
     for impl in WALL_IMPLS:
         fwd, fwd_bwd, _, _ = calls(case, impl, dev)
@@ -251,7 +280,9 @@ def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5
     for order in alternating_orders(WALL_IMPLS, rounds):
         for impl in order:
             for key, fn in fns[impl].items():
-                got.setdefault(f"{impl}:{key}", []).append(bench(fn))
+                samples = sampler(fn)
+                got.setdefault(f"{impl}:{key}", []).append(statistics.median(samples))
+                got.setdefault(f"{impl}:{key[:-3]}_tmean_us", []).append(trimmed_mean(samples))
     for name, vals in got.items():
         impl, key = name.split(":")
         row.setdefault(impl, {})[key] = sorted(vals)[len(vals) // 2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from typing import Any
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -118,7 +119,6 @@ def cluster_interval(runs: list[list[float]], draws: int = 4000, seed: int = 0) 
     (1.0, 1.0)
     """
     import random
-    import statistics
 
     runs = [r for r in runs if r]
     rng = random.Random(seed)
@@ -132,8 +132,6 @@ def pool_lerp(paths: list[str]) -> None:
     the median of the per-round ratios PyTorch ÷ flowexec, how many rounds meet the issue's goal,
     the same median against the floor ops (bounds), and flowexec − three-gradient floor op; then
     the forward alone: the median per-round ratio, and how many rounds and runs had it slower."""
-    import statistics
-
     runs: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
         with open(path) as fh:
@@ -161,21 +159,10 @@ def pool_lerp(paths: list[str]) -> None:
         met = sum(x >= LERP_GOALS[name] for x in ratios)
         print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f}× | {met} (goal {LERP_GOALS[name]}×) "
               f"| {bounds} | {gap} |")
-    print("\nForward alone (goal: never slower), wall rounds pooled; the interval resamples runs, then "
-          "rounds within them (rounds of one run share a host):\n")
-    print("| case | rounds | PyTorch ÷ flowexec, median per round | 95% interval | rounds slower "
-          "| runs slower (by the run's medians) |")
-    print("|---|---|---|---|---|---|")
-    for name in LERP_GOALS:
-        per_run = [(wr.get("torch:wall_fwd_us", []), wr.get("flowexec:wall_fwd_us", []))
-                   for wr in (cases.get(name, {}).get("wall_rounds") for _, cases in runs) if wr]
-        ratios = [a / b for t, f in per_run for a, b in zip(t, f)]
-        if not ratios:
-            continue
-        slower_runs = sum(statistics.median(t) < statistics.median(f) for t, f in per_run if t and f)
-        lo, hi = cluster_interval([[a / b for a, b in zip(t, f)] for t, f in per_run])
-        print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.4f} | {lo:.4f}–{hi:.4f} "
-              f"| {sum(x < 1 for x in ratios)} | {slower_runs} of {len(per_run)} |")
+    for key, what in (("wall_fwd_us", "each round the median of do_bench's samples"),
+                      ("wall_fwd_tmean_us", "each round the 10%-trimmed mean of do_bench's samples, which "
+                       "resolves less than the events' half-microsecond tick (runs since e16dfc0)")):
+        forward_rounds(runs, key, what)
     alternating = [(base, {n: cases[n]["alternating"] for n in LERP_GOALS if "alternating" in cases.get(n, {})})
                    for base, cases in runs]
     alternating = [(base, alt) for base, alt in alternating if alt]
@@ -188,6 +175,30 @@ def pool_lerp(paths: list[str]) -> None:
                      + " ".join(f"{v:.2f}" for v in alt[n]["segment_speedups"]) + ")" if n in alt else "–"
                      for n in LERP_GOALS]
             print(f"| {base} | " + " | ".join(cells) + " |")
+
+
+def forward_rounds(runs: list[tuple[str, dict[str, Any]]], key: str, what: str) -> None:
+    """The pooled table of the lerp forward's wall rounds (goal: never slower) by one figure."""
+    rows = []
+    for name in LERP_GOALS:
+        per_run = [(wr.get(f"torch:{key}", []), wr.get(f"flowexec:{key}", []))
+                   for wr in (cases.get(name, {}).get("wall_rounds") for _, cases in runs) if wr]
+        per_run = [(t, f) for t, f in per_run if t and f]
+        ratios = [a / b for t, f in per_run for a, b in zip(t, f)]
+        if not ratios:
+            continue
+        slower_runs = sum(statistics.median(t) < statistics.median(f) for t, f in per_run)
+        lo, hi = cluster_interval([[a / b for a, b in zip(t, f)] for t, f in per_run])
+        rows.append(f"| {name} | {len(ratios)} | {statistics.median(ratios):.4f} | {lo:.4f}–{hi:.4f} "
+                    f"| {sum(x < 1 for x in ratios)} | {slower_runs} of {len(per_run)} |")
+    if not rows:
+        return
+    print(f"\nForward alone (goal: never slower), wall rounds pooled, {what}; the interval resamples runs, "
+          "then rounds within them (rounds of one run share a host):\n")
+    print("| case | rounds | PyTorch ÷ flowexec, median per round | 95% interval | rounds slower "
+          "| runs slower (by the run's medians) |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 def graph_inputs() -> None:

@@ -137,3 +137,35 @@ def test_cluster_interval_counts_runs_not_rounds():
     assert report.cluster_interval([[1.2] * 50, [0.9] * 50], draws=400) == (0.9, 1.2)
     lo, hi = report.cluster_interval([[1.2, 0.9, 1.1]] * 40, draws=400)
     assert 1.0 < lo <= hi <= 1.2
+
+
+def test_trimmed_mean_drops_both_tails(ops):
+    assert ops.trimmed_mean([1.0, 2.0, 2.0, 3.0, 100.0], cut=0.2) == pytest.approx(7 / 3)
+    assert ops.trimmed_mean([5.0]) == 5.0  # too few to trim
+    # samples on two event ticks: the median picks one, the trimmed mean says how often each came
+    ticks = [11.36] * 55 + [11.9] * 45
+    assert ops.statistics.median(ticks) == 11.36
+    assert ops.trimmed_mean(ticks) == pytest.approx((11.36 * 45 + 11.9 * 35) / 80)  # 10 off each end
+
+
+def test_interleaved_walls_keeps_median_and_trimmed_mean_per_round(ops):
+    """Each round samples every implementation's two calls once, in alternating order; a round's
+    figure is the median of the samples and, beside it, their trimmed mean."""
+    case = ops.Case("tiny", (4, 8), (4, 8), (1,), torch.float32)
+    seen: list[int] = []
+
+    def sampler(fn):
+        seen.append(id(fn))
+        fn()
+        return [1.0] + [2.0] * 6 + [3.0] * 2 + [100.0]  # a stall at each end, trimmed
+
+    row: dict = {}
+    got = ops.interleaved_walls(case, "cpu", row, rounds=3, sampler=sampler)
+    n = len(ops.WALL_IMPLS)
+    assert len(seen) == 3 * n * 2 and len(set(seen)) == n * 2
+    rounds = [[tuple(seen[r * 2 * n + 2 * i:r * 2 * n + 2 * i + 2]) for i in range(n)] for r in range(3)]
+    assert rounds[1] == rounds[0][::-1] and rounds[2] == rounds[0]  # implementations' order reverses per round
+    for impl in ops.WALL_IMPLS:
+        assert got[f"{impl}:wall_fwd_us"] == [2.0] * 3
+        assert got[f"{impl}:wall_fwd_tmean_us"] == [pytest.approx(2.25)] * 3
+        assert row[impl]["wall_fwd_bwd_us"] == 2.0
