@@ -748,10 +748,44 @@ def probe_hints() -> dict[str, Any]:
     return {"case4": row, "case4 medians": med}
 
 
+def probe_levels(calls: int = 24) -> dict[str, Any]:
+    """Where the case-4 forward's two wall levels come from (do_bench medians sit ~0.55 µs apart,
+    each call on one level for all its samples). Per do_bench call: the median and spread of its
+    samples, and what might set the level: the output's address (PyTorch's and ours allocate it;
+    ``out=`` variants write into a buffer at chosen offsets) and the SM clock where readable."""
+    from ops import bench_samples
+
+    x, y, w, _ = make_inputs(CASES["case4"], "cuda")
+    xd, yd, wd = x.detach(), y.detach(), w.detach()
+    n = xd.numel()
+    big = torch.empty(n + (4 << 20), device="cuda")
+    pad = []
+    rows: list[dict[str, Any]] = []
+    clock = getattr(torch.cuda, "clock_rate", None)
+    for i in range(calls):
+        pad.append(torch.empty((i * 7919) % 65536 + 1, device="cuda"))  # moves the allocator's next block
+        off = [0, 32, 1024, 4096, 65536, 1 << 20][i % 6]
+        o = big[off:off + n]
+        fns = {"torch": lambda: torch.lerp(xd, yd, wd), "flowexec": lambda: L.lerp(xd, yd, wd),
+               "torch out=": lambda: torch.lerp(xd, yd, wd, out=o)}
+        for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            addr = fns[name]().data_ptr()
+            s = sorted(bench_samples(fns[name]))
+            r = {"call": i, "impl": name, "out_addr_mod_2MiB": addr % (2 << 20), "out_offset_elems": off,
+                 "median": s[len(s) // 2], "p10": s[len(s) // 10], "p90": s[9 * len(s) // 10], "n": len(s)}
+            try:
+                r["sm_clock_mhz"] = clock() if clock else None
+            except Exception as e:  # pynvml missing: say so once per row, keep measuring
+                r["sm_clock_mhz"] = f"unreadable: {type(e).__name__}"
+            rows.append(r)
+            print(r, flush=True)
+    return {"case4": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics", "contention",
-                                          "hosttime", "alternation", "tma", "hints"))
+                                          "hosttime", "alternation", "tma", "hints", "levels"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -759,7 +793,7 @@ def main() -> None:
     res = {**run_meta(f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}"),
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
                   "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics, "contention": probe_contention,
-                  "hosttime": probe_hosttime, "alternation": probe_alternation, "tma": probe_tma, "hints": probe_hints,
+                  "hosttime": probe_hosttime, "alternation": probe_alternation, "tma": probe_tma, "hints": probe_hints, "levels": probe_levels,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
