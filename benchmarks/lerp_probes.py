@@ -782,10 +782,46 @@ def probe_levels(calls: int = 24) -> dict[str, Any]:
     return {"case4": rows}
 
 
+def probe_flushbuf(calls: int = 16, n: int = 1000) -> dict[str, Any]:
+    """Does the flush buffer set the level? do_bench allocates its 256 MB flush buffer anew on
+    every call; here do_bench's loop (flush, event, call, event) runs with a fresh buffer per call
+    (as do_bench) and with one buffer kept for all calls, PyTorch's forward and ours alternating."""
+    x, y, w, _ = make_inputs(CASES["case4"], "cuda")
+    xd, yd, wd = x.detach(), y.detach(), w.detach()
+    fns = {"torch": lambda: torch.lerp(xd, yd, wd), "flowexec": lambda: L.lerp(xd, yd, wd)}
+    kept = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+
+    def samples(fn: Any, cache: torch.Tensor) -> list[float]:
+        for _ in range(5):
+            fn()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        torch.cuda.synchronize()
+        for s, e in ev:
+            cache.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
+
+    rows: list[dict[str, Any]] = []
+    for i in range(calls):
+        for mode in ("fresh buffer", "kept buffer"):
+            for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+                cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda") if mode == "fresh buffer" else kept
+                s = samples(fns[name], cache)
+                r = {"call": i, "mode": mode, "impl": name, "cache_addr_mod_64MiB": cache.data_ptr() % (64 << 20),
+                     "median": s[n // 2], "p10": s[n // 10], "p90": s[9 * n // 10]}
+                rows.append(r)
+                print(r, flush=True)
+                del cache
+    return {"case4": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("probe", choices=("l2", "forward", "inplace", "persistent", "fwdwall", "hostprof", "atomics", "contention",
-                                          "hosttime", "alternation", "tma", "hints", "levels"))
+                                          "hosttime", "alternation", "tma", "hints", "levels", "flushbuf"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -793,7 +829,7 @@ def main() -> None:
     res = {**run_meta(f"PYTHONPATH=. python3 benchmarks/lerp_probes.py {args.probe}"),
            "us": {"l2": probe_l2, "forward": probe_forward, "inplace": probe_inplace,
                   "persistent": probe_persistent, "fwdwall": probe_fwdwall, "atomics": probe_atomics, "contention": probe_contention,
-                  "hosttime": probe_hosttime, "alternation": probe_alternation, "tma": probe_tma, "hints": probe_hints, "levels": probe_levels,
+                  "hosttime": probe_hosttime, "alternation": probe_alternation, "tma": probe_tma, "hints": probe_hints, "levels": probe_levels, "flushbuf": probe_flushbuf,
                   "hostprof": lambda: probe_hostprof(os.path.dirname(os.path.abspath(args.out)))}[args.probe]()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
