@@ -121,10 +121,9 @@ def bench_samples(fn: Callable[[], Any]) -> list[float]:
 def trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
     """The mean of ``xs`` without its lowest and highest ``cut`` fractions.
 
-    CUDA events tick in steps of about half a microsecond (the H200's read 11.36 or 11.9 µs for
-    one forward, nothing between), so the median of µs-scale samples sits on one step or the next
-    and two kernels 0.3 µs apart can swap places run to run. The mean sees how often each step
-    comes up and resolves less than a step; trimming keeps the host's rare stalls out of it.
+    The H200's event samples of a 12 µs forward come in steps of about 0.32 µs (11.04, 11.39,
+    11.74...), so a median sits on one step; the mean also sees how often the neighbouring steps
+    come up, and trimming keeps the host's rare stalls out of it.
 
     >>> trimmed_mean([1.0, 2.0, 2.0, 3.0, 100.0], cut=0.2)
     2.3333333333333335
@@ -267,22 +266,39 @@ def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5
                       sampler: Callable[[Callable[[], Any]], list[float]] | None = None) -> dict[str, list[float]]:
     """Wall times of PyTorch, flowexec and the two floor ops measured in alternating rounds (the
     host's speed drifts by tens of percent within a run; alternating puts all under the same
-    drift). Per round and call, the median of ``bench``'s samples (key ``wall_fwd_us``, the
-    issue's figure) and their ``trimmed_mean`` (``wall_fwd_tmean_us``: finer than one event tick).
-    The medians over rounds go into ``row[impl]``; the rounds are returned. ``sampler`` replaces
-    ``bench_samples`` in tests."""
+    drift). Per round: each implementation's forward + backward once, then the forwards twice,
+    in the round's order and mirrored (A B C D D C B A). A do_bench call of a 12 µs forward reads
+    on one of two levels ~0.6 µs apart, set by its place in the sequence of calls, not by the
+    implementation (``lerp_probes.py flushbuf``: strictly high, low, high, low...), so a forward
+    timed once per round could draw the high level against the other's low one; the mirrored
+    pass gives each forward one draw at each place. A forward's figure for the round
+    (``wall_fwd_us``) is the mean of its two medians (each also kept: ``wall_fwd_a_us``,
+    ``wall_fwd_b_us``), beside the mean of their ``trimmed_mean`` (``wall_fwd_tmean_us``).
+    The medians over rounds go into ``row[impl]``; the rounds are returned. ``sampler``
+    replaces ``bench_samples`` in tests."""
     sampler = sampler or bench_samples
     fns: dict[str, dict[str, Callable[[], Any]]] = {}
     for impl in WALL_IMPLS:
         fwd, fwd_bwd, _, _ = calls(case, impl, dev)
         fns[impl] = {"wall_fwd_bwd_us": fwd_bwd, "wall_fwd_us": fwd}
     got: dict[str, list[float]] = {}
+
+    def put(impl: str, key: str, value: float) -> None:
+        got.setdefault(f"{impl}:{key}", []).append(value)
+
     for order in alternating_orders(WALL_IMPLS, rounds):
         for impl in order:
-            for key, fn in fns[impl].items():
-                samples = sampler(fn)
-                got.setdefault(f"{impl}:{key}", []).append(statistics.median(samples))
-                got.setdefault(f"{impl}:{key[:-3]}_tmean_us", []).append(trimmed_mean(samples))
+            samples = sampler(fns[impl]["wall_fwd_bwd_us"])
+            put(impl, "wall_fwd_bwd_us", statistics.median(samples))
+            put(impl, "wall_fwd_bwd_tmean_us", trimmed_mean(samples))
+        fwd: dict[str, list[list[float]]] = {impl: [] for impl in order}
+        for impl in order + order[::-1]:
+            fwd[impl].append(sampler(fns[impl]["wall_fwd_us"]))
+        for impl, (a, b) in fwd.items():
+            put(impl, "wall_fwd_a_us", statistics.median(a))
+            put(impl, "wall_fwd_b_us", statistics.median(b))
+            put(impl, "wall_fwd_us", (statistics.median(a) + statistics.median(b)) / 2)
+            put(impl, "wall_fwd_tmean_us", (trimmed_mean(a) + trimmed_mean(b)) / 2)
     for name, vals in got.items():
         impl, key = name.split(":")
         row.setdefault(impl, {})[key] = sorted(vals)[len(vals) // 2]

@@ -148,24 +148,30 @@ def test_trimmed_mean_drops_both_tails(ops):
     assert ops.trimmed_mean(ticks) == pytest.approx((11.36 * 45 + 11.9 * 35) / 80)  # 10 off each end
 
 
-def test_interleaved_walls_keeps_median_and_trimmed_mean_per_round(ops):
-    """Each round samples every implementation's two calls once, in alternating order; a round's
-    figure is the median of the samples and, beside it, their trimmed mean."""
+def test_interleaved_walls_times_forwards_twice_mirrored(ops):
+    """Each round: every implementation's forward + backward once in the round's order, then the
+    forwards in that order and mirrored (A B C D D C B A); the next round reverses the order. A
+    round's forward figure is the mean of its two medians; trimmed means beside them."""
     case = ops.Case("tiny", (4, 8), (4, 8), (1,), torch.float32)
     seen: list[int] = []
+    level = iter(range(10**6))
 
     def sampler(fn):
         seen.append(id(fn))
         fn()
-        return [1.0] + [2.0] * 6 + [3.0] * 2 + [100.0]  # a stall at each end, trimmed
+        lv = 2.0 if next(level) % 2 == 0 else 4.0  # calls alternate between two levels
+        return [1.0] + [lv] * 6 + [lv + 1] * 2 + [100.0]  # a stall at each end, trimmed
 
     row: dict = {}
-    got = ops.interleaved_walls(case, "cpu", row, rounds=3, sampler=sampler)
+    got = ops.interleaved_walls(case, "cpu", row, rounds=2, sampler=sampler)
     n = len(ops.WALL_IMPLS)
-    assert len(seen) == 3 * n * 2 and len(set(seen)) == n * 2
-    rounds = [[tuple(seen[r * 2 * n + 2 * i:r * 2 * n + 2 * i + 2]) for i in range(n)] for r in range(3)]
-    assert rounds[1] == rounds[0][::-1] and rounds[2] == rounds[0]  # implementations' order reverses per round
+    assert len(seen) == 2 * 3 * n
+    r0, r1 = seen[:3 * n], seen[3 * n:]
+    fb0, fw0 = r0[:n], r0[n:]
+    assert fw0[n:] == fw0[:n][::-1] and set(fw0).isdisjoint(fb0)
+    assert r1[:n] == fb0[::-1] and r1[n:2 * n] == fw0[:n][::-1]
     for impl in ops.WALL_IMPLS:
-        assert got[f"{impl}:wall_fwd_us"] == [2.0] * 3
-        assert got[f"{impl}:wall_fwd_tmean_us"] == [pytest.approx(2.25)] * 3
-        assert row[impl]["wall_fwd_bwd_us"] == 2.0
+        assert got[f"{impl}:wall_fwd_us"] == [3.0, 3.0]  # one draw at each level, whatever the place
+        assert sorted(got[f"{impl}:wall_fwd_a_us"] + got[f"{impl}:wall_fwd_b_us"]) == [2.0, 2.0, 4.0, 4.0]
+        assert got[f"{impl}:wall_fwd_tmean_us"] == [pytest.approx(3.25)] * 2
+        assert len(got[f"{impl}:wall_fwd_bwd_us"]) == 2 and row[impl]["wall_fwd_us"] == 3.0
