@@ -159,10 +159,10 @@ def pool_lerp(paths: list[str]) -> None:
         met = sum(x >= LERP_GOALS[name] for x in ratios)
         print(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f}× | {met} (goal {LERP_GOALS[name]}×) "
               f"| {bounds} | {gap} |")
-    for key, what in (("wall_fwd_us", "each round the median of do_bench's samples (runs since 0a1e5ab: "
+    for key, what in (("wall_fwd_us", "each round the median of do_bench's samples (runs since d5fe5ba: "
                        "the mean of two such medians, timed in mirrored order)"),
                       ("wall_fwd_tmean_us", "each round the 10%-trimmed mean of do_bench's samples (runs since "
-                       "e16dfc0; since 0a1e5ab of two calls in mirrored order)")):
+                       "e16dfc0; since d5fe5ba of two calls in mirrored order)")):
         forward_rounds(runs, key, what)
     alternating = [(base, {n: cases[n]["alternating"] for n in LERP_GOALS if "alternating" in cases.get(n, {})})
                    for base, cases in runs]
