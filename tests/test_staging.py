@@ -227,3 +227,97 @@ def test_graph_mode_borrow_option_errors():
         Executable(lambda a, k: a.add_(k), "graph", "fast", {"borrow": (7,)}).compile_for(torch.zeros(2), 3)
     with pytest.raises(flowexec.OptionError, match="borrow: 1 is not"):
         Executable(lambda a, k: a.add_(k), "graph", "fast", {"borrow": (1,)}).compile_for(torch.zeros(2), 3)
+
+
+# --- arguments that share memory, in graph mode ------------------------------------------------
+
+def _scale_then_read(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    x.mul_(2)  # v may be a view of x: eager reads the doubled values through it
+    return v + 1
+
+
+@pytest.mark.parametrize("compiled_aliased", [True, False])
+def test_graph_mode_arguments_sharing_storage_match_eager(stand_in_graphs, compiled_aliased):
+    """A call passing ``x`` and ``x[2:]`` to a fn that writes ``x``: the graph's staged copies
+    share one buffer laid out as the caller's, so the write shows through the view; a call
+    sharing differently is another signature (captured again, with a warning)."""
+    ex = torch.arange(6.0)
+    exe = _graph_exe(_scale_then_read, *((ex, ex[2:]) if compiled_aliased else (ex, ex[2:].clone())))
+
+    def check(x: torch.Tensor, v: torch.Tensor, expect_warning: bool) -> None:
+        xe = x.clone()
+        ve = xe[2:] if v._base is x else v.clone()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = exe(x, v)
+        assert [w.category for w in seen] == ([flowexec.RecaptureWarning] if expect_warning else [])
+        torch.testing.assert_close(got, _scale_then_read(xe, ve), rtol=0, atol=0)
+        torch.testing.assert_close(x, xe, rtol=0, atol=0)
+
+    x = torch.arange(6.0) * 3
+    check(x, x[2:], expect_warning=not compiled_aliased)
+    check(x, x[2:], expect_warning=False)  # the same pattern at the same address: no capture
+    y = torch.arange(6.0) - 1
+    check(y, y[2:], expect_warning=False)  # the same pattern elsewhere
+    check(torch.arange(6.0), torch.arange(4.0) + 7, expect_warning=compiled_aliased)
+    assert len(exe._cache) == 2
+
+
+def test_graph_mode_staging_reproduces_the_callers_offsets(stand_in_graphs):
+    """Views at other offsets of one buffer (same shapes) are a pattern of their own: a flat
+    buffer split into parameters, written through both views, stays in a graph."""
+    def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.add_(1)
+        b.mul_(2)
+        return a.sum() + b.sum()
+
+    buf = torch.arange(8.0)
+    exe = _graph_exe(step, buf[0:4], buf[4:8])  # apart
+    for lo in (4, 2):
+        mine = torch.arange(8.0) * 0.5
+        theirs = mine.clone()
+        want = step(theirs[0:4], theirs[lo:lo + 4])
+        if lo == 2:
+            with pytest.warns(flowexec.RecaptureWarning, match=r"argument 1 on argument 0's storage at \+8 bytes, "
+                                                               r"compiled for argument 1 on argument 0's storage at \+16"):
+                got = exe(mine[0:4], mine[lo:lo + 4])
+        else:
+            got = exe(mine[0:4], mine[lo:lo + 4])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+        assert type(exe._last.runner).__name__ == "GraphVariants"  # still a graph
+
+
+def test_graph_mode_argument_on_written_closure_state_runs_in_trace_mode(stand_in_graphs):
+    p = torch.arange(4.0)
+    pe = p.clone()
+
+    def h(x: torch.Tensor) -> torch.Tensor:
+        p.add_(1)  # closure state written in place; the argument may be a view of it
+        return x * 2
+
+    exe = _graph_exe(h, torch.zeros(3))
+    with pytest.warns(UserWarning, match="share memory with tensors fn uses from its closure"):
+        got = exe(p[1:])
+    pe.add_(1)
+    torch.testing.assert_close(got, pe[1:] * 2, rtol=0, atol=0)
+    got = exe(p[1:])
+    pe.add_(1)
+    torch.testing.assert_close(got, pe[1:] * 2, rtol=0, atol=0)
+    torch.testing.assert_close(p, pe, rtol=0, atol=0)
+    got = exe(torch.ones(3))  # apart from the state: the graph
+    pe.add_(1)
+    torch.testing.assert_close(got, torch.full((3,), 2.0), rtol=0, atol=0)
+    torch.testing.assert_close(p, pe, rtol=0, atol=0)
+
+
+def test_staged_buffers_keep_layouts_and_refuse_misaligned_views():
+    m = torch.arange(12.0).view(3, 4)
+    s = CG.staged_buffers([m.t(), m[1], torch.zeros(2)], [0, 1, 2])
+    assert torch.equal(s[0], m.t()) and s[0].stride() == (1, 4) and torch.equal(s[1], m[1])
+    assert s[1].data_ptr() - s[0].data_ptr() == 16 and s[0].data_ptr() != m.data_ptr()
+    s[0][1, 1] = -1.0  # element (1, 1) of the transpose is m[1, 1]: seen through the row view
+    assert s[1][1] == -1.0 and m[1, 1] == 5.0
+    raw = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"argument 1 \(torch.float16\) starts 1 bytes into memory"):
+        CG.staged_buffers([raw[1:], raw[2:6].view(torch.float16)], [0, 1])

@@ -58,6 +58,50 @@ def is_stable(t: torch.Tensor) -> bool:
     return _owner(t.data_ptr()) is not None
 
 
+def staged_buffers(inputs: Sequence[Any], staged: Sequence[int]) -> dict[int, torch.Tensor]:
+    """The graph's own copy of each staged input. Inputs that share a storage get views of one
+    buffer laid out as theirs are, so that the captured program sees the aliasing the caller's
+    tensors have (``x`` and ``x[2:]``: a write through one shows through the other); copies apart
+    would let a write to one leave the other stale.
+
+    >>> b = torch.arange(6.0)
+    >>> s = staged_buffers([b, b[2:]], [0, 1])
+    >>> s[1].data_ptr() - s[0].data_ptr(), torch.equal(s[1], b[2:]), s[0].data_ptr() == b.data_ptr()
+    (8, True, False)
+    """
+    from ..capture import storage_key
+
+    groups: dict[int, list[int]] = {}
+    for i in staged:
+        groups.setdefault(storage_key(inputs[i]) or -1 - i, []).append(i)
+    out: dict[int, torch.Tensor] = {}
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = inputs[members[0]].detach().clone()
+            continue
+        ts = [inputs[i].detach() for i in members]
+        starts = [t.storage_offset() * t.element_size() for t in ts]
+        lo = min(starts)
+        hi = max(b + _extent(t) * t.element_size() for b, t in zip(starts, ts))
+        dev = ts[0].device
+        span = torch.empty(0, dtype=torch.uint8, device=dev).set_(ts[0].untyped_storage(), lo, (hi - lo,))
+        buf = span.clone().untyped_storage()  # the bytes the inputs cover, gaps included
+        for i, t, b in zip(members, ts, starts):
+            if (b - lo) % t.element_size():
+                raise ValueError(f"tensor argument {i} ({t.dtype}) starts {b - lo} bytes into memory it shares "
+                                 "with another argument: not a whole number of its elements")
+            out[i] = torch.empty(0, dtype=t.dtype, device=dev).set_(buf, (b - lo) // t.element_size(), t.shape,
+                                                                      t.stride())
+    return out
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from a tensor's first to one past its last (its strides' reach)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -136,8 +180,8 @@ class CudaGraphRunner:
         self._staged = [i for i in tensors if not borrow[i]]
         self._borrowed = [(i, example_inputs[i].data_ptr()) for i in tensors if borrow[i]]
         self.static_inputs: list[Any] = list(example_inputs)
-        for i in self._staged:
-            self.static_inputs[i] = example_inputs[i].detach().clone()
+        for i, buf in staged_buffers(example_inputs, self._staged).items():
+            self.static_inputs[i] = buf
         self._mutated_inputs = [i for i in mutated_inputs if i in self._staged]
         rt = memcpy_runtime() if stage_in_graph else None
         # In-graph staging reads the caller's tensor at replay: contiguous, and not one the graph writes.
