@@ -297,8 +297,13 @@ def test_graph_mode_argument_on_written_closure_state_runs_in_trace_mode(stand_i
         return x * 2
 
     exe = _graph_exe(h, torch.zeros(3))
-    with pytest.warns(UserWarning, match="share memory with tensors fn uses from its closure"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         got = exe(p[1:])
+    said = [(w.category, str(w.message)) for w in seen]
+    assert said[0][0] is flowexec.RecaptureWarning and "argument 0 on closure state's storage" in said[0][1]
+    assert said[1][0] is UserWarning and "share memory with tensors fn uses from its closure" in said[1][1]
+    assert len(said) == 2
     pe.add_(1)
     torch.testing.assert_close(got, pe[1:] * 2, rtol=0, atol=0)
     got = exe(p[1:])
