@@ -68,8 +68,14 @@ def step_time() -> None:
     print()
 
 
+# The newest run of the four reference cases (the README's main lerp table); ``ops.json`` is the
+# last run of every case (float16, bfloat16 and float-weight variants too), whose kernels for
+# those variants have not changed since.
+LERP_RUN = "ops_fbadecc_r15_c.json"
+
+
 def lerp() -> None:
-    d = load("ops.json")
+    d = load(LERP_RUN) or load("ops.json")
     if not d:
         return
     print(f"Fused lerp forward+backward — {d['device']}, {d['date'][:10]}, commit {d.get('commit', '?')} "
@@ -105,6 +111,29 @@ def lerp() -> None:
              "taking turns call by call; in the alternation probe every implementation read slower taking turns "
              "than alone, so it is not do_bench's figure with less drift (docs/kernels.md)." if alternating else "")
           + "\n")
+    lerp_variants()
+
+
+def lerp_variants() -> None:
+    """The float16, bfloat16 and float-weight cases of the last run of every case (``ops.json``)."""
+    d = load("ops.json")
+    names = [n for n in d.get("cases", {}) if n not in ("case1", "case2", "case3", "case4")]
+    if not names:
+        return
+    print(f"Variants — {d['device']}, {d['date'][:10]}, commit {d.get('commit', '?')} (`{d['command']}`; "
+          "their kernels have not changed since):\n")
+    print("| case | GPU fwd+bwd PyTorch → flowexec | ÷ memory floor (kernels) | wall fwd+bwd PyTorch → flowexec "
+          "| wall fwd PyTorch → flowexec |")
+    print("|---|---|---|---|---|")
+    for name in names:
+        c = d["cases"][name]
+        t, f = c["torch"], c["flowexec"]
+        print(f"| {name}: x {c['x']} y {c['y']} w {c['w']} {c['dtype']} "
+              f"| {t['gpu_fwd_bwd_us']:.1f} → {f['gpu_fwd_bwd_us']:.1f} µs ({t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}×) "
+              f"| {c['flowexec_kernels_over_floor']:.2f} "
+              f"| {t['wall_fwd_bwd_us']:.0f} → {f['wall_fwd_bwd_us']:.0f} µs ({t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}×) "
+              f"| {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
+    print()
 
 
 LERP_GOALS = {"case1": 2.0, "case2": 1.5, "case3": 2.0, "case4": 1.5}  # issue 3's wall speed-ups
