@@ -191,7 +191,7 @@ def pool_lerp(paths: list[str]) -> None:
     for key, what in (("wall_fwd_us", "each round the median of do_bench's samples (runs since d5fe5ba: "
                        "the mean of two such medians, timed in mirrored order)"),
                       ("wall_fwd_tmean_us", "each round the 10%-trimmed mean of do_bench's samples (runs since "
-                       "e16dfc0; since d5fe5ba of two calls in mirrored order)")):
+                       "dd58279; since d5fe5ba of two calls in mirrored order)")):
         forward_rounds(runs, key, what)
     alternating = [(base, {n: cases[n]["alternating"] for n in LERP_GOALS if "alternating" in cases.get(n, {})})
                    for base, cases in runs]

@@ -160,11 +160,18 @@ class Executable:
                                        warmup=self.warmup, before_replay=self._fence if fetch else None)
 
             borrow = borrowed_inputs(targs, mutated_inputs)
+            storages = Counter(storage_key(a) or -1 - k for k, a in enumerate(targs))
             for i in self.borrow:
                 if not (isinstance(i, int) and 0 <= i < len(args) and isinstance(args[i], torch.Tensor)):
                     raise OptionError(f"borrow: {i!r} is not the position of a tensor argument "
                                       f"(tensor arguments: {list(tensor_pos)})")
-                borrow[tensor_pos.index(i)] = True
+                k = tensor_pos.index(i)
+                if storages[storage_key(targs[k]) or -1 - k] > 1:  # staged with the others on its storage
+                    warnings.warn(f"flowexec: borrow: argument {i} shares memory with another argument in this "
+                                  "call, so the graph copies it in with them (a graph reading it in place would "
+                                  "miss writes made through the other)", stacklevel=5)
+                    continue
+                borrow[k] = True
             runner = GraphVariants(capture_runner, targs, borrow)
         user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
         return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
@@ -306,7 +313,10 @@ class Executable:
         runner = self._last.runner
         if self.mode != "graph":
             raise OptionError("input_buffers exist in graph mode only; trace mode reads the caller's tensors directly")
-        return list(runner.static_inputs)  # type: ignore[attr-defined]
+        if not isinstance(runner, GraphVariants):
+            raise OptionError("input_buffers: the last signature runs in trace mode (an argument shares memory "
+                              "with closure state that fn writes), which reads the caller's tensors directly")
+        return list(runner.static_inputs)
 
     @property
     def program(self) -> Program:

@@ -316,13 +316,110 @@ def test_graph_mode_argument_on_written_closure_state_runs_in_trace_mode(stand_i
     torch.testing.assert_close(p, pe, rtol=0, atol=0)
 
 
-def test_staged_buffers_keep_layouts_and_refuse_misaligned_views():
+def test_staged_buffers_keep_layouts_flags_and_byte_offsets():
     m = torch.arange(12.0).view(3, 4)
-    s = CG.staged_buffers([m.t(), m[1], torch.zeros(2)], [0, 1, 2])
+    s, spans = CG.staged_buffers([m.t(), m[1], torch.zeros(2)], [0, 1, 2])
     assert torch.equal(s[0], m.t()) and s[0].stride() == (1, 4) and torch.equal(s[1], m[1])
     assert s[1].data_ptr() - s[0].data_ptr() == 16 and s[0].data_ptr() != m.data_ptr()
+    assert [sp.members for sp in spans] == [(0, 1)] and s[2].data_ptr() != spans[0].static.data_ptr()
     s[0][1, 1] = -1.0  # element (1, 1) of the transpose is m[1, 1]: seen through the row view
     assert s[1][1] == -1.0 and m[1, 1] == 5.0
-    raw = torch.zeros(8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"argument 1 \(torch.float16\) starts 1 bytes into memory"):
-        CG.staged_buffers([raw[1:], raw[2:6].view(torch.float16)], [0, 1])
+    x = torch.arange(4.0)
+    s, _ = CG.staged_buffers([x.view(torch.uint8)[1:], x[1:]], [0, 1])  # a float32 view 3 bytes after a byte view
+    assert torch.equal(s[1], x[1:]) and torch.equal(s[0], x.view(torch.uint8)[1:])
+    c = torch.randn(4, dtype=torch.complex64)
+    s, _ = CG.staged_buffers([c, c.conj(), torch._neg_view(c)], [0, 1, 2])  # lazy conj/neg are flags, kept
+    assert s[1].is_conj() and s[2].is_neg() and torch.equal(s[1], c.conj()) and torch.equal(s[2], -c)
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: (x, x),
+    lambda x: (x, x[:1].expand(6)),
+    lambda x: (x.view(torch.uint8)[4:], x[1:]),
+    lambda x: (x, x[::2]),
+], ids=["same tensor twice", "expanded view", "byte view", "strided view"])
+def test_graph_mode_reads_arguments_sharing_storage(stand_in_graphs, make):
+    """Read-only calls on arguments that share memory in every layout: the span is copied whole."""
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.float().sum() + b.float().sum() * 2
+
+    exe = _graph_exe(f, *make(torch.arange(6.0)))
+    for k in range(3):
+        x = torch.randn(6) + k
+        torch.testing.assert_close(exe(*make(x)), f(*make(x)), rtol=0, atol=0)
+    assert len(exe._cache) == 1
+
+
+def test_graph_mode_conjugate_view_arguments(stand_in_graphs):
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    c = torch.randn(4, dtype=torch.complex64)
+    exe = _graph_exe(f, c, c.conj())
+    for _ in range(2):
+        c = torch.randn(4, dtype=torch.complex64)
+        torch.testing.assert_close(exe(c, c.conj()), f(c, c.conj()), rtol=0, atol=0)
+
+
+def test_runner_stages_shared_inputs_from_python(monkeypatch):
+    """Members of a shared span never become memcpy nodes (overlapping copies would be nodes with
+    equal addresses, which the node lookup cannot tell apart); the rest still may."""
+    asked: list[set[int]] = []
+    monkeypatch.setattr(CG, "memcpy_runtime", lambda: FakeRuntime())
+    monkeypatch.setattr(CG, "capture_graph", lambda fn, warmup=3, pool=None, keep_graph=False: (FakeGraph(fn), fn()))
+    monkeypatch.setattr(StagingNodes, "from_graph",
+                        classmethod(lambda cls, rt, g, statics, ex: asked.append(set(statics)) or cls(rt, None, [])))
+    x, other = torch.arange(6.0), torch.ones(3)
+    CG.CudaGraphRunner(lambda a, b, c: [a + 1, b * 2, c - 1], [x, x[2:], other], [], [False] * 3)
+    assert asked == [{2}]
+
+
+def test_graph_mode_borrow_option_skips_arguments_sharing_storage(stand_in_graphs):
+    from flowexec.executable import Executable
+
+    def h(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.mul_(2)
+        return b + 1
+
+    x = torch.arange(6.0)
+    with pytest.warns(UserWarning, match="borrow: argument 1 shares memory with another argument"):
+        exe = Executable(h, "graph", "fast", {"borrow": (1,)}).compile_for(x, x[2:])
+    y = torch.arange(6.0) * 3
+    ye = y.clone()
+    torch.testing.assert_close(exe(y, y[2:]), h(ye, ye[2:]), rtol=0, atol=0)
+    torch.testing.assert_close(y, ye, rtol=0, atol=0)
+
+
+def test_graph_mode_copies_back_into_parameters_written_under_no_grad(stand_in_graphs):
+    def f(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            p.sub_(0.1 * g)
+        return g.sum()
+
+    ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(4)]
+    want = [p.detach().clone() for p in ps]
+    exe = _graph_exe(f, ps[0], torch.randn(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flowexec.RecaptureWarning)  # the fourth address is staged
+        for p, w in zip(ps, want):
+            g = torch.randn(4)
+            exe(p, g)
+            w.sub_(0.1 * g)
+            torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
+    assert exe._last.runner.graph_count == 3
+
+
+def test_input_buffers_after_the_trace_mode_fallback_says_why(stand_in_graphs):
+    p = torch.arange(4.0)
+
+    def h(x: torch.Tensor) -> torch.Tensor:
+        p.add_(1)
+        return x * 2
+
+    exe = _graph_exe(h, torch.zeros(3))
+    assert len(exe.input_buffers) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exe(p[1:])
+    with pytest.raises(flowexec.OptionError, match="runs in trace mode"):
+        exe.input_buffers

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -58,16 +59,38 @@ def is_stable(t: torch.Tensor) -> bool:
     return _owner(t.data_ptr()) is not None
 
 
-def staged_buffers(inputs: Sequence[Any], staged: Sequence[int]) -> dict[int, torch.Tensor]:
+@dataclass(frozen=True)
+class SharedSpan:
+    """Staged inputs that share a storage: one graph-owned buffer holds the bytes they cover
+    (``static``), and each call copies those bytes from the caller's storage in one copy.
+    ``first``: the member whose start locates the span in a caller's storage, ``before``: how
+    many bytes the span starts before it."""
+
+    members: tuple[int, ...]
+    first: int
+    before: int
+    static: torch.Tensor  # uint8, the span's bytes
+
+    def source(self, args: Sequence[Any]) -> torch.Tensor:
+        """The caller's bytes for this span (the signature guarantees the same layout)."""
+        a = args[self.first]
+        start = a.storage_offset() * a.element_size() - self.before
+        return torch.empty(0, dtype=torch.uint8, device=a.device).set_(a.untyped_storage(), start,
+                                                                       (self.static.numel(),))
+
+
+def staged_buffers(inputs: Sequence[Any], staged: Sequence[int]) -> tuple[dict[int, torch.Tensor], list[SharedSpan]]:
     """The graph's own copy of each staged input. Inputs that share a storage get views of one
-    buffer laid out as theirs are, so that the captured program sees the aliasing the caller's
-    tensors have (``x`` and ``x[2:]``: a write through one shows through the other); copies apart
-    would let a write to one leave the other stale.
+    buffer laid out as theirs are (a ``SharedSpan``), so that the captured program sees the
+    aliasing the caller's tensors have (``x`` and ``x[2:]``: a write through one shows through
+    the other); copies apart would let a write to one leave the other stale. The buffer covers
+    the bytes from the first member to the end of the last, gaps included (views far apart in
+    one large buffer cost the whole stretch).
 
     >>> b = torch.arange(6.0)
-    >>> s = staged_buffers([b, b[2:]], [0, 1])
-    >>> s[1].data_ptr() - s[0].data_ptr(), torch.equal(s[1], b[2:]), s[0].data_ptr() == b.data_ptr()
-    (8, True, False)
+    >>> s, spans = staged_buffers([b, b[2:]], [0, 1])
+    >>> s[1].data_ptr() - s[0].data_ptr(), torch.equal(s[1], b[2:]), spans[0].members
+    (8, True, (0, 1))
     """
     from ..capture import storage_key
 
@@ -75,24 +98,28 @@ def staged_buffers(inputs: Sequence[Any], staged: Sequence[int]) -> dict[int, to
     for i in staged:
         groups.setdefault(storage_key(inputs[i]) or -1 - i, []).append(i)
     out: dict[int, torch.Tensor] = {}
+    spans: list[SharedSpan] = []
     for members in groups.values():
         if len(members) == 1:
             out[members[0]] = inputs[members[0]].detach().clone()
             continue
         ts = [inputs[i].detach() for i in members]
         starts = [t.storage_offset() * t.element_size() for t in ts]
-        lo = min(starts)
+        align = max(t.element_size() for t in ts)  # every member starts on a whole element of its type
+        lo = min(starts) // align * align
         hi = max(b + _extent(t) * t.element_size() for b, t in zip(starts, ts))
         dev = ts[0].device
-        span = torch.empty(0, dtype=torch.uint8, device=dev).set_(ts[0].untyped_storage(), lo, (hi - lo,))
-        buf = span.clone().untyped_storage()  # the bytes the inputs cover, gaps included
+        span = torch.empty(0, dtype=torch.uint8, device=dev).set_(ts[0].untyped_storage(), lo, (hi - lo,)).clone()
         for i, t, b in zip(members, ts, starts):
-            if (b - lo) % t.element_size():
-                raise ValueError(f"tensor argument {i} ({t.dtype}) starts {b - lo} bytes into memory it shares "
-                                 "with another argument: not a whole number of its elements")
-            out[i] = torch.empty(0, dtype=t.dtype, device=dev).set_(buf, (b - lo) // t.element_size(), t.shape,
-                                                                      t.stride())
-    return out
+            v = torch.empty(0, dtype=t.dtype, device=dev).set_(span.untyped_storage(), (b - lo) // t.element_size(),
+                                                               t.shape, t.stride())
+            if t.is_neg():  # a lazy negation or conjugation is a flag on the view, not in memory
+                v = torch._neg_view(v)
+            if t.is_conj():
+                v = v.conj()
+            out[i] = v
+        spans.append(SharedSpan(tuple(members), members[0], starts[0] - lo, span))
+    return out, spans
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -180,13 +207,18 @@ class CudaGraphRunner:
         self._staged = [i for i in tensors if not borrow[i]]
         self._borrowed = [(i, example_inputs[i].data_ptr()) for i in tensors if borrow[i]]
         self.static_inputs: list[Any] = list(example_inputs)
-        for i, buf in staged_buffers(example_inputs, self._staged).items():
+        buffers, self._spans = staged_buffers(example_inputs, self._staged)
+        for i, buf in buffers.items():
             self.static_inputs[i] = buf
+        in_span = {i for sp in self._spans for i in sp.members}
         self._mutated_inputs = [i for i in mutated_inputs if i in self._staged]
         rt = memcpy_runtime() if stage_in_graph else None
-        # In-graph staging reads the caller's tensor at replay: contiguous, and not one the graph writes.
+        # In-graph staging reads the caller's tensor at replay: contiguous, and not one the graph
+        # writes. Inputs sharing a storage are staged as one span from Python (copies of
+        # overlapping members would be memcpy nodes with equal addresses).
         in_graph = {i: example_inputs[i] for i in self._staged
-                    if rt is not None and example_inputs[i].is_contiguous() and i not in self._mutated_inputs}
+                    if rt is not None and example_inputs[i].is_contiguous() and i not in self._mutated_inputs
+                    and i not in in_span}
         # Replays and warm-up must not change the caller's state: snapshot what the program
         # writes in place and restore it after warm-up.
         snapshot = [(t, t.detach().clone()) for t in mutated]
@@ -218,7 +250,7 @@ class CudaGraphRunner:
             for i, _ in self._borrowed:
                 static[i] = None
         in_nodes = set(self.staging.index) if self.staging is not None else set()
-        self._staged_ptrs = [(i, static[i].data_ptr()) for i in self._staged if i not in in_nodes]
+        self._staged_ptrs = [(i, static[i].data_ptr()) for i in self._staged if i not in in_nodes and i not in in_span]
         # Outputs that are the caller's own memory (borrowed inputs, state) are live views, never
         # protected. A staged input's buffer is the graph's own: an output that is (a view of) it,
         # such as an input autograd saves for backward, is protected like any other, or the next
@@ -256,13 +288,17 @@ class CudaGraphRunner:
         self.outputs.release(saved_checked)  # first: an output may be a staged input's buffer
         if self._staged_ptrs:
             self._stage_from_python(args)
+        for sp in self._spans:
+            sp.static.copy_(sp.source(args))
         if self.staging is not None:
             self.staging.point(args)
         if self.before_replay is not None:
             self.before_replay()
         self._replay()
-        for i in self._mutated_inputs:
-            args[i].copy_(self.static_inputs[i])
+        if self._mutated_inputs:
+            with torch.no_grad():  # fn's own write was allowed (a leaf written under no_grad)
+                for i in self._mutated_inputs:
+                    args[i].copy_(self.static_inputs[i])
         return self.outputs.hand_out()
 
     def _stage_from_python(self, args: Sequence[Any]) -> None:
