@@ -1,0 +1,92 @@
+"""A small pipeline-parallel training run: blocks of ``Linear(width) + tanh`` split over the
+ranks, MSE against random targets, SGD. The same set-up as
+``../shared/reference/torch_pipelining_gloo.py`` (4 blocks of 256, batch 64, 8 micro-batches),
+so that flowexec and ``torch.distributed.pipelining`` can be timed side by side
+(``benchmarks/pipeline_gloo.py``), and the tests' check against one process (``eager_reference``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .schedules import SCHEDULES
+from .stage import PipelineStage, split_batch
+
+
+@dataclass(frozen=True)
+class Config:
+    width: int = 256
+    blocks: int = 4
+    batch: int = 64
+    n_micro: int = 8
+    schedule: str = "1f1b"
+    steps: int = 6
+    lr: float = 0.05
+    seed: int = 0
+
+
+def blocks(cfg: Config) -> list[torch.nn.Module]:
+    """The whole model, the same in every process (seeded)."""
+    torch.manual_seed(cfg.seed)
+    return [torch.nn.Sequential(torch.nn.Linear(cfg.width, cfg.width), torch.nn.Tanh()) for _ in range(cfg.blocks)]
+
+
+def stage_slice(cfg: Config, rank: int, world: int) -> list[int]:
+    """Which blocks rank ``rank`` holds: contiguous, as even as the count allows."""
+    if cfg.blocks < world:
+        raise ValueError(f"{cfg.blocks} blocks cannot fill {world} stages")
+    edges = [round(i * cfg.blocks / world) for i in range(world + 1)]
+    return list(range(edges[rank], edges[rank + 1]))
+
+
+def data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    return torch.randn(cfg.batch, cfg.width, generator=g), torch.randn(cfg.batch, cfg.width, generator=g)
+
+
+def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the run (``launch.spawn(train_worker, 2, asdict(cfg))``): per step the time
+    and this rank's job records; the last rank's mean losses; this rank's parameters at the end."""
+    cfg = Config(**cfg_dict)
+    model = blocks(cfg)
+    mine = torch.nn.Sequential(*(model[i] for i in stage_slice(cfg, rank, world)))
+    stage = PipelineStage(mine, rank, world, loss_fn=F.mse_loss)
+    jobs = SCHEDULES[cfg.schedule](world, cfg.n_micro)[rank]
+    x, y = data(cfg)
+    xs, ys = split_batch(x, cfg.n_micro), split_batch(y, cfg.n_micro)
+    stage.setup(xs[0].shape)
+    opt = torch.optim.SGD(mine.parameters(), lr=cfg.lr)
+    out: dict[str, Any] = {"step_s": [], "jobs": [], "losses": []}
+    for _ in range(cfg.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        res = stage.run(jobs, inputs=xs if rank == 0 else None, targets=ys if rank == world - 1 else None)
+        opt.step()
+        out["step_s"].append(time.perf_counter() - t0)
+        out["jobs"].append(res.jobs)
+        if res.losses:
+            out["losses"].append(sum(res.losses) / len(res.losses))
+    out["params"] = [p.detach().clone() for p in mine.parameters()]
+    return out
+
+
+def eager_reference(cfg: Config) -> tuple[list[float], list[torch.Tensor]]:
+    """The same training in one process on the whole batch: losses per step and the parameters."""
+    model = torch.nn.Sequential(*blocks(cfg))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    x, y = data(cfg)
+    losses = []
+    for _ in range(cfg.steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+__all__ = ["Config", "asdict", "blocks", "data", "eager_reference", "stage_slice", "train_worker"]

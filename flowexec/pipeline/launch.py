@@ -1,0 +1,92 @@
+"""Run a function on several local processes joined in one ``torch.distributed`` group.
+
+``torchrun`` does this across machines; ``spawn`` is the same on one machine for tests, the CLI
+and benchmarks, with the promises the runtime keeps: every collective and transfer has a
+timeout, a rank that fails stops the others and its error reaches the caller, and nothing hangs.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class PipelineError(RuntimeError):
+    """A rank failed or the run timed out; the message names the rank and its error."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, timeout: float,
+            args: tuple, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        out = io.BytesIO()  # tensors as bytes: a tensor shared through the queue dies with this process
+        torch.save(fn(rank, world, *args), out)
+        results.put((rank, True, out.getvalue()))
+    except BaseException as e:  # the parent raises it with the rank's traceback
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
+          timeout: float = 120.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns their results by rank.
+
+    ``fn`` must be importable (defined at a module's top level). Transfers time out after
+    ``timeout`` seconds, and the whole run after twice that.
+
+    >>> spawn(_echo, 2)  # doctest: +SKIP
+    [0, 1]
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, fn, world, port, backend, timeout, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + 2 * timeout
+    try:
+        while len(got) < world:
+            if not results.empty():
+                rank, ok, value = results.get()
+                if not ok:
+                    raise PipelineError(f"rank {rank} failed: {value}")
+                got[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                continue
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+            if dead and results.empty():
+                r, code = dead[0]
+                raise PipelineError(f"rank {r} exited with code {code} before returning a result")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(got))
+                raise PipelineError(f"ranks {missing} returned nothing within {2 * timeout:.0f} s")
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(world)]
+
+
+def _echo(rank: int, world: int) -> int:
+    return rank
