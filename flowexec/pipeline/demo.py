@@ -27,6 +27,7 @@ class Config:
     steps: int = 6
     lr: float = 0.05
     seed: int = 0
+    threads: int = 0  # intra-op threads per rank (0: torch's default)
 
 
 def blocks(cfg: Config) -> list[torch.nn.Module]:
@@ -52,6 +53,8 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, A
     """One rank of the run (``launch.spawn(train_worker, 2, asdict(cfg))``): per step the time
     and this rank's job records; the last rank's mean losses; this rank's parameters at the end."""
     cfg = Config(**cfg_dict)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     model = blocks(cfg)
     mine = torch.nn.Sequential(*(model[i] for i in stage_slice(cfg, rank, world)))
     stage = PipelineStage(mine, rank, world, loss_fn=F.mse_loss)

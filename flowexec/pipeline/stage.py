@@ -101,6 +101,10 @@ class PipelineStage:
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro -> (input, output or loss)
         sends: list[Any] = []
         clock = time.perf_counter_ns
+        # Every receive of the step is posted up front, in job order (so the transfers overlap
+        # the jobs before the one that needs them); a job waits on its own.
+        recvs = {(j.kind, j.micro): self._post_recv(j) for j in jobs
+                 if (j.kind == "F" and not self.first) or (j.kind == "B" and not self.last)}
         for job in jobs:
             if job.stage != self.stage:
                 raise ValueError(f"job {job} is not stage {self.stage}'s")
@@ -110,8 +114,8 @@ class PipelineStage:
                 if self.first:
                     x = inputs[job.micro]  # type: ignore[index]
                 else:
-                    x = torch.empty(self.in_spec[0], dtype=self.in_spec[1], device=self.device)
-                    dist.recv(x, self.stage - 1, group=self.group, tag=2 * job.micro)
+                    x, work = recvs.pop(("F", job.micro))
+                    work.wait()
                     waited = clock() - t0
                     x.requires_grad_(True)
                 out = self.module(x)
@@ -127,10 +131,9 @@ class PipelineStage:
                 if self.last:
                     out.backward()
                 else:
-                    grad = torch.empty(self.out_spec[0], dtype=self.out_spec[1], device=self.device)  # type: ignore[index]
-                    t1 = clock()
-                    dist.recv(grad, self.stage + 1, group=self.group, tag=2 * job.micro + 1)
-                    waited = clock() - t1
+                    grad, work = recvs.pop(("B", job.micro))
+                    work.wait()
+                    waited = clock() - t0
                     torch.autograd.backward(out, grad)
                 if not self.first:
                     sends.append(dist.isend(x.grad, self.stage - 1, group=self.group, tag=2 * job.micro + 1))
@@ -138,6 +141,14 @@ class PipelineStage:
         for w in sends:
             w.wait()
         return res
+
+    def _post_recv(self, job: Job) -> tuple[torch.Tensor, Any]:
+        """The buffer and pending receive of what ``job`` takes from a neighbour: the activation
+        from stage ``s-1`` for a forward, the output's gradient from ``s+1`` for a backward."""
+        shape, dtype = self.in_spec if job.kind == "F" else self.out_spec  # type: ignore[misc]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        peer, tag = (self.stage - 1, 2 * job.micro) if job.kind == "F" else (self.stage + 1, 2 * job.micro + 1)
+        return buf, dist.irecv(buf, peer, group=self.group, tag=tag)
 
 
 def split_batch(t: torch.Tensor, n_micro: int) -> list[torch.Tensor]:
