@@ -101,12 +101,14 @@ def main() -> None:
     for sched in ("gpipe", "1f1b"):
         f = statistics.median(x["rank0_ms"] for x in rounds[f"flowexec {sched}"])
         t = statistics.median(x["rank0_ms"] for x in rounds[f"torch {sched}"])
+        lf, lt = rounds[f"flowexec {sched}"][0]["losses"], rounds[f"torch {sched}"][0]["losses"]
         summary[sched] = {"flowexec_ms": f, "torch_ms": t, "speedup": t / f,
+                          "losses_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(lf, lt, strict=True)),
                           "flowexec_bubble_rank0": statistics.median(x["bubble"][0] for x in rounds[f"flowexec {sched}"])}
         print(f"{sched}: flowexec {f:.1f} ms, torch.distributed.pipelining {t:.1f} ms: {t / f:.2f}x", flush=True)
     res_json = {"device": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
                 "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "command": "python3 benchmarks/pipeline_gloo.py", "commit": os.environ.get("FLOWEXEC_COMMIT", commit()),
+                "command": "python3 benchmarks/pipeline_gloo.py --rounds " + str(args.rounds), "commit": os.environ.get("FLOWEXEC_COMMIT", commit()),
                 "config": asdict(base), "rounds": rounds, "summary": summary}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

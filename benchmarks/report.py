@@ -231,6 +231,24 @@ def forward_rounds(runs: list[tuple[str, dict[str, Any]]], key: str, what: str) 
     print("\n".join(rows))
 
 
+def pipeline() -> None:
+    d = load("pipeline_gloo.json")
+    if not d:
+        return
+    c = d["config"]
+    print(f"Pipeline-parallel training on CPU with gloo — {d['cpus']} CPUs, torch {d['torch']}, {d['date'][:10]}, "
+          f"commit {d['commit']} (`{d['command']}`; 2 ranks, {c['blocks']} blocks of Linear({c['width']}) + tanh, "
+          f"batch {c['batch']} in {c['n_micro']} micro-batches, SGD, one thread per rank; median step of rank 0 over "
+          f"{len(next(iter(d['rounds'].values())))} alternating rounds):\n")
+    print("| schedule | torch.distributed.pipelining | flowexec.pipeline | speed-up | flowexec bubble, rank 0 "
+          "| losses, largest relative difference |")
+    print("|---|---|---|---|---|---|")
+    for sched, r in d["summary"].items():
+        print(f"| {sched} | {r['torch_ms']:.1f} ms | {r['flowexec_ms']:.1f} ms | {r['speedup']:.2f}× "
+              f"| {r['flowexec_bubble_rank0']:.0%} | {r.get('losses_max_rel_diff', float('nan')):.1e} |")
+    print()
+
+
 def graph_inputs() -> None:
     d = load("graph_inputs.json")
     if not d:
@@ -325,6 +343,7 @@ def main() -> None:
         graph_inputs()
         item()
         streams()
+        pipeline()
     text = buf.getvalue()
     if "--readme" not in sys.argv:
         print(text, end="")

@@ -18,7 +18,25 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--out", default="flowexec-trace.json", help="Chrome trace file (default flowexec-trace.json)")
     prof.add_argument("--top", type=int, default=10, help="instructions listed (default 10)")
     prof.add_argument("--streams", type=int, default=1, help="CUDA streams (default 1)")
+    pipe = sub.add_parser("pipeline", help="train a small model pipeline-parallel on local gloo ranks (CPU) and "
+                                           "save the job timeline")
+    pipe.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    pipe.add_argument("--ranks", type=int, default=2, help="stages, one per process (default 2)")
+    pipe.add_argument("--micro", type=int, default=8, help="micro-batches per step (default 8)")
+    pipe.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
+    pipe.add_argument("--out", default="flowexec-pipeline.json", help="Chrome trace of the jobs")
     args = parser.parse_args(argv)
+    if args.command == "pipeline":
+        if min(args.ranks, args.micro, args.steps) < 1:
+            parser.error("--ranks, --micro and --steps must be at least 1")
+        from .pipeline.demo import run_cli
+
+        try:
+            run_cli(args.schedule, args.ranks, args.micro, args.steps, args.out)
+        except (ValueError, RuntimeError) as e:
+            print(f"flowexec pipeline: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "profile":
         if args.runs < 1 or args.top < 1:
             parser.error("--runs and --top must be at least 1")

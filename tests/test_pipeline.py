@@ -138,3 +138,24 @@ def test_a_failing_rank_reaches_the_caller():
 def test_a_receive_that_never_comes_times_out():
     with pytest.raises(PipelineError, match="rank 0 failed"):
         spawn(_never_sends, 2, timeout=5)
+
+
+def test_three_ranks_with_a_middle_stage_train_as_one_process():
+    cfg = Config(**{**asdict(SMALL), "blocks": 3, "schedule": "1f1b", "steps": 2})
+    res = spawn(train_worker, 3, asdict(cfg), timeout=60)
+    losses, params = eager_reference(cfg)
+    assert res[2]["losses"] == pytest.approx(losses, rel=1e-5)
+    got = [t for r in range(3) for t in res[r]["params"]]
+    for a, b in zip(got, params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cli_trains_and_saves_the_timeline(tmp_path, capsys):
+    from flowexec.cli import main
+
+    out = tmp_path / "jobs.json"
+    assert main(["pipeline", "--schedule", "gpipe", "--micro", "2", "--steps", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "step 1: loss" in text and "bubble" in text and "largest relative difference" in text
+    names = [e["name"] for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
+    assert names[:4] == ["0F0", "0F1", "0B0", "0B1"] and len(names) == 2 * 2 * 4

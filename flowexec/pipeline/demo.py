@@ -92,4 +92,26 @@ def eager_reference(cfg: Config) -> tuple[list[float], list[torch.Tensor]]:
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+def run_cli(schedule: str, ranks: int, micro: int, steps: int, out: str) -> None:
+    """``flowexec pipeline``: train on ``ranks`` local gloo processes, print each step and the
+    bubble per rank, save the job timeline and check the result against one process."""
+    from .launch import spawn
+    from .timeline import bubble, save
+
+    cfg = Config(blocks=max(4, ranks), batch=8 * micro, n_micro=micro, schedule=schedule, steps=steps, threads=1)
+    print(f"{schedule}: {ranks} ranks, {cfg.blocks} blocks of Linear({cfg.width}) + tanh, batch {cfg.batch} in "
+          f"{micro} micro-batches, {steps} steps (gloo, CPU)", flush=True)
+    res = spawn(train_worker, ranks, asdict(cfg), timeout=120)
+    for k in range(steps):
+        print(f"step {k}: loss {res[-1]['losses'][k]:.6f}, " + ", ".join(
+            f"rank {r} {res[r]['step_s'][k] * 1e3:.1f} ms" for r in range(ranks)))
+    jobs = {r: res[r]["jobs"] for r in range(ranks)}
+    print("bubble (idle share of each rank's steps): " + ", ".join(f"rank {r} {b:.0%}" for r, b in bubble(jobs).items()))
+    losses, _ = eager_reference(cfg)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(res[-1]["losses"], losses))
+    print(f"losses against one process: largest relative difference {worst:.1e}")
+    save(jobs, out)
+    print(f"job timeline: {out} (open in https://ui.perfetto.dev)")
+
+
 __all__ = ["Config", "asdict", "blocks", "data", "eager_reference", "stage_slice", "train_worker"]
