@@ -1,9 +1,10 @@
 """Pipeline-parallel training steps on CPU with gloo: flowexec.pipeline against
 torch.distributed.pipelining, side by side in alternating rounds on the same machine.
 
-The set-up of ``../shared/reference/torch_pipelining_gloo.py``: 2 ranks, 4 blocks of
-Linear(256) + tanh (2 per rank), batch 64 in 8 micro-batches, MSE; both implementations also
-zero the gradients and take an SGD step, with one intra-op thread per rank (2 ranks on the
+flowexec runs each stage's module eagerly, or (``flowexec compiled``) through
+``torch.compile(backend="flowexec")``. The set-up of ``../shared/reference/torch_pipelining_gloo.py``: 2 ranks, 4 blocks of
+Linear(256) + tanh (2 per rank), batch 64 in 8 micro-batches, MSE; every implementation also
+zero the gradients and takes an SGD step, with one intra-op thread per rank (2 ranks on the
 2-core CI machine). Per round and implementation: a fresh pair of processes, 8 steps, the median
 of the last 6 per rank; the figure is the median over rounds of rank 0's. flowexec's job
 timeline of its last round is saved beside the results (``--trace``).
@@ -82,19 +83,20 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="where to save flowexec's job timeline (default: beside --out)")
     args = ap.parse_args()
     base = Config(steps=args.steps, threads=1)
-    impls = [(name, sched) for sched in ("gpipe", "1f1b") for name in ("flowexec", "torch")]
+    impls = [(name, sched) for sched in ("gpipe", "1f1b") for name in ("flowexec", "flowexec compiled", "torch")]
     rounds: dict[str, list[dict[str, Any]]] = {f"{n} {s}": [] for n, s in impls}
     last_jobs: dict[str, Any] = {}
     for r in range(args.rounds):
         for name, sched in (impls if r % 2 == 0 else impls[::-1]):
-            cfg = replace(base, schedule=sched)
-            res = spawn(train_worker if name == "flowexec" else torch_worker, 2, asdict(cfg), timeout=120)
+            cfg = replace(base, schedule=sched, backend="flowexec" if name == "flowexec compiled" else "")
+            res = spawn(torch_worker if name == "torch" else train_worker, 2, asdict(cfg), timeout=120)
             med = [statistics.median(res[k]["step_s"][2:]) * 1e3 for k in range(2)]
             row = {"rank0_ms": med[0], "rank1_ms": med[1], "losses": res[1]["losses"]}
-            if name == "flowexec":
+            if name != "torch":
                 jobs = {k: res[k]["jobs"][2:] for k in range(2)}
                 row["bubble"] = bubble(jobs)
-                last_jobs[sched] = jobs
+                if name == "flowexec":
+                    last_jobs[sched] = jobs
             rounds[f"{name} {sched}"].append(row)
             print(f"round {r} {name} {sched}: rank 0 {med[0]:.1f} ms, rank 1 {med[1]:.1f} ms", flush=True)
     summary = {}
@@ -102,8 +104,11 @@ def main() -> None:
         f = statistics.median(x["rank0_ms"] for x in rounds[f"flowexec {sched}"])
         t = statistics.median(x["rank0_ms"] for x in rounds[f"torch {sched}"])
         lf, lt = rounds[f"flowexec {sched}"][0]["losses"], rounds[f"torch {sched}"][0]["losses"]
+        fc = statistics.median(x["rank0_ms"] for x in rounds[f"flowexec compiled {sched}"])
+        lc = rounds[f"flowexec compiled {sched}"][0]["losses"]
         summary[sched] = {"flowexec_ms": f, "torch_ms": t, "speedup": t / f,
-                          "losses_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(lf, lt, strict=True)),
+                          "flowexec_compiled_ms": fc, "speedup_compiled": t / fc,
+                          "losses_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(lf + lc, lt + lt, strict=True)),
                           "flowexec_bubble_rank0": statistics.median(x["bubble"][0] for x in rounds[f"flowexec {sched}"])}
         print(f"{sched}: flowexec {f:.1f} ms, torch.distributed.pipelining {t:.1f} ms: {t / f:.2f}x", flush=True)
     res_json = {"device": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,

@@ -240,11 +240,13 @@ def pipeline() -> None:
           f"commit {d['commit']} (`{d['command']}`; 2 ranks, {c['blocks']} blocks of Linear({c['width']}) + tanh, "
           f"batch {c['batch']} in {c['n_micro']} micro-batches, SGD, one thread per rank; median step of rank 0 over "
           f"{len(next(iter(d['rounds'].values())))} alternating rounds):\n")
-    print("| schedule | torch.distributed.pipelining | flowexec.pipeline | speed-up | flowexec bubble, rank 0 "
-          "| losses, largest relative difference |")
+    print("| schedule | torch.distributed.pipelining | flowexec.pipeline, eager stages | stages through the "
+          "flowexec backend | flowexec bubble, rank 0 | losses, largest relative difference |")
     print("|---|---|---|---|---|---|")
     for sched, r in d["summary"].items():
-        print(f"| {sched} | {r['torch_ms']:.1f} ms | {r['flowexec_ms']:.1f} ms | {r['speedup']:.2f}× "
+        comp = (f"{r['flowexec_compiled_ms']:.1f} ms ({r['speedup_compiled']:.2f}×)" if "flowexec_compiled_ms" in r
+                else "–")
+        print(f"| {sched} | {r['torch_ms']:.1f} ms | {r['flowexec_ms']:.1f} ms ({r['speedup']:.2f}×) | {comp} "
               f"| {r['flowexec_bubble_rank0']:.0%} | {r.get('losses_max_rel_diff', float('nan')):.1e} |")
     print()
 

@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     pipe.add_argument("--micro", type=int, default=8, help="micro-batches per step (default 8)")
     pipe.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
     pipe.add_argument("--out", default="flowexec-pipeline.json", help="Chrome trace of the jobs")
+    pipe.add_argument("--compile", action="store_true",
+                      help="run each stage's module through torch.compile(backend='flowexec')")
     args = parser.parse_args(argv)
     if args.command == "pipeline":
         if min(args.ranks, args.micro, args.steps) < 1:
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         from .pipeline.demo import run_cli
 
         try:
-            run_cli(args.schedule, args.ranks, args.micro, args.steps, args.out)
+            run_cli(args.schedule, args.ranks, args.micro, args.steps, args.out, "flowexec" if args.compile else "")
         except (ValueError, RuntimeError) as e:
             print(f"flowexec pipeline: {e}", file=sys.stderr)
             return 2

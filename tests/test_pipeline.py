@@ -159,3 +159,12 @@ def test_cli_trains_and_saves_the_timeline(tmp_path, capsys):
     assert "step 1: loss" in text and "bubble" in text and "largest relative difference" in text
     names = [e["name"] for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
     assert names[:4] == ["0F0", "0F1", "0B0", "0B1"] and len(names) == 2 * 2 * 4
+
+
+def test_stages_through_the_flowexec_backend_train_as_one_process():
+    cfg = Config(**{**asdict(SMALL), "schedule": "1f1b", "steps": 2, "backend": "flowexec"})
+    res = spawn(train_worker, 2, asdict(cfg), timeout=120)
+    losses, params = eager_reference(cfg)
+    assert res[1]["losses"] == pytest.approx(losses, rel=1e-5)
+    for a, b in zip(res[0]["params"] + res[1]["params"], params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
