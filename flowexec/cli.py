@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             run_cli(args.schedule, args.ranks, args.micro, args.steps, args.out, "flowexec" if args.compile else "")
-        except (ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError, OSError) as e:
             print(f"flowexec pipeline: {e}", file=sys.stderr)
             return 2
         return 0

@@ -100,6 +100,8 @@ def run_cli(schedule: str, ranks: int, micro: int, steps: int, out: str, backend
     from .launch import spawn
     from .timeline import bubble, save
 
+    open(out, "a").close()  # an unwritable path fails now, not after training
+
     cfg = Config(blocks=max(4, ranks), batch=8 * micro, n_micro=micro, schedule=schedule, steps=steps, threads=1,
                  backend=backend)
     print(f"{schedule}: {ranks} ranks, {cfg.blocks} blocks of Linear({cfg.width}) + tanh, batch {cfg.batch} in "

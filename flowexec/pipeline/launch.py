@@ -32,9 +32,9 @@ def _free_port() -> int:
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, timeout: float,
             args: tuple, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
     try:
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
         out = io.BytesIO()  # tensors as bytes: a tensor shared through the queue dies with this process
         torch.save(fn(rank, world, *args), out)
         results.put((rank, True, out.getvalue()))
@@ -42,7 +42,8 @@ def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, backend: s
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
@@ -72,10 +73,14 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
                     raise PipelineError(f"rank {rank} failed: {value}")
                 got[rank] = torch.load(io.BytesIO(value), weights_only=False)
                 continue
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+            # A rank that ended without a result failed, whatever its exit code (os._exit(0) too);
+            # read its exit status only once the queue holds nothing more from it.
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
             if dead and results.empty():
-                r, code = dead[0]
-                raise PipelineError(f"rank {r} exited with code {code} before returning a result")
+                time.sleep(0.05)  # a result put just before the exit may still be in the pipe
+                if results.empty():
+                    raise PipelineError("rank(s) ended without a result: " + ", ".join(
+                        f"rank {r} ({'signal ' + str(-c) if c < 0 else 'exit code ' + str(c)})" for r, c in dead))
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world)) - set(got))
                 raise PipelineError(f"ranks {missing} returned nothing within {2 * timeout:.0f} s")

@@ -121,7 +121,13 @@ def simulate(schedule: Schedule, backward_cost: int = 1) -> Simulation:
     ...
     ValueError: schedule deadlocks: rank 0 waits at 0B0 for 0F0
     """
+    if backward_cost < 1:
+        raise ValueError(f"backward_cost must be at least 1, got {backward_cost!r}")
     jobs = [j for js in schedule.values() for j in js]
+    if not jobs:
+        raise ValueError("the schedule has no jobs")
+    if any(j.micro < 0 or j.stage < 0 or j.kind not in KINDS for j in jobs):
+        raise ValueError(f"bad job {next(str(j) for j in jobs if j.micro < 0 or j.stage < 0 or j.kind not in KINDS)}")
     if len(set(jobs)) != len(jobs):
         dup = next(str(j) for j in jobs if jobs.count(j) > 1)
         raise ValueError(f"schedule runs {dup} twice")
@@ -130,6 +136,8 @@ def simulate(schedule: Schedule, backward_cost: int = 1) -> Simulation:
         for j in js:
             if owner.setdefault(j.stage, r) != r:
                 raise ValueError(f"stage {j.stage} is on ranks {owner[j.stage]} and {r}")
+            if j.stage != r:  # what PipelineStage runs: stage r on rank r
+                raise ValueError(f"rank {r} has job {j}: each rank runs the stage of its own number")
     stages = sorted(owner)
     if stages != list(range(len(stages))):
         raise ValueError(f"stages must be 0..{len(stages) - 1}, got {stages}")

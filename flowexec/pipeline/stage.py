@@ -73,17 +73,31 @@ class PipelineStage:
             dist.recv(header, self.stage - 1, group=self.group)
             ndim = int(header[1])
             self.in_spec = (tuple(int(d) for d in header[2:2 + ndim]), _DTYPES[int(header[0])])
-        with torch.no_grad():
-            out = self.module(torch.zeros(self.in_spec[0], dtype=self.in_spec[1], device=self.device))
+        if self.last:  # its output only feeds loss_fn: any type will do, nothing is sent
+            return
+        out = self._probe()
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"stage {self.stage} returns {type(out).__name__}; a stage that sends to the next "
+                             "must return one tensor")
         self.out_spec = (tuple(out.shape), out.dtype)
-        if not self.last:
-            if out.dtype not in _DTYPES or out.dim() > _HEADER - 2:
-                raise ValueError(f"stage {self.stage} outputs {out.dtype} of {out.dim()} dims; "
-                                 f"a pipeline sends floating tensors of at most {_HEADER - 2} dims")
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
-            header[2:2 + out.dim()] = torch.tensor(out.shape)
-            dist.send(header, self.stage + 1, group=self.group)
+        if out.dtype not in _DTYPES or out.dim() > _HEADER - 2:
+            raise ValueError(f"stage {self.stage} outputs {out.dtype} of {out.dim()} dims; "
+                             f"a pipeline sends floating tensors of at most {_HEADER - 2} dims")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
+        header[2:2 + out.dim()] = torch.tensor(out.shape)
+        dist.send(header, self.stage + 1, group=self.group)
+
+    def _probe(self) -> Any:
+        """The module's output on zeros of the incoming shape, leaving no trace: random state
+        and buffers (BatchNorm's running statistics) are as they were."""
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            out = self.module(torch.zeros(self.in_spec[0], dtype=self.in_spec[1], device=self.device))  # type: ignore[index]
+            for b, saved in buffers:
+                b.copy_(saved)
+        return out
 
     # -- one step ----------------------------------------------------------------------------
     def run(self, jobs: Sequence[Job], inputs: Sequence[torch.Tensor] | None = None,
@@ -92,11 +106,19 @@ class PipelineStage:
         the last stage's). Gradients accumulate into the parameters' ``.grad``."""
         if self.in_spec is None:
             raise RuntimeError(f"stage {self.stage}: call setup() before run()")
+        if not jobs:
+            raise ValueError(f"stage {self.stage}: no jobs to run")
         n_micro = 1 + max(j.micro for j in jobs)
         for name, given, needed in (("inputs", inputs, self.first), ("targets", targets, self.last)):
             if needed and (given is None or len(given) != n_micro):
                 raise ValueError(f"stage {self.stage} needs {n_micro} micro-batch {name}, "
                                  f"got {None if given is None else len(given)}")
+        if self.first:
+            for m, t in enumerate(inputs):  # type: ignore[arg-type]
+                if (tuple(t.shape), t.dtype) != self.in_spec:
+                    raise ValueError(f"stage 0: micro-batch {m} is {t.dtype} {list(t.shape)}, but setup() was "
+                                     f"given {self.in_spec[1]} {list(self.in_spec[0])} (the shapes sent down the "
+                                     "pipeline follow from it)")
         res = StepResult()
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro -> (input, output or loss)
         sends: list[Any] = []
@@ -124,19 +146,24 @@ class PipelineStage:
                     res.losses.append(float(loss.detach()))
                     saved[job.micro] = (x, loss / n_micro)
                 else:
+                    if (tuple(out.shape), out.dtype) != self.out_spec:
+                        raise ValueError(f"stage {self.stage}: micro-batch {job.micro}'s output is {out.dtype} "
+                                         f"{list(out.shape)}, not the {self.out_spec[1]} "  # type: ignore[index]
+                                         f"{list(self.out_spec[0])} it had at setup()")  # type: ignore[index]
                     saved[job.micro] = (x, out)
-                    sends.append(dist.isend(out.detach(), self.stage + 1, group=self.group, tag=2 * job.micro))
+                    sends.append(dist.isend(out.detach().contiguous(), self.stage + 1, group=self.group,
+                                            tag=2 * job.micro))
             else:
                 x, out = saved.pop(job.micro)
-                if self.last:
-                    out.backward()
-                else:
+                if not self.last:
                     grad, work = recvs.pop(("B", job.micro))
                     work.wait()
                     waited = clock() - t0
-                    torch.autograd.backward(out, grad)
+                if out.requires_grad:  # else nothing before it needs a gradient (no parameters, say)
+                    torch.autograd.backward(out, None if self.last else grad)
                 if not self.first:
-                    sends.append(dist.isend(x.grad, self.stage - 1, group=self.group, tag=2 * job.micro + 1))
+                    gx = x.grad if x.grad is not None else torch.zeros_like(x)  # the output ignored its input
+                    sends.append(dist.isend(gx.contiguous(), self.stage - 1, group=self.group, tag=2 * job.micro + 1))
             res.jobs.append((str(job), t0, clock(), waited))
         for w in sends:
             w.wait()

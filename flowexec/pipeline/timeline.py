@@ -1,5 +1,5 @@
 """The pipeline's job timeline: every rank's jobs of every step on one time axis, as a
-Chrome/Perfetto trace (one process per rank, a lane for compute and one for waits to receive,
+Chrome/Perfetto trace (one process per rank, pid = rank + 1; a lane for compute and one for waits to receive,
 a colour per job kind, a line at each step's start), and the bubble each rank saw.
 
 Ranks on one machine share ``perf_counter_ns``'s clock (CLOCK_MONOTONIC on Linux), so their
@@ -28,19 +28,20 @@ def chrome_trace(steps: Steps) -> dict[str, Any]:
     t0 = min((j[1] for per_rank in steps.values() for step in per_rank for j in step), default=0)
     events: list[dict[str, Any]] = []
     for rank, per_rank in sorted(steps.items()):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "jobs"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 1, "args": {"name": "waiting to receive"}})
+        pid = rank + 1  # Perfetto treats pid 0 (the kernel's swapper) specially
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {rank}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "jobs"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 2, "args": {"name": "waiting to receive"}})
         for k, step in enumerate(per_rank):
             if step:
-                events.append({"ph": "i", "s": "p", "name": f"step {k}", "pid": rank, "tid": 0,
+                events.append({"ph": "i", "s": "p", "name": f"step {k}", "pid": pid, "tid": 1,
                                "ts": (step[0][1] - t0) / 1e3})
             for name, start, end, waited in step:
                 kind = "F" if "F" in name else "B"
-                events.append({"ph": "X", "name": name, "cat": kind, "pid": rank, "tid": 0, "cname": _COLOURS[kind],
+                events.append({"ph": "X", "name": name, "cat": kind, "pid": pid, "tid": 1, "cname": _COLOURS[kind],
                                "ts": (start - t0) / 1e3, "dur": (end - start) / 1e3, "args": {"step": k}})
                 if waited:
-                    events.append({"ph": "X", "name": f"recv for {name}", "cat": "wait", "pid": rank, "tid": 1,
+                    events.append({"ph": "X", "name": f"recv for {name}", "cat": "wait", "pid": pid, "tid": 2,
                                    "cname": _COLOURS["wait"], "ts": (start - t0) / 1e3, "dur": waited / 1e3})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
