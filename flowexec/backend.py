@@ -25,7 +25,7 @@ from .capture import program_from_graph
 from .errors import OptionError, count_option
 from .executable import MODES, RecaptureWarning, rewrite_program
 from .passes.streams import cuda_devices
-from .plan import GC_MODES, build_plan
+from .plan import build_plan, check_gc
 from .runtime.interpreter import lower_trace
 
 BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams")
@@ -292,8 +292,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     streams = count_option(opts, "streams", 1, 1)
     if mode not in MODES:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
-    if gc not in GC_MODES:
-        raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
+    check_gc(gc, mode, streams)
     if streams > 1 and not _cuda_available():
         raise OptionError(f"streams={streams} runs ops on CUDA streams, but this machine has no CUDA device; use streams=1")
     if mode == "graph" and not _cuda_available():

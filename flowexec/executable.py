@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import capture, storage_key
 from .errors import InputError, OptionError, count_option
-from .plan import GC_MODES, ExecutionPlan, build_plan
+from .plan import ExecutionPlan, build_plan, check_gc
 from .program import Program, Ref
 from .runtime.interpreter import lower_trace
 
@@ -454,8 +454,7 @@ def compile(fn: Callable[..., Any], *example_args: Any, mode: str = "trace", gc:
     if mode not in MODES:
         hint = " (threaded mode is not implemented yet)" if mode == "threaded" else ""
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}{hint}")
-    if gc not in GC_MODES:
-        raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
+    check_gc(gc, mode, count_option(options, "streams", 1, 1))
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         valid = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())

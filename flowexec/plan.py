@@ -23,7 +23,18 @@ from .passes.liveness import Liveness, analyse_liveness
 from .passes.streams import assign_streams, exit_uses, plan_events, side_outputs, stream_uses
 from .program import Op, Program, Role, lint
 
-GC_MODES = ("fast", "none")
+GC_MODES = ("fast", "async", "none")
+
+
+def check_gc(gc: str, mode: str = "trace", streams: int = 1) -> None:
+    """An OptionError for a collector that is not one, or one that cannot serve this run mode:
+    ``async`` drops values on a worker thread, which a CUDA-graph capture on the caller's thread
+    and the side streams' ``record_stream`` bookkeeping are not ready for yet."""
+    if gc not in GC_MODES:
+        raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
+    if gc == "async" and (mode != "trace" or streams > 1):
+        raise OptionError(f"gc='async' runs in trace mode on one stream only (got mode={mode!r}, streams={streams}); "
+                          "use gc='fast' there")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +86,8 @@ class ExecutionPlan:
 def build_plan(prog: Program, gc: str = "fast", streams: int = 1) -> ExecutionPlan:
     """Lint the program and run every pass once; ``streams``: spread ops over up to that many
     CUDA streams (1: every op on the caller's stream, no events)."""
-    if gc not in GC_MODES:
-        raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
     whole_number("streams", streams, 1)
+    check_gc(gc, streams=streams)
     lint(prog)
     groups = alias_groups(prog)
     # Arguments on one storage are one buffer to the dependencies only where several streams

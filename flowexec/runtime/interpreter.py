@@ -104,6 +104,11 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
 
         glb.update({"_now": time.perf_counter_ns, "_T": clock})
         lines.append("    _T[0] = _now()")
+    async_gc = plan.gc == "async"
+    if async_gc:
+        from .gc import collector
+
+        glb["_gc"] = collector().collect
     multi = plan.n_streams > 1
     if multi:
         if streams is None:
@@ -145,7 +150,10 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             lines += [f"    E{e}.record({stream_name(on)})" for e in ins.records]
             lines += [f"    _rs({_slot(v)}, {stream_name(k)})" for v, ks in ins.stream_uses for k in ks]
         if ins.frees:
-            lines.append("    del " + ", ".join(_slot(v) for v in ins.frees))
+            names = ", ".join(_slot(v) for v in ins.frees)
+            if async_gc:  # the worker drops the last references (runtime/gc.py)
+                lines.append(f"    _gc(({names},))")
+            lines.append("    del " + names)
         if clock is not None:
             lines.append(f"    _T[{pos + 1}] = _now()")
     if multi:

@@ -1,0 +1,102 @@
+"""gc="async": the values a plan frees are dropped on one worker thread; results equal eager."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from flowexec.models import make_mlp, make_step
+from flowexec.runtime.gc import AsyncCollector, collector
+from helpers import assert_close_rel, assert_same_state, twin
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Tracked:
+    """Records the thread that drops it."""
+
+    dropped_on: list[int] = []
+
+    def __del__(self) -> None:
+        _Tracked.dropped_on.append(threading.get_ident())
+
+
+def test_the_collector_drops_on_its_own_thread_in_order():
+    c = AsyncCollector()
+    _Tracked.dropped_on = []
+    order: list[int] = []
+
+    class Numbered:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def __del__(self) -> None:
+            order.append(self.k)
+
+    for k in range(50):
+        c.collect((Numbered(k), _Tracked()))
+    assert c.drain(timeout=10)
+    assert order == list(range(50))
+    assert set(_Tracked.dropped_on) == {c.thread.ident} and c.thread.ident != threading.get_ident()
+
+
+def test_trace_mode_with_async_gc_trains_like_eager():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(make_mlp(16, 2), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    eager, mine = make_step(m1, o1, F.mse_loss), make_step(m2, o2, F.mse_loss)
+    data = [(torch.randn(8, 16), torch.randn(8, 10)) for _ in range(5)]
+    eager(*data[0]), mine(*data[0])
+    exe = flowexec.compile(mine, *data[0], gc="async")
+    before = collector()._handed
+    for x, y in data[1:]:
+        assert_close_rel(exe(x, y), eager(x, y), what="loss")
+    assert_same_state(m1, m2)
+    sites = sum(1 for ins in exe.plan.instructions if ins.frees)
+    assert sites > 0 and collector()._handed - before == sites * 4  # one hand-over per free site per call
+    assert collector().drain(timeout=10)
+
+
+def test_async_plans_free_what_fast_plans_free():
+    from flowexec.capture import capture
+    from flowexec.plan import build_plan
+    from flowexec.runtime.interpreter import lower_trace
+
+    def f(x):
+        a = x * 2
+        b = a + 1
+        return b.sin().sum()
+
+    prog = capture(f, (torch.randn(4),)).program
+    fast, slow = build_plan(prog, "fast"), build_plan(prog, "async")
+    assert [i.frees for i in fast.instructions] == [i.frees for i in slow.instructions]
+    seen: list[tuple] = []
+    x = torch.randn(4)
+    import flowexec.runtime.gc as G
+
+    real = G._COLLECTOR
+    spy = type("Spy", (), {"collect": lambda self, v: seen.append(v)})()
+    G._COLLECTOR = spy
+    try:
+        run = lower_trace(slow)
+        got = run(x)
+    finally:
+        G._COLLECTOR = real
+    torch.testing.assert_close(got[0], f(x))
+    assert [len(v) for v in seen] == [len(i.frees) for i in slow.instructions if i.frees]
+    assert all(isinstance(t, torch.Tensor) for v in seen for t in v)
+
+
+def test_async_gc_is_refused_where_it_cannot_run():
+    with pytest.raises(flowexec.OptionError, match="gc='async' runs in trace mode on one stream only"):
+        flowexec.compile(lambda x: x * 2, torch.ones(2), mode="graph", gc="async")
+    with pytest.raises(flowexec.OptionError, match=r"gc='async' runs in trace mode on one stream only \(got mode='trace', streams=2\)"):
+        flowexec.compile(lambda x: x * 2, torch.ones(2), gc="async", streams=2)
+    with pytest.raises(flowexec.OptionError, match="gc='slow' is not a garbage-collection mode; valid: fast, async, none"):
+        flowexec.compile(lambda x: x * 2, torch.ones(2), gc="slow")
+    torch._dynamo.reset()
+    bad = torch.compile(lambda x: x * 2, backend="flowexec", options={"mode": "graph", "gc": "async"})
+    with pytest.raises(Exception, match="gc='async' runs in trace mode"):
+        bad(torch.ones(2))
