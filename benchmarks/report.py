@@ -251,6 +251,22 @@ def pipeline() -> None:
     print()
 
 
+def gc_cpu() -> None:
+    d = load("gc_cpu.json")
+    if not d:
+        return
+    print(f"Garbage collectors on CPU — {d['cpus']} CPUs, torch {d['torch']}, {d['date'][:10]}, commit {d['commit']} "
+          f"(`{d['command']}`; eight elementwise ops over 64 MiB tensors, each intermediate dying one op later; "
+          "median call over alternating rounds):\n")
+    print("| intra-op threads | eager | trace, `gc=\"fast\"` | trace, `gc=\"async\"` | async vs fast |")
+    print("|---|---|---|---|---|")
+    for k, r in d["results"].items():
+        m = r["median_ms"]
+        print(f"| {k.split()[0]} | {m['eager']:.1f} ms | {m['trace, gc=fast']:.1f} ms | {m['trace, gc=async']:.1f} ms "
+              f"| {r['async_vs_fast']:.2f}× |")
+    print()
+
+
 def graph_inputs() -> None:
     d = load("graph_inputs.json")
     if not d:
@@ -346,6 +362,7 @@ def main() -> None:
         item()
         streams()
         pipeline()
+        gc_cpu()
     text = buf.getvalue()
     if "--readme" not in sys.argv:
         print(text, end="")
