@@ -100,3 +100,16 @@ def test_async_gc_is_refused_where_it_cannot_run():
     bad = torch.compile(lambda x: x * 2, backend="flowexec", options={"mode": "graph", "gc": "async"})
     with pytest.raises(Exception, match="gc='async' runs in trace mode"):
         bad(torch.ones(2))
+
+
+def test_backend_with_async_gc_trains_like_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    (m1, o1), (m2, o2) = twin(make_mlp(16, 2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    eager = make_step(m1, o1, F.mse_loss)
+    mine = make_step(torch.compile(m2, backend="flowexec", options={"gc": "async"}), o2, F.mse_loss)
+    for _ in range(3):
+        x, y = torch.randn(8, 16), torch.randn(8, 10)
+        assert_close_rel(mine(x, y), eager(x, y), what="loss")
+    assert_same_state(m1, m2)
+    assert collector().drain(timeout=10)
