@@ -42,7 +42,7 @@ def test_unknown_options_list_valid_ones():
         flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4), cache_sise=4)
     with pytest.raises(OptionError, match="mode='fast'.*valid: trace, graph"):
         flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4), mode="fast")
-    with pytest.raises(OptionError, match="gc='eager'.*valid: fast, none"):
+    with pytest.raises(OptionError, match="gc='eager'.*valid: fast, async, none"):
         flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4), gc="eager")
 
 
