@@ -113,3 +113,54 @@ def test_backend_with_async_gc_trains_like_eager():
         assert_close_rel(mine(x, y), eager(x, y), what="loss")
     assert_same_state(m1, m2)
     assert collector().drain(timeout=10)
+
+
+_CHILD = """
+import os, sys, torch
+torch.set_num_threads(1)
+sys.path.insert(0, {root!r})
+import flowexec
+from flowexec.runtime.gc import collector
+
+def chain(x):
+    a = x * 1.5
+    b = a + 0.5
+    c = b * b
+    return (c - a).sum()
+
+x = torch.randn({n})
+exe = flowexec.compile(chain, x, gc="async")
+exe(x)
+if {fork}:
+    pid = os.fork()
+    if pid == 0:
+        for _ in range(5):
+            exe(x)
+        ok = collector().thread.is_alive() and collector().drain(timeout=20) and not collector()._queue
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+for _ in range(3):
+    exe(x)
+"""
+
+
+def _run_child(n: int, fork: bool) -> int:
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _CHILD.format(root=root, n=n, fork=fork)
+    return subprocess.run([sys.executable, "-c", code], timeout=120).returncode
+
+
+def test_a_process_exits_cleanly_with_frees_still_queued():
+    """Large frees queued at exit are finished before shutdown (a daemon thread stopped in the
+    middle of freeing a 64 MiB tensor aborted the process)."""
+    assert _run_child(16 * 2**20, fork=False) == 0
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_a_collector_of_its_own():
+    assert _run_child(2**20, fork=True) == 0

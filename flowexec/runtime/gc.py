@@ -16,7 +16,9 @@ True
 """
 from __future__ import annotations
 
+import atexit
 import collections
+import os
 import threading
 import time
 from typing import Any
@@ -26,6 +28,11 @@ class AsyncCollector:
     """One daemon thread that drops what it is handed, in order."""
 
     def __init__(self) -> None:
+        self._start()
+
+    def _start(self) -> None:
+        # Also run in a forked child, in place (runners hold the bound ``collect``): the
+        # parent's worker thread does not exist there.
         self._queue: collections.deque[Any] = collections.deque()
         self._wake = threading.Event()
         self._handed = 0
@@ -69,10 +76,16 @@ _LOCK = threading.Lock()
 
 
 def collector() -> AsyncCollector:
-    """The process's collector, started on first use."""
+    """The process's collector, started on first use. It finishes its backlog before the
+    interpreter shuts down (a daemon thread stopped by shutdown in the middle of freeing a
+    tensor aborts the process) and starts afresh in a forked child."""
     global _COLLECTOR
     if _COLLECTOR is None:
         with _LOCK:
             if _COLLECTOR is None:
-                _COLLECTOR = AsyncCollector()
+                c = AsyncCollector()
+                atexit.register(c.drain)
+                if hasattr(os, "register_at_fork"):
+                    os.register_at_fork(after_in_child=c._start)
+                _COLLECTOR = c
     return _COLLECTOR
