@@ -9,19 +9,18 @@ which is what the async collector takes off the caller's thread.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from host_meta import host_meta  # noqa: E402
 import flowexec  # noqa: E402
 from flowexec.runtime.gc import collector  # noqa: E402
 
@@ -76,15 +75,8 @@ def main() -> None:
                                        "async_vs_fast": med["trace, gc=fast"] / med["trace, gc=async"],
                                        "async_vs_eager": med["eager"] / med["trace, gc=async"]}
         print(f"{threads} thread(s): " + ", ".join(f"{n} {v:.1f} ms" for n, v in med.items()), flush=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    out = {"device": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-           "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "command": f"python3 benchmarks/gc_cpu.py --rounds {args.rounds} --calls {args.calls} --mib {args.mib}",
-           "commit": os.environ.get("FLOWEXEC_COMMIT", commit), "results": res}
+    out = {**host_meta(f"python3 benchmarks/gc_cpu.py --rounds {args.rounds} --calls {args.calls} --mib {args.mib}"),
+           "results": res}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)

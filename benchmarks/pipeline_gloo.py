@@ -14,12 +14,9 @@ timeline of its last round is saved beside the results (``--trace``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -27,7 +24,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from host_meta import host_meta  # noqa: E402
 from flowexec.pipeline import bubble, spawn  # noqa: E402
 from flowexec.pipeline.demo import Config, blocks, data, stage_slice, train_worker  # noqa: E402
 from flowexec.pipeline.timeline import save  # noqa: E402
@@ -67,14 +66,6 @@ def torch_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, A
     return out
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_gloo.json"))
@@ -111,9 +102,7 @@ def main() -> None:
                           "losses_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(lf + lc, lt + lt, strict=True)),
                           "flowexec_bubble_rank0": statistics.median(x["bubble"][0] for x in rounds[f"flowexec {sched}"])}
         print(f"{sched}: flowexec {f:.1f} ms, torch.distributed.pipelining {t:.1f} ms: {t / f:.2f}x", flush=True)
-    res_json = {"device": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "command": "python3 benchmarks/pipeline_gloo.py --rounds " + str(args.rounds), "commit": os.environ.get("FLOWEXEC_COMMIT", commit()),
+    res_json = {**host_meta(f"python3 benchmarks/pipeline_gloo.py --rounds {args.rounds} --steps {args.steps}"),
                 "config": asdict(base), "rounds": rounds, "summary": summary}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

@@ -401,17 +401,22 @@ def storage_key(t: Any) -> int:
         return 0
 
 
+def storage_groups(tensors: Sequence[tuple[Any, Any]]) -> list[list[Any]]:
+    """The keys of ``(key, tensor)`` pairs grouped by the storage their tensors use, in the order
+    first seen; a tensor without a real storage is a group of its own.
+
+    >>> b = torch.zeros(4)
+    >>> storage_groups([("x", b), ("y", torch.zeros(2)), ("z", b[1:])])
+    [['x', 'z'], ['y']]
+    """
+    groups: dict[int, list[Any]] = {}
+    for n, (key, t) in enumerate(tensors):
+        groups.setdefault(storage_key(t) or -1 - n, []).append(key)
+    return list(groups.values())
+
+
 def shared_storage(tensors: Sequence[tuple[int, Any]]) -> tuple[tuple[int, int], ...]:
     """(value, first value on the same storage) for each (value id, tensor) whose storage an
     earlier one already uses: aliasing the graph cannot see (``x`` and ``x[2:]`` passed as two
     arguments, an argument that is closure state)."""
-    first: dict[int, int] = {}
-    pairs = []
-    for vid, t in tensors:
-        key = storage_key(t)
-        if key:
-            if key in first:
-                pairs.append((vid, first[key]))
-            else:
-                first[key] = vid
-    return tuple(pairs)
+    return tuple((vid, group[0]) for group in storage_groups(tensors) for vid in group[1:])

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture import capture, storage_key
+from .capture import capture, storage_groups, storage_key
 from .errors import InputError, OptionError, count_option
 from .plan import ExecutionPlan, build_plan, check_gc
 from .program import Program, Ref
@@ -160,13 +160,13 @@ class Executable:
                                        warmup=self.warmup, before_replay=self._fence if fetch else None)
 
             borrow = borrowed_inputs(targs, mutated_inputs)
-            storages = Counter(storage_key(a) or -1 - k for k, a in enumerate(targs))
+            shared = sharing_positions(targs)
             for i in self.borrow:
                 if not (isinstance(i, int) and 0 <= i < len(args) and isinstance(args[i], torch.Tensor)):
                     raise OptionError(f"borrow: {i!r} is not the position of a tensor argument "
                                       f"(tensor arguments: {list(tensor_pos)})")
                 k = tensor_pos.index(i)
-                if storages[storage_key(targs[k]) or -1 - k] > 1:  # staged with the others on its storage
+                if k in shared:  # staged with the others on its storage
                     warnings.warn(f"flowexec: borrow: argument {i} shares memory with another argument in this "
                                   "call, so the graph copies it in with them (a graph reading it in place would "
                                   "miss writes made through the other)", stacklevel=5)
@@ -180,9 +180,12 @@ class Executable:
     def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], plan: ExecutionPlan) -> bool:
         """Whether a graph can run this signature: not when a tensor argument shares memory with
         closure state and fn writes in place (the graph would read or write the argument in a
-        buffer of its own, apart from that state); such calls run in trace mode, with a warning."""
-        state = {storage_key(t) for t in plan.program.state.values()} - {0}
-        on_state = [i for i in tensor_pos if storage_key(args[i]) in state]
+        buffer of its own, apart from that state); such calls run in trace mode, with a warning.
+        Capture recorded which inputs share a storage with state (``Program.shared_storage``)."""
+        prog = plan.program
+        first_of = dict(prog.shared_storage)  # value -> first value on its storage (inputs come first)
+        with_state = {f for v, f in prog.shared_storage if v in prog.state}
+        on_state = [tensor_pos[k] for k, v in enumerate(prog.inputs) if v in with_state or first_of.get(v) in with_state]
         if not (on_state and plan.mutated):
             return True
         warnings.warn(
@@ -352,10 +355,14 @@ def borrowed_inputs(targs: Sequence[torch.Tensor], mutated_inputs: Sequence[int]
     """
     from .runtime.cuda_graph import is_stable
 
-    storages = Counter(a.untyped_storage().data_ptr() for a in targs)
+    shared = sharing_positions(targs)
     wanted = set(mutated_inputs)
-    return [(k in wanted or is_stable(a)) and storages[a.untyped_storage().data_ptr()] == 1
-            for k, a in enumerate(targs)]
+    return [(k in wanted or is_stable(a)) and k not in shared for k, a in enumerate(targs)]
+
+
+def sharing_positions(targs: Sequence[torch.Tensor]) -> set[int]:
+    """The positions of tensors that share a storage with another of ``targs``."""
+    return {k for group in storage_groups(list(enumerate(targs))) if len(group) > 1 for k in group}
 
 
 class GraphVariants:

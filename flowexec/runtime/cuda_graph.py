@@ -92,14 +92,11 @@ def staged_buffers(inputs: Sequence[Any], staged: Sequence[int]) -> tuple[dict[i
     >>> s[1].data_ptr() - s[0].data_ptr(), torch.equal(s[1], b[2:]), spans[0].members
     (8, True, (0, 1))
     """
-    from ..capture import storage_key
+    from ..capture import storage_groups
 
-    groups: dict[int, list[int]] = {}
-    for i in staged:
-        groups.setdefault(storage_key(inputs[i]) or -1 - i, []).append(i)
     out: dict[int, torch.Tensor] = {}
     spans: list[SharedSpan] = []
-    for members in groups.values():
+    for members in storage_groups([(i, inputs[i]) for i in staged]):
         if len(members) == 1:
             out[members[0]] = inputs[members[0]].detach().clone()
             continue
