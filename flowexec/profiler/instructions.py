@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .plan import ExecutionPlan
-from .program import format_op
+from ..plan import ExecutionPlan
+from ..program import format_op
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,9 @@ def profile(fn: Callable[..., Any], *args: Any, runs: int = 5, warmup: int = 1, 
     steps), exactly as calling the compiled function would. ``options`` go to
     :func:`flowexec.compile` when ``fn`` is not compiled yet.
     """
-    from . import executable as ex
-    from .errors import OptionError
-    from .runtime.interpreter import lower_trace
+    from .. import executable as ex
+    from ..errors import OptionError
+    from ..runtime.interpreter import lower_trace
 
     if runs < 1 or warmup < 0:
         raise OptionError(f"profile needs runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
