@@ -87,7 +87,9 @@ def _tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        guard = TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        # Concrete sizes and strides: every dimension static, as the signature is.
+        guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
         return guard if guard.check(*tensors) else None
     except Exception:  # a private API: any change in it only costs the fast path
         return None
@@ -297,10 +299,14 @@ class Executable:
         """Put ``c`` first among the guarded signatures of structure ``key``."""
         tensors = [leaves[i] for i in c.tensor_pos]
         entries = self._fast.setdefault(key, [])
-        entries[:] = [e for e in entries if e[1] is not c][: self.cache_size]
+        for k, (g, e) in enumerate(entries):
+            if e is c and g.check(*tensors):  # (the fast path was skipped for another reason)
+                entries.insert(0, entries.pop(k))
+                return
         guard = _tensor_guard(tensors)
-        if guard is not None:
+        if guard is not None:  # several guards may lead to one signature (requires_grad, say)
             entries.insert(0, (guard, c))
+            del entries[2 * self.cache_size:]
 
     def _compile_new(self, sig: tuple[Any, ...], leaves: list[Any], args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> _Compiled:

@@ -38,16 +38,23 @@ class _Unsupported(Exception):
     """A leaf of a type flowexec cannot take (the slow path names its path)."""
 
 
-# Children-type tuples seen before -> whether every child is a tensor (most containers are).
-_ALL_TENSORS: dict[tuple[type, ...], bool] = {}
+# Children-type tuples seen before -> None when every child is a tensor (most containers),
+# else the types with tensor subclasses (nn.Parameter, ...) read as torch.Tensor: the key says
+# where tensors are, not which class they are, so passing parameters or plain tensors is one
+# structure (their shapes and the rest are the tensor guard's business).
+_CANONICAL: dict[tuple[type, ...], tuple[type, ...] | None] = {}
 
 
-def _all_tensors(types: tuple[type, ...]) -> bool:
-    hit = _ALL_TENSORS.get(types)
-    if hit is None:
-        if len(_ALL_TENSORS) > 4096:  # structures seen once should not pile up
-            _ALL_TENSORS.clear()
-        hit = _ALL_TENSORS[types] = all(issubclass(t, torch.Tensor) for t in types)
+def _canonical(types: tuple[type, ...]) -> tuple[type, ...] | None:
+    try:
+        return _CANONICAL[types]
+    except KeyError:
+        pass
+    if len(_CANONICAL) > 4096:  # structures seen once should not pile up
+        _CANONICAL.clear()
+    tensor = [issubclass(t, torch.Tensor) for t in types]
+    hit = _CANONICAL[types] = None if all(tensor) else tuple(
+        torch.Tensor if is_t else t for t, is_t in zip(types, tensor))
     return hit
 
 
@@ -65,10 +72,12 @@ def _hashable(ctx: Any) -> Any:
 
 def _children(seq: Sequence[Any], tag: Any, leaves: list[Any], key: list[Any]) -> None:
     types = tuple(map(type, seq))
-    key.append((tag, types))
-    if _all_tensors(types):
+    canon = _canonical(types)
+    if canon is None:
+        key.append((tag, len(types)))
         leaves.extend(seq)
         return
+    key.append((tag, canon))
     for o, t in zip(seq, types):
         if t in _SCALAR_TYPES:
             leaves.append(o)

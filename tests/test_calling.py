@@ -314,3 +314,26 @@ def test_graph_mode_borrow_positions_are_flattened_leaves(stand_in_graphs):  # n
     assert torch.equal(exe({"w": w}, x), w * x)
     with pytest.raises(OptionError, match=r"borrow: 2 is not the position of a tensor argument \(positions count"):
         Executable(fn, "graph", "fast", {"borrow": (2,)}).compile_for({"w": w}, torch.ones(4))
+
+
+# --- the guarded fast path: only what can change is checked per call --------------------------
+
+def test_parameters_or_plain_tensors_and_alternating_shapes_stay_correct():
+    fn = lambda ws, x: [w * x for w in ws]  # noqa: E731
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    exe = flowexec.compile(fn, params, torch.ones(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecaptureWarning)  # the class of a tensor is not its signature
+        got = exe([p.detach().clone() for p in params], torch.full((3,), 2.0))
+    assert_close_rel(got, [p.detach() * 2 for p in params])
+    with pytest.warns(RecaptureWarning, match=r"args\[0\]\[0\]: Tensor\(shape=\[4\], .*compiled for Tensor\(shape=\[3\]"):
+        exe([torch.ones(4), torch.ones(4)], torch.ones(4))
+    for n in (3, 4, 3, 4):  # two signatures of one structure taking turns: each call its own
+        ws, x = [torch.randn(n), torch.randn(n)], torch.randn(n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RecaptureWarning)
+            assert_close_rel(exe(ws, x), fn(ws, x))
+    t = torch.randn(3, 3)
+    strided = flowexec.compile(lambda a: a.reshape(-1) * 2, t)
+    with pytest.warns(RecaptureWarning, match="stride"):  # same shape, transposed: the guard sees it
+        assert_close_rel(strided(t.t()), t.t().reshape(-1) * 2)
