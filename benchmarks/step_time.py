@@ -344,7 +344,8 @@ def bench_calling(dev: torch.device, n: int, out: dict[str, Any]) -> None:
 def call_overhead(dev: torch.device, counts: tuple[int, ...] = (1, 20, 200), calls: int = 4000) -> dict[str, float]:
     """Host µs a call of ``x0 + 1`` takes with 1, 20, 200 tensor arguments (flat, and as one
     list), in trace and (CUDA) graph mode, against eager ``x + 1``: the best of 5 rounds, one
-    sync per round, so on a GPU it is the host's time (the kernel is a few µs)."""
+    sync per round, so on a GPU it is the host's time (the kernel is a few µs). The issue's
+    figures before this change (CPU, trace): 3.9 µs for 1 argument, 12.3 µs for 21."""
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
 
     def per_call(f: Callable[[], Any]) -> float:
@@ -364,9 +365,12 @@ def call_overhead(dev: torch.device, counts: tuple[int, ...] = (1, 20, 200), cal
     for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
         for k in counts:
             xs = [torch.ones(4, device=dev) for _ in range(k)]
-            flat = flowexec.compile(lambda *a: a[0] + 1, *xs, mode=mode)
+            # Graph mode reads every argument in place (borrow): the figure is the call path's
+            # host time, not staging copies of 200 tensors on the device.
+            opts = {"borrow": tuple(range(k))} if mode == "graph" else {}
+            flat = flowexec.compile(lambda *a: a[0] + 1, *xs, mode=mode, **opts)
             res[f"{mode}_{k}_args"] = per_call(lambda: flat(*xs))
-            listed = flowexec.compile(lambda a: a[0] + 1, xs, mode=mode)
+            listed = flowexec.compile(lambda a: a[0] + 1, xs, mode=mode, **opts)
             res[f"{mode}_list_of_{k}"] = per_call(lambda: listed(xs))
     return res
 
