@@ -337,3 +337,11 @@ def test_parameters_or_plain_tensors_and_alternating_shapes_stay_correct():
     strided = flowexec.compile(lambda a: a.reshape(-1) * 2, t)
     with pytest.warns(RecaptureWarning, match="stride"):  # same shape, transposed: the guard sees it
         assert_close_rel(strided(t.t()), t.t().reshape(-1) * 2)
+
+
+def test_lazily_loaded_names_become_attributes_of_the_package():
+    """`flowexec.fast_item(t)` in a loop must not run the package's __getattr__ hook each call
+    (an import statement every time: a few µs against a 5 µs read)."""
+    f = flowexec.fast_item
+    assert vars(flowexec)["fast_item"] is f and f(torch.tensor(2.5)) == 2.5
+    assert flowexec.FetchRing is vars(flowexec)["FetchRing"]
