@@ -345,3 +345,17 @@ def test_lazily_loaded_names_become_attributes_of_the_package():
     f = flowexec.fast_item
     assert vars(flowexec)["fast_item"] is f and f(torch.tensor(2.5)) == 2.5
     assert flowexec.FetchRing is vars(flowexec)["FetchRing"]
+
+
+@pytest.mark.parametrize("name", list(CONVENTIONS))
+def test_each_convention_in_graph_mode_with_stand_in_graphs(stand_in_graphs, name):  # noqa: F811
+    fn, make = CONVENTIONS[name]
+    args, kwargs = make()
+    exe = Executable(fn, "graph", "fast", {}).compile_for(*args, **kwargs)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        args, kwargs = make()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RecaptureWarning)
+            _same_tree(exe(*args, **kwargs), fn(*args, **kwargs))
+    assert type(exe._last.runner).__name__ == "GraphVariants"
