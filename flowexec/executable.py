@@ -26,12 +26,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .errors import CaptureError, FlowexecError
+from .signature import builder, call_arguments, call_difference, flatten, tree_of
 from .capture import capture, storage_groups, storage_key
-from .errors import CaptureError, FlowexecError, InputError, OptionError, count_option
+from .errors import InputError, OptionError, count_option
 from .plan import ExecutionPlan, build_plan, check_gc
 from .program import Program, Ref
 from .runtime.interpreter import lower_trace
-from .signature import builder, call_arguments, call_difference, flatten, tree_of
 
 MODES = ("trace", "graph")
 OPTIONS = {
@@ -161,17 +162,16 @@ class Executable:
             self._variadic = True
 
     # -- building -------------------------------------------------------------------------
-    def _build(self, leaves: Sequence[Any], tree: Any, paths: Sequence[str]) -> _Compiled:
+    def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str]) -> _Compiled:
+        # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
-        tensor_pos = tuple(i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor))
-        if self.mode == "graph" and self._check_devices:
-            _check_graph_devices([leaves[i] for i in tensor_pos], [paths[i] for i in tensor_pos])
-        cap = capture(_call_with_containers(self.fn, tree, paths), leaves)
+        cap = capture(_call_with_containers(self.fn, tree, paths), args)
         plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams)
         run = lower_trace(plan)
+        tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
-        if self.mode == "graph" and not self._graph_can_stage(leaves, tensor_pos, plan):
+        if self.mode == "graph" and not self._graph_can_stage(args, tensor_pos, plan):
             pass  # trace mode for this signature (said in a warning)
         elif self.mode == "graph":
             from .runtime.cuda_graph import CudaGraphRunner
@@ -180,7 +180,7 @@ class Executable:
             state_mutated = [prog.state[v] for v in plan.mutated if v in prog.state]
             input_index = {vid: k for k, vid in enumerate(prog.inputs)}
             mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
-            targs = [leaves[i] for i in tensor_pos]
+            targs = [args[i] for i in tensor_pos]
             bound = {i for _, i in cap.grad_bindings} | set(fetch)
 
             def capture_runner(targs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> CudaGraphRunner:
@@ -194,7 +194,7 @@ class Executable:
             borrow = borrowed_inputs(targs, mutated_inputs)
             shared = sharing_positions(targs)
             for i in self.borrow:
-                if not (isinstance(i, int) and 0 <= i < len(leaves) and isinstance(leaves[i], torch.Tensor)):
+                if not (isinstance(i, int) and 0 <= i < len(args) and isinstance(args[i], torch.Tensor)):
                     raise OptionError(f"borrow: {i!r} is not the position of a tensor argument (positions count "
                                       f"the call's leaves in flattened order; tensor leaves: {list(tensor_pos)})")
                 k = tensor_pos.index(i)
@@ -206,7 +206,7 @@ class Executable:
                 borrow[k] = True
             runner = GraphVariants(capture_runner, targs, borrow)
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.n_user_outputs, cap.grad_bindings,
-                         time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(leaves))), tree, tuple(paths))
+                         time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths))
 
     def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], plan: ExecutionPlan) -> bool:
         """Whether a graph can run this signature: not when a tensor argument shares memory with
@@ -324,6 +324,9 @@ class Executable:
                 )
             warnings.warn(f"flowexec: new input signature ({where}: {got}, compiled for {want}); capturing fn again",
                           RecaptureWarning, stacklevel=4)
+        if self.mode == "graph" and self._check_devices:
+            tensors = [(a, p) for a, p in zip(leaves, paths) if isinstance(a, torch.Tensor)]
+            _check_graph_devices([a for a, _ in tensors], [p for _, p in tensors])
         compiled = self._build(leaves, tree, paths)
         if self._sharing:  # the state is known now
             self._state_keys |= {storage_key(t) for t in compiled.plan.program.state.values()} - {0}
