@@ -1,7 +1,7 @@
 """Print the README's performance tables (markdown) from benchmarks/results/*.json.
 
     python3 benchmarks/report.py            # print
-    python3 benchmarks/report.py --readme   # rewrite the block between the report markers in README.md
+    python3 benchmarks/report.py --readme   # rewrite the block between the report markers in docs/results.md
     python3 benchmarks/report.py --pool benchmarks/results/ops_ef035a6*.json   # lerp rounds of several runs pooled
 
 Every figure comes from a results file written by a benchmark script; nothing here measures.
@@ -367,7 +367,8 @@ def main() -> None:
     if "--readme" not in sys.argv:
         print(text, end="")
         return
-    readme = os.path.join(os.path.dirname(HERE), "..", "README.md")
+    # The README keeps one compact table; the full tables live in docs/results.md.
+    readme = os.path.join(os.path.dirname(HERE), "..", "docs", "results.md")
     s = open(readme).read()
     begin, end = "<!-- report:begin -->", "<!-- report:end -->"
     a, b = s.index(begin) + len(begin), s.index(end)

@@ -36,7 +36,10 @@ def __getattr__(name: str) -> Any:
     if name in ("fast_item", "Fetch", "FetchRing", "FetchTimeoutError"):
         from . import fetch
 
-        return getattr(fetch, name)
+        # Kept as a module attribute: without it every `flowexec.fast_item(t)` ran this hook and
+        # its import statement, a few µs a call (the 0.93x of issue 23 against item.py's 0.70x).
+        value = globals()[name] = getattr(fetch, name)
+        return value
     if name == "kernels":
         import importlib
 

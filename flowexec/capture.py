@@ -34,8 +34,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .errors import CaptureError
+from .errors import CaptureError, InputError
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
+from .signature import output_tree
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -57,6 +58,9 @@ class Captured:
     # created with set_to_none zeroing live as extra outputs).
     grad_bindings: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     n_user_outputs: int = 0
+    # The containers fn returned (flowexec.signature's tree); the program's outputs are their
+    # leaves, then the extra grads.
+    out_tree: Any = None
 
 
 def user_frame(tb_or_stack: Any) -> str:
@@ -178,12 +182,14 @@ _DATA_DEPENDENT_HINT = (
 )
 
 
-def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]]]:
-    """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings and output count."""
+def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any]:
+    """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
+    count, op sources and the tree of fn's output containers."""
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
     guard = _CaptureGuard()
     n_user = [0]
+    out_tree: list[Any] = [None]
 
     def traced(*tensors: torch.Tensor) -> Any:
         full = list(args)
@@ -197,7 +203,12 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
 
         with guard, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn(*full)
-        flat, spec = pytree.tree_flatten(out)
+        # The graph returns a flat list: fn's containers (dict, namedtuple, ...) are rebuilt
+        # around the outputs per call, so the graph never records their constructors.
+        try:
+            out_tree[0], flat = output_tree(out)
+        except InputError as e:
+            raise CaptureError(f"fn returned something flowexec cannot hand back: {e}") from None
         n_user[0] = len(flat)
         out_ids = {id(o) for o in flat}
         extra = []
@@ -222,7 +233,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
                 "silently stop updating. Typical cause: optimizer state created lazily on the first step — "
                 "run one eager step (or initialise the state) before compiling, or return the tensor from fn."
             )
-        return (out, extra) if extra else out
+        return flat + extra
 
     kw: dict[str, Any] = {}
     if "record_stack_traces" in inspect.signature(make_fx).parameters:
@@ -248,15 +259,15 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
         # Grads that fn created were None before the capture run: leave them so.
         for p, _ in bindings:
             p.grad = None
-    return gm, bindings, n_user[0], guard.sources
+    return gm, bindings, n_user[0], guard.sources, out_tree[0]
 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any]) -> Captured:
-    """Trace ``fn`` on ``args`` and convert the graph into a Program."""
-    gm, bindings, n_user, sources = trace(fn, args)
+    """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program."""
+    gm, bindings, n_user, sources, out_tree = trace(fn, args)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)
-    return Captured(prog, bindings, n_user)
+    return Captured(prog, bindings, n_user, out_tree)
 
 
 def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,

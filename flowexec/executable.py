@@ -16,6 +16,8 @@ Example::
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 import warnings
 from collections import OrderedDict
@@ -23,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 
+from .errors import CaptureError, FlowexecError
+from .signature import builder, call_arguments, call_difference, flatten, tree_of
 from .capture import capture, storage_groups, storage_key
 from .errors import InputError, OptionError, count_option
 from .plan import ExecutionPlan, build_plan, check_gc
@@ -77,29 +80,48 @@ def _describe(sig_item: Any) -> str:
     return f"{sig_item[0].__name__} {sig_item[1]!r}"
 
 
+def _tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """A check of the tensors' dtypes, devices, shapes, strides (and dispatch keys,
+    requires_grad) in C++: Dynamo's ``TensorGuards``, about 0.05 µs a tensor against 0.3 µs
+    for building the Python signature. None where this torch lacks it (every call then
+    builds the signature)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        # Concrete sizes and strides: every dimension static, as the signature is.
+        guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        return guard if guard.check(*tensors) else None
+    except Exception:  # a private API: any change in it only costs the fast path
+        return None
+
+
 @dataclass
 class _Compiled:
     """Everything built for one input signature."""
 
     plan: ExecutionPlan
     runner: Callable[[Sequence[Any]], list[Any]]
-    tensor_pos: tuple[int, ...]
-    user_spec: Any
+    tensor_pos: tuple[int, ...]  # positions of the tensor leaves among the call's leaves
+    out_build: Callable[[Sequence[Any]], Any]  # flat outputs -> fn's containers
     n_user: int
     grad_bindings: list[tuple[torch.Tensor, int]]
     build_seconds: float
     fetch: tuple[int, ...] = ()
-    all_tensors: bool = False  # every argument is a tensor: the runner takes the args tuple as is
-
-    def __post_init__(self) -> None:
-        # fn returned one tensor (not a container): hand it back without unflattening.
-        self.single = self.user_spec.is_leaf()
+    all_tensors: bool = False  # every leaf is a tensor: the runner takes the leaves as they are
+    tree: Any = None  # the call's tree (flowexec.signature)
+    paths: tuple[str, ...] = ()  # each leaf's path, e.g. "args[0]['opt'][3]"
 
 
 class Executable:
     """A captured, planned and lowered function; call it like the original.
 
-    Attributes ``program`` and ``plan`` show the most recently built signature.
+    Calls take what ``fn`` takes: positional and keyword arguments, each a tensor, a Python
+    scalar, ``None``, or any nesting of lists, tuples, dicts and namedtuples of them; results
+    come back in the containers ``fn`` returns. The tree structure, every non-tensor leaf and
+    each tensor's shape, dtype, device and strides form the call's signature: a new one
+    captures ``fn`` again (with a :class:`RecaptureWarning`). Attributes ``program`` and
+    ``plan`` show the most recently built signature.
 
     >>> import torch, flowexec
     >>> exe = flowexec.compile(lambda x: x.cumsum(0), torch.ones(3))
@@ -127,13 +149,23 @@ class Executable:
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
         self._ring: Any = None
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+        # Per structure key (flowexec.signature.flatten): (tensor guard, compiled) pairs, most
+        # recent first; a call whose tensors pass a guard skips building its signature.
+        self._fast: dict[tuple[Any, ...], list[tuple[Any, _Compiled]]] = {}
+        self._first: _Compiled | None = None
         self._first_sig: tuple[Any, ...] | None = None
         self._last: _Compiled | None = None
+        self._check_devices = False  # compile() sets it; tests stand graphs in on CPU
+        try:
+            self._variadic = any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):  # builtins and some C callables have no signature
+            self._variadic = True
 
     # -- building -------------------------------------------------------------------------
-    def _build(self, args: Sequence[Any]) -> _Compiled:
+    def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str]) -> _Compiled:
+        # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
-        cap = capture(self.fn, args)
+        cap = capture(_call_with_containers(self.fn, tree, paths), args)
         plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams)
         run = lower_trace(plan)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
@@ -163,8 +195,8 @@ class Executable:
             shared = sharing_positions(targs)
             for i in self.borrow:
                 if not (isinstance(i, int) and 0 <= i < len(args) and isinstance(args[i], torch.Tensor)):
-                    raise OptionError(f"borrow: {i!r} is not the position of a tensor argument "
-                                      f"(tensor arguments: {list(tensor_pos)})")
+                    raise OptionError(f"borrow: {i!r} is not the position of a tensor argument (positions count "
+                                      f"the call's leaves in flattened order; tensor leaves: {list(tensor_pos)})")
                 k = tensor_pos.index(i)
                 if k in shared:  # staged with the others on its storage
                     warnings.warn(f"flowexec: borrow: argument {i} shares memory with another argument in this "
@@ -173,9 +205,8 @@ class Executable:
                     continue
                 borrow[k] = True
             runner = GraphVariants(capture_runner, targs, borrow)
-        user_spec = pytree.tree_structure(_user_out_placeholder(cap.program, cap.n_user_outputs, bool(cap.grad_bindings)))
-        return _Compiled(plan, runner, tensor_pos, user_spec, cap.n_user_outputs, cap.grad_bindings,
-                         time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))))
+        return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.n_user_outputs, cap.grad_bindings,
+                         time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths))
 
     def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], plan: ExecutionPlan) -> bool:
         """Whether a graph can run this signature: not when a tensor argument shares memory with
@@ -246,61 +277,131 @@ class Executable:
                                    - b.storage_offset() * b.element_size()))
         return (*sig, ("shared storage", tuple(shared)))
 
-    def _lookup(self, args: tuple[Any, ...]) -> _Compiled:
-        sig = self._sig(args)
+    def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> _Compiled:
+        """The compiled signature for a call, captured now if it is new (the slow path)."""
+        kwargs = kwargs or {}
+        leaves, key = flatten(args, kwargs)
+        return self._lookup_leaves(leaves, key, args, kwargs)
+
+    def _lookup_leaves(self, leaves: list[Any], key: tuple[Any, ...], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> _Compiled:
+        sig = (key, self._sig(leaves))
         hit = self._cache.get(sig)
-        if hit is not None:
-            return hit
-        first = self._first_sig
+        if hit is None:
+            hit = self._compile_new(sig, leaves, args, kwargs)
+        # The guarded fast path checks that nothing shares storage: only such signatures join it.
+        if not self._sharing or self._sig(leaves)[-1] == _NO_SHARING[0]:
+            self._remember(key, hit, leaves)
+        self._last = hit
+        return hit
+
+    def _remember(self, key: tuple[Any, ...], c: _Compiled, leaves: Sequence[Any]) -> None:
+        """Put ``c`` first among the guarded signatures of structure ``key``."""
+        tensors = [leaves[i] for i in c.tensor_pos]
+        entries = self._fast.setdefault(key, [])
+        for k, (g, e) in enumerate(entries):
+            if e is c and g.check(*tensors):  # (the fast path was skipped for another reason)
+                entries.insert(0, entries.pop(k))
+                return
+        guard = _tensor_guard(tensors)
+        if guard is not None:  # several guards may lead to one signature (requires_grad, say)
+            entries.insert(0, (guard, c))
+            del entries[2 * self.cache_size:]
+
+    def _compile_new(self, sig: tuple[Any, ...], leaves: list[Any], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> _Compiled:
+        tree, _, paths = tree_of(args, kwargs)
+        first = self._first
         if first is not None:
-            n_args = len(first) - self._sharing  # the storage-sharing entry is not an argument
-            if len(args) != n_args:
+            n_args = len(first.tree[2][0])
+            if len(args) != n_args and not self._variadic:
                 raise InputError(f"expected {n_args} argument(s), got {len(args)}")
-            for i, (got, want) in enumerate(zip(sig, first)):
-                if isinstance(want[0], torch.Size) != isinstance(got[0], torch.Size):
-                    raise InputError(f"argument {i}: expected {_describe(want)}, got {_describe(got)}")
-            i, got, want = next((i, g, w) for i, (g, w) in enumerate(zip(sig, first)) if g != w)
+            where, got, want = self._difference(first, tree, paths, leaves, sig)
             if len(self._cache) >= self.cache_size:
-                where = "arguments" if i == len(args) else f"argument {i}"
                 raise InputError(
-                    f"{where}: expected {_describe(want)}, got {_describe(got)} — "
+                    f"{where}: expected {want}, got {got} — "
                     f"{len(self._cache)} signature(s) compiled already (cache_size={self.cache_size})"
                 )
-            warnings.warn(
-                f"flowexec: new input signature ({'arguments' if i == len(args) else f'argument {i}'}: "
-                f"{_describe(got)}, compiled for "
-                f"{_describe(want)}); capturing fn again", RecaptureWarning, stacklevel=3,
-            )
-        compiled = self._build(args)
+            warnings.warn(f"flowexec: new input signature ({where}: {got}, compiled for {want}); capturing fn again",
+                          RecaptureWarning, stacklevel=4)
+        if self.mode == "graph" and self._check_devices:
+            tensors = [(a, p) for a, p in zip(leaves, paths) if isinstance(a, torch.Tensor)]
+            _check_graph_devices([a for a, _ in tensors], [p for _, p in tensors])
+        compiled = self._build(leaves, tree, paths)
         if self._sharing:  # the state is known now
             self._state_keys |= {storage_key(t) for t in compiled.plan.program.state.values()} - {0}
-            sig = self._sig(args)
+            sig = (sig[0], self._sig(leaves))
         if first is None:
-            self._first_sig = sig
+            self._first, self._first_sig = compiled, sig
         self._cache[sig] = compiled
-        self._last = compiled
         return compiled
 
+    def _difference(self, first: _Compiled, tree: Any, paths: Sequence[str], leaves: Sequence[Any],
+                    sig: tuple[Any, ...]) -> tuple[str, str, str]:
+        """(where, got, expected) between a new call and the first signature; raises
+        :class:`InputError` where a tensor leaf became something else or the other way round."""
+        d = call_difference(first.tree, tree)
+        if d is not None:  # another structure: compared by paths, a leaf may still be wrong
+            where, want, got = d
+            return where, got, want
+        assert self._first_sig is not None
+        want_sig, got_sig = self._first_sig[1], sig[1]
+        n = len(paths)  # past the leaves: the storage-sharing entry
+        for i, (got, want) in enumerate(zip(got_sig[:n], want_sig[:n])):
+            if isinstance(want[0], torch.Size) != isinstance(got[0], torch.Size):
+                raise InputError(f"{paths[i]}: expected {_describe(want)}, got {_describe(got)}")
+        for i, (got, want) in enumerate(zip(got_sig[:n], want_sig[:n])):
+            if got != want:
+                return paths[i], _describe(got), _describe(want)
+        if got_sig[n:] != want_sig[n:]:
+            return "arguments", _describe(got_sig[-1]), _describe(want_sig[-1])
+        return "arguments", "another signature", "this one"
+
     # -- running --------------------------------------------------------------------------
-    def __call__(self, *args: Any) -> Any:
-        c = self._cache.get(self._sig(args)) if self._cache else None
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, key = flatten(args, kwargs)
+        c = None
+        entries = self._fast.get(key)
+        if entries:
+            c0 = entries[0][1]
+            targs = leaves if c0.all_tensors else [leaves[i] for i in c0.tensor_pos]
+            if not self._sharing or self._unshared(targs):
+                for guard, comp in entries:
+                    if guard.check(*targs):
+                        c = comp
+                        break
         if c is None:
-            c = self._lookup(args)
-        flat = c.runner(args if c.all_tensors else [args[i] for i in c.tensor_pos])
+            c = self._lookup_leaves(leaves, key, args, kwargs)
+            targs = leaves if c.all_tensors else [leaves[i] for i in c.tensor_pos]
+        flat = c.runner(targs)
         for p, idx in c.grad_bindings:
             g = flat[idx]
             if p.grad is not g:
                 p.grad = g
         if c.fetch:
             self._submit(flat, c.fetch)
-        if c.single:
-            return flat[0]
-        return pytree.tree_unflatten(flat[: c.n_user], c.user_spec)
+        return c.out_build(flat)
 
-    def compile_for(self, *args: Any) -> Executable:
-        """Capture and plan for ``args`` now (``flowexec.compile`` does this for its examples)."""
-        self._lookup(args)
+    def _unshared(self, targs: Sequence[Any]) -> bool:
+        """Whether no two tensors share a storage and none is on closure state's (else the
+        signature's sharing entry decides, on the slow path)."""
+        try:
+            keys = [a.untyped_storage().data_ptr() for a in targs]
+        except (RuntimeError, NotImplementedError):
+            return False
+        return len(set(keys)) == len(keys) and self._state_keys.isdisjoint(keys) and 0 not in keys
+
+    def compile_for(self, *args: Any, **kwargs: Any) -> Executable:
+        """Capture and plan for ``exe(*args, **kwargs)`` now (``flowexec.compile`` does this for
+        its examples); returns the executable."""
+        self._lookup(args, kwargs)
         return self
+
+    def _captured(self, what: str) -> _Compiled:
+        if self._last is None:
+            raise NotCapturedError(f"{what}: nothing is captured yet — this Executable captures fn on its first "
+                                   "call (or call exe.compile_for(*example_args) first)")
+        return self._last
 
     @property
     def input_buffers(self) -> list[torch.Tensor]:
@@ -312,8 +413,7 @@ class Executable:
         parameters, are read where they are (see :func:`borrowed_inputs`): their entry is the
         tensor the graph was captured with.
         """
-        assert self._last is not None
-        runner = self._last.runner
+        runner = self._captured("input_buffers").runner
         if self.mode != "graph":
             raise OptionError("input_buffers exist in graph mode only; trace mode reads the caller's tensors directly")
         if not isinstance(runner, GraphVariants):
@@ -323,19 +423,16 @@ class Executable:
 
     @property
     def program(self) -> Program:
-        assert self._last is not None
-        return self._last.plan.program
+        return self._captured("program").plan.program
 
     @property
     def plan(self) -> ExecutionPlan:
-        assert self._last is not None
-        return self._last.plan
+        return self._captured("plan").plan
 
     @property
     def build_seconds(self) -> float:
         """Seconds the most recent capture + plan + lower (+ graph capture) took."""
-        assert self._last is not None
-        return self._last.build_seconds
+        return self._captured("build_seconds").build_seconds
 
     def __repr__(self) -> str:
         return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)}>"
@@ -433,22 +530,65 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _user_out_placeholder(prog: Program, n_user: int, has_extra: bool) -> Any:
-    # Rebuild the user's output structure: the program's spec covers (out, extra grads) when
-    # grads were appended, else just out.
-    spec = prog.out_spec
-    if has_extra:
-        spec = spec.children()[0] if callable(getattr(spec, "children", None)) else spec.children_specs[0]
-    return pytree.tree_unflatten([0] * spec.num_leaves, spec)
+class NotCapturedError(FlowexecError, AttributeError):
+    """``program``, ``plan`` (...) of an :class:`Executable` read before its first call."""
 
 
-def compile(fn: Callable[..., Any], *example_args: Any, mode: str = "trace", gc: str = "fast", **options: Any) -> Executable:
-    """Capture ``fn`` on ``example_args`` into a planned program and return a callable for it.
+def _call_with_containers(fn: Callable[..., Any], tree: Any, paths: Sequence[str]) -> Callable[..., Any]:
+    """``fn`` as a function of the call's leaves: capture traces this, so the graph's inputs are
+    the leaves and fn still sees its lists, dicts and keyword arguments.
+
+    The containers fn sees are rebuilt ones: a change fn makes to them (not to the tensors in
+    them) would not reach the caller's, nor be replayed, so it is an error naming the leaf."""
+    def flat_fn(*leaves: Any) -> Any:
+        args, kwargs = call_arguments(tree, leaves)
+        out = fn(*args, **kwargs)
+        try:
+            after_tree, after, _ = tree_of(args, kwargs)
+        except InputError as e:
+            raise CaptureError(f"fn put something into the containers it was passed: {e}") from None
+        changed = after_tree != tree or any(
+            (b is not a) if isinstance(a, torch.Tensor) else (type(a) is not type(b) or a != b)
+            for a, b in zip(leaves, after))
+        if changed:
+            where = next((p for p, a, b in zip(paths, leaves, after) if a is not b), "a container")
+            raise CaptureError(
+                f"fn changed the containers it was passed (at {where}): a compiled call replays writes into "
+                "tensors, not changes to lists or dicts (appending, replacing an entry, a Python counter). "
+                "Keep such state in tensors written in place, or return the new values.")
+        return out
+    return flat_fn
+
+
+def _check_graph_devices(tensors: Sequence[torch.Tensor], paths: Sequence[str]) -> None:
+    if not torch.cuda.is_available():
+        raise OptionError("mode='graph' captures a CUDA graph, but this machine has no CUDA device; "
+                          "use mode='trace' on CPU")
+    off = [f"{p} on {t.device}" for t, p in zip(tensors, paths) if t.device.type != "cuda"]
+    if off:
+        raise OptionError(f"mode='graph' captures a CUDA graph, but inputs are not on CUDA: {', '.join(off[:4])}; "
+                          "use mode='trace' for them")
+
+
+def compile(fn: Callable[..., Any] | None = None, *example_args: Any, mode: str = "trace", gc: str = "fast",
+            example_kwargs: dict[str, Any] | None = None, **options: Any) -> Any:
+    """Capture ``fn`` into a planned program and return a callable for it (an :class:`Executable`).
 
     ``fn`` may be a model forward or a whole training step (``loss.backward()`` /
     ``torch.autograd.grad`` plus in-place parameter updates); calls apply the same in-place
     mutations to the caller's tensors as eager would. ``mode``: ``"trace"`` (CPU, CUDA) or
     ``"graph"`` (CUDA graph of the trace run). ``gc``: ``"fast"`` (drop at last use) or ``"none"``.
+
+    Three forms:
+
+    - ``compile(fn, *example_args, example_kwargs={...}, **options)`` captures now, on the examples;
+    - ``compile(fn, **options)`` captures on the first call;
+    - ``@compile`` and ``@compile(mode="graph", ...)`` decorate a function (capture on first call).
+
+    Every keyword given to ``compile`` is an option of flowexec's (the table ``OPTIONS``); ``fn``'s
+    own keyword arguments are given at call time, ``exe(x, scale=2.0)``, or as ``example_kwargs``.
+    Arguments and results may be pytrees (see :class:`Executable`); options that take positions
+    (``fetch=``, ``borrow=``) count leaves in flattened order.
 
     Example::
 
@@ -457,6 +597,11 @@ def compile(fn: Callable[..., Any], *example_args: Any, mode: str = "trace", gc:
         >>> exe(torch.ones(2, 2), torch.eye(2))
         tensor([[2., 2.],
                 [2., 2.]])
+        >>> @flowexec.compile
+        ... def step(params, x, *, scale):
+        ...     return {"y": (params[0] * x).sum() * scale}
+        >>> step([torch.ones(3)], torch.arange(3.0), scale=2.0)
+        {'y': tensor(6.)}
     """
     if mode not in MODES:
         hint = " (threaded mode is not implemented yet)" if mode == "threaded" else ""
@@ -465,15 +610,21 @@ def compile(fn: Callable[..., Any], *example_args: Any, mode: str = "trace", gc:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         valid = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
-        raise OptionError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options — {valid}")
+        raise OptionError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options — {valid}. "
+                          "(fn's own keyword arguments go to the call, exe(x, name=value), or to "
+                          "compile(..., example_kwargs={...}))")
+    if fn is None:  # @flowexec.compile(mode=..., ...)
+        if example_args or example_kwargs:
+            raise OptionError("compile(None, ...): example arguments need the function to capture")
+        return functools.partial(compile, mode=mode, gc=gc, **options)
     if not callable(fn):
         raise OptionError(f"fn must be callable, got {type(fn).__name__}")
-    for i, a in enumerate(example_args):
-        if not isinstance(a, (torch.Tensor, int, float, bool, str, type(None))):
-            raise InputError(f"argument {i}: flowexec.compile takes tensors and Python scalars, got {type(a).__name__}")
-    if mode == "graph":
-        devices = {a.device.type for a in example_args if isinstance(a, torch.Tensor)}
-        if not torch.cuda.is_available() or devices - {"cuda"}:
-            where = "this machine has no CUDA device" if not torch.cuda.is_available() else f"inputs are on {sorted(devices)}"
-            raise OptionError(f"mode='graph' captures a CUDA graph, but {where}; use mode='trace' on CPU")
-    return Executable(fn, mode, gc, options).compile_for(*example_args)
+    if mode == "graph" and not torch.cuda.is_available():
+        raise OptionError("mode='graph' captures a CUDA graph, but this machine has no CUDA device; "
+                          "use mode='trace' on CPU")
+    exe = Executable(fn, mode, gc, options)
+    exe._check_devices = True
+    functools.update_wrapper(exe, fn, updated=())
+    if example_args or example_kwargs:
+        exe.compile_for(*example_args, **(example_kwargs or {}))
+    return exe
