@@ -22,7 +22,7 @@ from .errors import OptionError, whole_number
 from .passes.dependencies import alias_groups, dependencies, mutated_state
 from .passes.liveness import Liveness, analyse_liveness
 from .passes.streams import (add_copy_streams, assign_auto, assign_streams, cross_edges, cuda_devices, data_edges,
-                             exit_uses, naive_events, plan_events, release_streams, side_outputs, stream_uses,
+                             exit_uses, naive_events, plan_events, release_streams, side_outputs, stream_groups, stream_uses,
                              value_edges)
 from .program import Op, Program, Role, lint
 
@@ -131,6 +131,9 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
     # need ordering that program order gives one stream (liveness and the mutated set never).
     shared = streams != 1 and bool(prog.shared_storage)
     deps = dependencies(prog, alias_groups(prog, shared=True) if shared else groups)
+    if streams != 1 or workers:  # a view's results on its argument's storage, every one of them
+        sgroups = stream_groups(prog, shared)
+        deps = dependencies(prog, sgroups)
     live = analyse_liveness(prog, groups, drop=(gc != "none"))
     if streams == 1 and not workers:
         instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)
@@ -151,7 +154,7 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
     events = plan_events(edges, where) if prune else naive_events(edges, where)
     naive = naive_events(edges, where)
     counts = (len(cross_edges(edges, where)), sum(map(len, events.waits)), sum(map(len, naive.waits)), naive.n_events)
-    uses = release_streams(prog, where, live.frees) if workers else stream_uses(prog, groups, where, live.frees)
+    uses = release_streams(prog, where, live.frees) if workers else stream_uses(prog, sgroups, where, live.frees)
     instrs = tuple(Instruction(op, deps[op.index], where[op.index], events.waits[op.index],
                                events.records[op.index], live.frees[op.index], uses[op.index])
                    for op in prog.ops)
@@ -159,8 +162,8 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
     at_exit = [v.id for v in prog.values if v.role is Role.TEMP and v.id not in live.protected and v.id not in freed]
     plan = ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc,
                          max(where, default=0) + 1, events.n_events,
-                         () if workers else side_outputs(prog, groups, where),
-                         () if workers else exit_uses(prog, groups, where, at_exit),
+                         () if workers else side_outputs(prog, sgroups, where),
+                         () if workers else exit_uses(prog, sgroups, where, at_exit),
                          workers, roles, counts)
     if os.environ.get("FLOWEXEC_DEBUG") == "1":
         from .passes.verify import check_plan

@@ -32,7 +32,7 @@ def table(plan):
 
 
 def test_three_branches_spread_over_three_streams_and_join_with_two_waits():
-    plan = build_plan(capture(three_branches, (torch.randn(4),)).program, streams=3)
+    plan = build_plan(capture(three_branches, (torch.randn(4),)).program, streams=3, workers=False)
     assert table(plan) == [
         # op             deps    stream waits records stream_uses (freed value, streams to record)
         ("aten.sin",     (),     0,     (),   (),     ()),
@@ -49,7 +49,7 @@ def test_three_branches_spread_over_three_streams_and_join_with_two_waits():
 def test_one_stream_plans_no_events_and_a_chain_stays_on_its_stream():
     prog = capture(three_branches, (torch.randn(4),)).program
     assert {(i.stream, i.waits, i.records, i.stream_uses) for i in build_plan(prog).instructions} == {(0, (), (), ())}
-    chain = build_plan(capture(lambda x: x.sin().cos().exp(), (torch.randn(4),)).program, streams=4)
+    chain = build_plan(capture(lambda x: x.sin().cos().exp(), (torch.randn(4),)).program, streams=4, workers=False)
     assert [i.stream for i in chain.instructions] == [0, 0, 0] and chain.n_events == 0
 
 
@@ -88,7 +88,7 @@ def test_event_plans_order_every_dependency_with_no_wait_to_spare(deps, n_stream
 
 def test_a_value_read_on_another_stream_is_recorded_there_before_it_is_freed():
     prog = capture(three_branches, (torch.randn(4),)).program
-    plan = build_plan(prog, streams=2)
+    plan = build_plan(prog, streams=2, workers=False)
     frees = [i.frees for i in plan.instructions]
     uses = stream_uses(prog, plan.groups, [i.stream for i in plan.instructions], frees)
     assert any(uses), "the program has no cross-stream free to check"
@@ -197,7 +197,7 @@ def test_the_generated_runner_orders_every_dependency_by_its_own_calls():
         return ys[0] * ys[1] + ys[2] - ys[3], ys[1].sum()
 
     x = torch.randn(8, 16)
-    plan = build_plan(capture(branches, (x,)).program, streams=4)
+    plan = build_plan(capture(branches, (x,)).program, streams=4, workers=False)
     assert plan.n_streams == 4 and plan.n_events > 0
     assert {k for i in plan.instructions for _, ks in i.stream_uses for k in ks} == {0, 1, 2, 3}
     out, rec = run_logged(plan, x)
@@ -241,7 +241,7 @@ def storage_conflicts_unordered(fn, args, n_streams, gc="none"):
     that conflict on a storage but that the plan's order (streams, waits) leaves unordered."""
     from flowexec.runtime.interpreter import Interpreter
 
-    plan = build_plan(capture(fn, args).program, gc=gc, streams=n_streams)
+    plan = build_plan(capture(fn, args).program, gc=gc, streams=n_streams, workers=False)
     recorder = {e: k for k, i in enumerate(plan.instructions) for e in i.records}
     prev: dict = {}
     before: list = []
@@ -254,6 +254,7 @@ def storage_conflicts_unordered(fn, args, n_streams, gc="none"):
         before.append(p)
         prev[ins.stream] = j
     touched: list = []
+    keep: list = []
 
     def flat(x):
         if isinstance(x, torch.Tensor):
@@ -271,15 +272,21 @@ def storage_conflicts_unordered(fn, args, n_streams, gc="none"):
             writes = {t.untyped_storage().data_ptr() for t, o in zip(ts, old) if not torch.equal(t, o)}
             writes |= {t.untyped_storage().data_ptr() for t in flat(out)} - reads
             touched.append((reads, writes))
+            keep.append((ts, out))  # no address is reused during the run: equal pointers are one storage
             return out
         return call
 
     interp = Interpreter(plan)
     interp._fns = [watched(f) for f in interp._fns]
     interp.run(*args)
+    from flowexec.passes.streams import is_view_op
+
+    view = [is_view_op(i.op.target) for i in plan.instructions]  # metadata only: no data touched
     bad = []
     for j, (rj, wj) in enumerate(touched):
         for i in range(j):
+            if view[i] or view[j]:
+                continue
             ri, wi = touched[i]
             if ((wi & (rj | wj)) or (ri & wj)) and i not in before[j]:
                 bad.append((i, j))
@@ -293,7 +300,7 @@ def test_a_failing_op_names_itself_and_leaves_the_callers_stream_current():
         return a, b
 
     x = torch.randn(4)
-    plan = build_plan(capture(f, (x, torch.tensor([1]))).program, streams=2)
+    plan = build_plan(capture(f, (x, torch.tensor([1]))).program, streams=2, workers=False)
     rec = RecordingStreams(plan.n_streams, plan.n_events)
     run = lower_trace(plan, streams=rec)
     with pytest.raises(flowexec.ExecutionError, match=r"aten\.index"):
@@ -391,7 +398,7 @@ def test_a_call_sharing_storage_differently_is_planned_again(monkeypatch):
 
 def test_gc_none_records_values_dying_at_return():
     x = torch.randn(4)
-    plan = build_plan(capture(three_branches, (x,)).program, gc="none", streams=3)
+    plan = build_plan(capture(three_branches, (x,)).program, gc="none", streams=3, workers=False)
     assert not any(i.stream_uses for i in plan.instructions)
     made = {i.op.outputs[0]: (i.op.name, i.stream) for i in plan.instructions}
     # cos (stream 1) is read only there; cos * 3 (stream 1) and exp (stream 2) are read on 0
@@ -408,7 +415,7 @@ def test_one_stream_plans_arguments_sharing_storage_as_before():
     assert prog.shared_storage == ((1, 0),)
     one = build_plan(prog)
     assert one.mutated == (0,) and one.instructions[1].deps == ()
-    assert build_plan(prog, streams=2).instructions[1].deps == (0,)
+    assert build_plan(prog, streams=2, workers=False).instructions[1].deps == (0,)
 
 
 def test_an_argument_that_is_closure_state_is_planned_again(monkeypatch):

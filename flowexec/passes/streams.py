@@ -217,6 +217,32 @@ def cuda_devices(prog: Program) -> set:
 # -- view-only ops, value edges, the naive plan ---------------------------------------------
 
 _VIEW_CACHE: dict = {}
+# views at run time whose schemas do not say so (their results share the argument's storage)
+_UNANNOTATED_VIEWS = {"_unsafe_view", "_reshape_alias"}
+
+
+def stream_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
+    """:func:`~flowexec.passes.dependencies.alias_groups`, with every result of a view-only op
+    (:func:`is_view_op`) joined to the storage of its first tensor argument: every element of
+    ``split`` / ``chunk`` / ``unbind`` (whose one list return the schema zip pairs with the first
+    element only) and ``_unsafe_view`` (no alias annotation). One stream never needed this;
+    several do, since a view's consumer must be ordered after whoever wrote the storage."""
+    from .dependencies import _find, alias_groups
+
+    base = alias_groups(prog, shared=shared)
+    parent = list(base)
+    for op in prog.ops:
+        if not is_view_op(op.target):
+            continue
+        src = next(op.refs(), None)
+        if src is None:
+            continue
+        for o in op.outputs:
+            if o >= 0:
+                ra, rb = _find(parent, src), _find(parent, o)
+                if ra != rb:
+                    parent[max(ra, rb)] = min(ra, rb)
+    return tuple(_find(parent, i) for i in range(len(parent)))
 
 
 def is_view_op(target: object) -> bool:
@@ -226,7 +252,8 @@ def is_view_op(target: object) -> bool:
     hit = _VIEW_CACHE.get(target)
     if hit is None:
         schema = getattr(target, "_schema", None)
-        hit = bool(schema is not None and schema.returns
+        hit = getattr(target, "__name__", "").split(".")[0] in _UNANNOTATED_VIEWS or bool(
+                   schema is not None and schema.returns
                    and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
                    and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
         _VIEW_CACHE[target] = hit

@@ -41,8 +41,8 @@ from typing import Any, Sequence
 
 from ..errors import FlowexecError
 from ..program import Program, Role, format_op
-from .dependencies import alias_groups, read_write_sets
-from .streams import is_view_op
+from .dependencies import read_write_sets
+from .streams import is_view_op, stream_groups
 
 
 class HazardError(FlowexecError):
@@ -113,7 +113,7 @@ def verify_plan(program: Program, plan: Any, calls: int = 2) -> list[Hazard]:
     n = len(program.ops)
     if len(ins) != n:
         raise ValueError(f"the plan has {len(ins)} instructions for {n} ops")
-    groups = alias_groups(program, shared=bool(program.shared_storage))
+    groups = stream_groups(program, shared=bool(program.shared_storage))
     rw = read_write_sets(program, groups)
     caller = {groups[v.id] for v in program.values if v.role is not Role.TEMP}
     workers = bool(getattr(plan, "on_workers", False))
