@@ -181,7 +181,7 @@ class WorkerPool:
         if self.failed is None:
             self.failed = (idx, exc, stream)
 
-    def wait_until(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
+    def wait_until(self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float | None = None) -> None:
         """Spin (yielding the GIL), then sleep with backoff, until ``ready()``; an
         ExecutionError naming ``what()`` after ``timeout_s``; :class:`_Abort` if a worker failed."""
         if ready():
@@ -193,12 +193,13 @@ class WorkerPool:
             if ready():
                 return
         pause = 20e-6
-        deadline = start + self.timeout_s
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = start + limit
         while not ready():
             if self.failed is not None:
                 raise _Abort()
             if _now() > deadline:
-                raise ExecutionError(f"timed out after {self.timeout_s:g} s {what()}")
+                raise ExecutionError(f"timed out after {limit:g} s {what()}")
             _sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -212,8 +213,10 @@ class WorkerPool:
         call = self.call
         for w in self.workers:
             try:
+                # longer than a wait's timeout, so that a stuck wait reports itself first
                 self.wait_until(lambda w=w: w.finished >= call,
-                                lambda w=w: f"joining stream {w.index}, which is at {describe(w.current)}")
+                                lambda w=w: f"joining stream {w.index}, which is at {describe(w.current)}",
+                                2 * self.timeout_s + 1)
             except _Abort:
                 pass
             except ExecutionError:
