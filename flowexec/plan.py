@@ -144,10 +144,10 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
         where, roles = assign_auto(prog, deps, device, host_us_per_op=host_us,
                                    min_branch_us=20.0 if device == "cuda" else 100.0)
     else:
-        where = assign_streams(deps, streams)
         if device == "cuda":
-            where, roles = add_copy_streams(prog, where, streams)
+            where, roles = add_copy_streams(prog, deps, streams)
         else:
+            where = assign_streams(deps, streams)
             roles = ("compute",) * (max(where, default=0) + 1)
     # view-only ops need no wait (metadata); on worker threads every value must exist first
     edges = value_edges(prog, deps) if workers else data_edges(prog, deps)

@@ -432,3 +432,72 @@ def test_an_argument_that_is_closure_state_is_planned_again(monkeypatch):
         got = exe(p)
     torch.testing.assert_close(got, want)
     assert exe.plan.instructions[1].deps == (0,)
+
+
+def _copy_heavy_program(n_layers=3, batch=256, width=1024):
+    """The benchmark's copy-heavy step as a program on CUDA metadata (planning needs no GPU):
+    per layer mm + tanh on the device, the activation copied into a pinned host buffer."""
+    from flowexec.program import Op, Program, Ref, Role, TensorMeta, Value
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    act = TensorMeta(torch.float32, (batch, width), cuda, batch * width * 4)
+    host = TensorMeta(torch.float32, (batch, width), cpu, batch * width * 4)
+    wmeta = TensorMeta(torch.float32, (width, width), cuda, width * width * 4)
+    values = [Value(0, Role.INPUT, act)]
+    ops = []
+    state = {}
+    h = 0
+    aten = torch.ops.aten
+    for k in range(n_layers):
+        w = len(values)
+        values.append(Value(w, Role.STATE, wmeta))
+        state[w] = torch.empty(0)
+        dst = len(values)
+        values.append(Value(dst, Role.STATE, host))
+        state[dst] = torch.empty(1)
+        m = len(values)
+        values.append(Value(m, Role.TEMP, act))
+        ops.append(Op(len(ops), aten.mm.default, (Ref(h), Ref(w)), outputs=(m,)))
+        t = len(values)
+        values.append(Value(t, Role.TEMP, act))
+        ops.append(Op(len(ops), aten.tanh.default, (Ref(m),), outputs=(t,)))
+        c = len(values)
+        values.append(Value(c, Role.TEMP, host))
+        ops.append(Op(len(ops), aten.copy_.default, (Ref(dst), Ref(t), True), outputs=(c,)))
+        h = t
+    return Program(tuple(values), tuple(ops), (0,), (Ref(h),), state=state)
+
+
+def test_copies_between_host_and_device_go_to_a_copy_stream():
+    prog = _copy_heavy_program()
+    for streams in ("auto", 1, 2):
+        plan = build_plan(prog, streams=streams)
+        kinds = [(i.op.name.split(".")[1], i.stream) for i in plan.instructions]
+        if streams == 1:  # one stream stays one stream
+            assert {s for _, s in kinds} == {0}
+            continue
+        assert kinds == [("mm", 0), ("tanh", 0), ("copy_", 1)] * 3, kinds
+        assert plan.stream_roles == ("compute", "d2h")
+        # each copy waits for its tanh; the activation is recorded on the copy stream before its free
+        assert [bool(i.waits) for i in plan.instructions] == [False, False, True] * 3
+        tanh_out = [i.op.outputs[0] for i in plan.instructions if i.op.name == "aten.tanh.default"]
+        recorded = {v: ks for i in plan.instructions for v, ks in i.stream_uses}
+        assert all(recorded[v] == (1,) for v in tanh_out[:-1])  # the last one is the output
+        assert flowexec.verify_plan(prog, plan) == []
+
+
+def test_auto_keeps_cheap_branches_on_one_stream_and_spreads_costly_ones():
+    from flowexec.passes.streams import assign_auto
+
+    def branches(n, size):
+        ws = [torch.randn(size, size) for _ in range(n)]
+        return lambda x: sum((x @ w).relu() for w in ws)
+
+    cheap = capture(branches(4, 4), (torch.randn(2, 4),)).program
+    costly = capture(branches(4, 256), (torch.randn(256, 256),)).program
+    from flowexec.passes.dependencies import dependencies
+
+    where, roles = assign_auto(cheap, dependencies(cheap), "cpu", host_us_per_op=8.0, min_branch_us=100.0)
+    assert set(where) == {0} and roles == ("compute",)
+    where, roles = assign_auto(costly, dependencies(costly), "cpu", host_us_per_op=8.0, min_branch_us=100.0)
+    assert len(roles) == 4 and roles == ("compute",) * 4

@@ -369,10 +369,7 @@ def assign_auto(prog: Program, deps: Sequence[Sequence[int]], device: str, max_c
     least ``min_branch_us`` and more than the host needs to issue them (``host_us_per_op`` per
     op: a host-bound stream overlaps nothing); otherwise its ops go back to stream 0.
     """
-    compute_ops = [j for j, op in enumerate(prog.ops) if copy_role(op, prog) is None]
-    sub = {j: k for k, j in enumerate(compute_ops)}
-    sub_deps = [tuple(sub[i] for i in deps[j] if i in sub) for j in compute_ops]
-    where_sub = assign_streams(sub_deps, max_compute)
+    compute_ops, where_sub = _assign_compute(prog, deps, max_compute)
     cost: dict[int, float] = {}
     count: dict[int, int] = {}
     for j, s in zip(compute_ops, where_sub):
@@ -395,9 +392,22 @@ def assign_auto(prog: Program, deps: Sequence[Sequence[int]], device: str, max_c
     return tuple(where), tuple(roles)
 
 
-def add_copy_streams(prog: Program, where: Sequence[int], n_compute: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``streams=N``: N compute streams as :func:`assign_streams` gave them, and copies between
-    host and device moved to copy streams after them (one per direction used)."""
+def _assign_compute(prog: Program, deps: Sequence[Sequence[int]], n: int) -> tuple[list[int], tuple[int, ...]]:
+    """:func:`assign_streams` over the ops that are not copies between host and device (a copy
+    hung off a chain must not make the chain's next op look like a fork)."""
+    compute_ops = [j for j, op in enumerate(prog.ops) if copy_role(op, prog) is None]
+    sub = {j: k for k, j in enumerate(compute_ops)}
+    sub_deps = [tuple(sub[i] for i in deps[j] if i in sub) for j in compute_ops]
+    return compute_ops, assign_streams(sub_deps, n)
+
+
+def add_copy_streams(prog: Program, deps: Sequence[Sequence[int]], n_compute: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``streams=N``: N compute streams as :func:`assign_streams` gives them over the compute
+    ops, and copies between host and device on copy streams after them (one per direction)."""
+    compute_ops, where_sub = _assign_compute(prog, deps, n_compute)
+    where = [0] * len(prog.ops)
+    for j, s in zip(compute_ops, where_sub):
+        where[j] = s
     used = max(where, default=0) + 1
     roles = ["compute"] * used
     role_stream: dict[str, int] = {}
