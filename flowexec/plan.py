@@ -162,7 +162,7 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
     at_exit = [v.id for v in prog.values if v.role is Role.TEMP and v.id not in live.protected and v.id not in freed]
     plan = ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc,
                          max(where, default=0) + 1, events.n_events,
-                         () if workers else side_outputs(prog, sgroups, where),
+                         side_outputs(prog, sgroups, where) if device == "cuda" else (),
                          () if workers else exit_uses(prog, sgroups, where, at_exit),
                          workers, roles, counts)
     if os.environ.get("FLOWEXEC_DEBUG") == "1":

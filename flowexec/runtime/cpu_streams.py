@@ -405,6 +405,10 @@ def lower_workers(plan: ExecutionPlan, issue: str = "host", spin_us: float = DEF
                     done = torch.cuda.Event()
                     done.record(side[k])
                     s0.wait_event(done)
+                for v in plan.side_outputs:  # made on a side stream: freeing it later waits for the caller's work
+                    t = env[v]
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        t.record_stream(s0)
             return [env[o.id] if isinstance(o, Ref) and o.id not in prog.state and o.id not in prog.consts
                     else _const(o, prog) for o in outs]
         finally:
