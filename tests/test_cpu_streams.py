@@ -80,7 +80,7 @@ def test_events_record_wait_and_query_across_threads():
 
     ev = CpuEvent()
     assert not ev.query(1)
-    t = threading.Timer(0.05, lambda: setattr(ev, "done", 1))
+    t = threading.Timer(0.05, lambda: ev.mark(1))
     t.start()
     from flowexec.runtime.cpu_streams import WorkerPool
 

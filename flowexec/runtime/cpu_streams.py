@@ -19,7 +19,8 @@ Two ways of feeding the workers, one machinery:
   ``wait_event`` on the CUDA event the recorder recorded, so the host order and the device
   order both hold.
 
-Workers spin (``spin_us``, 200 µs by default, yielding the GIL) before blocking. Every wait
+Workers spin (``spin_us``, 200 µs by default, yielding the GIL) before blocking (on their
+queue, or on the event's condition: the record wakes them). Every wait
 has a timeout (``timeout_s``) whose error names the instruction; an exception on a worker is
 raised on the caller's thread by the join, naming the op and the user's line
 (:func:`~flowexec.runtime.interpreter.explain_failure`); the other workers drop the rest of
@@ -73,11 +74,20 @@ class CpuEvent:
     """An event between worker threads: ``record`` marks it done for the current call when the
     recording worker reaches it; ``query`` says whether it is; a wait blocks until it is."""
 
-    __slots__ = ("done", "cuda")
+    __slots__ = ("done", "cuda", "cond", "waiters")
 
     def __init__(self, cuda: bool = False) -> None:
         self.done = 0  # the call number of the last completed record
         self.cuda = torch.cuda.Event() if cuda else None
+        self.cond = threading.Condition(threading.Lock())
+        self.waiters = 0  # workers blocked on it (past their spin): the record wakes them
+
+    def mark(self, call: int) -> None:
+        """Recorded for ``call``: wake the workers that stopped spinning on it."""
+        self.done = call
+        if self.waiters:  # a waiter counts itself under the lock before its last check: none is missed
+            with self.cond:
+                self.cond.notify_all()
 
     def query(self, call: int) -> bool:
         return self.done >= call
@@ -204,9 +214,31 @@ class WorkerPool:
             pause = min(pause * 2, 1e-3)
 
     def wait_event(self, e: int, before: str) -> None:
+        """Spin ``spin_us`` (yielding the GIL), then block until the event is recorded for
+        this call; an ExecutionError after ``timeout_s``; :class:`_Abort` if a worker failed."""
         ev = self.events[e]
         call = self.call
-        self.wait_until(lambda: ev.done >= call, lambda: f"waiting for event {e} {before}")
+        if ev.done >= call:
+            return
+        start = _now()
+        spin_end = start + self.spin_s
+        while _now() < spin_end:
+            _sleep(0)
+            if ev.done >= call:
+                return
+        deadline = start + self.timeout_s
+        with ev.cond:
+            ev.waiters += 1
+            try:
+                while ev.done < call:
+                    if self.failed is not None:
+                        raise _Abort()
+                    left = deadline - _now()
+                    if left <= 0:
+                        raise ExecutionError(f"timed out after {self.timeout_s:g} s waiting for event {e} {before}")
+                    ev.cond.wait(min(left, 0.1))  # wakes to see a failure elsewhere
+            finally:
+                ev.waiters -= 1
 
     def join(self, plan: ExecutionPlan, describe: Callable[[int], str]) -> None:
         """Wait for every worker to finish this call; raise what failed there."""
@@ -431,7 +463,7 @@ def _record(pool: WorkerPool, e: int, s: int) -> None:
     ev = pool.events[e]
     if ev.cuda is not None:
         ev.cuda.record(pool.workers[s].stream)
-    ev.done = pool.call
+    ev.mark(pool.call)
 
 
 def _wait(pool: WorkerPool, e: int, pos: int, s: int, describe: Callable[[int], str]) -> None:
