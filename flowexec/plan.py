@@ -140,9 +140,7 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
         return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc)
     device = "cuda" if len(cuda) == 1 else "cpu"
     if streams == "auto":
-        host_us = {"graph": 0.0, "threaded": 8.0}.get(mode, 6.0 if device == "cuda" else 8.0)
-        where, roles = assign_auto(prog, deps, device, host_us_per_op=host_us,
-                                   min_branch_us=20.0 if device == "cuda" else 100.0)
+        where, roles = assign_auto(prog, deps, device, mode)
     else:
         if device == "cuda":
             where, roles = add_copy_streams(prog, deps, streams)

@@ -8,6 +8,8 @@ planner.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -497,7 +499,11 @@ def test_auto_keeps_cheap_branches_on_one_stream_and_spreads_costly_ones():
     costly = capture(branches(4, 256), (torch.randn(256, 256),)).program
     from flowexec.passes.dependencies import dependencies
 
-    where, roles = assign_auto(cheap, dependencies(cheap), "cpu", host_us_per_op=8.0, min_branch_us=100.0)
-    assert set(where) == {0} and roles == ("compute",)
-    where, roles = assign_auto(costly, dependencies(costly), "cpu", host_us_per_op=8.0, min_branch_us=100.0)
-    assert len(roles) == 4 and roles == ("compute",) * 4
+    for mode in ("trace", "threaded"):
+        where, roles = assign_auto(cheap, dependencies(cheap), "cpu", mode)
+        assert set(where) == {0} and roles == ("compute",)
+        where, roles = assign_auto(costly, dependencies(costly), "cpu", mode)  # one stream per core
+        assert roles == ("compute",) * min(4, os.cpu_count()), roles
+    # a chain with a cheap op hung off every link stays on one stream
+    chain = capture(lambda x: [(x := (x @ x).tanh(), x[0, :1] * 2)[1] for _ in range(4)], (torch.randn(256, 256),)).program
+    assert set(assign_auto(chain, dependencies(chain), "cpu", "threaded")[0]) == {0}

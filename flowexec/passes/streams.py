@@ -358,28 +358,79 @@ def op_cost_us(op: object, prog: Program, device: str) -> float:
     return max(floor, nbytes / bytes_per_us)
 
 
-def assign_auto(prog: Program, deps: Sequence[Sequence[int]], device: str, max_compute: int = 4,
-                host_us_per_op: float = 0.0, min_branch_us: float = 20.0) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``streams="auto"``: copies between host and device on copy streams, and independent
-    branches on extra compute streams only where their estimated device time pays for the
-    events around them. Returns (stream per op, role per stream).
+# Host costs of the run modes, per op and per cross-stream wait (µs; rough, from the trace
+# and threaded runners' measured overheads): (issue per op, per event, issued serially by one host)
+_HOST_COSTS = {("cuda", "trace"): (6.0, 3.0, True), ("cuda", "graph"): (0.0, 0.5, True),
+               ("cuda", "threaded"): (8.0, 5.0, False), ("cpu", "trace"): (8.0, 10.0, True),
+               ("cpu", "threaded"): (8.0, 10.0, False)}
 
-    Branches are found as :func:`assign_streams` finds them over ``max_compute`` streams; a
-    side stream is kept where the estimated device time of its ops (:func:`op_cost_us`) is at
-    least ``min_branch_us`` and more than the host needs to issue them (``host_us_per_op`` per
-    op: a host-bound stream overlaps nothing); otherwise its ops go back to stream 0.
+
+def simulate_us(deps: Sequence[Sequence[int]], where: Sequence[int], cost: Sequence[float], host_us: float,
+                event_us: float, serial_host: bool) -> float:
+    """Estimated time of one run: each stream runs its ops in order, an op starts once its
+    dependencies finished (plus ``event_us`` across streams) and — where one host issues every
+    op (``serial_host``) — once the host got to it (``host_us`` per op, ``event_us`` per wait);
+    otherwise each stream's worker pays ``host_us`` per op itself."""
+    t_host = 0.0
+    free: dict[int, float] = {}
+    finish = [0.0] * len(deps)
+    for j, d in enumerate(deps):
+        s = where[j]
+        ready = 0.0
+        if serial_host:
+            t_host += host_us + event_us * sum(where[i] != s for i in d)
+            ready = t_host
+        for i in d:
+            ready = max(ready, finish[i] + (event_us if where[i] != s else 0.0))
+        start = max(ready, free.get(s, 0.0))
+        finish[j] = free[s] = start + cost[j] + (0.0 if serial_host else host_us)
+    return max(finish, default=0.0)
+
+
+def assign_auto(prog: Program, deps: Sequence[Sequence[int]], device: str, mode: str = "trace",
+                max_compute: int = 4, min_branch_us: float | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``streams="auto"``: copies between host and device on copy streams, and independent
+    branches on extra compute streams only where the estimate says they pay. Returns (stream
+    per op, role per stream).
+
+    Branches are found as :func:`assign_streams` finds them over ``max_compute`` streams (on the
+    CPU at most one per core). A side stream whose ops' estimated time (:func:`op_cost_us`) is
+    under ``min_branch_us`` (20 µs on CUDA, 100 µs on the CPU) goes back to stream 0; then side
+    streams are merged into stream 0 one at a time while :func:`simulate_us` (op costs, the
+    mode's host cost per op and per event) says the run is no more than 2% slower for it.
     """
+    import os
+
+    if device == "cpu":
+        max_compute = max(1, min(max_compute, os.cpu_count() or 1))
+    if min_branch_us is None:
+        min_branch_us = 20.0 if device == "cuda" else 100.0
+    host_us, event_us, serial = _HOST_COSTS.get((device, mode), _HOST_COSTS[(device, "trace")])
     compute_ops, where_sub = _assign_compute(prog, deps, max_compute)
-    cost: dict[int, float] = {}
-    count: dict[int, int] = {}
-    for j, s in zip(compute_ops, where_sub):
-        cost[s] = cost.get(s, 0.0) + op_cost_us(prog.ops[j], prog, device)
-        count[s] = count.get(s, 0) + 1
-    keep = sorted(s for s in cost if s == 0 or (cost[s] >= min_branch_us and cost[s] > host_us_per_op * count[s]))
+    sub = {j: k for k, j in enumerate(compute_ops)}
+    sub_deps = [tuple(sub[i] for i in deps[j] if i in sub) for j in compute_ops]
+    cost_of = [op_cost_us(prog.ops[j], prog, device) for j in compute_ops]
+    total: dict[int, float] = {}
+    for s, c in zip(where_sub, cost_of):
+        total[s] = total.get(s, 0.0) + c
+    cur = [s if total[s] >= min_branch_us else 0 for s in where_sub]
+    best = simulate_us(sub_deps, cur, cost_of, host_us, event_us, serial)
+    while True:  # greedily merge the side stream whose merge costs least, within 2%
+        trials = []
+        for s in sorted(set(cur) - {0}):
+            merged = [0 if k == s else k for k in cur]
+            trials.append((simulate_us(sub_deps, merged, cost_of, host_us, event_us, serial), merged))
+        if not trials:
+            break
+        t, merged = min(trials, key=lambda x: x[0])
+        if t > best * 1.02:
+            break
+        cur, best = merged, min(best, t)
+    keep = sorted(set(cur) | {0})
     renumber = {s: k for k, s in enumerate(keep)}
     where = [0] * len(prog.ops)
-    for j, s in zip(compute_ops, where_sub):
-        where[j] = renumber.get(s, 0)
+    for j, s in zip(compute_ops, cur):
+        where[j] = renumber[s]
     roles = ["compute"] * len(keep)
     role_stream: dict[str, int] = {}
     for j, op in enumerate(prog.ops):
