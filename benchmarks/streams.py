@@ -10,14 +10,27 @@ step with little parallelism (every flowexec row checked against eager first), a
 tiny and small training steps through the torch.compile backend in graph mode with 1 and 4
 streams.
 
-    PYTHONPATH=. python3 benchmarks/streams.py --out benchmarks/results
+Issue 26's sections, in the same run: (a) a copy-heavy step (6 x (1024x1024 matmul + tanh),
+batch 256, every activation copied to pinned host memory) with ``streams="auto"`` (copies on
+a d2h copy stream) against eager and against the same step without copies; (b) the host time
+the event calls of a step cost, pruned plan against the naive one (one event per
+cross-stream edge), with both counts; (c) threaded mode against trace mode on the MLP step
+and on the four-branch model; (d) graph mode with branches on four streams against one (the
+branches section). ``--device cpu``: threaded mode with 2 CPU streams against trace mode on
+four independent branches of small matmuls, beside trace mode with 1 and 2 intra-op threads.
 
-Writes streams.json (device, versions, date, commit, plan sizes, every figure).
+    PYTHONPATH=. python3 benchmarks/streams.py --out benchmarks/results            # GPU, ~3 min
+    PYTHONPATH=. python3 benchmarks/streams.py --device cpu --out benchmarks/results
+
+Writes streams.json (GPU) or streams_cpu.json (device, versions, date, commit, plan sizes,
+every figure).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import time
 import datetime
 import functools
 import json
@@ -149,14 +162,194 @@ def gpt2_rows(size: str, dev: torch.device, r: dict[str, Any]) -> dict[str, Call
     return rows
 
 
+def copy_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """(a) The copy-heavy step, with and without its copies, eager and flowexec."""
+    torch.manual_seed(0)
+    ws = [torch.randn(1024, 1024, device=dev) / 32 for _ in range(6)]
+    hosts = [torch.empty(256, 1024, pin_memory=dev.type == "cuda") for _ in range(6)]
+    x = torch.randn(256, 1024, device=dev)
+
+    def with_copies(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for w, hb in zip(ws, hosts):
+            h = torch.tanh(h @ w)
+            hb.copy_(h, non_blocking=True)  # the offload / checkpoint pattern
+        return h
+
+    def no_copies(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w)
+        return h
+
+    want = with_copies(x)
+    torch.cuda.synchronize()
+    want_host = [h.clone() for h in hosts]
+    rows: dict[str, Callable[[], Any]] = {"eager": lambda: with_copies(x), "eager, no copies": lambda: no_copies(x)}
+    for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
+        for streams in (1, "auto"):
+            name = f"flowexec {mode}, streams={streams}"
+            try:
+                exe = flowexec.compile(with_copies, x, mode=mode, streams=streams)
+                for h in hosts:
+                    h.zero_()
+                torch.testing.assert_close(exe(x), want, rtol=1e-5, atol=1e-5)
+                torch.cuda.synchronize()
+                for h, w in zip(hosts, want_host):
+                    torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-5)
+                st = exe.plan.stats()
+                r[f"{name} plan"] = {k: st[k] for k in ("ops", "streams", "stream_roles", "events", "waits")}
+                rows[name] = (lambda exe=exe: exe(x))
+            except Exception as e:  # a row that fails is reported, the others still run
+                r[f"{name} error"] = f"{type(e).__name__}: {e}"[:500]
+        exe = flowexec.compile(no_copies, x, mode=mode)
+        rows[f"flowexec {mode}, no copies"] = (lambda exe=exe: exe(x))
+    return rows
+
+
+def host_us(fn: Callable[[], Any], sync: Callable[[], None], calls: int = 400) -> float:
+    """Median host µs of one call (the device is synchronised every 8 calls, outside the timing)."""
+    import statistics
+
+    ts = []
+    for k in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+        if k % 8 == 7:
+            sync()
+    return statistics.median(ts) / 1e3
+
+
+def event_host_time(dev: torch.device, r: dict[str, Any]) -> None:
+    """(b) Host µs per step spent on event calls: the runner of a plan against the same runner
+    with its waits and records left out (timing only: that one's results are not used), for
+    the pruned and the naive plan of the MLP training step and of the four-branch model."""
+    from flowexec.capture import capture
+    from flowexec.plan import build_plan
+    from flowexec.runtime.interpreter import lower_trace
+
+    torch.manual_seed(0)
+    m = make_mlp(256, 8).to(dev)
+    step = make_step(m, torch.optim.SGD(m.parameters(), lr=1e-6), F.cross_entropy)
+    x, y = torch.randn(32, 256, device=dev), torch.randint(0, 10, (32,), device=dev)
+    step(x, y)
+    xs = torch.randn(B, D, device=dev)
+    br = [[torch.randn(D, D, device=dev) / 16 for _ in range(6)] for _ in range(4)]
+    workloads = {"mlp_step": (step, (x, y)), "branches": (lambda v: torch.cat([branch(ws, v) for ws in br], -1), (xs,))}
+    sync = torch.cuda.synchronize
+    for name, (fn, args) in workloads.items():
+        prog = capture(fn, args).program
+        out: dict[str, Any] = {}
+        for kind, prune in (("pruned", True), ("naive", False)):
+            plan = build_plan(prog, streams=4, prune=prune)
+            bare = dataclasses.replace(plan, instructions=tuple(dataclasses.replace(i, waits=(), records=())
+                                                                for i in plan.instructions), n_events=0)
+            run, run_bare = lower_trace(plan), lower_trace(bare)
+            for _ in range(20):
+                run(*args), run_bare(*args)
+            sync()
+            t_full = min(host_us(lambda: run(*args), sync) for _ in range(3))
+            t_bare = min(host_us(lambda: run_bare(*args), sync) for _ in range(3))
+            st = plan.stats()
+            out[kind] = {"waits": st["waits"], "events": st["events"], "cross_stream_edges": st["cross_stream_edges"],
+                         "host_us_per_step": t_full, "host_us_without_events": t_bare,
+                         "event_host_us_per_step": t_full - t_bare}
+        n, p = out["naive"]["event_host_us_per_step"], out["pruned"]["event_host_us_per_step"]
+        out["pruned_saves"] = (1 - p / n) if n > 0 else None
+        r[name] = out
+        print(f"events {name:9s} pruned {out['pruned']['waits']} waits / {out['pruned']['events']} events "
+              f"{p:7.1f} µs; naive {out['naive']['waits']} / {out['naive']['events']} {n:7.1f} µs", flush=True)
+
+
+def threaded_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """(c) Threaded mode against trace mode: the MLP step (one stream), the four branches."""
+    torch.manual_seed(0)
+    base = make_mlp(256, 8).to(dev)
+    x, y = torch.randn(32, 256, device=dev), torch.randint(0, 10, (32,), device=dev)
+    rows: dict[str, Callable[[], Any]] = {}
+    for mode in ("trace", "threaded"):
+        m = copy.deepcopy(base)
+        step = make_step(m, torch.optim.SGD(m.parameters(), lr=1e-3), F.cross_entropy)
+        exe = flowexec.compile(step, x, y, mode=mode)
+        rows[f"mlp step, {mode}"] = (lambda exe=exe: exe(x, y))
+    xs = torch.randn(B, D, device=dev)
+    br = [[torch.randn(D, D, device=dev) / 16 for _ in range(6)] for _ in range(4)]
+
+    def four(v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([branch(ws, v) for ws in br], -1)
+
+    want = four(xs)
+    for mode, n in (("trace", 1), ("trace", 4), ("threaded", 4), ("trace", "auto"), ("threaded", "auto")):
+        exe = flowexec.compile(four, xs, mode=mode, streams=n)
+        torch.testing.assert_close(exe(xs), want, rtol=1e-5, atol=1e-5)
+        r[f"branches, {mode}, streams={n} plan"] = {k: exe.plan.stats()[k] for k in ("streams", "events")}
+        rows[f"branches, {mode}, streams={n}"] = (lambda exe=exe: exe(xs))
+    return rows
+
+
+def cpu_main(args: argparse.Namespace) -> None:
+    """Threaded mode with 2 CPU streams against trace mode on 4 independent branches of small
+    matmuls, beside trace mode with 1 and 2 intra-op threads."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from host_meta import host_meta
+
+    torch.manual_seed(0)
+    n_br, depth, rows_, width = 4, 6, 64, 256
+    br = [[torch.randn(width, width) / 16 for _ in range(depth)] for _ in range(n_br)]
+
+    def four(v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([branch(ws, v) for ws in br], -1)
+
+    x = torch.randn(rows_, width)
+    want = four(x)
+    threads0 = torch.get_num_threads()
+
+    def at(threads: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+        return lambda: (torch.set_num_threads(threads), fn())
+
+    res: dict[str, Any] = host_meta("PYTHONPATH=. python3 benchmarks/streams.py " + " ".join(sys.argv[1:]))
+    res["workload"] = f"{n_br} branches of {depth} x ({rows_}x{width} @ {width}x{width} + SiLU), concatenated"
+    rows: dict[str, Callable[[], Any]] = {"eager, 1 thread": at(1, lambda: four(x))}
+    exe1 = flowexec.compile(four, x)
+    rows["trace, 1 intra-op thread"] = at(1, lambda: exe1(x))
+    rows["trace, 2 intra-op threads"] = at(2, lambda: exe1(x))
+    for mode, n in (("threaded", 2), ("threaded", "auto"), ("trace", 2)):
+        exe = flowexec.compile(four, x, mode=mode, streams=n)
+        torch.set_num_threads(1)
+        torch.testing.assert_close(exe(x), want, rtol=1e-5, atol=1e-5)
+        res[f"{mode}, streams={n} plan"] = {k: exe.plan.stats()[k] for k in ("streams", "events")}
+        rows[f"{mode}, streams={n}, 1 intra-op thread each"] = at(1, lambda exe=exe: exe(x))
+    for fn in rows.values():
+        for _ in range(5):
+            fn()
+    times = interleaved(rows, lambda: None, args.rounds, args.per_round)
+    torch.set_num_threads(threads0)
+    base = "trace, 1 intra-op thread"
+    res["us"] = times
+    res["vs_" + base] = {k: times[base] / v for k, v in times.items()}
+    for k, v in times.items():
+        print(f"{k:45s} {v:9.1f} µs  {times[base] / v:5.2f}x trace (1 thread)", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "streams_cpu.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--per-round", type=int, default=25)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--gpt2", action="store_true", help="also the GPT-2 rows through the backend (longer)")
+    ap.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.per_round = 2, 3
+    if args.device == "cpu":
+        return cpu_main(args)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/streams.py needs a CUDA device")
+        sys.exit("benchmarks/streams.py needs a CUDA device (or --device cpu)")
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
@@ -167,8 +360,10 @@ def main() -> None:
         "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),  # the device machine's git may be stale
         "timing": "median µs per call including a synchronize, alternating rounds",
     }
-    builds: dict[str, Callable[..., Any]] = {"branches": branch_rows, "mlp_step": step_rows}
-    builds.update({size: functools.partial(gpt2_rows, size) for size in GPT2_SIZES})
+    builds: dict[str, Callable[..., Any]] = {"branches": branch_rows, "mlp_step": step_rows, "copy_heavy": copy_rows,
+                                             "threaded": threaded_rows}
+    if args.gpt2:
+        builds.update({size: functools.partial(gpt2_rows, size) for size in GPT2_SIZES})
     # the capture stream's cuBLAS workspace, made before any row's build is measured
     a = torch.randn(8, 8, device=dev)
     capture_graph(lambda: a @ a)
@@ -184,6 +379,18 @@ def main() -> None:
         res[name] = {"us": times, "vs_" + first: {k: times[first] / v for k, v in times.items()}, **facts}
         for k, v in times.items():
             print(f"{name:9s} {k:36s} {v:9.1f} µs  {times[first] / v:5.2f}× {first}", flush=True)
+    res["event_host_time"] = {}
+    event_host_time(dev, res["event_host_time"])
+    c = res["copy_heavy"]["us"]
+    for mode in ("trace", "graph"):
+        auto = c.get(f"flowexec {mode}, streams=auto")
+        if auto:
+            res["copy_heavy"][f"{mode} auto"] = {"vs eager": c["eager"] / auto,
+                                                 "over no copies": auto / c[f"flowexec {mode}, no copies"],
+                                                 "vs streams=1": c.get(f"flowexec {mode}, streams=1", float("nan")) / auto}
+    t = res["threaded"]["us"]
+    res["threaded"]["threaded over trace"] = {"mlp step": t["mlp step, threaded"] / t["mlp step, trace"],
+                                              "branches (4 streams)": t["branches, threaded, streams=4"] / t["branches, trace, streams=4"]}
     b = res["branches"]["us"]
     res["branches"]["four_over_one"] = {
         "by hand (cuda graph)": b["cuda graph, one stream"] / b["cuda graph, four streams by hand"],

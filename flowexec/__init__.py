@@ -20,12 +20,14 @@ from typing import Any
 from .errors import CaptureError, ExecutionError, FlowexecError, InputError, OptionError
 from .executable import Executable, RecaptureWarning, compile
 from .profiler import Timeline, profile
+from .passes.verify import Hazard, verify_plan
 from .program import Program
 
 __version__ = "0.1.0"
 __all__ = [
     "compile", "Executable", "Program", "FlowexecError", "CaptureError", "InputError",
     "OptionError", "ExecutionError", "RecaptureWarning", "fast_item", "Fetch", "FetchRing", "profile", "Timeline",
+    "verify_plan", "Hazard",
 ]
 
 from . import backend as _backend  # noqa: E402, F401  registers torch.compile(backend="flowexec")

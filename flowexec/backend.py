@@ -25,8 +25,9 @@ from .capture import program_from_graph
 from .errors import OptionError, count_option
 from .executable import MODES, RecaptureWarning, rewrite_program
 from .passes.streams import cuda_devices
-from .plan import build_plan, check_gc
-from .runtime.interpreter import lower_trace
+from .plan import build_plan, check_gc, check_streams
+from .runtime.interpreter import lower_trace  # noqa: F401
+from .runtime.streams import lower_for
 
 BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams")
 # Dynamo wraps compiled backward functions in a way that hides our _boxed_call flag; the
@@ -107,8 +108,9 @@ class GraphProgram:
         ``streams``: CUDA streams to spread the graph's ops over (``flowexec.compile``'s option;
         a graph on no CUDA device, or on several, runs on one)."""
         program = rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp)
-        self.plan = build_plan(program, gc, streams if len(cuda_devices(program)) == 1 else 1)  # streams of one device
-        self.run = lower_trace(self.plan)
+        # streams of one device (CUDA streams) or of none (worker threads on the CPU)
+        self.plan = build_plan(program, gc, streams if len(cuda_devices(program)) <= 1 else 1, mode=mode)
+        self.run = lower_for(self.plan, mode)
         self.mode = mode
         self.warmup = warmup
         self.static_idx = set(static_idx)
@@ -152,7 +154,7 @@ class GraphProgram:
     def __call__(self, *args: Any) -> list[Any]:
         # AOTAutograd calls boxed (one list) where it sees _boxed_call, unboxed elsewhere.
         args = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
-        if self.mode == "trace":
+        if self.mode != "graph":  # trace and threaded
             return self.run(*args)
         runners = self.graph_runners
         if runners and runners[0].matches(args):
@@ -289,12 +291,10 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise OptionError(f"unknown flowexec backend option(s) {unknown}; valid: {', '.join(BACKEND_OPTIONS)}")
     mode, gc = opts.get("mode", "trace"), opts.get("gc", "fast")
     warmup, cache_size = count_option(opts, "warmup", 1, 0), count_option(opts, "cache_size", 8, 1)
-    streams = count_option(opts, "streams", 1, 1)
+    streams = check_streams(opts.get("streams", 1))
     if mode not in MODES:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
     check_gc(gc, mode, streams)
-    if streams > 1 and not _cuda_available():
-        raise OptionError(f"streams={streams} runs ops on CUDA streams, but this machine has no CUDA device; use streams=1")
     if mode == "graph" and not _cuda_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 

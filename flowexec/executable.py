@@ -26,15 +26,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import CaptureError, FlowexecError
-from .signature import builder, call_arguments, call_difference, flatten, tree_of
 from .capture import capture, storage_groups, storage_key
-from .errors import InputError, OptionError, count_option
-from .plan import ExecutionPlan, build_plan, check_gc
+from .errors import CaptureError, FlowexecError, InputError, OptionError, count_option
+from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
-from .runtime.interpreter import lower_trace
+from .runtime.interpreter import lower_trace  # noqa: F401  (re-exported for callers)
+from .runtime.streams import lower_for
+from .signature import builder, call_arguments, call_difference, flatten, tree_of
 
-MODES = ("trace", "graph")
+MODES = ("trace", "graph", "threaded")
 OPTIONS = {
     "cache_size": "how many input signatures to keep compiled (default 8); past that a new one is an error",
     "warmup": "graph mode: eager warm-up runs before capture (default 1)",
@@ -44,9 +44,12 @@ OPTIONS = {
     "fuse_lerp": "substitute flowexec's fused Triton lerp for aten.lerp / aten.lerp_ on CUDA where it measured "
                  "faster (a broadcast operand, >= 2**20 elements): by default in graph mode, with True in every "
                  "mode; 'all': every eligible lerp and lerp_; False: none",
-    "streams": "run independent ops on up to this many CUDA streams (default 1), ordered by statically planned "
-               "events; pays in graph mode, where the events are edges of the graph (trace mode pays host time "
-               "for every stream switch and event)",
+    "streams": "run independent ops on up to this many compute streams (default 1), ordered by statically planned "
+               "events: CUDA streams, or worker threads on the CPU; 'auto': copies between host and device on copy "
+               "streams, branches on extra streams where their estimated cost pays (docs/streams.md)",
+    "spin_us": "threaded mode and CPU streams: how long a waiting worker spins before it blocks (default 200)",
+    "wait_timeout": "threaded mode and CPU streams: seconds a wait may take before it fails naming the "
+                    "instruction (default 60)",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
@@ -132,11 +135,12 @@ class Executable:
     def __init__(self, fn: Callable[..., Any], mode: str, gc: str, options: dict[str, Any]) -> None:
         self.fn, self.mode, self.gc = fn, mode, gc
         self.cache_size = int(options.get("cache_size", 8))
-        self.streams = count_option(options, "streams", 1, 1)
+        self.streams = check_streams(options.get("streams", 1))
+        self._worker_opts = (options.get("spin_us"), options.get("wait_timeout"))
         # Arguments that share memory (with each other or with state) must be planned as one
         # buffer over several streams, and staged as one buffer in graph mode (a write through
         # one shows through the other): the call's pattern of sharing joins its signature.
-        self._sharing = self.streams > 1 or mode == "graph"
+        self._sharing = self.streams != 1 or mode == "graph"
         self._sig: Callable[[Sequence[Any]], tuple[Any, ...]] = self._shared_signature if self._sharing else _signature
         self._state_keys: frozenset[int] = frozenset()
         self.warmup = int(options.get("warmup", 1))
@@ -166,8 +170,8 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         cap = capture(_call_with_containers(self.fn, tree, paths), args)
-        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams)
-        run = lower_trace(plan)
+        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams, mode=self.mode)
+        run = lower_for(plan, self.mode, *self._worker_opts)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
@@ -604,9 +608,8 @@ def compile(fn: Callable[..., Any] | None = None, *example_args: Any, mode: str 
         {'y': tensor(6.)}
     """
     if mode not in MODES:
-        hint = " (threaded mode is not implemented yet)" if mode == "threaded" else ""
-        raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}{hint}")
-    check_gc(gc, mode, count_option(options, "streams", 1, 1))
+        raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
+    check_gc(gc, mode, check_streams(options.get("streams", 1)))
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         valid = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())

@@ -14,16 +14,29 @@ Example::
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import OptionError, whole_number
 from .passes.dependencies import alias_groups, dependencies, mutated_state
 from .passes.liveness import Liveness, analyse_liveness
-from .passes.streams import assign_streams, exit_uses, plan_events, side_outputs, stream_uses
+from .passes.streams import (add_copy_streams, assign_auto, assign_streams, cross_edges, cuda_devices, data_edges,
+                             exit_uses, naive_events, plan_events, release_streams, side_outputs, stream_groups, stream_uses,
+                             value_edges)
 from .program import Op, Program, Role, lint
 
 GC_MODES = ("fast", "async", "none")
+
+
+def check_streams(streams: Any) -> int | str:
+    """``streams`` checked: a whole number of at least 1, or ``"auto"`` (an OptionError otherwise)."""
+    if streams == "auto" and isinstance(streams, str):
+        return streams
+    try:
+        return whole_number("streams", streams, 1)
+    except OptionError:
+        raise OptionError(f"streams={streams!r} must be a whole number of at least 1 or 'auto'") from None
 
 
 def check_gc(gc: str, mode: str = "trace", streams: int = 1) -> None:
@@ -32,7 +45,7 @@ def check_gc(gc: str, mode: str = "trace", streams: int = 1) -> None:
     and the side streams' ``record_stream`` bookkeeping are not ready for yet."""
     if gc not in GC_MODES:
         raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
-    if gc == "async" and (mode != "trace" or streams > 1):
+    if gc == "async" and (mode != "trace" or streams != 1):
         raise OptionError(f"gc='async' runs in trace mode on one stream only (got mode={mode!r}, streams={streams}); "
                           "use gc='fast' there")
 
@@ -64,6 +77,11 @@ class ExecutionPlan:
     n_events: int = 0
     side_outputs: tuple[int, ...] = ()  # outputs whose storage a side stream allocated
     exit_uses: tuple[tuple[int, tuple[int, ...]], ...] = ()  # stream_uses of values dying at return (gc="none")
+    # ops run on worker threads (CPU streams, threaded mode): value edges are ordered too, and
+    # stream_uses name the other streams that release a freed value's slot
+    on_workers: bool = False
+    stream_roles: tuple[str, ...] = ("compute",)
+    event_counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # cross-stream edges, waits, naive waits, naive events
 
     def stats(self) -> dict[str, Any]:
         """Counts that summarise the plan: ops, values, frees, planned peak bytes …"""
@@ -80,32 +98,73 @@ class ExecutionPlan:
             "gc": self.gc,
             "streams": self.n_streams,
             "events": self.n_events,
+            "stream_roles": self.stream_roles,
+            "cross_stream_edges": self.event_counts[0],
+            "waits": self.event_counts[1],
+            "naive_waits": self.event_counts[2],
+            "naive_events": self.event_counts[3],
         }
 
 
-def build_plan(prog: Program, gc: str = "fast", streams: int = 1) -> ExecutionPlan:
-    """Lint the program and run every pass once; ``streams``: spread ops over up to that many
-    CUDA streams (1: every op on the caller's stream, no events)."""
-    whole_number("streams", streams, 1)
-    check_gc(gc, streams=streams)
+def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: str = "trace",
+               prune: bool = True, workers: bool | None = None) -> ExecutionPlan:
+    """Lint the program and run every pass once.
+
+    ``streams``: spread ops over up to that many compute streams (1: every op on the caller's
+    stream, no events; copies between host and device then go to copy streams of their own),
+    or ``"auto"`` (copies on copy streams, branches on extra compute streams where their
+    estimated cost pays, ``passes/streams.py``). ``mode``: the run mode the plan is for
+    (``"threaded"`` runs ops on worker threads). ``workers``: plan for ops on worker threads
+    (default: threaded mode, or several streams over a program with no CUDA tensor: CPU
+    streams). ``prune=False``: one event per cross-stream edge (the naive plan, for
+    comparison). Under ``FLOWEXEC_DEBUG=1`` every multi-stream plan is verified
+    (``flowexec.verify_plan``) and a hazard is an error.
+    """
+    streams = check_streams(streams)
+    check_gc(gc, mode, streams)
     lint(prog)
     groups = alias_groups(prog)
+    cuda = cuda_devices(prog)
+    if workers is None:
+        workers = mode == "threaded" or (streams != 1 and not cuda)
     # Arguments on one storage are one buffer to the dependencies only where several streams
     # need ordering that program order gives one stream (liveness and the mutated set never).
-    shared = streams > 1 and bool(prog.shared_storage)
+    shared = streams != 1 and bool(prog.shared_storage)
     deps = dependencies(prog, alias_groups(prog, shared=True) if shared else groups)
+    if streams != 1 or workers:  # a view's results on its argument's storage, every one of them
+        sgroups = stream_groups(prog, shared)
+        deps = dependencies(prog, sgroups)
     live = analyse_liveness(prog, groups, drop=(gc != "none"))
-    if streams == 1:
+    if streams == 1 and not workers:
         instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)
         return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc)
-    where = assign_streams(deps, streams)
-    events = plan_events(deps, where)
-    uses = stream_uses(prog, groups, where, live.frees)
+    device = "cuda" if len(cuda) == 1 else "cpu"
+    if streams == "auto":
+        where, roles = assign_auto(prog, deps, device, mode)
+    else:
+        if device == "cuda":
+            where, roles = add_copy_streams(prog, deps, streams)
+        else:
+            where = assign_streams(deps, streams)
+            roles = ("compute",) * (max(where, default=0) + 1)
+    # view-only ops need no wait (metadata); on worker threads every value must exist first
+    edges = value_edges(prog, deps) if workers else data_edges(prog, deps)
+    events = plan_events(edges, where) if prune else naive_events(edges, where)
+    naive = naive_events(edges, where)
+    counts = (len(cross_edges(edges, where)), sum(map(len, events.waits)), sum(map(len, naive.waits)), naive.n_events)
+    uses = release_streams(prog, where, live.frees) if workers else stream_uses(prog, sgroups, where, live.frees)
     instrs = tuple(Instruction(op, deps[op.index], where[op.index], events.waits[op.index],
                                events.records[op.index], live.frees[op.index], uses[op.index])
                    for op in prog.ops)
     freed = {v for f in live.frees for v in f}
     at_exit = [v.id for v in prog.values if v.role is Role.TEMP and v.id not in live.protected and v.id not in freed]
-    return ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc,
-                         max(where, default=0) + 1, events.n_events, side_outputs(prog, groups, where),
-                         exit_uses(prog, groups, where, at_exit))
+    plan = ExecutionPlan(prog, instrs, groups, live, mutated_state(prog, groups), gc,
+                         max(where, default=0) + 1, events.n_events,
+                         side_outputs(prog, sgroups, where) if device == "cuda" else (),
+                         () if workers else exit_uses(prog, sgroups, where, at_exit),
+                         workers, roles, counts)
+    if os.environ.get("FLOWEXEC_DEBUG") == "1":
+        from .passes.verify import check_plan
+
+        check_plan(plan)
+    return plan

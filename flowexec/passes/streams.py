@@ -212,3 +212,280 @@ def side_outputs(prog: Program, groups: Sequence[int], streams: Sequence[int]) -
 def cuda_devices(prog: Program) -> set:
     """The CUDA devices of the program's tensor values (several streams need exactly one)."""
     return {v.meta.device for v in prog.values if v.meta is not None and v.meta.device.type == "cuda"}
+
+
+# -- view-only ops, value edges, the naive plan ---------------------------------------------
+
+_VIEW_CACHE: dict = {}
+# views at run time whose schemas do not say so (their results share the argument's storage)
+_UNANNOTATED_VIEWS = {"_unsafe_view", "_reshape_alias"}
+
+
+def stream_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
+    """:func:`~flowexec.passes.dependencies.alias_groups`, with every result of a view-only op
+    (:func:`is_view_op`) joined to the storage of its first tensor argument: every element of
+    ``split`` / ``chunk`` / ``unbind`` (whose one list return the schema zip pairs with the first
+    element only) and ``_unsafe_view`` (no alias annotation). One stream never needed this;
+    several do, since a view's consumer must be ordered after whoever wrote the storage."""
+    from .dependencies import _find, alias_groups
+
+    base = alias_groups(prog, shared=shared)
+    parent = list(base)
+    for op in prog.ops:
+        if not is_view_op(op.target):
+            continue
+        src = next(op.refs(), None)
+        if src is None:
+            continue
+        for o in op.outputs:
+            if o >= 0:
+                ra, rb = _find(parent, src), _find(parent, o)
+                if ra != rb:
+                    parent[max(ra, rb)] = min(ra, rb)
+    return tuple(_find(parent, i) for i in range(len(parent)))
+
+
+def is_view_op(target: object) -> bool:
+    """Whether an op only makes views: it writes nothing and every tensor it returns aliases an
+    argument (``aten.view``, ``t``, ``transpose``, ``expand``, ``slice``, ``split`` …). Such an op
+    reads metadata only, so on a stream it needs no wait for the data of what it views."""
+    hit = _VIEW_CACHE.get(target)
+    if hit is None:
+        schema = getattr(target, "_schema", None)
+        hit = getattr(target, "__name__", "").split(".")[0] in _UNANNOTATED_VIEWS or bool(
+                   schema is not None and schema.returns
+                   and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+                   and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
+        _VIEW_CACHE[target] = hit
+    return hit
+
+
+def data_edges(prog: Program, deps: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """``deps`` without the edges that touch a view-only op (:func:`is_view_op`): such an op
+    neither reads nor writes data, and :func:`~flowexec.passes.dependencies.dependencies` gives
+    its consumers their own edges to whoever wrote the storage, so nothing is lost. What is left
+    is what device streams must order (the host makes every value in program order)."""
+    view = [is_view_op(op.target) for op in prog.ops]
+    return tuple(() if view[j] else tuple(i for i in d if not view[i]) for j, d in enumerate(deps))
+
+
+def value_edges(prog: Program, deps: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """:func:`data_edges` plus, per op, the ops that make the values it takes: where ops run on
+    worker threads (CPU streams, threaded mode) a value object exists only once its op has run,
+    a view's included."""
+    made_by = {o: op.index for op in prog.ops for o in op.outputs if o >= 0}
+    data = data_edges(prog, deps)
+    return tuple(tuple(sorted(set(data[op.index]) | {made_by[r] for r in op.refs() if r in made_by}))
+                 for op in prog.ops)
+
+
+def cross_edges(deps: Sequence[Sequence[int]], streams: Sequence[int]) -> list[tuple[int, int]]:
+    """The dependency edges ``(i, j)`` whose ends are on different streams."""
+    return [(i, j) for j, d in enumerate(deps) for i in d if streams[i] != streams[j]]
+
+
+def naive_events(deps: Sequence[Sequence[int]], streams: Sequence[int]) -> EventPlan:
+    """The plan without pruning: one event per cross-stream edge, recorded after its producer
+    and waited on before its consumer (seed 000's interpreter before the pruning). Sound, and
+    the baseline of ``plan.stats()``'s ``naive_*`` counts and of ``benchmarks/streams.py``."""
+    waits: list[list[int]] = [[] for _ in deps]
+    records: list[list[int]] = [[] for _ in deps]
+    for e, (i, j) in enumerate(cross_edges(deps, streams)):
+        records[i].append(e)
+        waits[j].append(e)
+    return EventPlan(tuple(map(tuple, waits)), tuple(map(tuple, records)), sum(map(len, waits)))
+
+
+# -- stream roles, and streams="auto" ------------------------------------------------------
+
+ROLES = ("compute", "d2h", "h2d", "comm")
+
+
+def copy_role(op: object, prog: Program) -> str | None:
+    """``"d2h"`` / ``"h2d"`` for a copy between host and CUDA memory (``copy_``, ``_to_copy``),
+    ``"comm"`` for a functional collective, None otherwise."""
+    name = getattr(op.target, "__name__", "")
+    ns = getattr(op.target, "namespace", "")
+    if ns == "_c10d_functional":
+        return "comm"
+    if name not in ("copy_.default", "_to_copy.default", "copy.default", "_copy_from.default"):
+        return None
+
+    def dev(a: object) -> object:
+        vid = getattr(a, "id", None)
+        meta = prog.values[vid].meta if vid is not None else None
+        return meta.device.type if meta is not None else None
+
+    if name in ("copy_.default", "_copy_from.default"):  # copy_(dst, src); _copy_from(src, dst)
+        dst, src = (op.args[0], op.args[1]) if name == "copy_.default" else (op.args[1], op.args[0])
+        d, s = dev(dst), dev(src)
+    else:
+        s = dev(op.args[0])
+        out = op.outputs[0] if op.outputs else -1
+        d = prog.values[out].meta.device.type if out >= 0 and prog.values[out].meta is not None else None
+    if s == "cuda" and d == "cpu":
+        return "d2h"
+    if s == "cpu" and d == "cuda":
+        return "h2d"
+    return None
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def op_cost_us(op: object, prog: Program, device: str) -> float:
+    """A rough device time for one op, from its kind and sizes: matrix products and
+    convolutions by their flops, everything else by the bytes it touches, with a floor per
+    launch. Only ratios matter (``streams="auto"`` compares a branch with the cost of events)."""
+    flops_per_us, bytes_per_us, floor = (3e7, 2e6, 2.0) if device == "cuda" else (2e4, 5e3, 1.0)
+    name = getattr(op.target, "__name__", "")
+    metas = [prog.values[r].meta for r in op.refs() if prog.values[r].meta is not None]
+    outs = [prog.values[o].meta for o in op.outputs if o >= 0 and prog.values[o].meta is not None]
+    if is_view_op(op.target):
+        return 0.0
+    if name.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm", "matmul") and metas and outs:
+        a = metas[-2] if name.startswith(("addmm", "baddbmm")) else metas[0]
+        k = a.shape[-1] if a.shape else 1
+        return max(floor, 2.0 * _numel(outs[0].shape) * k / flops_per_us)
+    if name.startswith("convolution") and metas and outs and len(metas) > 1:
+        w = metas[1]
+        return max(floor, 2.0 * _numel(outs[0].shape) * _numel(w.shape[1:]) / flops_per_us)
+    nbytes = sum(m.nbytes for m in metas) + sum(m.nbytes for m in outs)
+    return max(floor, nbytes / bytes_per_us)
+
+
+# Host costs of the run modes, per op and per cross-stream wait (µs; rough, from the trace
+# and threaded runners' measured overheads): (issue per op, per event, issued serially by one host)
+_HOST_COSTS = {("cuda", "trace"): (6.0, 3.0, True), ("cuda", "graph"): (0.0, 0.5, True),
+               ("cuda", "threaded"): (8.0, 5.0, False), ("cpu", "trace"): (8.0, 10.0, True),
+               ("cpu", "threaded"): (8.0, 10.0, False)}
+
+
+def simulate_us(deps: Sequence[Sequence[int]], where: Sequence[int], cost: Sequence[float], host_us: float,
+                event_us: float, serial_host: bool) -> float:
+    """Estimated time of one run: each stream runs its ops in order, an op starts once its
+    dependencies finished (plus ``event_us`` across streams) and — where one host issues every
+    op (``serial_host``) — once the host got to it (``host_us`` per op, ``event_us`` per wait);
+    otherwise each stream's worker pays ``host_us`` per op itself."""
+    t_host = 0.0
+    free: dict[int, float] = {}
+    finish = [0.0] * len(deps)
+    for j, d in enumerate(deps):
+        s = where[j]
+        ready = 0.0
+        if serial_host:
+            t_host += host_us + event_us * sum(where[i] != s for i in d)
+            ready = t_host
+        for i in d:
+            ready = max(ready, finish[i] + (event_us if where[i] != s else 0.0))
+        start = max(ready, free.get(s, 0.0))
+        finish[j] = free[s] = start + cost[j] + (0.0 if serial_host else host_us)
+    return max(finish, default=0.0)
+
+
+def assign_auto(prog: Program, deps: Sequence[Sequence[int]], device: str, mode: str = "trace",
+                max_compute: int = 4, min_branch_us: float | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``streams="auto"``: copies between host and device on copy streams, and independent
+    branches on extra compute streams only where the estimate says they pay. Returns (stream
+    per op, role per stream).
+
+    Branches are found as :func:`assign_streams` finds them over ``max_compute`` streams (on the
+    CPU at most one per core). A side stream whose ops' estimated time (:func:`op_cost_us`) is
+    under ``min_branch_us`` (20 µs on CUDA, 100 µs on the CPU) goes back to stream 0; then side
+    streams are merged into stream 0 one at a time while :func:`simulate_us` (op costs, the
+    mode's host cost per op and per event) says the run is no more than 2% slower for it.
+    """
+    import os
+
+    if device == "cpu":
+        max_compute = max(1, min(max_compute, os.cpu_count() or 1))
+    if min_branch_us is None:
+        min_branch_us = 20.0 if device == "cuda" else 100.0
+    host_us, event_us, serial = _HOST_COSTS.get((device, mode), _HOST_COSTS[(device, "trace")])
+    compute_ops, where_sub = _assign_compute(prog, deps, max_compute)
+    sub = {j: k for k, j in enumerate(compute_ops)}
+    sub_deps = [tuple(sub[i] for i in deps[j] if i in sub) for j in compute_ops]
+    cost_of = [op_cost_us(prog.ops[j], prog, device) for j in compute_ops]
+    total: dict[int, float] = {}
+    for s, c in zip(where_sub, cost_of):
+        total[s] = total.get(s, 0.0) + c
+    cur = [s if total[s] >= min_branch_us else 0 for s in where_sub]
+    best = simulate_us(sub_deps, cur, cost_of, host_us, event_us, serial)
+    while True:  # greedily merge the side stream whose merge costs least, within 2%
+        trials = []
+        for s in sorted(set(cur) - {0}):
+            merged = [0 if k == s else k for k in cur]
+            trials.append((simulate_us(sub_deps, merged, cost_of, host_us, event_us, serial), merged))
+        if not trials:
+            break
+        t, merged = min(trials, key=lambda x: x[0])
+        if t > best * 1.02:
+            break
+        cur, best = merged, min(best, t)
+    keep = sorted(set(cur) | {0})
+    renumber = {s: k for k, s in enumerate(keep)}
+    where = [0] * len(prog.ops)
+    for j, s in zip(compute_ops, cur):
+        where[j] = renumber[s]
+    roles = ["compute"] * len(keep)
+    role_stream: dict[str, int] = {}
+    for j, op in enumerate(prog.ops):
+        role = copy_role(op, prog)
+        if role is not None:
+            if role not in role_stream:
+                role_stream[role] = len(roles)
+                roles.append(role)
+            where[j] = role_stream[role]
+    return tuple(where), tuple(roles)
+
+
+def _assign_compute(prog: Program, deps: Sequence[Sequence[int]], n: int) -> tuple[list[int], tuple[int, ...]]:
+    """:func:`assign_streams` over the ops that are not copies between host and device (a copy
+    hung off a chain must not make the chain's next op look like a fork)."""
+    compute_ops = [j for j, op in enumerate(prog.ops) if copy_role(op, prog) is None]
+    sub = {j: k for k, j in enumerate(compute_ops)}
+    sub_deps = [tuple(sub[i] for i in deps[j] if i in sub) for j in compute_ops]
+    return compute_ops, assign_streams(sub_deps, n)
+
+
+def add_copy_streams(prog: Program, deps: Sequence[Sequence[int]], n_compute: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``streams=N``: N compute streams as :func:`assign_streams` gives them over the compute
+    ops, and copies between host and device on copy streams after them (one per direction)."""
+    compute_ops, where_sub = _assign_compute(prog, deps, n_compute)
+    where = [0] * len(prog.ops)
+    for j, s in zip(compute_ops, where_sub):
+        where[j] = s
+    used = max(where, default=0) + 1
+    roles = ["compute"] * used
+    role_stream: dict[str, int] = {}
+    out = list(where)
+    for j, op in enumerate(prog.ops):
+        role = copy_role(op, prog)
+        if role is not None:
+            if role not in role_stream:
+                role_stream[role] = len(roles)
+                roles.append(role)
+            out[j] = role_stream[role]
+    # a compute stream left empty by the move would be forked and joined for nothing
+    live = sorted(set(out) | {0})
+    renumber = {s: k for k, s in enumerate(live)}
+    return tuple(renumber[s] for s in out), tuple(roles[s] for s in live)
+
+
+def release_streams(prog: Program, streams: Sequence[int],
+                    frees: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]:
+    """Worker threads' counterpart of :func:`stream_uses`: per op, for each value freed after
+    it, the other streams whose ops took or made that value up to then. The runtime clears the
+    value's slot only once each of them has passed that point too (a release item in its
+    queue), so a stream never finds a slot another stream emptied early."""
+    users: dict[int, set[int]] = {}
+    out = []
+    for op, s, freed in zip(prog.ops, streams, frees):
+        for r in list(op.refs()) + [o for o in op.outputs if o >= 0]:
+            users.setdefault(r, set()).add(s)
+        out.append(tuple((v, tuple(sorted(users.get(v, set()) - {s}))) for v in freed if users.get(v, set()) - {s}))
+    return tuple(out)

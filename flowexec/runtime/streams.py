@@ -107,3 +107,17 @@ def device_of(plan: Any) -> torch.device:
         found = ", ".join(sorted(map(str, devices))) or "no CUDA tensor"
         raise OptionError(f"streams > 1 runs ops on CUDA streams of one device; this program has {found}")
     return devices.pop()
+
+
+def lower_for(plan: Any, mode: str, spin_us: float | None = None, timeout_s: float | None = None) -> Any:
+    """The runner for ``plan`` in ``mode``: threaded mode and CPU streams run on worker threads
+    (:mod:`flowexec.runtime.cpu_streams`), everything else is the trace runner (CUDA streams
+    where the plan has several)."""
+    from .cpu_streams import DEFAULT_SPIN_US, DEFAULT_TIMEOUT_S, lower_workers
+    from .interpreter import lower_trace
+
+    if not plan.on_workers:
+        return lower_trace(plan)
+    return lower_workers(plan, issue="lists" if mode == "threaded" else "host",
+                         spin_us=DEFAULT_SPIN_US if spin_us is None else spin_us,
+                         timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)

@@ -103,3 +103,69 @@ def test_an_output_dropped_on_one_caller_stream_is_not_reused_by_a_call_from_ano
             exe(x2)
         torch.cuda.synchronize()
         torch.testing.assert_close(snap, want, rtol=1e-5, atol=1e-5)
+
+
+def test_copy_heavy_step_auto_puts_copies_on_a_copy_stream_and_matches_eager():
+    torch.manual_seed(0)
+    ws = [torch.randn(256, 256, device="cuda") / 16 for _ in range(3)]
+    hosts = [torch.empty(64, 256, pin_memory=True) for _ in range(3)]
+
+    def step(x):
+        h = x
+        for w, hb in zip(ws, hosts):
+            h = torch.tanh(h @ w)
+            hb.copy_(h, non_blocking=True)
+        return h
+
+    for mode in ("trace", "graph"):
+        x = torch.randn(64, 256, device="cuda")
+        exe = flowexec.compile(step, x, mode=mode, streams="auto")
+        assert "d2h" in exe.plan.stats()["stream_roles"]
+        assert flowexec.verify_plan(exe.plan.program, exe.plan) == []
+        for _ in range(3):
+            x = torch.randn(64, 256, device="cuda")
+            got = exe(x)
+            torch.cuda.synchronize()
+            got_host = [h.clone() for h in hosts]
+            want = step(x)
+            torch.cuda.synchronize()
+            assert_close_rel(got, want)
+            for a, b in zip(got_host, hosts):
+                assert_close_rel(a, b)
+
+
+@pytest.mark.parametrize("streams", [1, 3, "auto"])
+def test_threaded_mode_on_cuda_matches_eager(streams):
+    f = branches_fn()
+    x = torch.randn(8, 256, device="cuda")
+    exe = flowexec.compile(f, x, mode="threaded", streams=streams)
+    for _ in range(3):
+        x = torch.randn(8, 256, device="cuda")
+        assert_close_rel(exe(x), f(x))
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def test_threaded_mlp_training_step_on_cuda_matches_eager():
+    torch.manual_seed(0)
+    m1 = make_mlp(64, 4).cuda()
+    m2 = copy.deepcopy(m1)
+    s1 = make_step(m1, torch.optim.SGD(m1.parameters(), lr=0.1), F.cross_entropy)
+    s2 = make_step(m2, torch.optim.SGD(m2.parameters(), lr=0.1), F.cross_entropy)
+    data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(4)]
+    exe = flowexec.compile(s2, *data[0], mode="threaded", streams=3)
+    for x, y in data:
+        assert_close_rel(exe(x, y), s1(x, y))
+    assert_same_state(m1, m2)
+
+
+def test_pruned_and_naive_plans_both_verify_on_the_training_step():
+    from flowexec.capture import capture
+    from flowexec.plan import build_plan
+
+    m1, m2, s1, s2, data = block_adam_twins(2)
+    prog = capture(s2, data[1]).program
+    for prune in (True, False):
+        plan = build_plan(prog, streams=4, prune=prune)
+        assert flowexec.verify_plan(prog, plan) == []
+    st = build_plan(prog, streams=4).stats()
+    assert st["waits"] < st["naive_waits"] == st["cross_stream_edges"]

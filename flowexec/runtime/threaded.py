@@ -1,0 +1,42 @@
+"""Threaded mode (``mode="threaded"``): one worker thread per stream, ops dispatched by
+dependency counts.
+
+Each stream's worker is handed its precomputed list of items once per call (one append per
+stream, no per-op work on the caller's thread). An op's count is the number of its
+cross-stream dependencies still unmet — the plan's pruned waits; each is met when the worker
+of the recording stream has run the op before the record (on CUDA: launched it and recorded
+a CUDA event, which the waiting stream also waits on, so the device keeps the order too).
+Dependencies on the same stream are met by the list's order. Workers spin ~200 µs (yielding
+the GIL; ``spin_us``) and then block; every wait has a timeout (``wait_timeout``, seconds)
+whose error names the instruction, and an op's exception reaches the caller naming the op and
+the user's line. The machinery is :mod:`flowexec.runtime.cpu_streams`'s.
+
+Where it pays: independent branches of ops that release the GIL for long enough (matrix
+products of a few hundred rows and up on the CPU, with one intra-op thread per worker: the
+2-core CI machine runs two branches at once). Where it does not: small ops (each costs a
+queue hop and, across streams, an event) and CUDA programs bound by launch time (launches
+from several threads contend for the GIL and the driver; trace mode issues them faster from
+one thread).
+
+Example::
+
+    >>> import torch, flowexec
+    >>> ws = [torch.randn(64, 64) for _ in range(2)]
+    >>> f = lambda x: (x @ ws[0]).relu() + (x @ ws[1]).tanh()
+    >>> exe = flowexec.compile(f, torch.randn(8, 64), mode="threaded", streams=2)
+    >>> x = torch.randn(8, 64)
+    >>> torch.allclose(exe(x), f(x), atol=1e-6)
+    True
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..plan import ExecutionPlan
+from .cpu_streams import DEFAULT_SPIN_US, DEFAULT_TIMEOUT_S, lower_workers
+
+
+def lower_threaded(plan: ExecutionPlan, spin_us: float = DEFAULT_SPIN_US, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   **kw: Any) -> Callable[..., list[Any]]:
+    """The threaded-mode runner of ``plan`` (planned with ``mode="threaded"``)."""
+    return lower_workers(plan, issue="lists", spin_us=spin_us, timeout_s=timeout_s, **kw)
