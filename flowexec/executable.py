@@ -44,6 +44,12 @@ OPTIONS = {
     "streams": "run independent ops on up to this many CUDA streams (default 1), ordered by statically planned "
                "events; pays in graph mode, where the events are edges of the graph (trace mode pays host time "
                "for every stream switch and event)",
+    "memory": "'normal' (default: the caching allocator) or 'planned': intermediates get offsets in one arena per "
+              "device, planned offline, and ops write into views of it (docs/memory.md)",
+    "order": "'program' (default: the captured order) or 'memory': a dependency-respecting order that lowers the "
+             "planned peak (branches depth-first, large buffers die early)",
+    "gc_backlog": "gc='async': bound on the bytes handed to the collector and not yet freed, as bytes (int) or a "
+                  "fraction of the planned peak (float, default 0.1); past it the caller frees itself",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
@@ -123,6 +129,7 @@ class Executable:
         self.fetch_slots = int(options.get("fetch_slots", 64))
         self.fuse_lerp: bool | str | None = options.get("fuse_lerp")
         self.borrow = tuple(options.get("borrow", ()))
+        self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
         if self.borrow and mode != "graph":
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
         self._ring: Any = None
@@ -134,7 +141,8 @@ class Executable:
     def _build(self, args: Sequence[Any]) -> _Compiled:
         t0 = time.perf_counter()
         cap = capture(self.fn, args)
-        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams)
+        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams,
+                          **self.memory_options)
         run = lower_trace(plan)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
