@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from ..program import Program
+from ..program import Program, lint
 from .dependencies import alias_groups, dependencies
 from .liveness import analyse_liveness, buffer_lifetimes, peak_of
 
@@ -44,10 +44,14 @@ def _ordered_anyway(prog: Program) -> list[int]:
 
 
 def order_constraints(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
-    """Per op, the ops that must come before it in any order: dependency edges plus the
-    captured order of random and opaque ops."""
+    """Per op, the ops that must come before it in any order: dependency edges, the op that
+    defines each value it takes (the dependency edges are per buffer, and a view's creation is
+    not a write of its buffer) and the captured order of random and opaque ops."""
     groups = groups if groups is not None else alias_groups(prog)
     deps = [set(d) for d in dependencies(prog, groups)]
+    producer = {o: op.index for op in prog.ops for o in op.outputs if o >= 0}
+    for op in prog.ops:
+        deps[op.index].update(producer[r] for r in op.refs() if r in producer)
     chain = _ordered_anyway(prog)
     for a, b in zip(chain, chain[1:]):
         deps[b].add(a)
@@ -122,4 +126,5 @@ def order_for_memory(prog: Program) -> Program:
     if order == list(range(len(prog.ops))):
         return prog
     candidate = reorder(prog, order)
+    lint(candidate)  # every value defined before its use
     return candidate if planned_peak(candidate) < planned_peak(prog, groups) else prog
