@@ -24,6 +24,10 @@ True
 >>> hand = c.bounded(limit=1 << 20)
 >>> hand((bytearray(10),), 10)  # under the limit: queued for the worker
 True
+
+Only values whose storage dies at a free site are handed over (:func:`handed_frees`): a view
+whose base lives on is dropped by the caller, so the worker never holds the last reference of
+a storage the backlog's count does not include.
 """
 from __future__ import annotations
 
@@ -112,14 +116,18 @@ class AsyncCollector:
         return self._thread
 
 
-def free_site_bytes(plan: Any) -> list[int]:
-    """Per instruction, the bytes of storage its frees release (a view's death releases none;
-    an arena block is never released): what a hand-over adds to the worker's backlog."""
+def handed_frees(plan: Any) -> list[tuple[tuple[int, ...], int]]:
+    """Per instruction, (the freed values to hand to the worker, the bytes of storage they
+    release). Only values whose storage dies at that instruction are handed over, so the worker
+    always holds the last reference of what it is given and the backlog's count is exact: a
+    view whose base lives on, a view of an input or of state, an arena block (never released)
+    and a non-tensor are dropped by the caller (cheap: no storage is freed)."""
     placed = {p.group for p in plan.memory.placements} if plan.memory is not None else set()
-    out = [0] * len(plan.instructions)
-    for b in plan.liveness.buffers:
-        if not b.output and b.group not in placed and b.end < len(out):
-            out[b.end] += b.nbytes
+    ends = {b.group: b for b in plan.liveness.buffers if not b.output and b.group not in placed}
+    out = []
+    for pos, ins in enumerate(plan.instructions):
+        vals = tuple(v for v in ins.frees if (b := ends.get(plan.groups[v])) is not None and b.end == pos)
+        out.append((vals, sum(ends[g].nbytes for g in {plan.groups[v] for v in vals})))
     return out
 
 

@@ -106,10 +106,10 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
         lines.append("    _T[0] = _now()")
     async_gc = plan.gc == "async"
     if async_gc:
-        from .gc import collector, free_site_bytes
+        from .gc import collector, handed_frees
 
         glb["_gc"] = collector().bounded(plan.gc_backlog_bytes)
-        site_bytes = free_site_bytes(plan)
+        handed = handed_frees(plan)
     outs: dict[int, tuple[Any, str]] = {}
     if plan.memory is not None:  # memory="planned": planned ops write into views of the arenas
         from .arena import arena_views
@@ -161,8 +161,8 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             lines += [f"    _rs({_slot(v)}, {stream_name(k)})" for v, ks in ins.stream_uses for k in ks]
         if ins.frees:
             names = ", ".join(_slot(v) for v in ins.frees)
-            if async_gc:  # the worker drops the last references (runtime/gc.py)
-                lines.append(f"    _gc(({names},), {site_bytes[pos]})")
+            if async_gc and handed[pos][0]:  # the worker drops the last references (runtime/gc.py)
+                lines.append(f"    _gc(({''.join(_slot(v) + ', ' for v in handed[pos][0])}), {handed[pos][1]})")
             lines.append("    del " + names)
         if clock is not None:
             lines.append(f"    _T[{pos + 1}] = _now()")
