@@ -5,7 +5,8 @@ each storage the program allocates (a :class:`~flowexec.passes.liveness.Buffer`:
 group, so views share their base's place) has a lifetime; two buffers *conflict* when neither
 is over before the other starts. :func:`assign_offsets` places buffers greedily, best-fit, in
 four orders — by decreasing size (XLA's spatial order), by start (its temporal order), by
-decreasing lifetime and by decreasing size × lifetime — and keeps the smallest arena.
+decreasing lifetime and by decreasing size × lifetime — each best-fit and first-fit, and keeps
+the smallest arena.
 
 Over several streams, "over before" means *ordered before*: a block is reused only when every
 use of its previous tenant, on every stream, happens before the new writer by the plan's
@@ -69,7 +70,7 @@ class MemoryPlan:
     lower_bound_bytes: tuple[int, ...]  # per device: the largest sum of planned bytes live at once
     alignment: tuple[int, ...]
     out_overloads: dict[int, tuple[Any, str]]  # root value -> (out= overload, its out argument's name)
-    strategy: tuple[str, ...]  # per device: which order gave the smallest arena ("size", "start", "length", "area")
+    strategy: tuple[str, ...]  # per device: which order and fit gave the smallest arena ("size/best", "start/first" …)
 
 
 def out_variant(target: Any) -> tuple[Any, str] | None:
@@ -138,10 +139,10 @@ def conflict_test(buffers: Sequence[Buffer], anc: list[int] | None) -> Callable[
 
 
 def assign_offsets(sizes: Sequence[int], conflicts: Callable[[int, int], bool], order: Sequence[int],
-                   alignment: int) -> tuple[list[int], int]:
+                   alignment: int, first_fit: bool = False) -> tuple[list[int], int]:
     """Best-fit placement of buffers in ``order``: each goes into the smallest gap (between the
-    blocks of already-placed buffers it conflicts with) that holds it, else past the last one.
-    Returns (offset per buffer, arena size)."""
+    blocks of already-placed buffers it conflicts with) that holds it (``first_fit``: the lowest
+    such gap), else past the last one. Returns (offset per buffer, arena size)."""
     offsets = [-1] * len(sizes)
     placed: list[int] = []
     top = 0
@@ -150,7 +151,7 @@ def assign_offsets(sizes: Sequence[int], conflicts: Callable[[int, int], bool], 
         busy = sorted((offsets[p], offsets[p] + _align(sizes[p], alignment)) for p in placed if conflicts(p, b))
         best, best_gap, cur = -1, None, 0
         for lo, hi in busy:
-            if lo - cur >= need and (best_gap is None or lo - cur < best_gap):
+            if lo - cur >= need and (best_gap is None or (lo - cur < best_gap and not first_fit)):
                 best, best_gap = cur, lo - cur
             cur = max(cur, hi)
         offsets[b] = best if best >= 0 else cur
@@ -208,9 +209,10 @@ def plan_memory(prog: Program, groups: Sequence[int], buffers: Sequence[Buffer],
         by_area = sorted(range(len(bufs)), key=lambda i: (-(bufs[i].end - bufs[i].start + 1) * sizes[i], bufs[i].start))
         best = None
         for name, order in (("size", by_size), ("start", by_start), ("length", by_length), ("area", by_area)):
-            offsets, top = assign_offsets(sizes, conflicts, order, align)
-            if best is None or top < best[1]:
-                best = (offsets, top, name)
+            for fit in ("best", "first"):
+                offsets, top = assign_offsets(sizes, conflicts, order, align, first_fit=fit == "first")
+                if best is None or top < best[1]:
+                    best = (offsets, top, f"{name}/{fit}")
         offsets, top, name = best
         placements += [Placement(b.root, b.group, k, offsets[i], b.nbytes, b.start, b.end) for i, b in enumerate(bufs)]
         sizes_out.append(top)
