@@ -50,6 +50,12 @@ OPTIONS = {
     "spin_us": "threaded mode and CPU streams: how long a waiting worker spins before it blocks (default 200)",
     "wait_timeout": "threaded mode and CPU streams: seconds a wait may take before it fails naming the "
                     "instruction (default 60)",
+    "memory": "'normal' (default: the caching allocator) or 'planned': intermediates get offsets in one arena per "
+              "device, planned offline, and ops write into views of it (docs/memory.md)",
+    "order": "'program' (default: the captured order) or 'memory': a dependency-respecting order that lowers the "
+             "planned peak (branches depth-first, large buffers die early)",
+    "gc_backlog": "gc='async': bound on the bytes handed to the collector and not yet freed, as bytes (int) or a "
+                  "fraction of the planned peak (float, default 0.1); past it the caller frees itself",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
@@ -149,6 +155,7 @@ class Executable:
         self.fetch_slots = int(options.get("fetch_slots", 64))
         self.fuse_lerp: bool | str | None = options.get("fuse_lerp")
         self.borrow = tuple(options.get("borrow", ()))
+        self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
         if self.borrow and mode != "graph":
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
         self._ring: Any = None
@@ -170,7 +177,8 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         cap = capture(_call_with_containers(self.fn, tree, paths), args)
-        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams, mode=self.mode)
+        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams, mode=self.mode,
+                          **self.memory_options)
         run = lower_for(plan, self.mode, *self._worker_opts)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)

@@ -14,19 +14,23 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import OptionError, whole_number
 from .passes.dependencies import alias_groups, dependencies, mutated_state
-from .passes.liveness import Liveness, analyse_liveness
+from .passes.liveness import Liveness, analyse_liveness, buffer_lifetimes, peak_of
+from .passes.memory import MemoryPlan
 from .passes.streams import (add_copy_streams, assign_auto, assign_streams, cross_edges, cuda_devices, data_edges,
                              exit_uses, naive_events, plan_events, release_streams, side_outputs, stream_groups, stream_uses,
                              value_edges)
 from .program import Op, Program, Role, lint
 
 GC_MODES = ("fast", "async", "none")
+MEMORY_MODES = ("normal", "planned")  # planned: intermediates in one arena per device (passes/memory.py)
+ORDERS = ("program", "memory")  # memory: the memory-aware order of passes/order.py
 
 
 def check_streams(streams: Any) -> int | str:
@@ -42,12 +46,11 @@ def check_streams(streams: Any) -> int | str:
 def check_gc(gc: str, mode: str = "trace", streams: int = 1) -> None:
     """An OptionError for a collector that is not one, or one that cannot serve this run mode:
     ``async`` drops values on a worker thread, which a CUDA-graph capture on the caller's thread
-    and the side streams' ``record_stream`` bookkeeping are not ready for yet."""
+    is not ready for (with several streams the runner records the streams before the hand-over)."""
     if gc not in GC_MODES:
         raise OptionError(f"gc={gc!r} is not a garbage-collection mode; valid: {', '.join(GC_MODES)}")
-    if gc == "async" and (mode != "trace" or streams != 1):
-        raise OptionError(f"gc='async' runs in trace mode on one stream only (got mode={mode!r}, streams={streams}); "
-                          "use gc='fast' there")
+    if gc == "async" and mode != "trace":
+        raise OptionError(f"gc='async' runs in trace mode only (got mode={mode!r}); use gc='fast' there")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,17 @@ class ExecutionPlan:
     on_workers: bool = False
     stream_roles: tuple[str, ...] = ("compute",)
     event_counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # cross-stream edges, waits, naive waits, naive events
+    memory: MemoryPlan | None = None  # memory="planned": arena offsets (passes/memory.py)
+    gc_backlog_bytes: int = 0  # gc="async": most bytes handed to the worker and not yet dropped
+    order: str = "program"
+
+    def planned_peak_bytes(self) -> int:
+        """The planned peak of the whole call: the arenas plus the peak of what still allocates."""
+        if self.memory is None:
+            return self.liveness.peak_bytes
+        placed = {p.group for p in self.memory.placements}
+        rest = [b for b in self.liveness.buffers if b.group not in placed]
+        return sum(self.memory.arena_bytes) + peak_of(rest, len(self.program.ops))
 
     def stats(self) -> dict[str, Any]:
         """Counts that summarise the plan: ops, values, frees, planned peak bytes …"""
@@ -93,7 +107,10 @@ class ExecutionPlan:
             "state": len(p.state),
             "frees": sum(len(i.frees) for i in self.instructions),
             "mutated_state": len(self.mutated),
-            "planned_peak_bytes": self.liveness.peak_bytes,
+            "planned_peak_bytes": self.planned_peak_bytes(),
+            "lower_bound_bytes": self.liveness.lower_bound_bytes,
+            **(_arena_stats(self.memory) if self.memory is not None else {}),
+            "order": self.order,
             "max_live_intermediates": max(self.liveness.live_after, default=0),
             "gc": self.gc,
             "streams": self.n_streams,
@@ -106,8 +123,14 @@ class ExecutionPlan:
         }
 
 
+def _arena_stats(m: MemoryPlan) -> dict[str, Any]:
+    return {"arena_bytes": sum(m.arena_bytes), "arena_lower_bound_bytes": sum(m.lower_bound_bytes),
+            "planned_buffers": len(m.placements), "unplanned_buffers": len(m.unplanned)}
+
+
 def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: str = "trace",
-               prune: bool = True, workers: bool | None = None) -> ExecutionPlan:
+               prune: bool = True, workers: bool | None = None, memory: str = "normal",
+               order: str = "program", gc_backlog: float | int = 0.1) -> ExecutionPlan:
     """Lint the program and run every pass once.
 
     ``streams``: spread ops over up to that many compute streams (1: every op on the caller's
@@ -117,12 +140,49 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
     (``"threaded"`` runs ops on worker threads). ``workers``: plan for ops on worker threads
     (default: threaded mode, or several streams over a program with no CUDA tensor: CPU
     streams). ``prune=False``: one event per cross-stream edge (the naive plan, for
-    comparison). Under ``FLOWEXEC_DEBUG=1`` every multi-stream plan is verified
-    (``flowexec.verify_plan``) and a hazard is an error.
+    comparison). ``memory="planned"``: give intermediates offsets in an arena;
+    ``order="memory"``: reorder ops to lower the peak; ``gc_backlog`` (gc="async"): the
+    worker's backlog bound, bytes (int) or a fraction of the planned peak (float). Under
+    ``FLOWEXEC_DEBUG=1`` every multi-stream plan is verified (``flowexec.verify_plan``) and a
+    hazard is an error.
     """
     streams = check_streams(streams)
     check_gc(gc, mode, streams)
+    if memory not in MEMORY_MODES:
+        raise OptionError(f"memory={memory!r} is not a memory mode; valid: {', '.join(MEMORY_MODES)}")
+    if order not in ORDERS:
+        raise OptionError(f"order={order!r} is not an op order; valid: {', '.join(ORDERS)}")
+    if isinstance(gc_backlog, bool) or not isinstance(gc_backlog, (int, float)) or gc_backlog < 0:
+        raise OptionError(f"gc_backlog must be a number of bytes (int) or a fraction of the planned peak (float) "
+                          f">= 0, not {gc_backlog!r}")
     lint(prog)
+    if order == "memory":
+        from .passes.order import order_for_memory
+
+        prog = order_for_memory(prog)
+    plan = _build(prog, gc, streams, mode, prune, workers)
+    if gc == "async" and plan.on_workers:
+        raise OptionError("gc='async' runs in trace mode on CUDA streams or one CPU stream; threaded mode and CPU "
+                          "streams free on their workers (use gc='fast' there)")
+    if memory == "planned" and plan.on_workers:
+        raise OptionError("memory='planned' runs in trace and graph mode on CUDA streams; threaded mode and CPU "
+                          "streams allocate as usual (use memory='normal' there)")
+    extra: dict[str, Any] = {"order": order}
+    if memory == "planned":
+        from .passes.memory import plan_memory
+
+        where = [i.stream for i in plan.instructions] if plan.n_streams > 1 else None
+        # Lifetimes end at the last use whatever the collector: an arena block needs no free.
+        buffers = buffer_lifetimes(prog, plan.groups, plan.liveness.last_use, drop=True)
+        extra["memory"] = plan_memory(prog, plan.groups, buffers, [i.deps for i in plan.instructions], where)
+    plan = dataclasses.replace(plan, **extra)
+    if gc == "async":
+        limit = gc_backlog if isinstance(gc_backlog, int) else int(gc_backlog * plan.planned_peak_bytes())
+        plan = dataclasses.replace(plan, gc_backlog_bytes=limit)
+    return plan
+
+
+def _build(prog: Program, gc: str, streams: int | str, mode: str, prune: bool, workers: bool | None) -> ExecutionPlan:
     groups = alias_groups(prog)
     cuda = cuda_devices(prog)
     if workers is None:

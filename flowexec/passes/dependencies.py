@@ -43,6 +43,10 @@ def _arg_values(op_args: tuple[Any, ...], kwargs: tuple, schema: torch.FunctionS
     return out
 
 
+def _is_list(t: Any) -> bool:
+    return isinstance(t, torch.ListType)
+
+
 def alias_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
     """A group id per value: equal ids share (or may share) memory. ``shared``: also the inputs
     and state whose example tensors shared a storage at capture (``Program.shared_storage``),
@@ -68,10 +72,17 @@ def alias_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
         if schema is None:
             continue
         args = _arg_values(op.args, op.kwargs, schema)
-        for ret, vid in zip(schema.returns, op.outputs):
+        rets = list(zip(schema.returns, op.outputs))
+        if op.unpack and len(schema.returns) == 1 and _is_list(schema.returns[0].type):
+            rets = [(schema.returns[0], vid) for vid in op.outputs]  # split/unbind: every element is a view
+        for ret, vid in rets:
             if vid < 0 or ret.alias_info is None:
                 continue
             sets = ret.alias_info.before_set
+            if not sets and _is_list(ret.type):
+                # ``Tensor(a)[]``: the element's alias set is not exposed to Python; the argument
+                # marked ``(a -> *)`` is the one its elements view.
+                sets = {s for _, ids in args for s in (_.alias_info.before_set if _.alias_info else ())}
             for arg, ids in args:
                 if arg.alias_info is not None and sets & arg.alias_info.before_set:
                     for i in ids:

@@ -106,9 +106,16 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
         lines.append("    _T[0] = _now()")
     async_gc = plan.gc == "async"
     if async_gc:
-        from .gc import collector
+        from .gc import collector, handed_frees
 
-        glb["_gc"] = collector().collect
+        glb["_gc"] = collector().bounded(plan.gc_backlog_bytes)
+        handed = handed_frees(plan)
+    outs: dict[int, tuple[Any, str]] = {}
+    if plan.memory is not None:  # memory="planned": planned ops write into views of the arenas
+        from .arena import arena_views
+
+        glb["_arenas"], views, outs = arena_views(plan.memory, prog)
+        glb.update({f"A{vid}": t for vid, t in views.items()})
     multi = plan.n_streams > 1
     if multi:
         if streams is None:
@@ -133,8 +140,11 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
                 on = ins.stream
             lines += [f"    {stream_name(on)}.wait_event(E{e})" for e in ins.waits]
         fname = f"f{op.index}"
-        glb[fname] = callable_of(op.target)
+        into = outs.get(op.outputs[0]) if outs and op.outputs else None
+        glb[fname] = callable_of(into[0] if into else op.target)
         args = [render(a) for a in op.args] + [f"{k}={render(v)}" for k, v in op.kwargs]
+        if into:
+            args.append(f"{into[1]}=A{op.outputs[0]}")
         call = f"{fname}({', '.join(args)})"
         if op.unpack:
             names = [_slot(o) if o >= 0 else "_" for o in op.outputs]
@@ -151,8 +161,8 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             lines += [f"    _rs({_slot(v)}, {stream_name(k)})" for v, ks in ins.stream_uses for k in ks]
         if ins.frees:
             names = ", ".join(_slot(v) for v in ins.frees)
-            if async_gc:  # the worker drops the last references (runtime/gc.py)
-                lines.append(f"    _gc(({names},))")
+            if async_gc and handed[pos][0]:  # the worker drops the last references (runtime/gc.py)
+                lines.append(f"    _gc(({''.join(_slot(v) + ', ' for v in handed[pos][0])}), {handed[pos][1]})")
             lines.append("    del " + names)
         if clock is not None:
             lines.append(f"    _T[{pos + 1}] = _now()")
