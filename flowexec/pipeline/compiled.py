@@ -190,8 +190,8 @@ class CompiledRunner:
 
     def backward(self, micro: int, grad_outputs: Sequence[torch.Tensor | None] | None) -> tuple[torch.Tensor | None, ...]:
         """B job: accumulates every parameter gradient and returns the input gradients."""
+        seeds = self._seeds(micro, grad_outputs)  # checked before the state is let go
         st = self._pop(micro, "B", "F")
-        seeds = self._seeds(micro, grad_outputs)
         saved = [st.values[v] for v in self.capture.saved]  # type: ignore[union-attr]
         args = (*saved, *seeds)
         if st.slot is not None:

@@ -154,8 +154,22 @@ def _is_view_op(op: Any) -> bool:
 
 
 def _random_ops(prog: Program) -> list[Any]:
+    """Ops that draw random numbers here: seeded ops (dropout, bernoulli, rand ...), except those
+    whose schema says they draw nothing this time (a dropout probability of 0, ``train=False``:
+    scaled-dot-product attention is tagged seeded for its optional dropout)."""
     tag = getattr(torch.Tag, "nondeterministic_seeded", None)
-    return [op for op in prog.ops if tag is not None and tag in getattr(op.target, "tags", ())]
+    out = []
+    for op in prog.ops:
+        if tag is None or tag not in getattr(op.target, "tags", ()):
+            continue
+        schema = op.target._schema
+        kw = dict(op.kwargs)
+        vals = {a.name: (op.args[i] if i < len(op.args) else kw.get(a.name, a.default_value))
+                for i, a in enumerate(schema.arguments)}
+        if vals.get("dropout_p", vals.get("p")) == 0.0 or vals.get("train") is False:
+            continue
+        out.append(op)
+    return out
 
 
 def partition_joint(joint: Program, n_fwd_outputs: int, seeds: Sequence[int]) -> tuple[Program, Program, tuple[int, ...]]:
@@ -337,6 +351,15 @@ def probe_outputs(module: torch.nn.Module, inputs: Sequence[torch.Tensor], needs
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+def _name_inputs(prog: Program, n_in: int, n_extra: int) -> Program:
+    """The joint with readable input names: ``input0``..., ``target``, ``grad_output0``..."""
+    names = {v: f"input{k}" for k, v in enumerate(prog.inputs[:n_in])}
+    names.update({v: "target" for v in prog.inputs[n_in:n_in + n_extra]})
+    names.update({v: f"grad_output{k}" for k, v in enumerate(prog.inputs[n_in + n_extra:])})
+    values = tuple(dataclasses.replace(v, name=names[v.id]) if v.id in names else v for v in prog.values)
+    return dataclasses.replace(prog, values=values)
+
+
 def capture_stage(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], *,
                   loss_fn: Callable[..., torch.Tensor] | None = None, target: torch.Tensor | None = None,
                   input_grads: bool | Sequence[bool] | None = None) -> StageCapture:
@@ -402,7 +425,7 @@ def capture_stage(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor
 
     args = [*inputs, *([target] if loss_fn is not None else []), *seed_examples]
     cap = capture(joint, args)
-    joint_prog = cap.program
+    joint_prog = _name_inputs(cap.program, n_in, n_extra)
     rand = _random_ops(joint_prog)
     if rand:
         op = rand[0]
@@ -415,8 +438,9 @@ def capture_stage(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor
     n_out = len(flat)
     seed_ids = tuple(joint_prog.inputs[n_in + n_extra:])
     forward, backward, saved = partition_joint(joint_prog, n_out, seed_ids)
-    input_ids = set(joint_prog.inputs[:n_in])
-    origins = {v: ("input" if v in input_ids else "saved") for v in saved}
+    groups = alias_groups(joint_prog)
+    input_groups = {groups[v] for v in joint_prog.inputs[:n_in]}
+    origins = {v: ("input" if groups[v] in input_groups else "saved") for v in saved}
     origins.update({v: "seed" for v in seed_ids})
     n_gx = sum(needs)
     split = split_backward(backward, n_gx, origins)
