@@ -191,3 +191,65 @@ def test_clear_errors():
     last = CompiledRunner(mod, example_inputs=(torch.randn(2, 3),), loss_fn=torch.nn.functional.mse_loss)
     with pytest.raises(InputError, match="needs a target"):
         last.forward(0, (torch.randn(2, 3),))
+
+
+class FakeGraph:
+    """Stands in for CudaGraphRunner on CPU to check graph mode's slot logic: its outputs are
+    buffers rewritten by every call (as a replay rewrites a graph's), staged inputs are copied
+    into buffers of its own, and a borrowed input must come at the address it was captured with."""
+
+    def __init__(self, run, example_inputs, mutated, borrow, state=(), warmup=1, keep_borrowed=True):
+        self.run, self.borrow = run, list(borrow)
+        self.ptrs = [a.data_ptr() if b else None for a, b in zip(example_inputs, borrow)]
+        self.static = [None if b else a.clone() for a, b in zip(example_inputs, borrow)]
+        snapshot = [(t, t.clone()) for t in mutated]
+        self.outs = [o.clone() for o in run(*[a if b else s for a, b, s in zip(example_inputs, borrow, self.static)])]
+        for t, saved in snapshot:  # capture leaves the state as it was, as CudaGraphRunner does
+            t.copy_(saved)
+
+    def __call__(self, args):
+        for i, (a, b) in enumerate(zip(args, self.borrow)):
+            if b:
+                assert a.data_ptr() == self.ptrs[i], f"borrowed input {i} is not where the graph read it"
+            else:
+                self.static[i].copy_(a)
+        outs = self.run(*[a if b else s for a, b, s in zip(args, self.borrow, self.static)])
+        for buf, o in zip(self.outs, outs):
+            buf.copy_(o)
+        return list(self.outs)
+
+
+@pytest.mark.parametrize("order, slots", [("F0 F1 I1 I0 W0 W1", 2), ("F0 F1 F2 I0 B1 W0 F3 I2 I3 W3 W2", 3)])
+def test_graph_mode_slots_keep_micro_batches_apart(monkeypatch, order, slots):
+    import flowexec.runtime.cuda_graph as cg
+
+    monkeypatch.setattr(cg, "CudaGraphRunner", FakeGraph)
+    torch.manual_seed(0)
+    mod = TwoWay()
+    ref_mod = copy.deepcopy(mod)
+    micros = sorted({int(j[1:]) for j in order.split()})
+    xs = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in micros]
+    gs = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in micros]
+    runner = CompiledRunner(mod, example_inputs=xs[0])
+    runner.mode = "graph"  # the slot logic, over FakeGraph
+    for step in range(2):  # the second step reuses the slots
+        for p in mod.parameters():
+            p.grad = None
+        ref_mod.zero_grad(set_to_none=True)
+        outs, gins = {}, {}
+        for job in order.split():
+            kind, m = job[0], int(job[1:])
+            if kind == "F":
+                outs[m] = [t.clone() for t in runner.forward(m, xs[m])]  # a slot's buffers are rewritten later
+            elif kind in "BI":
+                res = (runner.backward if kind == "B" else runner.backward_input)(m, gs[m])
+                gins[m] = [t.clone() for t in res]
+            else:
+                runner.backward_weight(m)
+        r_outs, r_gins, r_grads = eager_grads(ref_mod, xs, gs)
+        for m in micros:
+            for got, want in zip(outs[m] + gins[m], r_outs[m] + r_gins[m]):
+                assert rel_err(got, want) <= 1e-5
+        for p, want in zip(mod.parameters(), r_grads):
+            assert rel_err(p.grad, want) <= 1e-5
+    assert runner.graph_slots == slots
