@@ -54,7 +54,12 @@ def run_jobs(cap, x, g):
     return f[:cap.n_outputs], b, i[:cap.split.n_input_grads] + w
 
 
-@pytest.mark.parametrize("make, shape", [(Block, (2, 5, 16)), (Shared, (3, 8))], ids=["transformer_block", "shared_weight"])
+def conv_stage() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.BatchNorm2d(3), torch.nn.ReLU())
+
+
+@pytest.mark.parametrize("make, shape", [(Block, (2, 5, 16)), (Shared, (3, 8)), (conv_stage, (2, 3, 6, 6))],
+                         ids=["transformer_block", "shared_weight", "conv_batchnorm"])
 def test_i_and_w_give_the_full_backward_and_eager(make, shape):
     torch.manual_seed(0)
     mod = make().double()
@@ -71,8 +76,36 @@ def test_i_and_w_give_the_full_backward_and_eager(make, shape):
     assert torch.allclose(outs[0], y, rtol=0, atol=1e-12)
     for got, want in zip(b, ref):
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
-    # W holds no input gradient work: I alone makes the input gradient
-    assert cap.split.n_input_grads == 1 and len(cap.split.w_program.ops) > 0
+    # W makes every weight gradient (none is made by I and handed over)
+    assert cap.split.n_input_grads == 1
+    assert all("(returned)" not in k.readers for k in cap.split.kept)
+
+
+def test_fused_norm_backward_is_split_between_i_and_w():
+    torch.manual_seed(0)
+    cap = capture_stage(Block().double(), (torch.randn(2, 5, 16, dtype=torch.float64),))
+    masks = {job: [op.args[7] for op in prog.ops if op.name == "aten.native_layer_norm_backward.default"]
+             for job, prog in (("B", cap.backward), ("I", cap.split.i_program), ("W", cap.split.w_program))}
+    assert masks == {"B": [[True, True, True]] * 2, "I": [[True, False, False]] * 2, "W": [[False, True, True]] * 2}
+
+    class NormOfWeight(torch.nn.Module):  # the norm's input gradient feeds a weight gradient only
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+            self.ln = torch.nn.LayerNorm(4).double()
+
+        def forward(self, x):
+            return x * self.ln(self.p)
+
+    mod = NormOfWeight()
+    x, g = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    cap = capture_stage(mod, (x,))
+    # both halves would be W's: the op stays whole there, run once
+    assert [op.args[7] for op in cap.split.w_program.ops if op.name == "aten.native_layer_norm_backward.default"] == \
+        [[True, True, True]]
+    assert not any(op.name == "aten.native_layer_norm_backward.default" for op in cap.split.i_program.ops)
+    _, b, iw = run_jobs(cap, (x,), (g,))
+    assert all(torch.equal(p, q) for p, q in zip(iw, b))
 
 
 def test_shared_weight_gets_one_gradient_summing_both_uses():

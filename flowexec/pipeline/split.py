@@ -246,7 +246,72 @@ def partition_joint(joint: Program, n_fwd_outputs: int, seeds: Sequence[int]) ->
     return forward, backward, saved
 
 
-def split_backward(backward: Program, n_input_grads: int, origins: dict[int, str] | None = None) -> BackwardSplit:
+def _mask_position(op: Any) -> int | None:
+    """Schema position of a ``bool[3] output_mask`` argument whose output 0 is the input gradient
+    and 1, 2 the weight and bias gradients (layer/batch/group norm and convolution backward)."""
+    schema = getattr(op.target, "_schema", None)
+    if schema is None or not op.unpack or len(op.outputs) != 3:
+        return None
+    for i, a in enumerate(schema.arguments):
+        if a.name == "output_mask" and i < len(op.args):
+            return i
+    return None
+
+
+def separate_weight_outputs(prog: Program) -> tuple[Program, tuple[tuple[int, int], ...]]:
+    """Each fused backward op that makes an input gradient and weight gradients together (its
+    ``output_mask`` asks for both) becomes two: one asking for the input gradient only, right
+    after it one asking for the weight gradients only; returns the program and the (first,
+    second) op positions of each pair. Alone this only adds work; :func:`split_backward` keeps a
+    pair where its halves fall in I and W and merges the others back."""
+    ops: list[Any] = []
+    pairs: list[tuple[int, int]] = []
+    for op in prog.ops:
+        pos = _mask_position(op)
+        mask = op.args[pos] if pos is not None else None
+        if mask is None or not mask[0] or not any(mask[1:]) or op.outputs[0] < 0:
+            ops.append(dataclasses.replace(op, index=len(ops)))
+            continue
+        a = list(op.args)
+        a[pos] = [True, False, False]
+        first = dataclasses.replace(op, index=len(ops), args=tuple(a), outputs=(op.outputs[0], -1, -1))
+        a = list(op.args)
+        a[pos] = [False, bool(mask[1]), bool(mask[2])]
+        second = dataclasses.replace(op, index=len(ops) + 1, args=tuple(a), outputs=(-1, *op.outputs[1:]))
+        pairs.append((len(ops), len(ops) + 1))
+        ops += [first, second]
+    return dataclasses.replace(prog, ops=tuple(ops)), tuple(pairs)
+
+
+def _merge_pairs(prog: Program, pairs: Sequence[tuple[int, int]], keep: set[tuple[int, int]]) -> Program:
+    """Undo :func:`separate_weight_outputs` for the pairs not in ``keep``."""
+    merge = {p[0]: p for p in pairs if p not in keep}
+    second = {p[1] for p in merge.values()}
+    ops: list[Any] = []
+    for op in prog.ops:
+        if op.index in second:
+            continue
+        if op.index in merge:
+            b = prog.ops[merge[op.index][1]]
+            pos = _mask_position(op)
+            a = list(op.args)
+            a[pos] = [True, *b.args[pos][1:]]
+            op = dataclasses.replace(op, args=tuple(a), outputs=(op.outputs[0], *b.outputs[1:]))
+        ops.append(dataclasses.replace(op, index=len(ops)))
+    return dataclasses.replace(prog, ops=tuple(ops))
+
+
+def _i_and_w(prog: Program, n_input_grads: int) -> tuple[set[int], set[int]]:
+    deps = order_edges(prog, alias_groups(prog))
+    producer = _producers(prog)
+    out_ids = [o.id for o in prog.outputs]
+    i_ops = ancestors(deps, [producer[o] for o in out_ids[:n_input_grads] if o in producer])
+    w_ops = ancestors(deps, [producer[o] for o in out_ids[n_input_grads:] if o in producer]) - i_ops
+    return i_ops, w_ops
+
+
+def split_backward(backward: Program, n_input_grads: int, origins: dict[int, str] | None = None,
+                   defer_fused: bool = True) -> BackwardSplit:
     """Split a backward program whose first ``n_input_grads`` outputs are input gradients (the
     rest weight gradients) into I and W.
 
@@ -258,12 +323,33 @@ def split_backward(backward: Program, n_input_grads: int, origins: dict[int, str
     not a saved value of the forward (seeds and its own results), so that it outlives the job.
     """
     origins = origins or {}
-    groups = alias_groups(backward)
-    deps = order_edges(backward, groups)
-    producer = _producers(backward)
+    if defer_fused:  # the weight half of a fused norm/convolution backward goes to W where it can
+        separated, pairs = separate_weight_outputs(backward)
+        if pairs:
+            i_ops, w_ops = _i_and_w(separated, n_input_grads)
+            keep = {p for p in pairs if p[0] in i_ops and p[1] in w_ops}
+            backward = _merge_pairs(separated, pairs, keep)
+    i_ops, w_ops = _i_and_w(backward, n_input_grads)
     out_ids = [o.id for o in backward.outputs]
-    i_ops = ancestors(deps, [producer[o] for o in out_ids[:n_input_grads] if o in producer])
-    w_ops = ancestors(deps, [producer[o] for o in out_ids[n_input_grads:] if o in producer]) - i_ops
+    # Views I makes of state or of backward inputs (detach(weight), x.view(...)): W remakes
+    # them from what it reads anyway, rather than keeping them.
+    producer = _producers(backward)
+    inputs = set(backward.inputs)
+    remade: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(w_ops | remade):
+            for r in backward.ops[i].refs():
+                p = producer.get(r)
+                if p is None or p not in i_ops or p in remade:
+                    continue
+                pop = backward.ops[p]
+                if _is_view_op(pop) and all(backward.values[x].role in (Role.STATE, Role.CONST) or x in inputs
+                                            or producer.get(x) in remade for x in pop.refs()):
+                    remade.add(p)
+                    changed = True
+    w_ops |= remade
     # An op W needs that an op of I follows is in I by the closure above; the reverse (an I op
     # W must follow) is a W op that depends on I, which is fine: I runs first.
     made_in_w = {o for i in w_ops for o in backward.ops[i].outputs if o >= 0}
