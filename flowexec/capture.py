@@ -74,7 +74,8 @@ def _caller_line() -> str:
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if not name.startswith((_TORCH_DIR, _OWN_DIR)) and not name.startswith("<frozen"):
+        # "<string>": make_fx's generated wrapper, which a stage's joint function runs under
+        if not name.startswith((_TORCH_DIR, _OWN_DIR)) and not name.startswith(("<frozen", "<string>")):
             return f"{os.path.basename(name)}:{f.f_lineno}"
         f = f.f_back
     return ""

@@ -297,7 +297,9 @@ class CompiledRunner:
             if p.grad is None:
                 # A graph's output buffer is rewritten by the next replay, and an output that is
                 # an input's memory is the caller's: .grad gets its own copy of those.
-                p.grad = g if (fresh[k] and self.mode == "trace") else g.clone()
+                # .grad keeps the parameter's layout, as autograd's accumulation does.
+                own = fresh[k] and self.mode == "trace" and g.stride() == p.stride()
+                p.grad = g if own else torch.empty_like(p).copy_(g)
             else:
                 held.append(p.grad)
                 add.append(g)
