@@ -131,11 +131,14 @@ def check(eager: EagerJobs, fx: FlowexecJobs, x: torch.Tensor, g: torch.Tensor) 
     for p in eager.params + fx.runner.parameters:
         p.grad = None
     ye, yf = eager.F(x), fx.F(x)
+    after_f = fx.runner.kept_bytes(0)
     ge, gf = eager.I(g), fx.I(g)
+    after_i = fx.runner.kept_bytes(0)
     eager.W()
     fx.W()
     res = {"output": rel_err(yf, ye), "input_grad": rel_err(gf, ge),
-           "param_grads": max(rel_err(p.grad, q.grad) for p, q in zip(fx.runner.parameters, eager.params))}
+           "param_grads": max(rel_err(p.grad, q.grad) for p, q in zip(fx.runner.parameters, eager.params)),
+           "held_bytes_after_F": after_f, "held_bytes_after_I": after_i}
     for p in eager.params + fx.runner.parameters:
         p.grad = None
     return res
@@ -214,7 +217,9 @@ def main() -> None:
                      "i_ops": len(cap.split.i_program.ops), "w_ops": len(cap.split.w_program.ops),
                      "saved_values": len(cap.saved), "kept_values": len(cap.split.kept),
                      "graph_slots": fx.runner.graph_slots},
-        "max_rel_err": errors,
+        "max_rel_err": {k: v for k, v in errors.items() if not k.startswith("held")},
+        # what one micro-batch holds between its jobs (tensors counted whole)
+        "held_bytes": {"after_F": errors["held_bytes_after_F"], "after_I": errors["held_bytes_after_I"]},
         "figure": key,
         "jobs": figures,
         "speedup_vs_eager": speedup,
@@ -230,7 +235,9 @@ def main() -> None:
         e, fl = figures["eager"][k][key], figures["flowexec"][k][key]
         print(f"  {k}: eager {e:9.1f} us  flowexec {fl:9.1f} us  {speedup[k]:.2f}x")
     print(f"  (I+W)/B: eager {split_cost['eager']:.3f}  flowexec {split_cost['flowexec']:.3f}")
-    print(f"  max rel err {errors}; wrote {path}")
+    print(f"  held per micro-batch: after F {errors['held_bytes_after_F'] / 2**20:.1f} MiB, "
+          f"after I {errors['held_bytes_after_I'] / 2**20:.1f} MiB")
+    print(f"  max rel err {result['max_rel_err']}; wrote {path}")
 
 
 if __name__ == "__main__":
