@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 from ..capture import capture
 from ..errors import CaptureError
 from ..passes.dependencies import alias_groups, dependencies, read_write_sets
-from ..program import Program, Ref, Role, TensorMeta, Value, lint
+from ..program import Program, Ref, Role, TensorMeta, lint
 
 
 # -- records ------------------------------------------------------------------------------------
