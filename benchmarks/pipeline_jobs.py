@@ -16,6 +16,7 @@ input gradient, parameter gradients: relative error).
 
     PYTHONPATH=. python3 benchmarks/pipeline_jobs.py --out benchmarks/results          # GPU, ~1 min
     PYTHONPATH=. python3 benchmarks/pipeline_jobs.py --device cpu --quick --out /tmp   # CPU smoke
+    PYTHONPATH=. python3 benchmarks/pipeline_jobs.py --device cpu --blocks 2 --d 256 --heads 4 --seq 64 --batch 4 --iters 10 --out benchmarks/results   # CPU figure
 """
 from __future__ import annotations
 
