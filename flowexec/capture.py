@@ -78,7 +78,8 @@ def _caller_line() -> str:
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if not name.startswith((_TORCH_DIR, _OWN_DIR)) and not name.startswith("<frozen"):
+        # "<string>": make_fx's generated wrapper, which a stage's joint function runs under
+        if not name.startswith((_TORCH_DIR, _OWN_DIR)) and not name.startswith(("<frozen", "<string>")):
             return f"{os.path.basename(name)}:{f.f_lineno}"
         f = f.f_back
     return ""
@@ -225,6 +226,10 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
             and not any(t is a for a in tensors)
         ]
         escaped = [t for t in escaped if t._base is None or id(t._base) not in out_ids]
+        # The base of a returned view (a gradient that autograd made as t() of a temporary) is
+        # held by that view, not left in Python state.
+        out_bases = {id(o._base) for o in flat if isinstance(o, torch.Tensor) and o._base is not None}
+        escaped = [t for t in escaped if id(t) not in out_bases]
         if escaped:
             desc = ", ".join(str(TensorMeta.of(t)) for t in escaped[:3])
             raise CaptureError(
