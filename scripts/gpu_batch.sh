@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs named GPU steps one after another on the lent machine, each under its own time limit,
+# and packs everything they wrote into ${OUT}/results.tgz (the device tool brings back few files).
+#   bash scripts/gpu_batch.sh STEP [STEP ...]     steps: see the case below
+# Every step writes under $R; the log of each is $R/<step>.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}; R=$OUT/r; mkdir -p "$R"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FLOWEXEC_COMMIT=${FLOWEXEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+pack() { tar -czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
+trap pack EXIT
+run_step() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$R/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E 'passed|failed|error|Error' "$R/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
+for step in "$@"; do
+  case $step in
+    tests-new) run_step $step 420 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_calling_gpu.py \
+                 tests/gpu/test_streams_gpu.py tests/gpu/test_memory_gpu.py tests/gpu/test_pipeline_gpu.py \
+                 tests/gpu/test_core_gpu.py tests/gpu/test_profiler_gpu.py --junitxml="$R/$step.xml" ;;
+    tests-all) run_step $step 540 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu --junitxml="$R/$step.xml" ;;
+    sanitizer) TORCH_CUDA_SANITIZER=1 run_step $step 240 python3 -m pytest -q -rfE -p no:cacheprovider \
+                 tests/gpu/test_core_gpu.py tests/gpu/test_streams_gpu.py -k "not graph" ;;
+    calling)   run_step $step 240 python3 benchmarks/step_time.py --calling --out "$R" ;;
+    item)      run_step $step 120 python3 benchmarks/item.py --out "$R/item.json" ;;
+    streams)   run_step $step 240 python3 benchmarks/streams.py --out "$R" ;;
+    memory)    run_step $step 240 python3 benchmarks/memory.py --out "$R" ;;
+    jobs)      run_step $step 240 python3 benchmarks/pipeline_jobs.py --out "$R" ;;
+    profiler)  run_step $step 180 python3 benchmarks/profiler_overhead.py --out "$R" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
