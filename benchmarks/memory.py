@@ -110,7 +110,7 @@ def gpt2_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         shape = (2, 12)
     else:
-        cfg = transformers.GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, n_positions=256,
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=512, n_head=8, vocab_size=8192, n_positions=256,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         shape = (8, 256)
     rows = []
