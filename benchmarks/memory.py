@@ -6,7 +6,8 @@
 * graph mode (CUDA): peak during a replay and memory held between calls;
 * GPT-2 (transformers) through the torch.compile backend: eager, trace and graph peaks;
 * GPipe-order micro-batches through the backend's graph mode: memory allocated and reserved
-  between steps against eager (the 348 / 69 MiB case of benchmarks/results/microbatch_b4096.json);
+  between steps against eager (the 348 / 69 MiB case of benchmarks/results/microbatch_b4096.json),
+  also with memory="planned" (the micro-batches' graphs of one program share its arena);
 * main-thread time per step, gc="async" against "fast", on a model of many small intermediates.
 
     PYTHONPATH=. python3 benchmarks/memory.py --out benchmarks/results            # GPU, < 3 min
@@ -110,7 +111,7 @@ def gpt2_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         shape = (2, 12)
     else:
-        cfg = transformers.GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, n_positions=256,
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=512, n_head=8, vocab_size=8192, n_positions=256,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         shape = (8, 256)
     rows = []
@@ -147,12 +148,13 @@ def microbatch_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
         return [{"skipped": "graph mode needs CUDA"}]
     width, batch, n_mb = (1024, 4096, 4) if not quick else (256, 256, 4)
     rows = []
-    for mode in ("eager", "trace", "graph"):
+    for mode in ("eager", "trace", "graph", "graph+planned"):
         torch.manual_seed(0)
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         model = make_mlp(width, 4).to(dev)
-        run = model if mode == "eager" else torch.compile(model, backend="flowexec", options={"mode": mode, "cache_size": 8})
+        options = {"mode": mode.split("+")[0], "cache_size": 8, **({"memory": "planned"} if "planned" in mode else {})}
+        run = model if mode == "eager" else torch.compile(model, backend="flowexec", options=options)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         data = [(torch.randn(batch // n_mb, width, device=dev), torch.randint(0, 10, (batch // n_mb,), device=dev))
                 for _ in range(n_mb)]

@@ -29,7 +29,8 @@ from .plan import build_plan, check_gc, check_streams
 from .runtime.interpreter import lower_trace  # noqa: F401
 from .runtime.streams import lower_for
 
-BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams")
+BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams", "memory", "order", "gc_backlog")
+_PLAN_OPTIONS = ("memory", "order", "gc_backlog")  # passed to build_plan as they are (docs/memory.md)
 # Dynamo wraps compiled backward functions in a way that hides our _boxed_call flag; the
 # unboxed call it falls back to is correct, so its advice is noise for our users.
 warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd is returning a function that doesn't take boxed")
@@ -100,7 +101,7 @@ class GraphProgram:
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
                  fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None,
                  static_idx: Iterable[int] = (), cache_size: int = 8, saved_from: int | None = None,
-                 streams: int = 1) -> None:
+                 streams: int = 1, plan_options: dict[str, Any] | None = None) -> None:
         """``static_idx``: input positions AOTAutograd marks static (:func:`_static_input_indices`,
         a forward's only); ``forward``: the forward GraphProgram of a backward graph;
         ``cache_size``: how many captured graphs (sets of borrowed addresses) to keep;
@@ -108,8 +109,11 @@ class GraphProgram:
         ``streams``: CUDA streams to spread the graph's ops over (``flowexec.compile``'s option;
         a graph on no CUDA device, or on several, runs on one)."""
         program = rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp)
-        # streams of one device (CUDA streams) or of none (worker threads on the CPU)
-        self.plan = build_plan(program, gc, streams if len(cuda_devices(program)) <= 1 else 1, mode=mode)
+        # streams of one device (CUDA streams) or of none (worker threads on the CPU); memory="planned":
+        # every graph captured from this program writes its intermediates into the one arena (replays
+        # are serial), so they share that memory.
+        self.plan = build_plan(program, gc, streams if len(cuda_devices(program)) <= 1 else 1, mode=mode,
+                               **(plan_options or {}))
         self.run = lower_for(self.plan, mode)
         self.mode = mode
         self.warmup = warmup
@@ -299,10 +303,11 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
     forwards: list[GraphProgram] = []  # AOTAutograd compiles this graph's forward, then its backward
+    plan_options = {k: opts[k] for k in _PLAN_OPTIONS if k in opts}
 
     def compiler(g: fx.GraphModule, inputs: Sequence[Any], saved_from: int | None = None) -> GraphProgram:
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
-                            cache_size=cache_size, saved_from=saved_from, streams=streams)
+                            cache_size=cache_size, saved_from=saved_from, streams=streams, plan_options=plan_options)
 
     def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
         forwards.append(compiler(g, inputs, _saved_outputs_start()))
@@ -314,7 +319,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         # moved it and captured again). The backward borrows by address instead (is_stable:
         # parameters and the forward's outputs, which its saved tensors are).
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None,
-                            cache_size=cache_size, streams=streams)
+                            cache_size=cache_size, streams=streams, plan_options=plan_options)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)
 

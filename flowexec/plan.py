@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import OptionError, whole_number
 from .passes.dependencies import alias_groups, dependencies, mutated_state
-from .passes.liveness import Liveness, analyse_liveness, buffer_lifetimes, peak_of
+from .passes.liveness import Liveness, analyse_liveness, peak_of
 from .passes.memory import MemoryPlan
 from .passes.streams import (add_copy_streams, assign_auto, assign_streams, cross_edges, cuda_devices, data_edges,
                              exit_uses, naive_events, plan_events, release_streams, side_outputs, stream_groups, stream_uses,
@@ -93,7 +93,7 @@ class ExecutionPlan:
         """The planned peak of the whole call: the arenas plus the peak of what still allocates."""
         if self.memory is None:
             return self.liveness.peak_bytes
-        placed = {p.group for p in self.memory.placements}
+        placed = {self.groups[v] for v in self.memory.values}
         rest = [b for b in self.liveness.buffers if b.group not in placed]
         return sum(self.memory.arena_bytes) + peak_of(rest, len(self.program.ops))
 
@@ -169,12 +169,12 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
                           "streams allocate as usual (use memory='normal' there)")
     extra: dict[str, Any] = {"order": order}
     if memory == "planned":
-        from .passes.memory import plan_memory
+        from .passes.memory import arena_buffers, plan_memory
 
         where = [i.stream for i in plan.instructions] if plan.n_streams > 1 else None
         # Lifetimes end at the last use whatever the collector: an arena block needs no free.
-        buffers = buffer_lifetimes(prog, plan.groups, plan.liveness.last_use, drop=True)
-        extra["memory"] = plan_memory(prog, plan.groups, buffers, [i.deps for i in plan.instructions], where)
+        groups, buffers = arena_buffers(prog, plan.groups, plan.liveness.last_use)
+        extra["memory"] = plan_memory(prog, groups, buffers, [i.deps for i in plan.instructions], where)
     plan = dataclasses.replace(plan, **extra)
     if gc == "async":
         limit = gc_backlog if isinstance(gc_backlog, int) else int(gc_backlog * plan.planned_peak_bytes())

@@ -46,6 +46,39 @@ _STRIDED_READERS = frozenset({"aten.as_strided.default", "aten.as_strided_.defau
                               "aten.resize_.default", "aten.as_strided_scatter.default"})
 
 
+# Ops whose result may share its input's storage although their schema does not say so
+# (``_unsafe_view`` returns a view of a contiguous input): for the arena they join its group,
+# or a program output made by one would be a view into the arena.
+_UNANNOTATED_ALIASES = frozenset({"aten._unsafe_view.default"})
+
+
+def arena_groups(prog: Program, groups: Sequence[int]) -> tuple[int, ...]:
+    """``groups`` with the results of unannotated aliasing ops joined to their input's group."""
+    parent = list(groups)
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for op in prog.ops:
+        if op.name in _UNANNOTATED_ALIASES and op.outputs and op.outputs[0] >= 0:
+            a, b = find(next(op.refs())), find(op.outputs[0])
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    return tuple(find(i) for i in range(len(parent)))
+
+
+def arena_buffers(prog: Program, groups: Sequence[int], last_use: Sequence[int]) -> tuple[tuple[int, ...], tuple[Buffer, ...]]:
+    """(the arena's alias groups, the buffers it plans over): lifetimes end at the last use
+    whatever the collector, since an arena block needs no free."""
+    from .liveness import buffer_lifetimes
+
+    g = arena_groups(prog, groups)
+    return g, buffer_lifetimes(prog, g, list(last_use), drop=True)
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where one planned buffer lives: ``offset`` bytes into arena ``arena``."""
@@ -70,7 +103,8 @@ class MemoryPlan:
     lower_bound_bytes: tuple[int, ...]  # per device: the largest sum of planned bytes live at once
     alignment: tuple[int, ...]
     out_overloads: dict[int, tuple[Any, str]]  # root value -> (out= overload, its out argument's name)
-    strategy: tuple[str, ...]  # per device: which order and fit gave the smallest arena ("size/best", "start/first" …)
+    values: frozenset[int] = frozenset()  # every value whose storage lies in an arena
+    strategy: tuple[str, ...] = ()  # per device: which order and fit gave the smallest arena ("size/best", "start/first" …)
 
 
 def out_variant(target: Any) -> tuple[Any, str] | None:
@@ -219,8 +253,10 @@ def plan_memory(prog: Program, groups: Sequence[int], buffers: Sequence[Buffer],
         bounds.append(peak_of(bufs, len(prog.ops)))
         aligns.append(align)
         strategies.append(name)
+    placed = {p.group for p in placements}
+    inside = frozenset(v for v in range(len(values)) if groups[v] in placed)
     return MemoryPlan(devices, tuple(sizes_out), tuple(placements), tuple(unplanned), tuple(bounds), tuple(aligns),
-                      outs, tuple(strategies))
+                      outs, inside, tuple(strategies))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

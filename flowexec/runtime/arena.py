@@ -40,11 +40,17 @@ def live_arenas() -> list[torch.Tensor]:
 
 
 def arena_views(mem: MemoryPlan, prog: Program) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], dict[int, tuple[Any, str]]]:
-    """(the arenas, value -> its view of an arena, value -> (out= overload, out argument name))."""
-    arenas = allocate_arenas(mem)
-    views: dict[int, torch.Tensor] = {}
-    for p in mem.placements:
-        meta = prog.values[p.root].meta
-        assert meta is not None
-        views[p.root] = arenas[p.arena][p.offset:p.offset + p.nbytes].view(meta.dtype).view(meta.shape)
+    """(the arenas, value -> its view of an arena, value -> (out= overload, out argument name)).
+
+    Real memory also where the lowering runs under a fake-tensor mode (the torch.compile
+    backend lowers while AOTAutograd traces)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        arenas = allocate_arenas(mem)
+        views: dict[int, torch.Tensor] = {}
+        for p in mem.placements:
+            meta = prog.values[p.root].meta
+            assert meta is not None
+            views[p.root] = arenas[p.arena][p.offset:p.offset + p.nbytes].view(meta.dtype).view(meta.shape)
     return arenas, views, dict(mem.out_overloads)

@@ -122,7 +122,7 @@ def handed_frees(plan: Any) -> list[tuple[tuple[int, ...], int]]:
     always holds the last reference of what it is given and the backlog's count is exact: a
     view whose base lives on, a view of an input or of state, an arena block (never released)
     and a non-tensor are dropped by the caller (cheap: no storage is freed)."""
-    placed = {p.group for p in plan.memory.placements} if plan.memory is not None else set()
+    placed = {plan.groups[v] for v in plan.memory.values} if plan.memory is not None else set()
     ends = {b.group: b for b in plan.liveness.buffers if not b.output and b.group not in placed}
     out = []
     for pos, ins in enumerate(plan.instructions):

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 
 import flowexec
 from flowexec.models import make_mlp, make_step
-from flowexec.passes.liveness import buffer_lifetimes
-from flowexec.passes.memory import check_arena
+from flowexec.passes.memory import arena_buffers, check_arena
 from flowexec.runtime.gc import collector
 from flowexec.runtime.memtrack import measure_memory
 from helpers import assert_close_rel, assert_same_state, block_adam_twins, twin
@@ -45,7 +44,7 @@ def test_planned_memory_on_cuda_trains_like_eager(mode, gc, streams):
     m1, m2, s1, s2, data = block_adam_twins(4)
     exe = flowexec.compile(s2, *data[0], mode=mode, gc=gc, memory="planned", streams=streams)
     plan = exe.plan
-    check_arena(plan.memory, buffer_lifetimes(plan.program, plan.groups, plan.liveness.last_use),
+    check_arena(plan.memory, arena_buffers(plan.program, plan.groups, plan.liveness.last_use)[1],
                 [i.deps for i in plan.instructions], [i.stream for i in plan.instructions])
     assert plan.stats()["planned_buffers"] > 0
     for x, y in data[1:]:
