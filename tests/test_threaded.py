@@ -101,7 +101,7 @@ def test_a_wait_that_never_ends_times_out_naming_the_instruction():
 
 def test_options_are_checked():
     x = torch.randn(4)
-    with pytest.raises(flowexec.OptionError, match="gc='async' runs in trace mode on one stream only"):
+    with pytest.raises(flowexec.OptionError, match="gc='async' runs in trace mode only"):
         flowexec.compile(branchy, x, mode="threaded", gc="async")
     exe = flowexec.compile(lambda x: x.sin() + x.cos(), x, mode="threaded", streams=2, spin_us=0, wait_timeout=5)
     torch.testing.assert_close(exe(x), x.sin() + x.cos())
