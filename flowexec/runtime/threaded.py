@@ -1,8 +1,9 @@
 """Threaded mode (``mode="threaded"``): one worker thread per stream, ops dispatched by
 dependency counts.
 
-Each stream's worker is handed its precomputed list of items once per call (one append per
-stream, no per-op work on the caller's thread). An op's count is the number of its
+Each side stream's worker is handed its precomputed list of items once per call (one append
+per stream, no per-op work on the caller's thread), and the caller's thread runs stream 0's
+list itself (a thread hop less, and it would only wait otherwise). An op's count is the number of its
 cross-stream dependencies still unmet — the plan's pruned waits; each is met when the worker
 of the recording stream has run the op before the record (on CUDA: launched it and recorded
 a CUDA event, which the waiting stream also waits on, so the device keeps the order too).
