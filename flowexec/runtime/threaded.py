@@ -12,9 +12,10 @@ the GIL; ``spin_us``) and then block; every wait has a timeout (``wait_timeout``
 whose error names the instruction, and an op's exception reaches the caller naming the op and
 the user's line. The machinery is :mod:`flowexec.runtime.cpu_streams`'s.
 
-Where it pays: independent branches of ops that release the GIL for long enough (matrix
-products of a few hundred rows and up on the CPU, with one intra-op thread per worker: the
-2-core CI machine runs two branches at once). Where it does not: small ops (each costs a
+Where it can pay: independent branches of ops that release the GIL for long enough (matrix
+products of a few hundred rows and up on the CPU, one intra-op thread per worker) on cores
+that nothing else uses; ``benchmarks/streams.py --device cpu`` measures it against trace mode
+with one and two intra-op threads (on a shared, loaded 2-core machine it measured slower). Where it does not: small ops (each costs a
 queue hop and, across streams, an event) and CUDA programs bound by launch time (launches
 from several threads contend for the GIL and the driver; trace mode issues them faster from
 one thread).
