@@ -309,6 +309,7 @@ def cpu_main(args: argparse.Namespace) -> None:
         return lambda: (torch.set_num_threads(threads), fn())
 
     res: dict[str, Any] = host_meta("PYTHONPATH=. python3 benchmarks/streams.py " + " ".join(sys.argv[1:]))
+    res["load_average_1min"] = os.getloadavg()[0]  # other work on the machine skews these figures
     res["workload"] = f"{n_br} branches of {depth} x ({rows_}x{width} @ {width}x{width} + SiLU), concatenated"
     rows: dict[str, Callable[[], Any]] = {"eager, 1 thread": at(1, lambda: four(x))}
     exe1 = flowexec.compile(four, x)

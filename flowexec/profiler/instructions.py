@@ -135,6 +135,9 @@ def profile(fn: Callable[..., Any], *args: Any, runs: int = 5, warmup: int = 1, 
                           "(use torch.profiler for its kernels)")
     compiled = exe._lookup(args)
     plan = compiled.plan
+    if plan.on_workers:
+        raise OptionError("profile times trace mode's instructions on the caller's thread; this plan runs on "
+                          "worker threads (CPU streams or threaded mode): profile it with streams=1")
     clock = [0] * (len(plan.instructions) + 1)
     timed = lower_trace(plan, clock=clock)
     kept = compiled.runner

@@ -12,8 +12,8 @@ Two ways of feeding the workers, one machinery:
 * ``issue="host"`` (trace mode on CPU with ``streams > 1``): the caller's thread walks the plan
   in program order and appends each item to its stream's queue, as a CUDA runner launches
   kernels into streams; then it joins.
-* ``issue="lists"`` (``mode="threaded"``): each worker is handed its stream's whole list once
-  per call (one append per stream); an op runs when the count of its unmet cross-stream
+* ``issue="lists"`` (``mode="threaded"``): each side stream's worker is handed its whole list
+  once per call (one append per stream) and the caller's thread runs stream 0's; an op runs when the count of its unmet cross-stream
   dependencies (the plan's pruned waits) is zero, each met when its recorder's worker gets
   there. On CUDA each worker launches onto its own CUDA stream and a wait is also a
   ``wait_event`` on the CUDA event the recorder recorded, so the host order and the device
@@ -174,6 +174,8 @@ class WorkerPool:
         self.call = 0
         self.failed: tuple[int, BaseException, int] | None = None
         self.events = [CpuEvent(cuda) for _ in range(n_events)]
+        self.done_cond = threading.Condition(threading.Lock())
+        self.joining = False  # the caller blocks on done_cond: end-of-call items wake it
         self.workers = [_Worker(self, k) for k in range(n)]
         weakref.finalize(self, WorkerPool._stop, self.workers)
 
@@ -240,26 +242,50 @@ class WorkerPool:
             finally:
                 ev.waiters -= 1
 
-    def join(self, plan: ExecutionPlan, describe: Callable[[int], str]) -> None:
-        """Wait for every worker to finish this call; raise what failed there."""
-        call = self.call
-        for w in self.workers:
+    def finish(self, w: _Worker) -> None:
+        """End-of-call item of worker ``w``."""
+        w.finished = self.call
+        if self.joining:
+            with self.done_cond:
+                self.done_cond.notify_all()
+
+    def run_inline(self, items: Any) -> None:
+        """Run a stream's items on the calling thread, as a worker would."""
+        for fn, idx in items:
+            if self.failed is not None and idx != _END:
+                continue
             try:
-                # longer than a wait's timeout, so that a stuck wait reports itself first
-                self.wait_until(lambda w=w: w.finished >= call,
-                                lambda w=w: f"joining stream {w.index}, which is at {describe(w.current)}",
-                                2 * self.timeout_s + 1)
+                fn()
             except _Abort:
                 pass
-            except ExecutionError:
-                self.failed = self.failed or (w.current, TimeoutError("join timed out"), w.index)
-                raise
-            if self.failed is not None:  # the others drop their items: wait for them to get to the end
-                for v in self.workers:
-                    with_timeout = _now() + self.timeout_s
-                    while v.finished < call and _now() < with_timeout:
-                        _sleep(1e-4)
-                break
+            except BaseException as e:  # noqa: BLE001
+                self.fail(idx, e, 0)
+
+    def join(self, plan: ExecutionPlan, describe: Callable[[int], str]) -> None:
+        """Wait (spin, then block) for every worker to finish this call; raise what failed
+        there. Longer than a wait's timeout, so that a stuck wait reports itself first."""
+        call = self.call
+        workers = self.workers
+        done = lambda: all(w.finished >= call for w in workers)  # noqa: E731
+        if not done():
+            spin_end = _now() + self.spin_s
+            while _now() < spin_end and not done():
+                _sleep(0)
+        if not done():
+            deadline = _now() + 2 * self.timeout_s + 1
+            with self.done_cond:
+                self.joining = True
+                try:
+                    while not done():
+                        left = deadline - _now()
+                        if left <= 0:
+                            w = next(w for w in workers if w.finished < call)
+                            self.failed = None
+                            raise ExecutionError(f"timed out after {2 * self.timeout_s + 1:g} s joining stream "
+                                                 f"{w.index}, which is at {describe(w.current)}")
+                        self.done_cond.wait(min(left, 0.1))
+                finally:
+                    self.joining = False
         if self.failed is not None:
             idx, exc, _ = self.failed
             self.failed = None
@@ -388,9 +414,7 @@ def lower_workers(plan: ExecutionPlan, issue: str = "host", spin_us: float = DEF
     glb["_rel"] = release
     exec(compile("\n".join(src) + "\n", f"<flowexec-workers-{next(_counter)}>", "exec"), glb)
     for k in range(n_streams):
-        def finish(w: _Worker = pool.workers[k]) -> None:
-            w.finished = pool.call
-        glb[f"end{k}"] = finish
+        glb[f"end{k}"] = (lambda w=pool.workers[k]: pool.finish(w))
         order.append((k, f"end{k}", _END))
     for stream, name, idx in order:
         items[stream].append((glb[name], idx))
@@ -424,9 +448,10 @@ def lower_workers(plan: ExecutionPlan, issue: str = "host", spin_us: float = DEF
             env[vid] = a
         token = begin_cuda() if cuda else None
         try:
-            if issue == "lists":
-                for w, lst in zip(pool.workers, lists):
+            if issue == "lists":  # the caller's thread runs stream 0's list itself
+                for w, lst in zip(pool.workers[1:], lists[1:]):
                     w.push_all(lst)
+                pool.run_inline(lists[0])
             else:
                 for push, item in flat:
                     push(item)

@@ -1,8 +1,9 @@
 """Threaded mode (``mode="threaded"``): one worker thread per stream, ops dispatched by
 dependency counts.
 
-Each stream's worker is handed its precomputed list of items once per call (one append per
-stream, no per-op work on the caller's thread). An op's count is the number of its
+Each side stream's worker is handed its precomputed list of items once per call (one append
+per stream, no per-op work on the caller's thread), and the caller's thread runs stream 0's
+list itself (a thread hop less, and it would only wait otherwise). An op's count is the number of its
 cross-stream dependencies still unmet — the plan's pruned waits; each is met when the worker
 of the recording stream has run the op before the record (on CUDA: launched it and recorded
 a CUDA event, which the waiting stream also waits on, so the device keeps the order too).
@@ -11,9 +12,10 @@ the GIL; ``spin_us``) and then block; every wait has a timeout (``wait_timeout``
 whose error names the instruction, and an op's exception reaches the caller naming the op and
 the user's line. The machinery is :mod:`flowexec.runtime.cpu_streams`'s.
 
-Where it pays: independent branches of ops that release the GIL for long enough (matrix
-products of a few hundred rows and up on the CPU, with one intra-op thread per worker: the
-2-core CI machine runs two branches at once). Where it does not: small ops (each costs a
+Where it can pay: independent branches of ops that release the GIL for long enough (matrix
+products of a few hundred rows and up on the CPU, one intra-op thread per worker) on cores
+that nothing else uses; ``benchmarks/streams.py --device cpu`` measures it against trace mode
+with one and two intra-op threads (on a shared, loaded 2-core machine it measured slower). Where it does not: small ops (each costs a
 queue hop and, across streams, an event) and CUDA programs bound by launch time (launches
 from several threads contend for the GIL and the driver; trace mode issues them faster from
 one thread).
