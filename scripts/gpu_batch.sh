@@ -25,8 +25,10 @@ for step in "$@"; do
                  tests/gpu/test_streams_gpu.py tests/gpu/test_memory_gpu.py tests/gpu/test_pipeline_gpu.py \
                  tests/gpu/test_core_gpu.py tests/gpu/test_profiler_gpu.py 2>/dev/null) --junitxml="$R/$step.xml" ;;
     tests-all) run_step $step 540 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu --junitxml="$R/$step.xml" ;;
-    sanitizer) TORCH_CUDA_SANITIZER=1 run_step $step 240 python3 -m pytest -q -rfE -p no:cacheprovider \
-                 tests/gpu/test_core_gpu.py tests/gpu/test_streams_gpu.py -k "not graph" ;;
+    sanitizer) TORCH_CUDA_SANITIZER=1 run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider \
+                 tests/gpu/test_streams_gpu.py tests/gpu/test_core_gpu.py \
+                 -k "(trace or dropped or threaded) and not graph and not hf and not copy_heavy" ;;
+    debug)     FLOWEXEC_DEBUG=1 run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_streams_gpu.py ;;
     calling)   run_step $step 200 python3 benchmarks/step_time.py --calling --out "$R" ;;
     item)      run_step $step 120 python3 benchmarks/item.py --user-loop --out "$R/item.json" ;;
     streams)   run_step $step 240 python3 benchmarks/streams.py --out "$R" ;;
