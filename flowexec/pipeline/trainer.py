@@ -23,7 +23,6 @@ Run it under ``torchrun`` (or :func:`~.launch.spawn` for a quick local try)::
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -55,7 +54,7 @@ def split(seq: torch.nn.Sequential, n: int) -> list[torch.nn.Module]:
     layers = list(seq)
     if not isinstance(n, int) or not 1 <= n <= len(layers):
         raise ValueError(f"cannot cut {len(layers)} layers into {n!r} stages")
-    edges = [round(i * len(layers) / n) for i in range(n + 1)]
+    edges = [i * (len(layers) // n) + min(i, len(layers) % n) for i in range(n + 1)]  # the first stages get the extra
     return [torch.nn.Sequential(*layers[edges[i]:edges[i + 1]]) for i in range(n)]
 
 
