@@ -30,6 +30,7 @@ class Config:
     threads: int = 0  # intra-op threads per rank (0: torch's default)
     compile: bool = False  # stages as flowexec programs (CompiledRunner) instead of eager autograd
     profile: bool = True  # record job spans (JobTimer)
+    device: str = ""  # "" : the trainer's default (cuda:LOCAL_RANK on NCCL, else the CPU)
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -66,18 +67,24 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, A
         torch.set_num_threads(cfg.threads)
     trainer = PipelineTrainer(stage_modules(cfg, world), schedule=cfg.schedule, microbatches=cfg.n_micro,
                               loss_fn=F.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.lr),
-                              compile=cfg.compile, timer=JobTimer("cpu", rank=rank) if cfg.profile else None,
-                              timeout=120)
+                              compile=cfg.compile, device=cfg.device or None, timeout=120)
+    if cfg.profile:
+        trainer.timer = JobTimer(trainer.device, rank=rank)
+    cuda = trainer.device.type == "cuda"
     x, y = data(cfg)
     out: dict[str, Any] = {"step_s": [], "spans": [], "losses": [], "stages": trainer.local}
     for _ in range(cfg.steps):
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
         t0 = time.perf_counter()
         loss = trainer.step(x, y)
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
         out["step_s"].append(time.perf_counter() - t0)
         out["spans"].append(trainer.spans)
         if loss is not None:
             out["losses"].append(float(loss))
-    out["params"] = {s: [p.detach().clone() for p in trainer.modules[s].parameters()] for s in trainer.local}
+    out["params"] = {s: [p.detach().cpu().clone() for p in trainer.modules[s].parameters()] for s in trainer.local}
     return out
 
 
