@@ -54,9 +54,10 @@ def _check_against_one_process(res: list[dict], world: int) -> None:
             assert last == [0]  # the V puts the last stage back on rank 0
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_schedule_trains_as_one_process(world):
-    res = spawn(_every_schedule, world, asdict(SMALL), False, timeout=120)
+def test_every_schedule_trains_as_one_process(world, compile):
+    res = spawn(_every_schedule, world, asdict(SMALL), compile, timeout=120)
     _check_against_one_process(res, world)
     spans = res[0]["ZBH1"]["spans"][-1]
     kinds = {s.kind for s in spans}
