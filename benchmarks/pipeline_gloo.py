@@ -1,5 +1,5 @@
-"""Pipeline-parallel training steps on CPU with gloo: flowexec.pipeline (PipelineTrainer, eager
-stages) beside torch.distributed.pipelining, the same model, micro-batches, placement and SGD,
+"""Pipeline-parallel training steps on CPU with gloo: flowexec.pipeline (PipelineTrainer, stages
+as flowexec programs: CompiledRunner, trace mode; ``--eager`` adds eager stages) beside torch.distributed.pipelining, the same model, micro-batches, placement and SGD,
 in alternating rounds of one run.
 
 Schedules (flowexec vs torch): FThenB vs GPipe, 1F1B vs 1F1B, Interleaved1F1B vs
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--eager", action="store_true", help="also time flowexec with eager stages (EagerRunner)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round, 4 steps: checks it runs")
     args = ap.parse_args()
     if args.quick:
@@ -54,23 +55,25 @@ def main() -> None:
     scheds = [s.strip().lower() for s in args.schedules.split(",")]
     base = Config(width=args.width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
                   threads=1, lr=0.01)
-    impls = [(impl, s) for s in scheds for impl in ("flowexec", "torch")]
+    names = ("flowexec", "flowexec eager", "torch") if args.eager else ("flowexec", "torch")
+    impls = [(impl, s) for s in scheds for impl in names]
     rounds: dict[str, list[dict[str, Any]]] = {f"{i} {s}": [] for i, s in impls}
     last_spans: dict[str, Any] = {}
     for r in range(args.rounds):
         for impl, sched in (impls if r % 2 == 0 else impls[::-1]):
-            cfg = replace(base, schedule=sched)
+            cfg = replace(base, schedule=sched, compile=impl == "flowexec")
             res = spawn(torch_worker if impl == "torch" else train_worker, args.ranks, asdict(cfg), timeout=300)
             med = [statistics.median(res[k]["step_s"][SKIP:]) * 1e3 for k in range(args.ranks)]
             last = next(k for k in range(args.ranks) if res[k]["losses"])
             row: dict[str, Any] = {"step_ms": med, "ms": max(med), "losses": res[last]["losses"]}
-            if impl == "flowexec":
+            if impl.startswith("flowexec"):
                 row["bubble"] = [measured_bubble(res[k]["spans"], SKIP) for k in range(args.ranks)]
                 row["job_ms"] = [job_costs(res[k]["spans"], SKIP) for k in range(args.ranks)]
-                last_spans[sched] = [s for k in range(args.ranks) for step in res[k]["spans"][SKIP:] for s in step]
+                if impl == "flowexec":
+                    last_spans[sched] = [s for k in range(args.ranks) for step in res[k]["spans"][SKIP:] for s in step]
             rounds[f"{impl} {sched}"].append(row)
             extra = f", bubble {', '.join(f'{b:.0%}' for b in row['bubble'])}" if "bubble" in row else ""
-            print(f"round {r} {impl:8s} {sched:15s}: " + ", ".join(f"rank {k} {m:.1f} ms" for k, m in enumerate(med))
+            print(f"round {r} {impl:14s} {sched:15s}: " + ", ".join(f"rank {k} {m:.1f} ms" for k, m in enumerate(med))
                   + extra, flush=True)
     ref_losses, _ = eager_reference(base)
     summary: dict[str, Any] = {}
@@ -86,6 +89,10 @@ def main() -> None:
             "bubble_theory_measured_costs": theory_bubble(sched, args.ranks, args.micro, costs), "job_ms_rank0": costs,
             "losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lf, ref_losses)),
             "torch_losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lt, ref_losses))}
+        if args.eager:
+            e = statistics.median(x["ms"] for x in rounds[f"flowexec eager {sched}"])
+            summary[sched].update(flowexec_eager_ms=e, speedup_eager=t / e, bubble_measured_eager=statistics.median(
+                statistics.mean(x["bubble"]) for x in rounds[f"flowexec eager {sched}"]))
         s = summary[sched]
         print(f"{sched:15s}: flowexec {f:.1f} ms, torch {TORCH_NAMES[sched]} {t:.1f} ms: {t / f:.2f}x; bubble "
               f"{bub:.1%} (theory {s['bubble_theory_equal_costs']:.1%} at equal costs, "

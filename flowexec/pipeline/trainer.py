@@ -392,6 +392,9 @@ class PipelineTrainer:
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
         g = self._group(m.src, m.dst)
         if self._comm is not None:
+            # A copy the transfer owns: a compiled stage's outputs live in CUDA-graph buffers that a
+            # later replay on the compute stream may overwrite before the NCCL stream read them.
+            out = tuple(t.clone(memory_format=torch.contiguous_format) for t in out)
             ev = torch.cuda.Event()
             ev.record()
             self._comm.wait_event(ev)  # the transfer starts once the job that wrote it has
