@@ -391,6 +391,12 @@ class PipelineTrainer:
             raise ValueError(f"stage {m.stage - 1 if m.kind == 'act' else m.stage + 1} produced {_fmt(spec_of(out, 'output'))} "
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
         g = self._group(m.src, m.dst)
+        tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
+                               peer=m.dst, name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
+        self._send_now(out, m, g, sends)
+        self.timer.end(tok)
+
+    def _send_now(self, out: tuple[torch.Tensor, ...], m: Message, g: Any, sends: list[tuple[Any, Any]]) -> None:
         if self._comm is not None:
             # A copy the transfer owns: a compiled stage's outputs live in CUDA-graph buffers that a
             # later replay on the compute stream may overwrite before the NCCL stream read them.
