@@ -123,12 +123,12 @@ class PipelineTrainer:
         self.plan = with_optimizer(plan)
         self.owner = placement(self.plan)
         self.local = [s for s in range(self.n_stages) if self.owner[s] == self.rank]
-        self.backend = dist.get_backend()
-        self.nccl = self.backend == "nccl"
+        self.backend = str(dist.get_backend())  # "gloo", "nccl", or "cpu:gloo,cuda:nccl"
         if device is None:
             device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
-                      if self.nccl else torch.device("cpu"))
+                      if "nccl" in self.backend and torch.cuda.is_available() else torch.device("cpu"))
         self.device = torch.device(device)
+        self.nccl = "nccl" in self.backend and self.device.type == "cuda"  # transfers go through NCCL
         self.modules = {s: stages[s].to(self.device) for s in self.local}
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
         self.optimizers = {}
