@@ -27,7 +27,22 @@ def main(argv: list[str] | None = None) -> int:
     pipe.add_argument("--out", default="flowexec-pipeline.json", help="Chrome trace of the jobs")
     pipe.add_argument("--compile", action="store_true",
                       help="run each stage's module through torch.compile(backend='flowexec')")
+    tl = sub.add_parser("timeline", help="merge profiled records (one JSON-lines file per rank) into a trace and page")
+    tl_sub = tl.add_subparsers(dest="timeline_command", required=True)
+    tl_merge = tl_sub.add_parser("merge", help="DIR/*.jsonl -> Trace Event Format (Perfetto) and an HTML page")
+    tl_merge.add_argument("directory", help="the records directory (rank0.jsonl, rank1.jsonl, ...)")
+    tl_merge.add_argument("-o", "--out", default="trace.json", help="trace file (default trace.json)")
+    tl_merge.add_argument("--html", default=None, help="also write the self-contained timeline page here")
     args = parser.parse_args(argv)
+    if args.command == "timeline":
+        from .profiler.command import merge_command
+
+        try:
+            print(merge_command(args.directory, args.out, args.html))
+        except (ValueError, OSError) as e:
+            print(f"flowexec timeline: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "pipeline":
         if min(args.ranks, args.micro, args.steps) < 1:
             parser.error("--ranks, --micro and --steps must be at least 1")

@@ -3,10 +3,11 @@ duration, and the schedule's theoretical bubble beside the measured one.
 
 A step's window is the same for every rank: from the first job any rank started in that step
 to the last job any rank ended (on rank 0's clock, after the merge) — the time the pipeline
-took for the step, which is what a schedule's theoretical bubble is a share of. A rank is busy
-while one of its jobs (``F`` ``B`` ``I`` ``W`` ``OPT``) runs and it is not blocked in a receive
-(``wait`` spans are idle: the job was issued but had nothing to work on). Its bubble is the
-rest of the windows: ``1 - busy``.
+took for the step, which is what a schedule's theoretical bubble is a share of. Jobs here are
+the schedule's (``F`` ``B`` ``I`` ``W``); the optimizer step (``OPT``) after them is reported
+with its mean duration but kept out of the windows, as the theory keeps it out. A rank is busy
+while one of its jobs runs and it is not blocked in a receive (``wait`` spans are idle: the job
+was issued but had nothing to work on). Its bubble is the rest of the windows: ``1 - busy``.
 
 >>> from .records import Span
 >>> sp = lambda r, k, m, a, b, stream="compute": Span(r, "h", 1, 0, r, k, m, stream, a, b, "host")
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from .records import JOB_KINDS, Span
+
+PIPELINE_KINDS = ("F", "B", "I", "W")  # the schedule's jobs: what windows and bubbles are made of
 
 
 @dataclass(frozen=True)
@@ -89,10 +92,10 @@ def _clip(iv: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
 
 
 def step_windows(spans: Iterable[Span]) -> dict[int, tuple[int, int]]:
-    """Per step, ``(first job start, last job end)`` over all ranks."""
+    """Per step, ``(first job start, last job end)`` over all ranks (schedule jobs only)."""
     out: dict[int, tuple[int, int]] = {}
     for s in spans:
-        if s.kind in JOB_KINDS:
+        if s.kind in PIPELINE_KINDS:
             a, b = out.get(s.step, (s.start_ns, s.end_ns))
             out[s.step] = (min(a, s.start_ns), max(b, s.end_ns))
     return out
@@ -108,7 +111,7 @@ def summarize(spans: Iterable[Span], theory: float | Mapping[int, float] | None 
         mine = [s for s in spans if s.rank == rank]
         busy = wait = window = 0
         for step, (lo, hi) in windows.items():
-            jobs = union_ns((s.start_ns, s.end_ns) for s in mine if s.step == step and s.kind in JOB_KINDS)
+            jobs = union_ns((s.start_ns, s.end_ns) for s in mine if s.step == step and s.kind in PIPELINE_KINDS)
             waits = union_ns((s.start_ns, s.end_ns) for s in mine if s.step == step and s.kind == "wait")
             window += hi - lo
             busy += _length(_clip(_minus(jobs, waits), lo, hi))
