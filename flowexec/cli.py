@@ -11,7 +11,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a built-in model through flowexec beside eager PyTorch")
     demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     demo.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")
-    demo.add_argument("--out", default=None, help="directory for demo.json (loss curves and figures)")
+    demo.add_argument("--out", default=None, help="directory for demo.json (loss curves and figures), and the profiled "
+                      "2-rank pipeline's trace.json and timeline.html")
     prof = sub.add_parser("profile", help="time each instruction of the demo's training step (trace mode)")
     prof.add_argument("--runs", type=int, default=20, help="timed steps (default 20)")
     prof.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")

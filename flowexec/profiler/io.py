@@ -33,8 +33,9 @@ from .records import SCHEMA, SCHEMA_VERSION, Span
 class Header:
     """What one rank's file says about the rank: who it is, its clock's offset to rank 0 (add it
     to this rank's times to reach rank 0's clock) and the round trip that offset was measured
-    over, and free-form ``meta`` (schedule, stages, micro-batches, the schedule's theoretical
-    bubble)."""
+    over (``clock_offset_measured_ns``: the estimate itself, kept where it is not applied — a
+    rank on rank 0's machine shares its clock), and free-form ``meta`` (schedule, stages,
+    micro-batches, the schedule's theoretical bubble)."""
 
     rank: int
     host: str
@@ -42,6 +43,7 @@ class Header:
     clock_offset_ns: int = 0
     clock_rtt_ns: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    clock_offset_measured_ns: int | None = None  # the ping-pong estimate (0 applied on rank 0's host)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "version": SCHEMA_VERSION, "type": "header", **asdict(self)}
@@ -95,7 +97,8 @@ def read_records(path: str) -> tuple[Header, list[Span]]:
                          f"version {SCHEMA_VERSION}")
     try:
         header = Header(**{k: head[k] for k in ("rank", "host", "pid")},
-                        **{k: head[k] for k in ("clock_offset_ns", "clock_rtt_ns", "meta") if k in head})
+                        **{k: head[k] for k in ("clock_offset_ns", "clock_rtt_ns", "meta", "clock_offset_measured_ns")
+                           if k in head})
     except KeyError as e:
         raise ValueError(f"{path}:1: header lacks {e}") from None
     spans = []

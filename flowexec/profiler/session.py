@@ -42,20 +42,32 @@ class StepProfiler:
         self.steps = steps
         self.device = torch.device(device)
         offset = rtt = 0
+        measured = None
+        self.host = socket.gethostname()
         if sync_clocks if sync_clocks is not None else (joined and dist.get_world_size(group) > 1):
             from .clocks import measure_offset
 
-            offset, rtt = measure_offset(group, device=self.device if dist.get_backend(group) == "nccl" else "cpu")
-        self.host = socket.gethostname()
+            measured, rtt = measure_offset(group, device=self.device if dist.get_backend(group) == "nccl" else "cpu")
+            hosts: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(hosts, self.host, group=group)
+            # Processes on rank 0's machine read the same monotonic clock: an estimate could only
+            # add its error (up to half a round trip) there. Other machines take the estimate.
+            offset = 0 if hosts[0] == self.host else measured
         self.timer_ = JobTimer(self.device, rank=self.rank, host=self.host, offset_ns=offset)
         os.makedirs(directory, exist_ok=True)
         self._writer = RecordWriter(rank_file(directory, self.rank),
-                                    Header(self.rank, self.host, os.getpid(), offset, rtt, dict(meta or {})))
+                                    Header(self.rank, self.host, os.getpid(), offset, rtt, dict(meta or {}),
+                                           measured))
         self.recorded: list[int] = []
 
     def timer(self, step: int) -> Any:
         """The timer to use in ``step``: a real one if the step is recorded, else NULL_TIMER."""
         return self.timer_ if step in self.steps else NULL_TIMER
+
+    def add(self, step: int, spans: list[Any]) -> None:
+        """Record spans timed elsewhere (on this rank's host clock) with ``step``'s, if it is recorded."""
+        if step in self.steps:
+            self._writer.write(spans)
 
     def end_step(self, step: int) -> None:
         """After ``step``'s work was issued: read its times and append them to the file."""
