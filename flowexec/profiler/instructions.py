@@ -193,7 +193,7 @@ def profile(fn: Callable[..., Any], *args: Any, runs: int = 5, warmup: int = 1, 
     exe = fn if isinstance(fn, ex.Executable) else ex.compile(fn, *args, mode="trace", **options)
     if exe.mode != "trace":
         raise OptionError("profile times trace mode's instructions; a graph-mode call is one CUDA graph replay "
-                          "(use torch.profiler for its kernels)")
+                          "(flowexec.profiler.profile_graph times replays, with kernels=True their kernels)")
     compiled = exe._lookup(args)
     plan = compiled.plan
     n = len(plan.instructions)
@@ -312,3 +312,77 @@ def _synchronizer(args: Any) -> Callable[[], None]:
         if isinstance(a, torch.Tensor) and a.is_cuda:
             return lambda d=a.device: torch.cuda.synchronize(d)
     return lambda: None
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    """Graph-mode calls: each replay as one span on the device (``cuda``, row ``replay``) and
+    its host call (row ``host``); with ``kernels``, one call's kernels from ``torch.profiler``
+    on row ``kernels`` (placed from the replay's device start: the profiler keeps its own
+    clock)."""
+
+    spans: tuple[Span, ...]
+    run_us: tuple[float, ...]
+
+    def save(self, path: str) -> str:
+        """Write the spans through :func:`.trace.write_trace`; returns ``path``."""
+        from .trace import write_trace
+
+        return write_trace(self.spans, path, {"mode": "graph"})
+
+
+def profile_graph(exe: Any, *args: Any, runs: int = 5, warmup: int = 1, kernels: bool = False) -> GraphProfile:
+    """Time ``runs`` calls of a graph-mode :class:`~flowexec.Executable` (CUDA): per call the
+    replay on the device (events on the current stream around it, read after the call) and the
+    host call; ``kernels=True`` also runs one more call under ``torch.profiler`` for its kernels."""
+    import torch
+
+    from ..errors import OptionError
+    from .timers import anchor
+
+    if getattr(exe, "mode", None) != "graph":
+        raise OptionError("profile_graph takes a graph-mode Executable (flowexec.compile(..., mode='graph'))")
+    dev = _cuda_device(args)
+    if dev is None:
+        raise OptionError("profile_graph needs CUDA tensors among the arguments (graph mode replays CUDA graphs)")
+    if runs < 1 or warmup < 0:
+        raise OptionError(f"profile_graph needs runs >= 1 and warmup >= 0, got runs={runs}, warmup={warmup}")
+    spans: list[Span] = []
+    whole: list[float] = []
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for k in range(warmup + runs):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter_ns()
+        a.record()
+        exe(*args)
+        b.record()
+        t1 = time.perf_counter_ns()
+        ev0, ns0 = anchor(dev)
+        if k < warmup:
+            continue
+        run = k - warmup
+        whole.append((ns0 - t0) / 1e3)
+        da, db = (ns0 - round(e.elapsed_time(ev0) * 1e6) for e in (a, b))
+        spans.append(Span(0, "", 0, run, None, "op", None, "host", t0, t1, "host", name="graph call (host)"))
+        spans.append(Span(0, "", 0, run, None, "op", None, "replay", da, db, "cuda", issue_ns=t0, name="graph replay"))
+    if kernels:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        torch.cuda.synchronize(dev)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            a.record()
+            exe(*args)
+            b.record()
+            torch.cuda.synchronize(dev)
+        ev0, ns0 = anchor(dev)
+        da = ns0 - round(a.elapsed_time(ev0) * 1e6)
+        ks = [e for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA]
+        first = min((e.time_range.start for e in ks), default=0)
+        run = len(whole)
+        for e in ks:
+            s0 = da + round((e.time_range.start - first) * 1e3)
+            spans.append(Span(0, "", 0, run, None, "op", None, "kernels", s0,
+                              s0 + round(e.time_range.elapsed_us() * 1e3), "cuda", name=e.name))
+    return GraphProfile(tuple(spans), tuple(whole))

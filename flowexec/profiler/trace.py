@@ -96,12 +96,16 @@ def pair_flows(spans: Iterable[Span]) -> list[tuple[Span, Span]]:
     return out
 
 
-def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The trace of merged ``spans`` (one clock), as a JSON-able dict."""
+def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
+                 flows: Iterable[tuple[Span, Span]] = ()) -> dict[str, Any]:
+    """The trace of merged ``spans`` (one clock), as a JSON-able dict. ``flows``: more arrows
+    than the send → receive ones (an instruction profile's event record → wait pairs,
+    :meth:`~.instructions.Timeline.flows`)."""
     spans = sorted(spans, key=lambda s: (s.rank, s.start_ns, s.end_ns))
     t0 = min((s.start_ns for s in spans), default=0)
     us = lambda ns: round((ns - t0) / 1e3, 3)  # noqa: E731
     events: list[dict[str, Any]] = []
+    tid_of: dict[tuple[int, str], int] = {}
     for rank in sorted({s.rank for s in spans}):
         mine = [s for s in spans if s.rank == rank]
         pid = rank + 1
@@ -111,6 +115,7 @@ def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None) -
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}})
         extra = sorted({row_of(s) for s in mine} - set(ROWS))
         tids = {**ROWS, **{name: len(ROWS) + 1 + i for i, name in enumerate(extra)}}
+        tid_of.update({(rank, row): tid for row, tid in tids.items()})
         used = {"steps"} | {row_of(s) for s in mine}
         for row, tid in tids.items():
             if row in used:
@@ -137,13 +142,17 @@ def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None) -
             events.append({"ph": "X", "name": span_name(s), "cat": s.kind, "pid": pid, "tid": tids[row_of(s)],
                            "ts": us(s.start_ns), "dur": round(s.duration_ns / 1e3, 3), "cname": colour(s.kind),
                            "args": args})
-    for fid, (a, b) in enumerate(pair_flows(spans), start=1):
-        name = f"mb{a.micro} r{a.rank}→r{b.rank}" if a.micro is not None else f"r{a.rank}→r{b.rank}"
+    arrows = [(a, b, "transfer") for a, b in pair_flows(spans)] + [(a, b, "event") for a, b in flows]
+    for fid, (a, b, cat) in enumerate(arrows, start=1):
+        if a.micro is not None:
+            name = f"mb{a.micro} r{a.rank}→r{b.rank}"
+        else:
+            name = f"r{a.rank}→r{b.rank}" if a.rank != b.rank else f"{a.stream}→{b.stream}"
         inside = min(1_000, b.duration_ns // 2)  # an f event binds to the slice around its ts
-        events.append({"ph": "s", "id": fid, "name": name, "cat": "transfer", "pid": a.rank + 1,
-                       "tid": ROWS["comm"], "ts": us(a.start_ns)})
-        events.append({"ph": "f", "bp": "e", "id": fid, "name": name, "cat": "transfer", "pid": b.rank + 1,
-                       "tid": ROWS["comm"], "ts": us(b.end_ns - inside)})
+        events.append({"ph": "s", "id": fid, "name": name, "cat": cat, "pid": a.rank + 1,
+                       "tid": tid_of[(a.rank, row_of(a))], "ts": us(a.start_ns)})
+        events.append({"ph": "f", "bp": "e", "id": fid, "name": name, "cat": cat, "pid": b.rank + 1,
+                       "tid": tid_of[(b.rank, row_of(b))], "ts": us(b.end_ns - inside)})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"generator": "flowexec timeline", "origin_ns": t0, **(meta or {})}}
 
