@@ -33,8 +33,14 @@ def _stage_spans(res: Any, rank: int, step: int, host: str, offset: int) -> list
     return out
 
 
-def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: str, record: list[int]) -> dict:
-    """One rank: train ``cfg.steps`` steps, recording the steps in ``record`` into ``directory``."""
+def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: str, record: list[int] | None) -> dict:
+    """One rank: train ``cfg.steps`` steps, recording the steps in ``record`` into ``directory``
+    (``None``: no profiler at all). Returns the records' path, the losses and each step's ns."""
+    import contextlib
+    import time
+
+    from .timers import NULL_TIMER
+
     from ..pipeline.demo import Config, blocks, data, stage_slice
     from ..pipeline.schedules import SCHEDULES, simulate
     from ..pipeline.stage import PipelineStage, split_batch
@@ -54,10 +60,11 @@ def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: 
     meta = {"schedule": cfg.schedule, "n_stages": world, "n_micro": cfg.n_micro, "device": "cpu",
             "model": f"{cfg.blocks} x Linear({cfg.width}) + tanh, batch {cfg.batch}",
             "theory_bubble": sim.bubble, "theory_backward_cost": 2}
-    prof = StepProfiler(directory, record, device="cpu", meta=meta)
-    losses = []
+    prof = StepProfiler(directory, record, device="cpu", meta=meta) if record is not None else None
+    losses, step_ns = [], []
     for k in range(cfg.steps):
-        with prof.step(k) as timer:
+        t0 = time.perf_counter_ns()
+        with prof.step(k) if prof else contextlib.nullcontext(NULL_TIMER) as timer:
             opt.zero_grad(set_to_none=False)
             res = stage.run(sched[rank], inputs=xs if rank == 0 else None, targets=ys if rank == world - 1 else None)
             tok = timer.begin(step=k, stage=rank, kind="OPT", micro=None)
@@ -65,9 +72,10 @@ def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: 
             timer.end(tok)
             if timer.enabled:  # the stage stamps its own jobs on the host clock
                 prof.add(k, _stage_spans(res, rank, k, prof.host, prof.timer_.offset_ns))
+        step_ns.append(time.perf_counter_ns() - t0)
         losses += [sum(res.losses) / len(res.losses)] if res.losses else []
-    path = prof.close()
-    return {"records": path, "losses": losses}
+    path = prof.close() if prof else None
+    return {"records": path, "losses": losses, "step_ns": step_ns}
 
 
 def profile_pipeline(out_dir: str, schedules: tuple[str, ...] = ("1f1b",), steps: int = 5,
