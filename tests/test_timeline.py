@@ -201,3 +201,12 @@ def test_timeline_merge_command_writes_trace_and_page(tmp_path, capsys):
     empty.mkdir()
     assert main(["timeline", "merge", str(empty), "-o", out]) == 2
     assert "no records (*.jsonl) to merge" in capsys.readouterr().err
+
+
+def test_a_step_the_trainer_timed_is_the_step_slice():
+    spans = [_sp(0, 4, "F", 0, 100, 200), Span(0, "h", 1, 4, None, "step", None, "compute", 50, 260, "host")]
+    ev = trace_events(spans)["traceEvents"]
+    steps = [e for e in ev if e["ph"] == "X" and e["cat"] == "step"]
+    assert len(steps) == 1 and (steps[0]["name"], steps[0]["ts"], steps[0]["dur"]) == ("step 4", 0.0, 0.21)
+    rows = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert rows[steps[0]["tid"]] == "steps"

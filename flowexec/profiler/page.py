@@ -36,7 +36,7 @@ def page_data(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
     ranks = []
     for rank in sorted({s.rank for s in spans}):
         mine = [s for s in spans if s.rank == rank]
-        rows = [r for r in ("compute", "comm", "wait") if any(row_of(s) == r for s in mine)]
+        rows = [r for r in ("steps", "compute", "comm", "wait") if any(row_of(s) == r for s in mine)]
         rows += sorted({row_of(s) for s in mine} - set(ROWS))
         off = (offsets or {}).get(rank)
         ranks.append({"rank": rank, "host": mine[0].host, "pid": mine[0].pid,

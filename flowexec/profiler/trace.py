@@ -59,7 +59,10 @@ def colour(kind: str) -> str:
 
 
 def span_name(s: Span) -> str:
-    """``F mb3`` for a job, ``send mb3`` / ``recv mb3`` / ``wait mb3`` for transfers, else its name."""
+    """``F mb3`` for a job, ``send mb3`` / ``recv mb3`` / ``wait mb3`` for transfers, ``step 4``
+    for a step, else its name."""
+    if s.kind == "step":
+        return f"step {s.step}"
     if s.micro is not None and (s.kind in JOB_KINDS or s.kind in ("send", "recv", "wait")):
         return f"{s.kind} mb{s.micro}"
     return s.name or s.kind
@@ -74,6 +77,8 @@ def row_of(s: Span) -> str:
         return "comm"
     if s.kind == "wait":
         return "wait"
+    if s.kind == "step":
+        return "steps"
     return s.stream
 
 
@@ -123,12 +128,14 @@ def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
                                "args": {"name": ROW_NAMES.get(row, f"stream {row}")}})
                 events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
                                "args": {"sort_index": tid}})
+        timed = {s.step for s in mine if s.kind == "step"}  # the trainer timed these steps itself
         for step in sorted({s.step for s in mine}):
             ss = [s for s in mine if s.step == step]
             lo, hi = min(s.start_ns for s in ss), max(s.end_ns for s in ss)
-            events.append({"ph": "X", "name": f"step {step}", "cat": "step", "pid": pid, "tid": ROWS["steps"],
-                           "ts": us(lo), "dur": round((hi - lo) / 1e3, 3), "cname": colour("step"),
-                           "args": {"step": step, "spans": len(ss)}})
+            if step not in timed:
+                events.append({"ph": "X", "name": f"step {step}", "cat": "step", "pid": pid, "tid": ROWS["steps"],
+                               "ts": us(lo), "dur": round((hi - lo) / 1e3, 3), "cname": colour("step"),
+                               "args": {"step": step, "spans": len(ss)}})
             events.append({"ph": "i", "s": "p", "name": f"step {step}", "cat": "step", "pid": pid,
                            "tid": ROWS["steps"], "ts": us(lo)})
         for s in mine:
