@@ -39,9 +39,8 @@ from flowexec.profiler import JobTimer  # noqa: E402
 
 
 def pipeline_overhead(rounds: int, steps: int) -> dict[str, Any]:
-    from flowexec.pipeline.demo import Config
     from flowexec.pipeline.launch import spawn
-    from flowexec.profiler.pipeline_demo import profiled_worker
+    from flowexec.profiler.pipeline_demo import Config, profiled_worker
 
     cfg = Config(width=256, blocks=4, batch=64, n_micro=4, schedule="1f1b", steps=steps, threads=1)
     med: dict[str, list[float]] = {"off": [], "on": []}

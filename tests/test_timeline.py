@@ -133,7 +133,7 @@ def test_summary_of_the_synthetic_pipeline_is_near_its_schedule_theory():
     from flowexec.pipeline.schedules import one_f_one_b, simulate
 
     rows = summarize(merge_spans(pipeline_spans()))
-    theory = simulate(one_f_one_b(2, 4), backward_cost=2).bubble
+    theory = simulate(one_f_one_b(2, 4), costs=(1.0, 1.0, 1.0)).bubble
     # jobs are 20 µs short of their slots and wait 15 µs: the measured bubble is a bit above theory
     for r in rows:
         assert theory < r.bubble < theory + 0.03, (r, theory)

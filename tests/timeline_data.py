@@ -13,7 +13,7 @@ WAIT_NS = 15_000
 def pipeline_spans(p: int = 2, m: int = 4, steps=(10, 11), hosts=("hostA", "hostB"), offsets=(0, 0)) -> list[Span]:
     """The spans as each rank would record them: rank r's times are on its own clock, which reads
     ``true - offsets[r]``, and carry ``offset_ns = offsets[r]``."""
-    sim = simulate(one_f_one_b(p, m), backward_cost=2)
+    sim = simulate(one_f_one_b(p, m), costs=(1.0, 1.0, 1.0))  # a backward costs two forwards
     out: list[Span] = []
     base = 0
 
@@ -23,7 +23,7 @@ def pipeline_spans(p: int = 2, m: int = 4, steps=(10, 11), hosts=("hostA", "host
 
     for step in steps:
         for job in sorted(sim.start, key=lambda j: (sim.start[j], j.stage)):
-            r, a, b = job.stage, base + sim.start[job] * F_NS, base + sim.end[job] * F_NS - 20_000
+            r, a, b = job.stage, base + round(sim.start[job] * F_NS), base + round(sim.end[job] * F_NS) - 20_000
             add(r, step, job.kind, job.micro, "compute", a, b, issue_ns=a - offsets[r] - 5_000)
             down = job.kind == "F"
             to = r + 1 if down else r - 1
@@ -34,7 +34,7 @@ def pipeline_spans(p: int = 2, m: int = 4, steps=(10, 11), hosts=("hostA", "host
                 add(r, step, "recv", job.micro, "comm", a - 300_000, a + WAIT_NS, peer=frm, tag=2 * job.micro + (not down))
                 add(r, step, "wait", job.micro, "wait", a, a + WAIT_NS, peer=frm)
         for r in range(p):
-            e = base + sim.makespan * F_NS
+            e = base + round(sim.makespan * F_NS)
             add(r, step, "OPT", None, "compute", e, e + 200_000)
-        base += (sim.makespan + 1) * F_NS
+        base += round(sim.makespan + 1) * F_NS
     return out

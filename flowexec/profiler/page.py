@@ -168,7 +168,7 @@ function draw() {
     const x = sx(s.ts), w = Math.max(1, s.dur / (v1 - v0) * CW), yy = rowY(s.rank, s.row);
     const rc = el("rect", {class: "span", x: x, y: yy + 1, width: w, height: RH - 2, rx: 2, fill: D.colours[s.kind] || "#888",
       "data-i": i, "data-kind": s.kind, "data-label": s.label, "data-rank": s.rank, "data-ts": s.ts, "data-dur": s.dur}, bars);
-    if (w > 6 * s.label.length + 6) el("text", {x: x + 4, y: yy + 14, class: ["grey", "send", "recv", "wait", "I", "W"].includes(s.kind) ? "dark" : "lbl"}, bars, s.label);
+    if (w > 6 * s.label.length + 6) el("text", {x: x + 4, y: yy + 14, class: ["step", "send", "recv", "wait", "I", "W"].includes(s.kind) ? "dark" : "lbl"}, bars, s.label);
   });
   if (document.getElementById("flows").checked) {
     const fl = el("g", {id: "flowlines"}, body);

@@ -3,77 +3,90 @@ with profiling on for a few steps, merged into ``DIR/trace.json`` and ``DIR/time
 
 Each rank records the chosen steps through :class:`~.session.StepProfiler` into
 ``DIR/records/<schedule>/rank<r>.jsonl``; the parent merges them. The schedule's theoretical
-bubble (``simulate`` on unit jobs, a backward costing two forwards) goes into the records'
-meta, so the page shows it beside the measured one.
+bubble (``simulate`` on unit jobs: F, I and W one unit each, a whole backward two) goes into
+the records' meta, so the page shows it beside the measured one.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .records import Span
 
 
-def _stage_spans(res: Any, rank: int, step: int, host: str, offset: int) -> list[Span]:
-    """The job records of one ``PipelineStage.run`` (name, start, end, ns waited) as spans: the
-    job on ``compute`` and, where it waited to receive, the wait on ``wait`` (its first part)."""
-    from ..pipeline.schedules import Job
+@dataclass(frozen=True)
+class Config:
+    """The profiled run: ``blocks`` of ``Linear(width) + tanh``, MSE against random targets, SGD."""
 
-    pid = os.getpid()
-    out = []
-    for name, a, b, waited in res.jobs:
-        job = Job.parse(name)
-        out.append(Span(rank, host, pid, step, job.stage, job.kind, job.micro, "compute", a, b, "host", offset))
-        if waited:
-            out.append(Span(rank, host, pid, step, job.stage, "wait", job.micro, "wait", a, a + waited, "host", offset))
-    return out
+    width: int = 256
+    blocks: int = 4
+    batch: int = 64
+    n_micro: int = 4
+    schedule: str = "1f1b"
+    steps: int = 5
+    lr: float = 0.05
+    seed: int = 0
+    threads: int = 1  # intra-op threads per rank
+
+
+def data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    return torch.randn(cfg.batch, cfg.width, generator=g), torch.randn(cfg.batch, cfg.width, generator=g)
+
+
+def _stages(cfg: Config, n_stages: int) -> list[torch.nn.Module]:
+    """The model (the same in every process: seeded) as ``n_stages`` contiguous stages."""
+    torch.manual_seed(cfg.seed)
+    bs = [torch.nn.Sequential(torch.nn.Linear(cfg.width, cfg.width), torch.nn.Tanh()) for _ in range(cfg.blocks)]
+    edges = [round(i * len(bs) / n_stages) for i in range(n_stages + 1)]
+    return [torch.nn.Sequential(*bs[edges[i]:edges[i + 1]]) for i in range(n_stages)]
+
+
+def theory(schedule: str, n_ranks: int, n_micro: int) -> tuple[float, dict[int, float]]:
+    """The schedule's bubble on ideal ranks (forward, input-gradient and weight-gradient halves
+    of a backward all one unit): overall and per rank (idle share of the makespan)."""
+    from ..pipeline.schedules import STAGES_PER_RANK, get_schedule, simulate
+
+    per = STAGES_PER_RANK.get(schedule.lower()) or 1
+    sim = simulate(get_schedule(schedule)(n_ranks, n_micro, per * n_ranks), costs=(1.0, 1.0, 1.0))
+    return sim.bubble, {r: sim.idle[r] / sim.makespan for r in sim.idle}
 
 
 def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: str, record: list[int] | None) -> dict:
-    """One rank: train ``cfg.steps`` steps, recording the steps in ``record`` into ``directory``
-    (``None``: no profiler at all). Returns the records' path, the losses and each step's ns."""
-    import contextlib
+    """One rank: train ``cfg.steps`` steps with :class:`~flowexec.pipeline.PipelineTrainer`,
+    recording the steps in ``record`` into ``directory`` (``None``: no profiler at all).
+    Returns the records' path, the losses and each step's ns."""
     import time
 
-    from .timers import NULL_TIMER
-
-    from ..pipeline.demo import Config, blocks, data, stage_slice
-    from ..pipeline.schedules import SCHEDULES, simulate
-    from ..pipeline.stage import PipelineStage, split_batch
+    from ..pipeline.schedules import STAGES_PER_RANK
+    from ..pipeline.trainer import PipelineTrainer
     from .session import StepProfiler
+    from .timers import NULL_TIMER
 
     cfg = Config(**cfg_dict)
     torch.set_num_threads(max(1, cfg.threads))
-    model = blocks(cfg)
-    mine = torch.nn.Sequential(*(model[i] for i in stage_slice(cfg, rank, world)))
-    stage = PipelineStage(mine, rank, world, loss_fn=F.mse_loss)
-    sched = SCHEDULES[cfg.schedule](world, cfg.n_micro)
-    sim = simulate(sched, backward_cost=2)
+    n_stages = (STAGES_PER_RANK.get(cfg.schedule.lower()) or 1) * world
+    trainer = PipelineTrainer(_stages(cfg, n_stages), schedule=cfg.schedule, microbatches=cfg.n_micro,
+                              loss_fn=F.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.lr), compile=False)
     x, y = data(cfg)
-    xs, ys = split_batch(x, cfg.n_micro), split_batch(y, cfg.n_micro)
-    stage.setup(xs[0].shape)
-    opt = torch.optim.SGD(mine.parameters(), lr=cfg.lr)
-    meta = {"schedule": cfg.schedule, "n_stages": world, "n_micro": cfg.n_micro, "device": "cpu",
+    th, per_rank = theory(cfg.schedule, world, cfg.n_micro)
+    meta = {"schedule": cfg.schedule, "n_ranks": world, "n_stages": n_stages, "n_micro": cfg.n_micro, "device": "cpu",
             "model": f"{cfg.blocks} x Linear({cfg.width}) + tanh, batch {cfg.batch}",
-            "theory_bubble": sim.bubble, "theory_backward_cost": 2}
+            "theory_bubble": th, "theory_bubble_per_rank": per_rank, "theory_costs": "F = I = W = 1"}
     prof = StepProfiler(directory, record, device="cpu", meta=meta) if record is not None else None
     losses, step_ns = [], []
     for k in range(cfg.steps):
         t0 = time.perf_counter_ns()
-        with prof.step(k) if prof else contextlib.nullcontext(NULL_TIMER) as timer:
-            opt.zero_grad(set_to_none=False)
-            res = stage.run(sched[rank], inputs=xs if rank == 0 else None, targets=ys if rank == world - 1 else None)
-            tok = timer.begin(step=k, stage=rank, kind="OPT", micro=None)
-            opt.step()
-            timer.end(tok)
-            if timer.enabled:  # the stage stamps its own jobs on the host clock
-                prof.add(k, _stage_spans(res, rank, k, prof.host, prof.timer_.offset_ns))
+        trainer.timer = prof.timer(k) if prof else NULL_TIMER
+        loss = trainer.step(x, y)
+        if prof:
+            prof.add(k, trainer.spans)  # the trainer flushed its timer at the step's end
         step_ns.append(time.perf_counter_ns() - t0)
-        losses += [sum(res.losses) / len(res.losses)] if res.losses else []
+        if loss is not None:
+            losses.append(float(loss))
     path = prof.close() if prof else None
     return {"records": path, "losses": losses, "step_ns": step_ns}
 
@@ -81,7 +94,6 @@ def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: 
 def profile_pipeline(out_dir: str, schedules: tuple[str, ...] = ("1f1b",), steps: int = 5,
                      record: tuple[int, ...] = (2, 3, 4), n_micro: int = 4) -> list[dict[str, Any]]:
     """Run the profiled pipeline once per schedule; returns per schedule its paths and summary."""
-    from ..pipeline.demo import Config
     from ..pipeline.launch import spawn
     from .command import theory_of
     from .merge import merge_dir
