@@ -81,7 +81,8 @@ class DomReader(HTMLParser):
 def test_page_draws_chart_and_table_from_the_records_in_chromium(tmp_path):
     spans = merge_spans(pipeline_spans(offsets=(0, 2_000_000_000)))
     page = write_page(spans, str(tmp_path / "timeline.html"),
-                      {"schedule": "1f1b", "n_stages": 2, "n_micro": 4, "theory_bubble": 0.2},
+                      {"schedule": "1f1b", "n_stages": 2, "n_micro": 4, "theory_bubble": 0.2,
+                       "theory_bubble_measured_costs": {0: 0.1234, 1: 0.2346}},
                       {0: (0, 0), 1: (2_000_000_000, 850)})
     res = run_chromium("--dump-dom", "file://" + page)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -104,6 +105,7 @@ def test_page_draws_chart_and_table_from_the_records_in_chromium(tmp_path):
         assert dom.cells[(r, "busy")] == f"{100 * row.busy:.1f} %"
         assert dom.cells[(r, "bubble")] == f"{100 * row.bubble:.1f} %"
         assert dom.cells[(r, "theory")] == "20.0 %"
+        assert dom.cells[(r, "theory-costs")] == ("12.3 %", "23.5 %")[row.rank]
         assert dom.cells[(r, "steps")] == "2"
         assert dom.cells[(r, "mean-F")] == f"{row.mean_ns['F'] / 1e6:.3f} ×8"
         assert dom.cells[(r, "mean-B")] == f"{row.mean_ns['B'] / 1e6:.3f} ×8"

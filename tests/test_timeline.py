@@ -210,3 +210,15 @@ def test_a_step_the_trainer_timed_is_the_step_slice():
     assert len(steps) == 1 and (steps[0]["name"], steps[0]["ts"], steps[0]["dur"]) == ("step 4", 0.0, 0.21)
     rows = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
     assert rows[steps[0]["tid"]] == "steps"
+
+
+def test_theory_at_measured_job_times_simulates_the_named_schedule():
+    from flowexec.pipeline.schedules import one_f_one_b, simulate
+    from flowexec.profiler.command import theory_at_measured_costs
+
+    spans = merge_spans(pipeline_spans())  # F 0.98 ms, B 1.98 ms: the theory at those costs
+    got = theory_at_measured_costs({"schedule": "1f1b", "n_ranks": 2, "n_micro": 4}, spans)
+    sim = simulate(one_f_one_b(2, 4), costs=(980_000.0, 1_980_000.0, 0.0))
+    assert got == {r: sim.idle[r] / sim.makespan for r in (0, 1)}
+    assert 0 < got[0] < 0.5
+    assert theory_at_measured_costs({"n_micro": 4}, spans) is None  # no schedule named

@@ -5,7 +5,8 @@ What it shows: per rank a band of rows (compute, transfers, waits, other streams
 spans as coloured bars labelled like ``F mb3``, a dashed line at every step's start, flow
 arrows from each send to its receive, a time axis; a legend; zoom (wheel, or drag on the axis)
 and pan (drag), ``reset``; details of a span on hover; and per rank a table of busy %, bubble
-%, the schedule's theoretical bubble beside it, wait %, and the mean duration of each job kind
+%, the schedule's theoretical bubble beside it (on unit jobs, and at the measured mean job
+times when the records name the schedule), wait %, and the mean duration of each job kind
 (:mod:`.summary`, computed in Python and drawn by the page, so the page and ``flowexec
 timeline`` print the same figures).
 
@@ -205,12 +206,16 @@ document.getElementById("flows").onchange = draw;
 window.addEventListener("resize", draw);
 // the summary table, one row per rank
 const tab = document.getElementById("summary"), jk = ["F", "B", "I", "W", "OPT"].filter(k => D.summary.some(r => k in r.mean_ns));
-const head = ["rank", "steps", "busy", "bubble (measured)", "bubble (theory)", "waiting to receive"].concat(jk.map(k => "mean " + k + " (ms)"));
+const atc = m.theory_bubble_measured_costs || null;
+const head = ["rank", "steps", "busy", "bubble (measured)", "bubble (theory)"].concat(atc ? ["theory at measured job times"] : [])
+  .concat(["waiting to receive"]).concat(jk.map(k => "mean " + k + " (ms)"));
 const hr = tab.insertRow(); for (const h of head) { const th = document.createElement("th"); th.textContent = h; hr.appendChild(th); }
 for (const r of D.summary) { const tr = tab.insertRow(); tr.className = "rank-row"; tr.setAttribute("data-rank", r.rank);
-  const cells = [String(r.rank), String(r.steps), pct(r.busy), pct(r.bubble), pct(r.theory_bubble), pct(r.window_ns ? r.wait_ns / r.window_ns : 0)]
+  const cells = [String(r.rank), String(r.steps), pct(r.busy), pct(r.bubble), pct(r.theory_bubble)]
+    .concat(atc ? [pct(atc[r.rank])] : []).concat([pct(r.window_ns ? r.wait_ns / r.window_ns : 0)])
     .concat(jk.map(k => k in r.mean_ns ? ms(r.mean_ns[k]) + " ×" + r.count[k] : "–"));
-  const keys = ["rank", "steps", "busy", "bubble", "theory", "wait"].concat(jk.map(k => "mean-" + k));
+  const keys = ["rank", "steps", "busy", "bubble", "theory"].concat(atc ? ["theory-costs"] : [])
+    .concat(["wait"]).concat(jk.map(k => "mean-" + k));
   cells.forEach((c, i) => { const td = tr.insertCell(); td.textContent = c; td.setAttribute("data-col", keys[i]); }); }
 draw();
 document.body.setAttribute("data-rendered", String(D.spans.length));

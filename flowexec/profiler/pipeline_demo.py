@@ -95,7 +95,7 @@ def profile_pipeline(out_dir: str, schedules: tuple[str, ...] = ("1f1b",), steps
                      record: tuple[int, ...] = (2, 3, 4), n_micro: int = 4) -> list[dict[str, Any]]:
     """Run the profiled pipeline once per schedule; returns per schedule its paths and summary."""
     from ..pipeline.launch import spawn
-    from .command import theory_of
+    from .command import theory_at_measured_costs, theory_of
     from .merge import merge_dir
     from .page import write_page
     from .summary import summarize
@@ -112,11 +112,14 @@ def profile_pipeline(out_dir: str, schedules: tuple[str, ...] = ("1f1b",), steps
         spawn(profiled_worker, 2, asdict(cfg), rec_dir, list(record), timeout=120)
         merged = merge_dir(rec_dir)
         meta = merged.meta()
+        at_costs = theory_at_measured_costs(meta, merged.spans)
+        if at_costs is not None:
+            meta["theory_bubble_measured_costs"] = at_costs
         stem = "" if i == 0 else f"-{name}"
         trace = write_trace(merged.spans, os.path.join(out_dir, f"trace{stem}.json"), meta)
         offsets = {r: (h.clock_offset_ns, h.clock_rtt_ns) for r, h in merged.headers.items()}
         page = write_page(merged.spans, os.path.join(out_dir, f"timeline{stem}.html"), meta, offsets)
         results.append({"schedule": name, "trace": trace, "page": page, "records": rec_dir,
-                        "theory_bubble": meta.get("theory_bubble"),
+                        "theory_bubble": meta.get("theory_bubble"), "theory_bubble_measured_costs": at_costs,
                         "summary": [r.to_dict() for r in summarize(merged.spans, theory_of(meta))]})
     return results

@@ -128,17 +128,20 @@ def summarize(spans: Iterable[Span], theory: float | Mapping[int, float] | None 
     return out
 
 
-def format_summary(rows: list[RankSummary]) -> str:
-    """The summary as a plain-text table (what ``flowexec timeline`` prints).
+def format_summary(rows: list[RankSummary], at_costs: Mapping[int, float] | None = None) -> str:
+    """The summary as a plain-text table (what ``flowexec timeline`` prints); ``at_costs``: per
+    rank the schedule's bubble at the measured job times, as a column.
 
     >>> print(format_summary([RankSummary(0, 1, 100, 60, 5, {"F": 10.0}, {"F": 1}, 0.5)]))
     rank  steps  busy  bubble  theory  wait  mean per job kind
        0      1   60%     40%     50%    5%  F 0.000 ms
     """
-    lines = ["rank  steps  busy  bubble  theory  wait  mean per job kind"]
+    extra = "  at job times" if at_costs else ""
+    lines = [f"rank  steps  busy  bubble  theory{extra}  wait  mean per job kind"]
     for r in rows:
         th = "-" if r.theory_bubble is None else f"{r.theory_bubble:.0%}"
+        col = f"  {at_costs[r.rank]:>12.0%}" if at_costs and r.rank in at_costs else ("  " + " " * 12 if extra else "")
         wait = r.wait_ns / r.window_ns if r.window_ns else 0.0
         kinds = ", ".join(f"{k} {v / 1e6:.3f} ms" for k, v in r.mean_ns.items())
-        lines.append(f"{r.rank:>4}  {r.steps:>5}  {r.busy:>4.0%}  {r.bubble:>6.0%}  {th:>6}  {wait:>4.0%}  {kinds}")
+        lines.append(f"{r.rank:>4}  {r.steps:>5}  {r.busy:>4.0%}  {r.bubble:>6.0%}  {th:>6}{col}  {wait:>4.0%}  {kinds}")
     return "\n".join(lines)
