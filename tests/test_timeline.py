@@ -222,3 +222,18 @@ def test_theory_at_measured_job_times_simulates_the_named_schedule():
     assert got == {r: sim.idle[r] / sim.makespan for r in (0, 1)}
     assert 0 < got[0] < 0.5
     assert theory_at_measured_costs({"n_micro": 4}, spans) is None  # no schedule named
+
+
+def test_step_profiler_records_its_steps_and_writes_between_recorded_runs(tmp_path):
+    from flowexec.profiler import NULL_TIMER, StepProfiler
+
+    prof = StepProfiler(str(tmp_path), steps=range(1, 3), device="cpu", meta={"schedule": "1f1b"})
+    written = []
+    for k in range(4):
+        with prof.step(k) as t:
+            assert (t is NULL_TIMER) == (k not in (1, 2))
+            t.end(t.begin(step=k, stage=0, kind="F", micro=0))
+        written.append(len(read_records(rank_file(str(tmp_path), 0))[1]))
+    assert written == [0, 0, 2, 2]  # nothing is written inside the recorded steps: after step 2, at once
+    hdr, spans = read_records(prof.close())
+    assert [s.step for s in spans] == [1, 2] and prof.recorded == [1, 2] and hdr.meta == {"schedule": "1f1b"}

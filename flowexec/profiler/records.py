@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dataclasses import MISSING, asdict, fields
+from dataclasses import MISSING, fields, replace
 from typing import Any
 
 JOB_KINDS = ("F", "B", "I", "W", "OPT")
@@ -62,12 +62,12 @@ class Span:
 
     def shifted(self, delta_ns: int) -> "Span":
         """The same span ``delta_ns`` later (issue time too), offset folded in (``offset_ns=0``)."""
-        return Span(**{**asdict(self), "start_ns": self.start_ns + delta_ns, "end_ns": self.end_ns + delta_ns,
-                       "issue_ns": None if self.issue_ns is None else self.issue_ns + delta_ns, "offset_ns": 0})
+        return replace(self, start_ns=self.start_ns + delta_ns, end_ns=self.end_ns + delta_ns,
+                       issue_ns=None if self.issue_ns is None else self.issue_ns + delta_ns, offset_ns=0)
 
     def to_dict(self) -> dict[str, Any]:
         """The span as one JSON object (the ``span`` line of the records file; see docs/timeline.md)."""
-        return asdict(self)
+        return {name: getattr(self, name) for name in _NAMES}  # asdict deep-copies: 10x slower
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Span":
@@ -90,4 +90,5 @@ class Span:
 
 
 _FIELDS = fields(Span)
+_NAMES = tuple(f.name for f in _FIELDS)
 _REQUIRED = {f.name for f in _FIELDS if f.default is MISSING}  # no default: must be present
