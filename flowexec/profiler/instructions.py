@@ -182,7 +182,9 @@ def profile(fn: Callable[..., Any], *args: Any, runs: int = 5, warmup: int = 1, 
     ``fn`` runs for real, with its in-place updates (a training step takes ``warmup + runs``
     steps), exactly as calling the compiled function would. ``options`` go to
     :func:`flowexec.compile` when ``fn`` is not compiled yet. ``device_times`` (default: on
-    when an argument is a CUDA tensor) also records a CUDA event per instruction.
+    when an argument is a CUDA tensor) also records a CUDA event per instruction; the host
+    figures then include those records (a few µs each): ``device_times=False`` for host times
+    alone.
     """
     from .. import executable as ex
     from ..errors import OptionError

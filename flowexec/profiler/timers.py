@@ -92,13 +92,12 @@ class JobTimer:
         else:
             to_ns = lambda t: t  # noqa: E731
         out = []
+        clock = "cuda" if self._cuda else "host"
         for step, stage, kind, micro, stream, peer, tag, name, issue, start, end in toks:
             if end is None:
                 continue  # a span that never ended (its job raised) is not a measurement
-            out.append(Span(rank=self.rank, host=self.host, pid=self.pid, step=step, stage=stage, kind=kind,
-                            micro=micro, stream=stream, start_ns=to_ns(start), end_ns=to_ns(end),
-                            clock="cuda" if self._cuda else "host", offset_ns=self.offset_ns, issue_ns=issue,
-                            peer=peer, tag=tag, name=name))
+            out.append(Span(self.rank, self.host, self.pid, step, stage, kind, micro, stream, to_ns(start), to_ns(end),
+                            clock, self.offset_ns, issue, peer, tag, name))
         return out
 
 
