@@ -45,14 +45,26 @@ def _stages(cfg: Config, n_stages: int) -> list[torch.nn.Module]:
     return [torch.nn.Sequential(*bs[edges[i]:edges[i + 1]]) for i in range(n_stages)]
 
 
-def theory(schedule: str, n_ranks: int, n_micro: int) -> tuple[float, dict[int, float]]:
+def theory(schedule: Any, n_ranks: int, n_micro: int) -> tuple[float, dict[int, float]]:
     """The schedule's bubble on ideal ranks (forward, input-gradient and weight-gradient halves
-    of a backward all one unit): overall and per rank (idle share of the makespan)."""
+    of a backward all one unit): overall and per rank (idle share of the makespan). ``schedule``:
+    a name or a plan (``{rank: jobs}``)."""
     from ..pipeline.schedules import STAGES_PER_RANK, get_schedule, simulate
 
-    per = STAGES_PER_RANK.get(schedule.lower()) or 1
-    sim = simulate(get_schedule(schedule)(n_ranks, n_micro, per * n_ranks), costs=(1.0, 1.0, 1.0))
+    if isinstance(schedule, str):
+        per = STAGES_PER_RANK.get(schedule.lower()) or 1
+        schedule = get_schedule(schedule)(n_ranks, n_micro, per * n_ranks)
+    plan = {r: tuple(j for j in js if j.kind != "OPT") for r, js in schedule.items()}
+    sim = simulate(plan, costs=(1.0, 1.0, 1.0))
     return sim.bubble, {r: sim.idle[r] / sim.makespan for r in sim.idle}
+
+
+def pipeline_meta(schedule: Any, name: str, n_ranks: int, n_stages: int, n_micro: int, device: Any) -> dict[str, Any]:
+    """What a pipeline's records say about the run (the header's ``meta``): the schedule, sizes,
+    device and its theoretical bubble."""
+    th, per_rank = theory(schedule, n_ranks, n_micro)
+    return {"schedule": name, "n_ranks": n_ranks, "n_stages": n_stages, "n_micro": n_micro, "device": str(device),
+            "theory_bubble": th, "theory_bubble_per_rank": per_rank, "theory_costs": "F = I = W = 1"}
 
 
 def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: str, record: list[int] | None) -> dict:
@@ -72,10 +84,8 @@ def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: 
     trainer = PipelineTrainer(_stages(cfg, n_stages), schedule=cfg.schedule, microbatches=cfg.n_micro,
                               loss_fn=F.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.lr), compile=False)
     x, y = data(cfg)
-    th, per_rank = theory(cfg.schedule, world, cfg.n_micro)
-    meta = {"schedule": cfg.schedule, "n_ranks": world, "n_stages": n_stages, "n_micro": cfg.n_micro, "device": "cpu",
-            "model": f"{cfg.blocks} x Linear({cfg.width}) + tanh, batch {cfg.batch}",
-            "theory_bubble": th, "theory_bubble_per_rank": per_rank, "theory_costs": "F = I = W = 1"}
+    meta = {**pipeline_meta(cfg.schedule, cfg.schedule, world, n_stages, cfg.n_micro, "cpu"),
+            "model": f"{cfg.blocks} x Linear({cfg.width}) + tanh, batch {cfg.batch}"}
     prof = StepProfiler(directory, record, device="cpu", meta=meta) if record is not None else None
     losses, step_ns = [], []
     for k in range(cfg.steps):

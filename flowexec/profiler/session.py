@@ -32,6 +32,19 @@ from .io import Header, RecordWriter, rank_file
 from .timers import NULL_TIMER, JobTimer
 
 
+class _AllSteps:
+    """The container of every step (``StepProfiler(..., steps=ALL_STEPS)``)."""
+
+    def __contains__(self, step: object) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "ALL_STEPS"
+
+
+ALL_STEPS = _AllSteps()
+
+
 class StepProfiler:
     """Records the steps in ``steps`` (any container: ``range(10, 13)``) into ``directory``."""
 
