@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from .records import JOB_KINDS, Span
 from .summary import step_windows, summarize
-from .trace import LEGAL_COLOURS, ROW_NAMES, ROWS, colour, pair_flows, row_of, span_name
+from .trace import LEGAL_COLOURS, ROWS, colour, lane_rows, pair_flows, row_name, span_name
 
 
 def page_data(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
@@ -35,13 +35,16 @@ def page_data(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
     t0 = min((s.start_ns for s in spans), default=0)
     us = lambda ns: round((ns - t0) / 1e3, 3)  # noqa: E731
     ranks = []
+    placed = dict(zip(spans, lane_rows(spans)))
     for rank in sorted({s.rank for s in spans}):
         mine = [s for s in spans if s.rank == rank]
-        rows = [r for r in ("steps", "compute", "comm", "wait") if any(row_of(s) == r for s in mine)]
-        rows += sorted({row_of(s) for s in mine} - set(ROWS))
+        keys = {placed[s] for s in mine}
+        base = [r for r in ROWS if any(k.partition("#")[0] == r for k in keys)]
+        base += sorted({k.partition("#")[0] for k in keys} - set(ROWS))
+        rows = sorted(keys, key=lambda k: (base.index(k.partition("#")[0]), int(k.partition("#")[2] or 0)))
         off = (offsets or {}).get(rank)
         ranks.append({"rank": rank, "host": mine[0].host, "pid": mine[0].pid,
-                      "rows": [ROW_NAMES.get(r, f"stream {r}") for r in rows], "row_keys": rows,
+                      "rows": [row_name(r) for r in rows], "row_keys": rows,
                       "clocks": sorted({s.clock for s in mine}),
                       "offset_ns": off[0] if off else None, "rtt_ns": off[1] if off else None})
     row_index = {(r["rank"], k): i for r in ranks for i, k in enumerate(r["row_keys"])}
@@ -52,15 +55,15 @@ def page_data(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
     return {
         "meta": meta,
         "ranks": ranks,
-        "spans": [{"rank": s.rank, "row": row_index[(s.rank, row_of(s))], "ts": us(s.start_ns),
+        "spans": [{"rank": s.rank, "row": row_index[(s.rank, placed[s])], "ts": us(s.start_ns),
                    "dur": round(s.duration_ns / 1e3, 3), "kind": s.kind, "label": span_name(s), "step": s.step,
                    "stage": s.stage, "micro": s.micro, "clock": s.clock, "stream": s.stream,
                    "issued": None if s.issue_ns is None else us(s.issue_ns), "peer": s.peer, "name": s.name}
                   for s in spans],
         "steps": [{"step": k, "ts": us(lo), "dur": round((hi - lo) / 1e3, 3)}
                   for k, (lo, hi) in sorted(step_windows(spans).items())],
-        "flows": [{"from_rank": a.rank, "from_row": row_index[(a.rank, "comm")], "from_ts": us(a.start_ns),
-                   "to_rank": b.rank, "to_row": row_index[(b.rank, "comm")], "to_ts": us(b.end_ns),
+        "flows": [{"from_rank": a.rank, "from_row": row_index[(a.rank, placed[a])], "from_ts": us(a.start_ns),
+                   "to_rank": b.rank, "to_row": row_index[(b.rank, placed[b])], "to_ts": us(b.end_ns),
                    "label": f"{span_name(a)} r{a.rank}→r{b.rank}"} for a, b in pair_flows(spans)],
         "summary": [r.to_dict() for r in summarize(spans, theory)],
         "kinds": kinds,

@@ -82,6 +82,37 @@ def row_of(s: Span) -> str:
     return s.stream
 
 
+def lane_rows(spans: list[Span]) -> list[str]:
+    """Each span's row, with spans that overlap on one row spread over extra lanes (``comm#1``,
+    ``comm#2`` ...): slices on one thread must nest, and receives posted up front overlap each
+    other without nesting. Greedy, in start order: a span goes to the first lane free by then.
+
+    >>> sp = lambda a, b: Span(0, "h", 1, 0, 0, "recv", 0, "comm", a, b, "host")
+    >>> lane_rows([sp(0, 10), sp(2, 20), sp(12, 15)])
+    ['comm', 'comm#1', 'comm']
+    """
+    order = sorted(range(len(spans)), key=lambda i: (spans[i].rank, spans[i].start_ns, -spans[i].end_ns))
+    free: dict[tuple[int, str], list[int]] = {}  # (rank, row) -> each lane's end
+    out = [""] * len(spans)
+    for i in order:
+        s = spans[i]
+        ends = free.setdefault((s.rank, row_of(s)), [])
+        lane = next((k for k, e in enumerate(ends) if e <= s.start_ns), len(ends))
+        if lane == len(ends):
+            ends.append(s.end_ns)
+        else:
+            ends[lane] = s.end_ns
+        out[i] = row_of(s) if lane == 0 else f"{row_of(s)}#{lane}"
+    return out
+
+
+def row_name(row: str) -> str:
+    """``transfers``, ``transfers 2`` (a second lane), ``stream cuda s1`` ..."""
+    base, _, lane = row.partition("#")
+    name = ROW_NAMES.get(base, f"stream {base}")
+    return f"{name} {int(lane) + 1}" if lane else name
+
+
 def pair_flows(spans: Iterable[Span]) -> list[tuple[Span, Span]]:
     """``(send, recv)`` pairs: a send from rank a to peer b with tag t in step k feeds the
     receive on b from peer a with the same tag and step (the n-th such send the n-th receive)."""
@@ -111,6 +142,8 @@ def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
     us = lambda ns: round((ns - t0) / 1e3, 3)  # noqa: E731
     events: list[dict[str, Any]] = []
     tid_of: dict[tuple[int, str], int] = {}
+    placed = dict(zip(spans, lane_rows(spans)))  # by value: flows may pass equal copies
+    lane = placed.__getitem__
     for rank in sorted({s.rank for s in spans}):
         mine = [s for s in spans if s.rank == rank]
         pid = rank + 1
@@ -118,16 +151,21 @@ def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                        "args": {"name": f"rank {rank} ({host}, pid {mine[0].pid})"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}})
-        extra = sorted({row_of(s) for s in mine} - set(ROWS))
-        tids = {**ROWS, **{name: len(ROWS) + 1 + i for i, name in enumerate(extra)}}
+        rows = {lane(s) for s in mine}
+        base = sorted({r.partition("#")[0] for r in rows} - set(ROWS))
+        order = [r for r in ROWS] + base  # each row, then its extra lanes right below it
+        extra = sorted(rows - set(order), key=lambda r: (order.index(r.partition("#")[0]), int(r.partition("#")[2])))
+        tids = {**ROWS, **{name: len(ROWS) + 1 + i for i, name in enumerate(base)}}
+        tids.update({r: 1000 * int(r.partition("#")[2]) + tids[r.partition("#")[0]] for r in extra})
         tid_of.update({(rank, row): tid for row, tid in tids.items()})
-        used = {"steps"} | {row_of(s) for s in mine}
+        used = {"steps"} | rows
         for row, tid in tids.items():
             if row in used:
+                sort = order.index(row.partition("#")[0]) * 1000 + int(row.partition("#")[2] or 0)
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                               "args": {"name": ROW_NAMES.get(row, f"stream {row}")}})
+                               "args": {"name": row_name(row)}})
                 events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                               "args": {"sort_index": tid}})
+                               "args": {"sort_index": sort}})
         timed = {s.step for s in mine if s.kind == "step"}  # the trainer timed these steps itself
         for step in sorted({s.step for s in mine}):
             ss = [s for s in mine if s.step == step]
@@ -146,7 +184,7 @@ def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
             for k in ("peer", "tag", "name"):
                 if getattr(s, k) is not None:
                     args[k] = getattr(s, k)
-            events.append({"ph": "X", "name": span_name(s), "cat": s.kind, "pid": pid, "tid": tids[row_of(s)],
+            events.append({"ph": "X", "name": span_name(s), "cat": s.kind, "pid": pid, "tid": tids[lane(s)],
                            "ts": us(s.start_ns), "dur": round(s.duration_ns / 1e3, 3), "cname": colour(s.kind),
                            "args": args})
     arrows = [(a, b, "transfer") for a, b in pair_flows(spans)] + [(a, b, "event") for a, b in flows]
@@ -157,9 +195,9 @@ def trace_events(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
             name = f"r{a.rank}→r{b.rank}" if a.rank != b.rank else f"{a.stream}→{b.stream}"
         inside = min(1_000, b.duration_ns // 2)  # an f event binds to the slice around its ts
         events.append({"ph": "s", "id": fid, "name": name, "cat": cat, "pid": a.rank + 1,
-                       "tid": tid_of[(a.rank, row_of(a))], "ts": us(a.start_ns)})
+                       "tid": tid_of[(a.rank, lane(a))], "ts": us(a.start_ns)})
         events.append({"ph": "f", "bp": "e", "id": fid, "name": name, "cat": cat, "pid": b.rank + 1,
-                       "tid": tid_of[(b.rank, row_of(b))], "ts": us(b.end_ns - inside)})
+                       "tid": tid_of[(b.rank, lane(b))], "ts": us(b.end_ns - inside)})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"generator": "flowexec timeline", "origin_ns": t0, **(meta or {})}}
 
