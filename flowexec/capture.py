@@ -214,6 +214,10 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
             and not any(t is a for a in tensors)
         ]
         escaped = [t for t in escaped if t._base is None or id(t._base) not in out_ids]
+        # The base of a returned view (a gradient that autograd made as t() of a temporary) is
+        # held by that view, not left in Python state.
+        out_bases = {id(o._base) for o in flat if isinstance(o, torch.Tensor) and o._base is not None}
+        escaped = [t for t in escaped if id(t) not in out_bases]
         if escaped:
             desc = ", ".join(str(TensorMeta.of(t)) for t in escaped[:3])
             raise CaptureError(

@@ -155,7 +155,9 @@ def make_runner(module: torch.nn.Module, *, example_inputs: tuple[torch.Tensor, 
     except ImportError as e:
         raise NotImplementedError("compiled stages need flowexec/pipeline/compiled.py (CompiledRunner), which this "
                                   "checkout lacks; pass compile=False for eager stages") from e
-    kwargs: dict[str, Any] = dict(example_inputs=example_inputs, loss_fn=loss_fn, loss_scale=loss_scale)
+    kwargs: dict[str, Any] = dict(example_inputs=tuple(x.detach() for x in example_inputs), loss_fn=loss_fn,
+                                  loss_scale=loss_scale,
+                                  input_grads=tuple(bool(getattr(x, "requires_grad", False)) for x in example_inputs))
     if isinstance(compile, str):
         kwargs["mode"] = compile
     return CompiledRunner(module, **kwargs)

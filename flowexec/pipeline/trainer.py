@@ -23,7 +23,6 @@ Run it under ``torchrun`` (or :func:`~.launch.spawn` for a quick local try)::
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -55,7 +54,7 @@ def split(seq: torch.nn.Sequential, n: int) -> list[torch.nn.Module]:
     layers = list(seq)
     if not isinstance(n, int) or not 1 <= n <= len(layers):
         raise ValueError(f"cannot cut {len(layers)} layers into {n!r} stages")
-    edges = [round(i * len(layers) / n) for i in range(n + 1)]
+    edges = [i * (len(layers) // n) + min(i, len(layers) % n) for i in range(n + 1)]  # the first stages get the extra
     return [torch.nn.Sequential(*layers[edges[i]:edges[i + 1]]) for i in range(n)]
 
 
@@ -393,6 +392,9 @@ class PipelineTrainer:
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
         g = self._group(m.src, m.dst)
         if self._comm is not None:
+            # A copy the transfer owns: a compiled stage's outputs live in CUDA-graph buffers that a
+            # later replay on the compute stream may overwrite before the NCCL stream read them.
+            out = tuple(t.clone(memory_format=torch.contiguous_format) for t in out)
             ev = torch.cuda.Event()
             ev.record()
             self._comm.wait_event(ev)  # the transfer starts once the job that wrote it has
