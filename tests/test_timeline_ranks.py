@@ -34,9 +34,44 @@ def test_profiled_two_rank_pipeline_records_every_job_and_merges(tmp_path):
         assert jobs == sorted([(k, kind, m) for k in (1, 2) for kind in "FB" for m in (0, 1)]
                               + [(1, "OPT", None), (2, "OPT", None)]), (r, jobs)
         assert all(s.start_ns <= s.end_ns and s.clock == "host" for s in spans)
+        # every message of a step: sent by one rank, received by the other (1F1B, 2 micro-batches)
+        for kind in ("send", "recv"):
+            assert sorted((s.step, s.micro) for s in spans if s.kind == kind) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     trace = json.load(open(run["trace"]))
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert {"F mb0", "B mb1", "OPT", "step 1", "step 2"} <= names
+    assert {"F mb0", "B mb1", "OPT", "step 1", "step 2", "send mb0", "recv mb1"} <= names
+    flows = [e for e in trace["traceEvents"] if e["ph"] in "sf"]
+    assert len(flows) == 2 * 8 and {e["pid"] for e in flows} == {1, 2}  # 4 messages a step, 2 steps
     assert [r["rank"] for r in run["summary"]] == [0, 1] and all(0 < r["busy"] <= 1 for r in run["summary"])
     assert run["theory_bubble"] == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1) for 1F1B, p = m = 2
     assert "timeline-data" in open(run["page"]).read()
+
+
+def _context_worker(rank: int, world: int, directory: str) -> list[int]:
+    import torch
+    import torch.nn.functional as F
+
+    from flowexec.pipeline import PipelineTrainer
+
+    torch.manual_seed(0)
+    stages = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    trainer = PipelineTrainer(stages, schedule="1F1B", microbatches=2, loss_fn=F.mse_loss, compile=False)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    trainer.step(x, y)
+    with trainer.profiling(directory):
+        trainer.step(x, y)
+        trainer.step(x, y)
+    trainer.step(x, y)
+    return trainer.step_count
+
+
+@pytest.mark.timeout(400)
+def test_trainer_profiling_context_records_the_steps_inside_it(tmp_path):
+    from flowexec.pipeline import spawn
+    from flowexec.profiler.merge import merge_dir
+
+    assert spawn(_context_worker, 2, str(tmp_path), timeout=120) == [4, 4]
+    merged = merge_dir(str(tmp_path))
+    assert {s.step for s in merged.spans} == {1, 2}
+    assert merged.meta()["schedule"] == "1F1B" and merged.meta()["theory_bubble"] == pytest.approx(1 / 3)
+    assert sorted((s.rank, s.step) for s in merged.spans if s.kind == "step") == [(0, 1), (0, 2), (1, 1), (1, 2)]

@@ -68,36 +68,29 @@ def pipeline_meta(schedule: Any, name: str, n_ranks: int, n_stages: int, n_micro
 
 
 def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: str, record: list[int] | None) -> dict:
-    """One rank: train ``cfg.steps`` steps with :class:`~flowexec.pipeline.PipelineTrainer`,
+    """One rank: train ``cfg.steps`` steps with ``PipelineTrainer(..., profile=record)``,
     recording the steps in ``record`` into ``directory`` (``None``: no profiler at all).
     Returns the records' path, the losses and each step's ns."""
     import time
 
     from ..pipeline.schedules import STAGES_PER_RANK
     from ..pipeline.trainer import PipelineTrainer
-    from .session import StepProfiler
-    from .timers import NULL_TIMER
 
     cfg = Config(**cfg_dict)
     torch.set_num_threads(max(1, cfg.threads))
     n_stages = (STAGES_PER_RANK.get(cfg.schedule.lower()) or 1) * world
     trainer = PipelineTrainer(_stages(cfg, n_stages), schedule=cfg.schedule, microbatches=cfg.n_micro,
-                              loss_fn=F.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.lr), compile=False)
+                              loss_fn=F.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.lr), compile=False,
+                              profile=record, profile_dir=directory)
     x, y = data(cfg)
-    meta = {**pipeline_meta(cfg.schedule, cfg.schedule, world, n_stages, cfg.n_micro, "cpu"),
-            "model": f"{cfg.blocks} x Linear({cfg.width}) + tanh, batch {cfg.batch}"}
-    prof = StepProfiler(directory, record, device="cpu", meta=meta) if record is not None else None
     losses, step_ns = [], []
     for k in range(cfg.steps):
         t0 = time.perf_counter_ns()
-        trainer.timer = prof.timer(k) if prof else NULL_TIMER
         loss = trainer.step(x, y)
-        if prof:
-            prof.add(k, trainer.spans)  # the trainer flushed its timer at the step's end
         step_ns.append(time.perf_counter_ns() - t0)
         if loss is not None:
             losses.append(float(loss))
-    path = prof.close() if prof else None
+    path = trainer.profiler.close() if trainer.profiler else None
     return {"records": path, "losses": losses, "step_ns": step_ns}
 
 
