@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from .records import JOB_KINDS, Span
 from .summary import step_windows, summarize
-from .trace import LEGAL_COLOURS, ROWS, colour, lane_rows, pair_flows, row_name, span_name
+from .trace import LEGAL_COLOURS, ROWS, colour, pair_flows, row_name, row_of, span_name
 
 
 def page_data(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
@@ -35,7 +35,9 @@ def page_data(spans: Iterable[Span], meta: Mapping[str, Any] | None = None,
     t0 = min((s.start_ns for s in spans), default=0)
     us = lambda ns: round((ns - t0) / 1e3, 3)  # noqa: E731
     ranks = []
-    placed = dict(zip(spans, lane_rows(spans)))
+    # One row per kind of row: receives posted up front overlap, drawn translucent under the
+    # sends (the trace spreads them over lanes instead: a trace viewer's slices must nest).
+    placed = {s: row_of(s) for s in spans}
     for rank in sorted({s.rank for s in spans}):
         mine = [s for s in spans if s.rank == rank]
         keys = {placed[s] for s in mine}
@@ -168,11 +170,13 @@ function draw() {
     el("line", {class: "stepline", "data-step": s.step, x1: x, x2: x, y1: AX - 4, y2: H, stroke: "#6b7280", "stroke-dasharray": "4 3"}, steps);
     el("text", {x: x + 3, y: AX + 8, class: "dark", "font-size": "10"}, steps, "step " + s.step); }
   const bars = el("g", {id: "spans"}, body);
-  D.spans.forEach((s, i) => {
+  const order = D.spans.map((s, i) => i).sort((a, b) => (D.spans[b].kind === "recv") - (D.spans[a].kind === "recv"));
+  order.forEach(i => { const s = D.spans[i];
     const x = sx(s.ts), w = Math.max(1, s.dur / (v1 - v0) * CW), yy = rowY(s.rank, s.row);
     const rc = el("rect", {class: "span", x: x, y: yy + 1, width: w, height: RH - 2, rx: 2, fill: D.colours[s.kind] || "#888",
+      "fill-opacity": s.kind === "recv" ? 0.35 : 1,
       "data-i": i, "data-kind": s.kind, "data-label": s.label, "data-rank": s.rank, "data-ts": s.ts, "data-dur": s.dur}, bars);
-    if (w > 6 * s.label.length + 6) el("text", {x: x + 4, y: yy + 14, class: ["step", "send", "recv", "wait", "I", "W"].includes(s.kind) ? "dark" : "lbl"}, bars, s.label);
+    if (s.kind !== "recv" && w > 6 * s.label.length + 6) el("text", {x: x + 4, y: yy + 14, class: ["step", "send", "recv", "wait", "I", "W"].includes(s.kind) ? "dark" : "lbl"}, bars, s.label);
   });
   if (document.getElementById("flows").checked) {
     const fl = el("g", {id: "flowlines"}, body);

@@ -95,7 +95,7 @@ def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: 
 
 
 def profile_pipeline(out_dir: str, schedules: tuple[str, ...] = ("1f1b",), steps: int = 5,
-                     record: tuple[int, ...] = (2, 3, 4), n_micro: int = 4) -> list[dict[str, Any]]:
+                     record: tuple[int, ...] = (2, 3, 4), n_micro: int = 4, width: int = 256) -> list[dict[str, Any]]:
     """Run the profiled pipeline once per schedule; returns per schedule its paths and summary."""
     from ..pipeline.launch import spawn
     from .command import theory_at_measured_costs, theory_of
@@ -106,7 +106,7 @@ def profile_pipeline(out_dir: str, schedules: tuple[str, ...] = ("1f1b",), steps
 
     results = []
     for i, name in enumerate(schedules):
-        cfg = Config(width=256, blocks=4, batch=16 * n_micro, n_micro=n_micro, schedule=name, steps=steps, threads=1)
+        cfg = Config(width=width, blocks=4, batch=16 * n_micro, n_micro=n_micro, schedule=name, steps=steps, threads=1)
         rec_dir = os.path.join(out_dir, "records", name)
         os.makedirs(rec_dir, exist_ok=True)
         for old in os.listdir(rec_dir):
