@@ -26,10 +26,20 @@ def choose_offset(samples: Sequence[tuple[int, int, int]]) -> tuple[int, int]:
     return t1 - (t0 + t2) // 2, t2 - t0
 
 
-def measure_offset(group: Any = None, rounds: int = 8, device: torch.device | str = "cpu") -> tuple[int, int]:
-    """This rank's ``(offset_ns, rtt_ns)`` to rank 0 of ``group`` (the default process group
-    if None), by ``rounds`` ping-pongs; every rank of the group must call it. ``device``: where
-    the 8-byte messages live (``cuda`` for NCCL). Rank 0 serves the others one after another.
+def host_id() -> int:
+    """This machine's name as a 63-bit number (the same in every process on it)."""
+    import hashlib
+    import socket
+
+    return int.from_bytes(hashlib.sha1(socket.gethostname().encode()).digest()[:8], "little") >> 1
+
+
+def measure_offset(group: Any = None, rounds: int = 8, device: torch.device | str = "cpu") -> tuple[int, int, bool]:
+    """This rank's ``(offset_ns, rtt_ns, same_host)`` to rank 0 of ``group`` (the default
+    process group if None), by ``rounds`` ping-pongs; every rank of the group must call it.
+    ``same_host``: rank 0 runs on this machine (its answers carry its :func:`host_id`).
+    ``device``: where the 16-byte messages live (``cuda`` for NCCL). Rank 0 serves the others
+    one after another.
     """
     import torch.distributed as dist
 
@@ -37,21 +47,25 @@ def measure_offset(group: Any = None, rounds: int = 8, device: torch.device | st
         raise ValueError(f"measure_offset needs rounds >= 1, got {rounds}")
     me, world = dist.get_rank(group), dist.get_world_size(group)
     glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-    buf = torch.zeros(1, dtype=torch.int64, device=device)
+    buf = torch.zeros(2, dtype=torch.int64, device=device)
     now = time.perf_counter_ns
+    mine = host_id()
     if me == 0:
         for r in range(1, world):
             for _ in range(rounds):
                 dist.recv(buf, glob(r), group=group)
-                buf.fill_(now())
+                buf[0] = now()
+                buf[1] = mine
                 dist.send(buf, glob(r), group=group)
-        return 0, 0
+        return 0, 0, True
     samples = []
+    theirs = None
     for _ in range(rounds):
         t0 = now()
-        buf.fill_(t0)
+        buf[0] = t0
         dist.send(buf, glob(0), group=group)
         dist.recv(buf, glob(0), group=group)
         t2 = now()
-        samples.append((t0, int(buf.item()), t2))
-    return choose_offset(samples)
+        t1, theirs = buf.tolist()
+        samples.append((t0, t1, t2))
+    return (*choose_offset(samples), theirs == mine)

@@ -63,12 +63,11 @@ class StepProfiler:
         if sync_clocks if sync_clocks is not None else (joined and dist.get_world_size(group) > 1):
             from .clocks import measure_offset
 
-            measured, rtt = measure_offset(group, device=self.device if dist.get_backend(group) == "nccl" else "cpu")
-            hosts: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(hosts, self.host, group=group)
+            measured, rtt, same_host = measure_offset(group, device=self.device if dist.get_backend(group) == "nccl"
+                                                      else "cpu")
             # Processes on rank 0's machine read the same monotonic clock: an estimate could only
             # add its error (up to half a round trip) there. Other machines take the estimate.
-            offset = 0 if hosts[0] == self.host else measured
+            offset = 0 if same_host else measured
         self.timer_ = JobTimer(self.device, rank=self.rank, host=self.host, offset_ns=offset)
         os.makedirs(directory, exist_ok=True)
         self._writer = RecordWriter(rank_file(directory, self.rank),
