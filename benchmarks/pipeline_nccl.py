@@ -1,5 +1,6 @@
 """flowexec.pipeline on several GPUs with NCCL (issue #28), under torchrun, one process a GPU:
-for every schedule (FThenB, 1F1B, Interleaved1F1B, ZBH1, ZBV)
+for every schedule (FThenB, 1F1B, Interleaved1F1B, ZBH1, ZBV), with eager stages and with compiled
+stages (CUDA graphs; ``--stages``)
 
 - the parameters after 3 steps against the same training of the whole model on one GPU
   (largest relative error per rank; float32, TF32 off);
@@ -49,6 +50,10 @@ from flowexec.pipeline.demo import Config, blocks, data, stage_modules, train_wo
 SKIP = 2
 
 
+class _Skip(Exception):
+    """torch.distributed.pipelining is timed once per schedule."""
+
+
 def one_device_reference(cfg: Config, world: int, dev: torch.device) -> list[list[torch.Tensor]]:
     """The whole model trained on one device on the whole batch: parameters per stage."""
     model = blocks(cfg).to(dev)
@@ -67,6 +72,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--stages", default="eager,compiled",
+                    help="flowexec stage runners to time: eager (autograd) and/or compiled (graph mode on CUDA)")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -83,9 +90,10 @@ def main() -> None:
         base = Config(width=64, blocks=2 * world, batch=32, n_micro=4, lr=0.01, threads=1, device="cpu")
         name = "cpu"
     results: dict[str, Any] = {}
-    for sched in [s.strip().lower() for s in args.schedules.split(",")]:
-        cfg = replace(base, schedule=sched)
-        row: dict[str, Any] = {}
+    kinds = [k.strip() for k in args.stages.split(",")]
+    for sched, kind in [(s.strip().lower(), k) for s in args.schedules.split(",") for k in kinds]:
+        cfg = replace(base, schedule=sched, compile=kind == "compiled")
+        row: dict[str, Any] = {"schedule": sched, "stages": kind}
         # 1. parameters after 3 steps against one device
         check = replace(cfg, steps=3, profile=False)
         got = train_worker(rank, world, asdict(check))
@@ -98,29 +106,36 @@ def main() -> None:
         row["flowexec_step_ms"] = statistics.median(timed["step_s"][SKIP:]) * 1e3
         row["bubble_measured"] = measured_bubble(timed["spans"], SKIP)
         row["job_ms"] = job_costs(timed["spans"], SKIP)
-        row["stages"] = timed["stages"]
+        row["held"] = timed["stages"]
         dist.barrier()
-        # 3. torch.distributed.pipelining, the same set-up
+        # 3. torch.distributed.pipelining, the same set-up (once per schedule)
         try:
+            if kind != kinds[0]:
+                raise _Skip
             ref = torch_worker(rank, world, asdict(replace(cfg, steps=args.steps)))
             row["torch_step_ms"] = statistics.median(ref["step_s"][SKIP:]) * 1e3
+        except _Skip:
+            pass
         except Exception as e:  # its failure is a result, not the end of the run
             row["torch_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         dist.barrier()
-        results[sched] = row
+        results[f"{sched} {kind}"] = row
         if rank == 0:
-            print(f"{sched}: rank 0 param err {row['param_rel_err']:.1e}, {row['flowexec_step_ms']:.2f} ms, bubble "
+            print(f"{sched} {kind}: rank 0 param err {row['param_rel_err']:.1e}, {row['flowexec_step_ms']:.2f} ms, bubble "
                   f"{row['bubble_measured']:.1%}; torch {TORCH_NAMES[sched]} "
                   f"{row.get('torch_step_ms', float('nan')):.2f} ms", flush=True)
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(per_rank, results)
     if rank == 0:
         summary = {}
-        for sched in results:
-            rows = [per_rank[r][sched] for r in range(world)]
+        for key in results:
+            sched = key.split()[0]
+            rows = [per_rank[r][key] for r in range(world)]
             f = max(x["flowexec_step_ms"] for x in rows)
-            t = max((x["torch_step_ms"] for x in rows if "torch_step_ms" in x), default=float("nan"))
-            summary[sched] = {
+            first = f"{sched} {kinds[0]}"
+            t = max((x["torch_step_ms"] for x in (per_rank[r][first] for r in range(world)) if "torch_step_ms" in x),
+                    default=float("nan"))
+            summary[key] = {
                 "torch_schedule": TORCH_NAMES[sched], "param_rel_err_max": max(x["param_rel_err"] for x in rows),
                 "params_match_1e-5": all(x["param_rel_err"] <= 1e-5 for x in rows),
                 "flowexec_step_ms": f, "torch_step_ms": t, "speedup_vs_torch": t / f,
@@ -128,10 +143,11 @@ def main() -> None:
                 "bubble_theory_equal_costs": theory_bubble(sched, world, base.n_micro),
                 "bubble_theory_measured_costs": theory_bubble(sched, world, base.n_micro, rows[0]["job_ms"]),
                 "torch_error": next((x["torch_error"] for x in rows if "torch_error" in x), None)}
-            print(f"{sched:15s}: params {'match' if summary[sched]['params_match_1e-5'] else 'DIFFER'} "
-                  f"({summary[sched]['param_rel_err_max']:.1e}); flowexec {f:.2f} ms vs torch {t:.2f} ms "
-                  f"({t / f:.2f}x); bubble " + ", ".join(f"{b:.1%}" for b in summary[sched]["bubble_measured_per_rank"])
-                  + f" (theory {summary[sched]['bubble_theory_equal_costs']:.1%})", flush=True)
+            r = summary[key]
+            print(f"{key:24s}: params {'match' if r['params_match_1e-5'] else 'DIFFER'} "
+                  f"({r['param_rel_err_max']:.1e}); flowexec {f:.2f} ms vs torch {t:.2f} ms "
+                  f"({t / f:.2f}x); bubble " + ", ".join(f"{b:.1%}" for b in r["bubble_measured_per_rank"])
+                  + f" (theory {r['bubble_theory_equal_costs']:.1%})", flush=True)
         out = {**host_meta("torchrun --standalone --nproc-per-node %d benchmarks/pipeline_nccl.py %s"
                            % (world, " ".join(sys.argv[1:]))),
                "world_size": world, "device": name, "backend": dist.get_backend(), "config": asdict(base),

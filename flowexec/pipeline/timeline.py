@@ -26,7 +26,8 @@ from typing import Any, Iterable
 from ..profiler.records import JOB_KINDS, Span
 
 _COLOURS = {"F": "thread_state_running", "B": "rail_response", "I": "rail_response", "W": "rail_animation",
-            "OPT": "rail_idle", "wait": "thread_state_iowait"}
+            "OPT": "rail_idle", "wait": "thread_state_iowait", "send": "generic_work"}
+_LANES = {"wait": 2, "send": 3}
 
 
 def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
@@ -39,20 +40,21 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "jobs"}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 2, "args": {"name": "waiting to receive"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 3, "args": {"name": "sends issued"}})
     for s in sorted(spans, key=lambda s: (s.rank, s.start_ns)):
         ts = (s.start_ns + s.offset_ns - t0) / 1e3
         if s.kind == "step":
             events.append({"ph": "i", "s": "p", "name": f"step {s.step}", "pid": s.rank + 1, "tid": 1, "ts": ts})
-        elif s.kind in JOB_KINDS or s.kind == "wait":
+        elif s.kind in JOB_KINDS or s.kind in ("wait", "send"):
             events.append({"ph": "X", "name": _label(s), "cat": s.kind,
-                           "pid": s.rank + 1, "tid": 1 if s.kind != "wait" else 2, "cname": _COLOURS[s.kind],
+                           "pid": s.rank + 1, "tid": _LANES.get(s.kind, 1), "cname": _COLOURS[s.kind],
                            "ts": ts, "dur": s.duration_ns / 1e3, "args": {"step": s.step}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def _label(s: Span) -> str:
-    if s.kind == "wait":
-        return s.name or "wait"
+    if s.kind in ("wait", "send"):
+        return s.name or s.kind
     return f"{s.stage}{s.kind}{'' if s.micro is None else s.micro}"  # 1F3, 0OPT: the plan's text form
 
 

@@ -128,12 +128,12 @@ class PipelineTrainer:
         self.plan = with_optimizer(plan)
         self.owner = placement(self.plan)
         self.local = [s for s in range(self.n_stages) if self.owner[s] == self.rank]
-        self.backend = dist.get_backend()
-        self.nccl = self.backend == "nccl"
+        self.backend = str(dist.get_backend())  # "gloo", "nccl", or "cpu:gloo,cuda:nccl"
         if device is None:
             device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
-                      if self.nccl else torch.device("cpu"))
+                      if "nccl" in self.backend and torch.cuda.is_available() else torch.device("cpu"))
         self.device = torch.device(device)
+        self.nccl = "nccl" in self.backend and self.device.type == "cuda"  # transfers go through NCCL
         self.modules = {s: stages[s].to(self.device) for s in self.local}
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
         self.optimizers = {}
@@ -430,6 +430,12 @@ class PipelineTrainer:
             raise ValueError(f"stage {m.stage - 1 if m.kind == 'act' else m.stage + 1} produced {_fmt(spec_of(out, 'output'))} "
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
         g = self._group(m.src, m.dst)
+        tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
+                               peer=m.dst, name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
+        self._send_now(out, m, g, sends)
+        self.timer.end(tok)
+
+    def _send_now(self, out: tuple[torch.Tensor, ...], m: Message, g: Any, sends: list[tuple[Any, Any]]) -> None:
         if self._comm is not None:
             # A copy the transfer owns: a compiled stage's outputs live in CUDA-graph buffers that a
             # later replay on the compute stream may overwrite before the NCCL stream read them.
