@@ -431,7 +431,8 @@ class PipelineTrainer:
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
         g = self._group(m.src, m.dst)
         tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
-                               peer=m.dst, name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
+                               peer=m.dst, tag=m.pos,  # tag: the receive's, for the trace's flow arrows
+                               name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
         self._send_now(out, m, g, sends)
         self.timer.end(tok)
 
@@ -444,19 +445,13 @@ class PipelineTrainer:
             ev.record()
             self._comm.wait_event(ev)  # the transfer starts once the job that wrote it has
             with torch.cuda.stream(self._comm):
-                tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
-                                       peer=m.dst, tag=m.pos)
                 for i, t in enumerate(out):
                     t = t.contiguous()
                     sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
-                self.timer.end(tok)
         else:
-            tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
-                                   peer=m.dst, tag=m.pos)
             for i, t in enumerate(out):
                 t = t.contiguous()
                 sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
-            self.timer.end(tok)
 
 
 class _nullcontext:
