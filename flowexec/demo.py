@@ -126,13 +126,15 @@ def _pipeline_timeline(out: str, console: Console) -> list[dict[str, Any]]:
     from .profiler.pipeline_demo import profile_pipeline
 
     schedules = tuple(s for s in ("1f1b", "zbh1") if s in SCHEDULES)
-    console.print(f"[bold]pipeline timeline[/]: 2 gloo ranks (CPU), {' and '.join(schedules)}, 3 steps recorded")
-    runs = profile_pipeline(out, schedules)
+    console.print(f"[bold]pipeline timeline[/]: 2 gloo ranks (CPU), 4 blocks of Linear(1024) + tanh, "
+                  f"{' and '.join(schedules)}, 3 steps recorded")
+    runs = profile_pipeline(out, schedules, width=1024)  # wide enough that the jobs, not the host, dominate
     for run in runs:
-        th = run["theory_bubble"]
-        console.print(f"{run['schedule']}: bubble " + ", ".join(
-            f"rank {r['rank']} {r['bubble']:.0%}" for r in run["summary"])
-            + (f" (schedule's theory {th:.0%})" if th is not None else ""))
+        th, at = run["theory_bubble"], run["theory_bubble_measured_costs"]
+        notes = ([f"schedule's theory {th:.0%}"] if th is not None else []) + (
+            ["at the measured job times " + ", ".join(f"{v:.0%}" for v in at.values())] if at else [])
+        console.print(f"{run['schedule']}: bubble " + ", ".join(f"rank {r['rank']} {r['bubble']:.0%}" for r in run["summary"])
+                      + (f" ({'; '.join(notes)})" if notes else ""))
         console.print(f"  trace: {run['trace']} (https://ui.perfetto.dev)\n  page:  {run['page']}")
     return runs
 
