@@ -101,6 +101,7 @@ svg text{font-size:11px;fill:#1d2330} svg .lbl{fill:#fff;pointer-events:none} sv
 svg rect.span{stroke:rgba(0,0,0,.25);stroke-width:.5} svg rect.span:hover{stroke:#000;stroke-width:1.5}
 #tip{position:fixed;display:none;background:#1d2330;color:#fff;padding:6px 9px;border-radius:4px;font-size:12px;pointer-events:none;white-space:pre;z-index:9}
 table{border-collapse:collapse;margin-top:14px} th,td{padding:4px 10px;border-bottom:1px solid #e3e7ee;text-align:right}
+td{white-space:nowrap} th{vertical-align:bottom}
 th{background:#f5f7fa;font-weight:600} td:first-child,th:first-child{text-align:left}
 .hint{color:#8a93a3;font-size:12px}
 </style></head><body>
@@ -155,6 +156,7 @@ function draw() {
   el("rect", {x: LW, y: 0, width: CW, height: AX - 4, fill: "#f5f7fa"}, axis);
   for (let t = Math.ceil(v0 / tick) * tick; t <= v1; t += tick) {
     const x = sx(t); el("line", {x1: x, x2: x, y1: AX - 8, y2: H, stroke: "#eef1f5"}, axis);
+    if (x > W - 50) continue;  // no label cut by the edge
     el("text", {x: x + 2, y: 13}, axis, tick >= 1000 ? (t / 1000).toFixed(tick >= 10000 ? 0 : 1) + " ms" : t.toFixed(0) + " µs");
   }
   for (const r of D.ranks) {
