@@ -8,6 +8,9 @@ flowexec programs), :func:`split` for a sequential model, and :func:`spawn` for 
 rank 0: 0F0 0F1 0B0 0B1
 rank 1: 1F0 1B0 1F1 1B1
 """
+# The I/W pass lives in the submodule ``split``; load it before binding the function ``split``
+# (cut an nn.Sequential), or its first import later would replace the function on the package.
+from . import split as _split_pass  # noqa: F401
 from .launch import PipelineError, spawn
 from .runner import EagerRunner, StageRunner, make_runner
 from .schedules import (SCHEDULES, Job, Simulation, check, dependencies, format_schedule, get_schedule, gpipe,
