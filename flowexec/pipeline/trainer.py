@@ -22,9 +22,10 @@ Run it under ``torchrun`` (or :func:`~.launch.spawn` for a quick local try)::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -97,7 +98,10 @@ class PipelineTrainer:
     (or a mode string) for flowexec programs. ``device``: where the local stages run (default
     ``cuda:LOCAL_RANK`` on an NCCL group, else the CPU). ``timer``: a
     :class:`~flowexec.profiler.timers.JobTimer` to record every job and receive wait; the spans of
-    the last step are in ``trainer.spans``. ``timeout``: seconds any wait may last.
+    the last step are in ``trainer.spans``. ``profile``: the steps to record (``range(10, 13)``)
+    into ``profile_dir`` (one JSON-lines file per rank; ``flowexec timeline merge DIR``), or use
+    ``with trainer.profiling(DIR):`` around steps (docs/timeline.md). ``timeout``: seconds any
+    wait may last.
 
     :meth:`step` returns the mean loss (a 0-d tensor) on the rank holding the last stage, None on
     the others. A rank that raises posts its error; the others stop waiting with a
@@ -107,7 +111,8 @@ class PipelineTrainer:
     def __init__(self, stages: Sequence[torch.nn.Module], schedule: str | Callable[..., Plan] | Plan = "1F1B",
                  microbatches: int = 8, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  optimizer: Callable[[list[torch.nn.Parameter]], Any] | None = None, compile: bool | str = True,
-                 device: torch.device | str | None = None, timer: Any = None, timeout: float = 300.0) -> None:
+                 device: torch.device | str | None = None, timer: Any = None, timeout: float = 300.0,
+                 profile: Any = None, profile_dir: str = "flowexec-timeline") -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(NO_GROUP)
         stages = list(stages)
@@ -144,6 +149,29 @@ class PipelineTrainer:
         # pair get a group each, so a posted receive never queues a send behind it.
         self._groups = (dist.new_group(), dist.new_group()) if self.nccl else (None, None)
         self._comm = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Built on every rank at once: it measures each rank's clock offset to rank 0.
+        self._schedule_name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "plan")
+        self.profiler = self._profiler(profile_dir, profile) if profile is not None else None
+
+    def _profiler(self, directory: str, steps: Any) -> Any:
+        from ..profiler.pipeline_demo import pipeline_meta
+        from ..profiler.session import StepProfiler
+
+        meta = pipeline_meta(self.plan, self._schedule_name, self.world, self.n_stages, self.n_micro, self.device)
+        return StepProfiler(directory, steps, device=self.device, meta=meta)
+
+    @contextlib.contextmanager
+    def profiling(self, directory: str = "flowexec-timeline") -> Iterator[Any]:
+        """``with trainer.profiling("timeline/"):`` records every step inside the block (every
+        rank enters it at the same step); the records are written when it closes."""
+        from ..profiler.session import ALL_STEPS
+
+        kept, self.profiler = self.profiler, self._profiler(directory, ALL_STEPS)
+        try:
+            yield self.profiler
+        finally:
+            prof, self.profiler = self.profiler, kept
+            prof.close()
 
     # -- construction ------------------------------------------------------------------------
     def _resolve(self, schedule: Any) -> dict[int, tuple[Job, ...]]:
@@ -298,7 +326,15 @@ class PipelineTrainer:
                     if spec_of(x, "micro-batch") != self.in_spec[0]:
                         raise ValueError(f"micro-batch {m} is {_fmt(spec_of(x, 'micro-batch'))}, but the pipeline was "
                                          f"set up for {_fmt(self.in_spec[0])} (the first step fixes the shapes)")
-            out = self._run(xs, ys)
+            prof, kept = self.profiler, self.timer
+            if prof is not None:
+                self.timer = prof.timer(self.step_count)
+            try:
+                out = self._run(xs, ys)
+            finally:
+                self.timer = kept
+            if prof is not None:
+                prof.add(self.step_count, self.spans)
             self.step_count += 1
             return out
         except BaseException as e:
@@ -316,9 +352,11 @@ class PipelineTrainer:
         with torch.cuda.stream(comm) if comm is not None else _nullcontext():
             for m, spec in self._recv_order:
                 bufs = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
+                tok = timer.begin(step=k, stage=m.stage, kind="recv", micro=m.micro, stream="comm", peer=m.src,
+                                  tag=m.pos)  # ended in _take, once the data is there
                 works = [dist.irecv(b, m.src, group=self._group(m.src, m.dst), tag=m.pos * 8 + i)
                          for i, b in enumerate(bufs)]
-                recvs[m.kind, m.stage, m.micro] = (bufs, works)
+                recvs[m.kind, m.stage, m.micro] = (bufs, works, tok)
         local: dict[tuple[str, int, int], tuple[Any, ...]] = {}
         sends: list[tuple[Any, Any]] = []
         losses: list[torch.Tensor] = []
@@ -371,14 +409,15 @@ class PipelineTrainer:
         self.spans = timer.flush()
         return torch.stack(losses).mean() if losses else None
 
-    def _take(self, posted: tuple[list[torch.Tensor], list[Any]], m: Message) -> tuple[torch.Tensor, ...]:
-        bufs, works = posted
+    def _take(self, posted: tuple[list[torch.Tensor], list[Any], Any], m: Message) -> tuple[torch.Tensor, ...]:
+        bufs, works, recv_tok = posted
         tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="wait", micro=m.micro, stream="wait",
                                peer=m.src, name=f"recv {m.kind} for stage {m.stage}")
         for i, w in enumerate(works):
             self._wait(w, f"the {'input' if m.kind == 'act' else 'output gradient'} of stage {m.stage} micro-batch "
                           f"{m.micro} from rank {m.src}")
         self.timer.end(tok)
+        self.timer.end(recv_tok)
         if self._comm is not None:
             cur = torch.cuda.current_stream(self.device)
             for b in bufs:
@@ -392,7 +431,8 @@ class PipelineTrainer:
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
         g = self._group(m.src, m.dst)
         tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
-                               peer=m.dst, name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
+                               peer=m.dst, tag=m.pos,  # tag: the receive's, for the trace's flow arrows
+                               name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
         self._send_now(out, m, g, sends)
         self.timer.end(tok)
 
