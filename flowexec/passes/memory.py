@@ -142,8 +142,9 @@ def _align(n: int, a: int) -> int:
 
 
 def happens_before(deps: Sequence[Sequence[int]], where: Sequence[int] | None = None) -> list[int]:
-    """Per op, a bitset of the ops ordered before it: dependency edges (each an event wait or
-    one stream's program order) closed transitively, plus program order on its own stream."""
+    """Per op, a bitset of the ops ordered before it by a DAG ``deps`` whose every edge is
+    enforced, closed transitively, plus program order on its own stream. Not a plan's order:
+    a plan enforces only the edges its events carry (use :func:`instruction_order`)."""
     anc: list[int] = []
     last_on: dict[int, int] = {}
     for i, d in enumerate(deps):
