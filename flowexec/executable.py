@@ -496,6 +496,7 @@ class GraphVariants:
         self.max_borrowing = max_borrowing
         self.first = capture(targs, self._borrow)
         self._graphs: list[Any] = [self.first]
+        self._checks: list[tuple[Any, Any]] = []  # (graph.borrowed, graph) per graph, for select()
         self._staged: Any = None
 
     @property
@@ -512,8 +513,10 @@ class GraphVariants:
         check (:class:`~flowexec.runtime.borrowed.BorrowedAddresses`) finds that no argument
         shares a storage with another or with closure state (``state_keys``); else None, and
         the caller checks every argument's storage and calls this object."""
-        for g in self._graphs:
-            check = getattr(g, "borrowed", None)  # (stand-in runners in tests may lack it)
+        checks = self._checks
+        if len(checks) != len(self._graphs):  # (stand-in runners in tests may have no checks)
+            checks = self._checks = [(getattr(g, "borrowed", None), g) for g in self._graphs]
+        for check, g in checks:
             if check is None:
                 return None
             if check.matches(targs):
