@@ -120,6 +120,7 @@ class _Compiled:
     all_tensors: bool = False  # every leaf is a tensor: the runner takes the leaves as they are
     tree: Any = None  # the call's tree (flowexec.signature)
     paths: tuple[str, ...] = ()  # each leaf's path, e.g. "args[0]['opt'][3]"
+    variants: GraphVariants | None = None  # graph mode: the runner, for its precomputed checks
 
 
 class Executable:
@@ -218,7 +219,8 @@ class Executable:
                 borrow[k] = True
             runner = GraphVariants(capture_runner, targs, borrow)
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.n_user_outputs, cap.grad_bindings,
-                         time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths))
+                         time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
+                         runner if isinstance(runner, GraphVariants) else None)
 
     def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], plan: ExecutionPlan) -> bool:
         """Whether a graph can run this signature: not when a tensor argument shares memory with
@@ -377,15 +379,28 @@ class Executable:
         if entries:
             c0 = entries[0][1]
             targs = leaves if c0.all_tensors else [leaves[i] for i in c0.tensor_pos]
-            if not self._sharing or self._unshared(targs):
-                for guard, comp in entries:
-                    if guard.check(*targs):
-                        c = comp
-                        break
+            for guard, comp in entries:
+                if guard.check(*targs):
+                    c = comp
+                    break
+            if c is not None and self._sharing:
+                # Graph mode: the graph whose borrowed inputs are where this call's are, when it
+                # can vouch that nothing shares storage (GraphVariants.select); else every
+                # argument's storage is read.
+                g = c.variants.select(targs, self._state_keys) if c.variants is not None else None
+                if g is not None:
+                    run = g
+                elif not self._unshared(targs):
+                    c = None
+                else:
+                    run = c.runner
+            else:
+                run = c.runner if c is not None else None
         if c is None:
             c = self._lookup_leaves(leaves, key, args, kwargs)
             targs = leaves if c.all_tensors else [leaves[i] for i in c.tensor_pos]
-        flat = c.runner(targs)
+            run = c.runner
+        flat = run(targs)
         for p, idx in c.grad_bindings:
             g = flat[idx]
             if p.grad is not g:
@@ -493,6 +508,7 @@ class GraphVariants:
         self.max_borrowing = max_borrowing
         self.first = capture(targs, self._borrow)
         self._graphs: list[Any] = [self.first]
+        self._checks: list[tuple[Any, Any]] = []  # (graph.borrowed, graph) per graph, for select()
         self._staged: Any = None
 
     @property
@@ -503,6 +519,21 @@ class GraphVariants:
     @property
     def graph_count(self) -> int:
         return len(self._graphs) + (self._staged is not None)
+
+    def select(self, targs: Sequence[torch.Tensor], state_keys: frozenset[int]) -> Any:
+        """The graph whose borrowed inputs are at ``targs``' addresses, when its precomputed
+        check (:class:`~flowexec.runtime.borrowed.BorrowedAddresses`) finds that no argument
+        shares a storage with another or with closure state (``state_keys``); else None, and
+        the caller checks every argument's storage and calls this object."""
+        checks = self._checks
+        if len(checks) != len(self._graphs):  # (stand-in runners in tests may have no checks)
+            checks = self._checks = [(getattr(g, "borrowed", None), g) for g in self._graphs]
+        for check, g in checks:
+            if check is None:
+                return None
+            if check.matches(targs):
+                return g if check.unshared(targs, state_keys) else None
+        return None
 
     def __call__(self, targs: Sequence[torch.Tensor]) -> list[Any]:
         for g in self._graphs:  # a graph that borrows nothing matches every call

@@ -78,12 +78,15 @@ def _children(seq: Sequence[Any], tag: Any, leaves: list[Any], key: list[Any]) -
         leaves.extend(seq)
         return
     key.append((tag, canon))
-    for o, t in zip(seq, types):
-        if t in _SCALAR_TYPES:
+    tensor = torch.Tensor
+    for o, t, c in zip(seq, types, canon):
+        if c is tensor:  # (canon reads every tensor subclass as torch.Tensor)
+            leaves.append(o)
+        elif t in _SCALAR_TYPES:
             leaves.append(o)
             key.append(o)  # its type is in `types` already: 1, 1.0 and True stay apart
-        elif issubclass(t, torch.Tensor):
-            leaves.append(o)
+        elif t is list or t is tuple:  # the common containers without _node's dispatch
+            _children(o, t, leaves, key)
         else:
             _node(o, t, leaves, key)
 

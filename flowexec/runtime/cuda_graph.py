@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
 from .staging import StagingNodes, graph_node_count, memcpy_runtime
 
@@ -203,6 +204,7 @@ class CudaGraphRunner:
         tensors = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
         self._staged = [i for i in tensors if not borrow[i]]
         self._borrowed = [(i, example_inputs[i].data_ptr()) for i in tensors if borrow[i]]
+        self.borrowed = BorrowedAddresses(example_inputs, borrow)  # the per-call checks, precomputed
         self.static_inputs: list[Any] = list(example_inputs)
         buffers, self._spans = staged_buffers(example_inputs, self._staged)
         for i, buf in buffers.items():
@@ -271,14 +273,11 @@ class CudaGraphRunner:
 
     def matches(self, args: Sequence[Any]) -> bool:
         """Whether every borrowed input is still at its captured address."""
-        for i, ptr in self._borrowed:
-            if args[i].data_ptr() != ptr:
-                return False
-        return True
+        return self.borrowed.matches(args)
 
     def moved(self, args: Sequence[Any]) -> list[int]:
         """The positions of borrowed inputs that are not at their captured address."""
-        return [i for i, ptr in self._borrowed if args[i].data_ptr() != ptr]
+        return self.borrowed.moved(args)
 
     def __call__(self, args: Sequence[Any], saved_checked: bool = False) -> list[Any]:
         """One replay on ``args`` (``saved_checked``: see :meth:`HandedOutputs.release`)."""
