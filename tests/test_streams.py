@@ -507,3 +507,49 @@ def test_auto_keeps_cheap_branches_on_one_stream_and_spreads_costly_ones():
     # a chain with a cheap op hung off every link stays on one stream
     chain = capture(lambda x: [(x := (x @ x).tanh(), x[0, :1] * 2)[1] for _ in range(4)], (torch.randn(256, 256),)).program
     assert set(assign_auto(chain, dependencies(chain), "cpu", "threaded")[0]) == {0}
+
+
+def _on_cuda_metadata(prog):
+    """``prog`` with its CPU tensors' metadata moved to cuda:0 (CUDA plans, built without a GPU)."""
+    import dataclasses
+
+    cuda = torch.device("cuda", 0)
+    values = tuple(dataclasses.replace(v, meta=dataclasses.replace(v.meta, device=cuda))
+                   if v.meta is not None and v.meta.device.type == "cpu" else v for v in prog.values)
+    return dataclasses.replace(prog, values=values)
+
+
+def test_a_read_through_an_unsafe_view_waits_after_the_view_on_its_stream():
+    # matmul of a 3-D tensor ends in aten._unsafe_view, which has no alias annotation: the CUDA
+    # sanitizer counts it as writing the storage it views, so an op of another stream reading
+    # that storage must wait after the view, not only after the mm or bmm before it
+    from flowexec.passes.streams import is_view_op, stream_groups
+    from flowexec.passes.verify import verify_plan, without_wait
+
+    ws = [torch.randn(8, 8) for _ in range(3)]
+
+    def attention_like(x):
+        q, k, v = (x @ w for w in ws)
+        return (q @ k.transpose(1, 2)).softmax(-1) @ v + q.clone() + k.clone() * v.clone()
+
+    prog = _on_cuda_metadata(capture(attention_like, (torch.randn(2, 4, 8),)).program)
+    plan = build_plan(prog, streams=3)
+    ins = plan.instructions
+    groups = stream_groups(prog)
+    touches = [{groups[r] for r in i.op.refs()} | {groups[o] for o in i.op.outputs if o >= 0} for i in ins]
+    views = [j for j, i in enumerate(ins) if i.op.name == "aten._unsafe_view.default"]
+    assert len(views) == 5
+    # (view, later op of another stream that touches its storage; views of views touch no data)
+    edges = [(v, j) for v in views for j in range(v + 1, len(ins))
+             if ins[j].stream != ins[v].stream and not is_view_op(ins[j].op.target) and touches[v] & touches[j]]
+    assert len(edges) >= 4, edges
+    deps = [[] for _ in ins]
+    for v, j in edges:
+        deps[j].append(v)
+    waits = EventPlan(tuple(i.waits for i in ins), tuple(i.records for i in ins), plan.n_events)
+    assert unordered(deps, [i.stream for i in ins], waits) == []
+    assert any(ins[v].records for v in views)  # the events are recorded after the views themselves
+    assert verify_plan(prog, plan) == []
+    for j, i in enumerate(ins):  # and every wait is still necessary
+        for k in range(len(i.waits)):
+            assert verify_plan(prog, without_wait(plan, j, k)), (j, k)

@@ -232,7 +232,7 @@ def stream_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
     base = alias_groups(prog, shared=shared)
     parent = list(base)
     for op in prog.ops:
-        if not is_view_op(op.target):
+        if not (is_view_op(op.target) or _dispatcher_write_view(op.target)):
             continue
         src = next(op.refs(), None)
         if src is None:
@@ -246,18 +246,53 @@ def stream_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
 
 
 def is_view_op(target: object) -> bool:
-    """Whether an op only makes views: it writes nothing and every tensor it returns aliases an
-    argument (``aten.view``, ``t``, ``transpose``, ``expand``, ``slice``, ``split`` …). Such an op
-    reads metadata only, so on a stream it needs no wait for the data of what it views."""
+    """Whether an op only makes views, as its schema says: it writes nothing and every tensor it
+    returns aliases an argument (``aten.view``, ``t``, ``transpose``, ``expand``, ``slice``,
+    ``split`` …). Such an op reads metadata only, so on a stream it needs no wait for the data of
+    what it views. ``_unsafe_view`` is not one (:func:`stream_rw_sets`)."""
     hit = _VIEW_CACHE.get(target)
     if hit is None:
         schema = getattr(target, "_schema", None)
-        hit = getattr(target, "__name__", "").split(".")[0] in _UNANNOTATED_VIEWS or bool(
-                   schema is not None and schema.returns
+        hit = bool(schema is not None and schema.returns
                    and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
                    and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
         _VIEW_CACHE[target] = hit
     return hit
+
+
+def _dispatcher_write_view(target: object) -> bool:
+    """A view at run time whose schema has no alias annotation (``_unsafe_view``): its result
+    shares its argument's storage, and the CUDA sanitizer, which reads schemas, counts the op as
+    writing that storage (argument and result)."""
+    return getattr(target, "__name__", "").split(".")[0] in _UNANNOTATED_VIEWS and not is_view_op(target)
+
+
+def stream_rw_sets(prog: Program, groups: Sequence[int]) -> tuple[tuple[frozenset[int], frozenset[int]], ...]:
+    """:func:`~flowexec.passes.dependencies.read_write_sets` over ``groups`` (:func:`stream_groups`),
+    with each unannotated view (:func:`_dispatcher_write_view`) writing the storage it views.
+
+    As PyTorch's CUDA sanitizer sees it: a consumer on another stream that reads through such a
+    view is then ordered after the view op (the last access on the producer's stream), not only
+    after the producer, at the same count of events (the view follows its producer on its
+    stream), so the sanitizer reports no race; planner and verifier use the same sets, so every
+    wait stays necessary in both.
+    """
+    from .dependencies import read_write_sets
+
+    rw = list(read_write_sets(prog, tuple(groups)))
+    for op in prog.ops:
+        if _dispatcher_write_view(op.target):
+            reads, writes = rw[op.index]
+            rw[op.index] = (reads, writes | {groups[o] for o in op.outputs if o >= 0} | reads)
+    return tuple(rw)
+
+
+def stream_dependencies(prog: Program, groups: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """:func:`~flowexec.passes.dependencies.dependencies` from :func:`stream_rw_sets`: the
+    edges several streams must order."""
+    from .dependencies import dependencies
+
+    return dependencies(prog, tuple(groups), stream_rw_sets(prog, groups))
 
 
 def data_edges(prog: Program, deps: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -345,7 +380,7 @@ def op_cost_us(op: object, prog: Program, device: str) -> float:
     name = getattr(op.target, "__name__", "")
     metas = [prog.values[r].meta for r in op.refs() if prog.values[r].meta is not None]
     outs = [prog.values[o].meta for o in op.outputs if o >= 0 and prog.values[o].meta is not None]
-    if is_view_op(op.target):
+    if is_view_op(op.target) or _dispatcher_write_view(op.target):
         return 0.0
     if name.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm", "matmul") and metas and outs:
         a = metas[-2] if name.startswith(("addmm", "baddbmm")) else metas[0]
