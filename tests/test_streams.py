@@ -472,11 +472,16 @@ def _copy_heavy_program(n_layers=3, batch=256, width=1024):
 
 def test_copies_between_host_and_device_go_to_a_copy_stream():
     prog = _copy_heavy_program()
-    for streams in ("auto", 1, 2):
-        plan = build_plan(prog, streams=streams)
+    for streams, mode in (("auto", "graph"), (1, "trace"), (2, "trace"), ("auto", "trace")):
+        plan = build_plan(prog, streams=streams, mode=mode, workers=False)
         kinds = [(i.op.name.split(".")[1], i.stream) for i in plan.instructions]
         if streams == 1:  # one stream stays one stream
             assert {s for _, s in kinds} == {0}
+            continue
+        if mode == "trace" and streams == "auto":
+            # trace mode is host-bound here: the 5 stream calls per copy on a copy stream cost
+            # more host time than the overlap saves (H200: 624 µs against 418 on one stream)
+            assert {s for _, s in kinds} == {0} and plan.stream_roles == ("compute",)
             continue
         assert kinds == [("mm", 0), ("tanh", 0), ("copy_", 1)] * 3, kinds
         assert plan.stream_roles == ("compute", "d2h")
@@ -553,3 +558,22 @@ def test_a_read_through_an_unsafe_view_waits_after_the_view_on_its_stream():
     for j, i in enumerate(ins):  # and every wait is still necessary
         for k in range(len(i.waits)):
             assert verify_plan(prog, without_wait(plan, j, k)), (j, k)
+
+
+def test_auto_estimates_the_host_cost_of_stream_calls_in_trace_mode():
+    # the cost model against the H200 run of benchmarks/streams.py (copy-heavy step, 6 layers):
+    # trace 418 µs on one stream, 624 with the copies on a copy stream; graph 346 and 186
+    from flowexec.passes.dependencies import dependencies
+    from flowexec.passes.streams import _HOST_COSTS, data_edges, op_cost_us, simulate_us, stream_calls
+
+    prog = _copy_heavy_program(6)
+    edges = data_edges(prog, dependencies(prog))
+    cost = [op_cost_us(op, prog, "cuda") for op in prog.ops]
+    side = [1 if op.name == "aten.copy_.default" else 0 for op in prog.ops]
+    # per copy: switch to the copy stream, wait for the tanh (recorded after it), record_stream
+    # of the activation, and the switch back for the next mm
+    assert stream_calls(edges, side) == [0, 1, 3] + [1, 1, 3] * 5  # (mm, tanh, copy_) per layer
+    est = {mode: (simulate_us(edges, [0] * len(cost), cost, *_HOST_COSTS[("cuda", mode)]),
+                  simulate_us(edges, side, cost, *_HOST_COSTS[("cuda", mode)])) for mode in ("trace", "graph")}
+    assert est["trace"][1] > 1.3 * est["trace"][0]  # a copy stream loses in trace mode
+    assert est["graph"][1] < 0.8 * est["graph"][0]  # and pays in graph mode
