@@ -1,15 +1,19 @@
-"""Pipeline-parallel training steps on CPU with gloo: flowexec.pipeline against
-torch.distributed.pipelining, side by side in alternating rounds on the same machine.
+"""Pipeline-parallel training steps on CPU with gloo: flowexec.pipeline (PipelineTrainer, stages
+as flowexec programs: CompiledRunner, trace mode; ``--eager`` adds eager stages) beside torch.distributed.pipelining, the same model, micro-batches, placement and SGD,
+in alternating rounds of one run.
 
-flowexec runs each stage's module eagerly, or (``flowexec compiled``) through
-``torch.compile(backend="flowexec")``. The set-up of ``../shared/reference/torch_pipelining_gloo.py``: 2 ranks, 4 blocks of
-Linear(256) + tanh (2 per rank), batch 64 in 8 micro-batches, MSE; every implementation also
-zero the gradients and takes an SGD step, with one intra-op thread per rank (2 ranks on the
-2-core CI machine). Per round and implementation: a fresh pair of processes, 8 steps, the median
-of the last 6 per rank; the figure is the median over rounds of rank 0's. flowexec's job
-timeline of its last round is saved beside the results (``--trace``).
+Schedules (flowexec vs torch): FThenB vs GPipe, 1F1B vs 1F1B, Interleaved1F1B vs
+Interleaved1F1B, ZBH1 vs InterleavedZeroBubble (one stage per rank), ZBV vs ZBVZeroBubble.
+Default sizes: 2 ranks, 4 blocks of Linear(1024) + tanh (one-stage-per-rank schedules: 2 blocks
+a stage; two-stage ones: 1), batch 512 in 8 micro-batches of 64 rows, MSE, one intra-op thread per
+rank: one block's forward is ~1-3 ms on a 2-core CPU, so jobs, not gloo messages, decide the
+figure. Per round and implementation: a fresh group of processes, ``--steps`` steps, the median
+of the steps after the first two, per rank; the figure is the median over rounds of the slowest
+rank's. flowexec's bubble per rank is 1 - (time in jobs) / (step time) from its job spans;
+theory is ``simulate`` of the same plan (equal costs, and the measured job costs).
 
-    python3 benchmarks/pipeline_gloo.py --out benchmarks/results/pipeline_gloo.json
+    python3 benchmarks/pipeline_gloo.py --out benchmarks/results/pipeline_gloo.json   # ~4 min on 2 quiet cores
+    python3 benchmarks/pipeline_gloo.py --quick                                        # a smoke run, ~1 min
 """
 from __future__ import annotations
 
@@ -18,98 +22,101 @@ import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import asdict, replace
 from typing import Any
-
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from host_meta import host_meta  # noqa: E402
-from flowexec.pipeline import bubble, spawn  # noqa: E402
-from flowexec.pipeline.demo import Config, blocks, data, stage_slice, train_worker  # noqa: E402
+from pipeline_common import (SCHEDULES, TORCH_NAMES, job_costs, measured_bubble, theory_bubble,  # noqa: E402
+                             torch_worker)
+from flowexec.pipeline import spawn  # noqa: E402
+from flowexec.pipeline.demo import Config, eager_reference, train_worker  # noqa: E402
 from flowexec.pipeline.timeline import save  # noqa: E402
 
-TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
-
-
-def torch_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """The same training with torch.distributed.pipelining (one stage per rank)."""
-    import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import get_schedule_class
-
-    cfg = Config(**cfg_dict)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model = blocks(cfg)
-    mine = torch.nn.Sequential(*(model[i] for i in stage_slice(cfg, rank, world)))
-    stage = PipelineStage(mine, rank, world, torch.device("cpu"))
-    sched = get_schedule_class(TORCH_NAMES[cfg.schedule])(stage, n_microbatches=cfg.n_micro, loss_fn=F.mse_loss)
-    opt = torch.optim.SGD(mine.parameters(), lr=cfg.lr)
-    x, y = data(cfg)
-    out: dict[str, Any] = {"step_s": [], "losses": []}
-    for _ in range(cfg.steps):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=y, losses=losses)
-        opt.step()
-        out["step_s"].append(time.perf_counter() - t0)
-        if losses:
-            out["losses"].append(sum(float(v.detach()) for v in losses) / len(losses))
-    out["params"] = [p.detach().clone() for p in mine.parameters()]
-    return out
+SKIP = 2  # steps left out of every median: the first sets up, the second still warms caches
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_gloo.json"))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--trace", default=None, help="where to save flowexec's job timeline (default: beside --out)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--eager", action="store_true", help="also time flowexec with eager stages (EagerRunner)")
+    ap.add_argument("--quick", action="store_true", help="small sizes, 1 round, 4 steps: checks it runs")
     args = ap.parse_args()
-    base = Config(steps=args.steps, threads=1)
-    impls = [(name, sched) for sched in ("gpipe", "1f1b") for name in ("flowexec", "flowexec compiled", "torch")]
-    rounds: dict[str, list[dict[str, Any]]] = {f"{n} {s}": [] for n, s in impls}
-    last_jobs: dict[str, Any] = {}
+    if args.quick:
+        args.rounds, args.steps, args.width, args.batch = 1, 4, 256, 64
+    scheds = [s.strip().lower() for s in args.schedules.split(",")]
+    base = Config(width=args.width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
+                  threads=1, lr=0.01)
+    names = ("flowexec", "flowexec eager", "torch") if args.eager else ("flowexec", "torch")
+    impls = [(impl, s) for s in scheds for impl in names]
+    rounds: dict[str, list[dict[str, Any]]] = {f"{i} {s}": [] for i, s in impls}
+    last_spans: dict[str, Any] = {}
     for r in range(args.rounds):
-        for name, sched in (impls if r % 2 == 0 else impls[::-1]):
-            cfg = replace(base, schedule=sched, backend="flowexec" if name == "flowexec compiled" else "")
-            res = spawn(torch_worker if name == "torch" else train_worker, 2, asdict(cfg), timeout=120)
-            med = [statistics.median(res[k]["step_s"][2:]) * 1e3 for k in range(2)]
-            row = {"rank0_ms": med[0], "rank1_ms": med[1], "losses": res[1]["losses"]}
-            if name != "torch":
-                jobs = {k: res[k]["jobs"][2:] for k in range(2)}
-                row["bubble"] = bubble(jobs)
-                if name == "flowexec":
-                    last_jobs[sched] = jobs
-            rounds[f"{name} {sched}"].append(row)
-            print(f"round {r} {name} {sched}: rank 0 {med[0]:.1f} ms, rank 1 {med[1]:.1f} ms", flush=True)
-    summary = {}
-    for sched in ("gpipe", "1f1b"):
-        f = statistics.median(x["rank0_ms"] for x in rounds[f"flowexec {sched}"])
-        t = statistics.median(x["rank0_ms"] for x in rounds[f"torch {sched}"])
+        for impl, sched in (impls if r % 2 == 0 else impls[::-1]):
+            cfg = replace(base, schedule=sched, compile=impl == "flowexec")
+            res = spawn(torch_worker if impl == "torch" else train_worker, args.ranks, asdict(cfg), timeout=300)
+            med = [statistics.median(res[k]["step_s"][SKIP:]) * 1e3 for k in range(args.ranks)]
+            last = next(k for k in range(args.ranks) if res[k]["losses"])
+            row: dict[str, Any] = {"step_ms": med, "ms": max(med), "losses": res[last]["losses"]}
+            if impl.startswith("flowexec"):
+                row["bubble"] = [measured_bubble(res[k]["spans"], SKIP) for k in range(args.ranks)]
+                row["job_ms"] = [job_costs(res[k]["spans"], SKIP) for k in range(args.ranks)]
+                if impl == "flowexec":
+                    last_spans[sched] = [s for k in range(args.ranks) for step in res[k]["spans"][SKIP:] for s in step]
+            rounds[f"{impl} {sched}"].append(row)
+            extra = f", bubble {', '.join(f'{b:.0%}' for b in row['bubble'])}" if "bubble" in row else ""
+            print(f"round {r} {impl:14s} {sched:15s}: " + ", ".join(f"rank {k} {m:.1f} ms" for k, m in enumerate(med))
+                  + extra, flush=True)
+    ref_losses, _ = eager_reference(base)
+    summary: dict[str, Any] = {}
+    for sched in scheds:
+        f = statistics.median(x["ms"] for x in rounds[f"flowexec {sched}"])
+        t = statistics.median(x["ms"] for x in rounds[f"torch {sched}"])
+        bub = statistics.median(statistics.mean(x["bubble"]) for x in rounds[f"flowexec {sched}"])
+        costs = rounds[f"flowexec {sched}"][-1]["job_ms"][0]
         lf, lt = rounds[f"flowexec {sched}"][0]["losses"], rounds[f"torch {sched}"][0]["losses"]
-        fc = statistics.median(x["rank0_ms"] for x in rounds[f"flowexec compiled {sched}"])
-        lc = rounds[f"flowexec compiled {sched}"][0]["losses"]
-        summary[sched] = {"flowexec_ms": f, "torch_ms": t, "speedup": t / f,
-                          "flowexec_compiled_ms": fc, "speedup_compiled": t / fc,
-                          "losses_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(lf + lc, lt + lt, strict=True)),
-                          "flowexec_bubble_rank0": statistics.median(x["bubble"][0] for x in rounds[f"flowexec {sched}"])}
-        print(f"{sched}: flowexec {f:.1f} ms, torch.distributed.pipelining {t:.1f} ms: {t / f:.2f}x", flush=True)
-    res_json = {**host_meta(f"python3 benchmarks/pipeline_gloo.py --rounds {args.rounds} --steps {args.steps}"),
-                "config": asdict(base), "rounds": rounds, "summary": summary}
+        summary[sched] = {
+            "torch_schedule": TORCH_NAMES[sched], "flowexec_ms": f, "torch_ms": t, "speedup": t / f,
+            "bubble_measured": bub, "bubble_theory_equal_costs": theory_bubble(sched, args.ranks, args.micro),
+            "bubble_theory_measured_costs": theory_bubble(sched, args.ranks, args.micro, costs), "job_ms_rank0": costs,
+            "losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lf, ref_losses)),
+            "torch_losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lt, ref_losses))}
+        if args.eager:
+            e = statistics.median(x["ms"] for x in rounds[f"flowexec eager {sched}"])
+            summary[sched].update(flowexec_eager_ms=e, speedup_eager=t / e, bubble_measured_eager=statistics.median(
+                statistics.mean(x["bubble"]) for x in rounds[f"flowexec eager {sched}"]))
+        s = summary[sched]
+        print(f"{sched:15s}: flowexec {f:.1f} ms, torch {TORCH_NAMES[sched]} {t:.1f} ms: {t / f:.2f}x; bubble "
+              f"{bub:.1%} (theory {s['bubble_theory_equal_costs']:.1%} at equal costs, "
+              f"{s['bubble_theory_measured_costs']:.1%} at the measured ones)", flush=True)
+    goals = {}
+    if all(k in summary for k in SCHEDULES):
+        goals = {"speedup_ge_1.2_every_schedule": all(summary[k]["speedup"] >= 1.2 for k in SCHEDULES),
+                 "1f1b_bubble_le_1.25x_theory": summary["1f1b"]["bubble_measured"]
+                 <= 1.25 * summary["1f1b"]["bubble_theory_equal_costs"],
+                 "zbh1_bubble_le_0.6x_1f1b": summary["zbh1"]["bubble_measured"]
+                 <= 0.6 * summary["1f1b"]["bubble_measured"],
+                 "interleaved_bubble_below_1f1b": summary["interleaved1f1b"]["bubble_measured"]
+                 < summary["1f1b"]["bubble_measured"]}
+        print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()))
+    cmd = "python3 benchmarks/pipeline_gloo.py " + " ".join(sys.argv[1:])
+    out = {**host_meta(cmd.strip()), "config": asdict(base), "ranks": args.ranks, "skip_steps": SKIP,
+           "rounds": rounds, "summary": summary, "goals": goals}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump(res_json, fh, indent=1)
-    trace = args.trace or os.path.splitext(args.out)[0] + "_trace_1f1b.json"
-    save(last_jobs["1f1b"], trace)
-    print(f"wrote {args.out} and {trace}")
+        json.dump(out, fh, indent=1)
+    trace = os.path.splitext(args.out)[0] + "_trace_zbh1.json"
+    if "zbh1" in last_spans:
+        save(last_spans["zbh1"], trace)
+    print(f"wrote {args.out}" + (f" and {trace}" if "zbh1" in last_spans else ""))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a built-in model through flowexec beside eager PyTorch")
     demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     demo.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")
-    demo.add_argument("--out", default=None, help="directory for demo.json (loss curves and figures)")
+    demo.add_argument("--out", default=None, help="directory for demo.json (loss curves and figures), and the profiled "
+                      "2-rank pipeline's trace.json and timeline.html")
     prof = sub.add_parser("profile", help="time each instruction of the demo's training step (trace mode)")
     prof.add_argument("--runs", type=int, default=20, help="timed steps (default 20)")
     prof.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if present, else cpu")
@@ -20,21 +21,38 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--streams", type=int, default=1, help="CUDA streams (default 1)")
     pipe = sub.add_parser("pipeline", help="train a small model pipeline-parallel on local gloo ranks (CPU) and "
                                            "save the job timeline")
-    pipe.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
-    pipe.add_argument("--ranks", type=int, default=2, help="stages, one per process (default 2)")
+    pipe.add_argument("--schedule", type=str.lower, default="1f1b",
+                      choices=("gpipe", "fthenb", "1f1b", "interleaved1f1b", "zbh1", "zbv"),
+                      help="schedule (any case; default 1f1b)")
+    pipe.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
     pipe.add_argument("--micro", type=int, default=8, help="micro-batches per step (default 8)")
     pipe.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
     pipe.add_argument("--out", default="flowexec-pipeline.json", help="Chrome trace of the jobs")
     pipe.add_argument("--compile", action="store_true",
-                      help="run each stage's module through torch.compile(backend='flowexec')")
+                      help="run the stages as flowexec programs (CompiledRunner) instead of eager autograd")
+    tl = sub.add_parser("timeline", help="merge profiled records (one JSON-lines file per rank) into a trace and page")
+    tl_sub = tl.add_subparsers(dest="timeline_command", required=True)
+    tl_merge = tl_sub.add_parser("merge", help="DIR/*.jsonl -> Trace Event Format (Perfetto) and an HTML page")
+    tl_merge.add_argument("directory", help="the records directory (rank0.jsonl, rank1.jsonl, ...)")
+    tl_merge.add_argument("-o", "--out", default="trace.json", help="trace file (default trace.json)")
+    tl_merge.add_argument("--html", default=None, help="also write the self-contained timeline page here")
     args = parser.parse_args(argv)
+    if args.command == "timeline":
+        from .profiler.command import merge_command
+
+        try:
+            print(merge_command(args.directory, args.out, args.html))
+        except (ValueError, OSError) as e:
+            print(f"flowexec timeline: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "pipeline":
         if min(args.ranks, args.micro, args.steps) < 1:
             parser.error("--ranks, --micro and --steps must be at least 1")
         from .pipeline.demo import run_cli
 
         try:
-            run_cli(args.schedule, args.ranks, args.micro, args.steps, args.out, "flowexec" if args.compile else "")
+            run_cli(args.schedule, args.ranks, args.micro, args.steps, args.out, args.compile)
         except (ValueError, RuntimeError, OSError) as e:
             print(f"flowexec pipeline: {e}", file=sys.stderr)
             return 2

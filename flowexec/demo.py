@@ -116,7 +116,27 @@ def run_demo(steps: int = 300, device: str | None = None, out: str | None = None
         with open(path, "w") as fh:
             json.dump({**result, "losses": fx_losses, "eager_losses": eager_losses}, fh, indent=1)
         console.print(f"wrote {path}")
+        result["pipeline_timeline"] = _pipeline_timeline(out, console)
     return result
+
+
+def _pipeline_timeline(out: str, console: Console) -> list[dict[str, Any]]:
+    """``demo --out``'s second part: a profiled 2-rank gloo pipeline, its trace and page in ``out``."""
+    from .pipeline.schedules import SCHEDULES
+    from .profiler.pipeline_demo import profile_pipeline
+
+    schedules = tuple(s for s in ("1f1b", "zbh1") if s in SCHEDULES)
+    console.print(f"[bold]pipeline timeline[/]: 2 gloo ranks (CPU), 4 blocks of Linear(1024) + tanh, "
+                  f"{' and '.join(schedules)}, 3 steps recorded")
+    runs = profile_pipeline(out, schedules, width=1024)  # wide enough that the jobs, not the host, dominate
+    for run in runs:
+        th, at = run["theory_bubble"], run["theory_bubble_measured_costs"]
+        notes = ([f"schedule's theory {th:.0%}"] if th is not None else []) + (
+            ["at the measured job times " + ", ".join(f"{v:.0%}" for v in at.values())] if at else [])
+        console.print(f"{run['schedule']}: bubble " + ", ".join(f"rank {r['rank']} {r['bubble']:.0%}" for r in run["summary"])
+                      + (f" ({'; '.join(notes)})" if notes else ""))
+        console.print(f"  trace: {run['trace']} (https://ui.perfetto.dev)\n  page:  {run['page']}")
+    return runs
 
 
 def run_profile(runs: int = 20, device: str | None = None, out: str = "flowexec-trace.json", top: int = 10,

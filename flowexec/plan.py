@@ -164,18 +164,19 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
     if gc == "async" and plan.on_workers:
         raise OptionError("gc='async' runs in trace mode on CUDA streams or one CPU stream; threaded mode and CPU "
                           "streams free on their workers (use gc='fast' there)")
-    if memory == "planned" and plan.on_workers:
-        raise OptionError("memory='planned' runs in trace and graph mode on CUDA streams; threaded mode and CPU "
-                          "streams allocate as usual (use memory='normal' there)")
     extra: dict[str, Any] = {"order": order}
     if memory == "planned":
-        from .passes.memory import arena_buffers, plan_memory
+        from .passes.memory import arena_buffers, instruction_order, plan_memory
 
-        where = [i.stream for i in plan.instructions] if plan.n_streams > 1 else None
         # Lifetimes end at the last use whatever the collector: an arena block needs no free.
+        # Over streams a block is reused only after what the events order (not the deps).
         groups, buffers = arena_buffers(prog, plan.groups, plan.liveness.last_use)
-        extra["memory"] = plan_memory(prog, groups, buffers, [i.deps for i in plan.instructions], where)
+        extra["memory"] = plan_memory(prog, groups, buffers, instruction_order(plan.instructions))
     plan = dataclasses.replace(plan, **extra)
+    if memory == "planned" and plan.n_streams > 1 and os.environ.get("FLOWEXEC_DEBUG") == "1":
+        from .passes.verify import check_plan
+
+        check_plan(plan)  # again, now that arena blocks are shared storage
     if gc == "async":
         limit = gc_backlog if isinstance(gc_backlog, int) else int(gc_backlog * plan.planned_peak_bytes())
         plan = dataclasses.replace(plan, gc_backlog_bytes=limit)

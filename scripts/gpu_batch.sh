@@ -24,7 +24,7 @@ for step in "$@"; do
     tests-new) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider $(ls tests/gpu/test_calling_gpu.py \
                  tests/gpu/test_streams_gpu.py tests/gpu/test_memory_gpu.py tests/gpu/test_pipeline_gpu.py \
                  tests/gpu/test_core_gpu.py tests/gpu/test_profiler_gpu.py 2>/dev/null) --junitxml="$R/$step.xml" ;;
-    tests-all) run_step $step 540 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu --junitxml="$R/$step.xml" ;;
+    tests-all) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu --junitxml="$R/$step.xml" ;;
     sanitizer) TORCH_CUDA_SANITIZER=1 run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider \
                  tests/gpu/test_streams_gpu.py tests/gpu/test_core_gpu.py \
                  -k "(trace or dropped or threaded) and not graph and not hf and not copy_heavy" ;;
@@ -32,9 +32,9 @@ for step in "$@"; do
     calling)   run_step $step 200 python3 benchmarks/step_time.py --calling --out "$R" ;;
     item)      run_step $step 120 python3 benchmarks/item.py --user-loop --out "$R/item.json" ;;
     streams)   run_step $step 240 python3 benchmarks/streams.py --out "$R" ;;
-    memory)    run_step $step 240 python3 benchmarks/memory.py --out "$R" ;;
+    memory)    run_step $step 90 python3 benchmarks/memory.py --out "$R" ;;
     jobs)      run_step $step 240 python3 benchmarks/pipeline_jobs.py --out "$R" ;;
-    profiler)  run_step $step 180 python3 benchmarks/profiler_overhead.py --out "$R" ;;
+    profiler)  run_step $step 150 python3 benchmarks/profiler_overhead.py --out "$R/profiler_overhead_gpu.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done

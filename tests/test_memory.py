@@ -108,14 +108,14 @@ def test_arena_validator_on_random_lifetimes_one_and_several_streams(seed):
     where = [rng.randrange(3) for _ in range(n_ops)]
     anc = happens_before(deps, where)
     multi = _plan_random(bufs, conflict_test(bufs, anc), 512)
-    check_arena(multi, bufs, deps, where)
+    check_arena(multi, bufs, anc)
     # the one-stream plan is not valid over streams wherever it shares a block across unordered ops
     unordered = any(conflict_test(bufs, anc)(i, j) and not conflict_test(bufs, None)(i, j)
                     and {plan.placements[i].offset} & {plan.placements[j].offset}
                     for i in range(len(bufs)) for j in range(i))
     if unordered:
         with pytest.raises(ArenaError):
-            check_arena(plan, bufs, deps, where)
+            check_arena(plan, bufs, anc)
 
 
 def test_arena_validator_catches_overlap_and_misalignment():

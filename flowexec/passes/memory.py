@@ -8,10 +8,14 @@ four orders — by decreasing size (XLA's spatial order), by start (its temporal
 decreasing lifetime and by decreasing size × lifetime — each best-fit and first-fit, and keeps
 the smallest arena.
 
-Over several streams, "over before" means *ordered before*: a block is reused only when every
-use of its previous tenant, on every stream, happens before the new writer by the plan's
-dependencies (each edge is an event wait or program order on one stream), not merely earlier
-in program order.
+Over several streams, "over before" means *happens before*: a block is reused only when every
+use of its previous tenant, on every stream, is ordered before the new writer by what the plan
+makes the streams do — program order on each stream, and an event wait after the record it
+waits for (:func:`event_order`). The plan's dependency edges are not that order: the events
+are pruned over data edges (a view-only op gets no wait, so a chain through one orders
+nothing), and a dependency that no wait carries orders nothing on the device. Between calls
+the join at exit and the fork at entry order every use before the next call's first writer;
+``flowexec.verify_plan`` checks both, treating values that share arena bytes as one storage.
 
 Which buffers are planned: the lowering makes an op write into its arena view through the op's
 ``out=`` overload, so a buffer is planned when its allocating op has one (one ``Tensor(a!) out``
@@ -138,8 +142,9 @@ def _align(n: int, a: int) -> int:
 
 
 def happens_before(deps: Sequence[Sequence[int]], where: Sequence[int] | None = None) -> list[int]:
-    """Per op, a bitset of the ops ordered before it: dependency edges (each an event wait or
-    one stream's program order) closed transitively, plus program order on its own stream."""
+    """Per op, a bitset of the ops ordered before it by a DAG ``deps`` whose every edge is
+    enforced, closed transitively, plus program order on its own stream. Not a plan's order:
+    a plan enforces only the edges its events carry (use :func:`instruction_order`)."""
     anc: list[int] = []
     last_on: dict[int, int] = {}
     for i, d in enumerate(deps):
@@ -155,13 +160,49 @@ def happens_before(deps: Sequence[Sequence[int]], where: Sequence[int] | None = 
     return anc
 
 
-def conflict_test(buffers: Sequence[Buffer], anc: list[int] | None) -> Callable[[int, int], bool]:
+def event_order(streams: Sequence[int], waits: Sequence[Sequence[int]], records: Sequence[Sequence[int]]) -> list[int]:
+    """Per op, a bitset of the ops that happen before it when the plan runs: program order on
+    its stream, and for each event it waits on, the latest op issued before it (ops are issued
+    in program order) that records that event, with everything before that op.
+
+    Example (op 2 on stream 1 waits for op 0's event; op 1 is unordered with op 2)::
+
+        >>> [bin(b) for b in event_order([0, 0, 1], [(), (), (7,)], [(7,), (), ()])]
+        ['0b0', '0b1', '0b1']
+    """
+    anc: list[int] = []
+    last_on: dict[int, int] = {}
+    last_record: dict[int, int] = {}
+    for i, s in enumerate(streams):
+        preds = [last_on[s]] if s in last_on else []
+        preds += [last_record[e] for e in waits[i] if e in last_record]
+        bits = 0
+        for j in preds:
+            bits |= anc[j] | (1 << j)
+        anc.append(bits)
+        last_on[s] = i
+        for e in records[i]:
+            last_record[e] = i
+    return anc
+
+
+def instruction_order(instructions: Sequence[Any]) -> list[int] | None:
+    """:func:`event_order` of a plan's instructions, or None when every op is on one stream."""
+    streams = [i.stream for i in instructions]
+    if len(set(streams)) <= 1:
+        return None
+    return event_order(streams, [i.waits for i in instructions], [i.records for i in instructions])
+
+
+def conflict_test(buffers: Sequence[Buffer], anc: list[int] | None,
+                  metadata_only: frozenset[int] = frozenset()) -> Callable[[int, int], bool]:
     """``conflicts(a, b)`` for buffer indices: both may be live at once. Without ``anc`` (one
-    stream) lifetimes are intervals of program order; with it, a is over before b only if every
-    use of a is ordered before b's allocating op."""
+    stream) lifetimes are intervals of program order; with it (:func:`event_order`), a is over
+    before b only if every use of a is ordered before b's allocating op. ``metadata_only``: ops
+    that touch no bytes (views), left out of the uses."""
     if anc is None:
         return lambda a, b: not (buffers[a].end < buffers[b].start or buffers[b].end < buffers[a].start)
-    masks = [sum(1 << u for u in b.uses) for b in buffers]
+    masks = [sum(1 << u for u in b.uses if u not in metadata_only) for b in buffers]
 
     def conflicts(a: int, b: int) -> bool:
         ba, bb = buffers[a], buffers[b]
@@ -195,9 +236,9 @@ def assign_offsets(sizes: Sequence[int], conflicts: Callable[[int, int], bool], 
 
 
 def plan_memory(prog: Program, groups: Sequence[int], buffers: Sequence[Buffer],
-                deps: Sequence[Sequence[int]] | None = None, where: Sequence[int] | None = None) -> MemoryPlan:
+                order: Sequence[int] | None = None) -> MemoryPlan:
     """Place every plannable buffer of ``prog`` in its device's arena (see the module docstring).
-    ``deps`` and ``where``: the plan's dependencies and stream per op, when it has several streams."""
+    ``order``: when the plan has several streams, its happens-before (:func:`instruction_order`)."""
     strided = {groups[r] for op in prog.ops if op.name in _STRIDED_READERS for r in op.refs()}
     values = prog.values
     root_op = {o: op for op in prog.ops for o in op.outputs if o >= 0}
@@ -229,13 +270,14 @@ def plan_memory(prog: Program, groups: Sequence[int], buffers: Sequence[Buffer],
         else:
             planned.append((b, meta.device))
     devices = tuple(sorted({d for _, d in planned}, key=str))
-    anc = happens_before(deps, where) if deps is not None and where is not None and len(set(where)) > 1 else None
+    anc = list(order) if order is not None else None
+    views = metadata_ops(prog)
     placements: list[Placement] = []
     sizes_out, bounds, aligns, strategies = [], [], [], []
     for k, dev in enumerate(devices):
         bufs = [b for b, d in planned if d == dev]
         align = CUDA_ALIGNMENT if dev.type == "cuda" else CPU_ALIGNMENT
-        conflicts = conflict_test(bufs, anc)
+        conflicts = conflict_test(bufs, anc, views)
         sizes = [b.nbytes for b in bufs]
         by_size = sorted(range(len(bufs)), key=lambda i: (-sizes[i], bufs[i].start))
         by_start = sorted(range(len(bufs)), key=lambda i: (bufs[i].start, -sizes[i]))
@@ -274,16 +316,24 @@ class ArenaError(AssertionError):
     """An arena plan breaks an invariant: two buffers live at once overlap, or one is misaligned."""
 
 
-def check_arena(plan: MemoryPlan, buffers: Sequence[Buffer], deps: Sequence[Sequence[int]] | None = None,
-                where: Sequence[int] | None = None) -> None:
+def metadata_ops(prog: Program) -> frozenset[int]:
+    """The ops that touch no bytes (views, :func:`~flowexec.passes.streams.is_view_op`)."""
+    from .streams import is_view_op
+
+    return frozenset(op.index for op in prog.ops if is_view_op(op.target))
+
+
+def check_arena(plan: MemoryPlan, buffers: Sequence[Buffer], order: Sequence[int] | None = None,
+                metadata_only: frozenset[int] = frozenset()) -> None:
     """Raise :class:`ArenaError` if two planned buffers that may be live at once overlap in an
-    arena, a placement is misaligned, or one runs past its arena's end."""
-    anc = happens_before(deps, where) if deps is not None and where is not None and len(set(where)) > 1 else None
+    arena, a placement is misaligned, or one runs past its arena's end. ``order``: the plan's
+    happens-before over several streams (:func:`instruction_order`)."""
+    anc = list(order) if order is not None else None
     by_group = {b.group: b for b in buffers}
     for k in range(len(plan.devices)):
         ps = [p for p in plan.placements if p.arena == k]
         bufs = [by_group[p.group] for p in ps]
-        conflicts = conflict_test(bufs, anc)
+        conflicts = conflict_test(bufs, anc, metadata_only)
         for i, p in enumerate(ps):
             if p.offset % plan.alignment[k]:
                 raise ArenaError(f"buffer of v{p.root} at offset {p.offset} breaks alignment {plan.alignment[k]}")

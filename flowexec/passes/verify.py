@@ -18,6 +18,11 @@ stream waits on every side stream) — over two calls in a row, and reports:
   cleared by the freeing stream unless the other streams that used it release it too.
 * ``DEF`` (worker threads only): an op may run before the op that makes one of its values.
 
+With ``memory="planned"`` (``plan.memory``) values that share arena bytes are one storage for
+these checks: the arena is cut at every placement's ends into cells, and an op that reads or
+writes a value reads or writes its cells, which outlive the call (so a block reused by the next
+call is checked too). Freeing an arena value returns nothing to the allocator: no ``FREE``.
+
 Dependencies between calls (this call's last ops on a side stream against the next call's
 first ops) are found the same way, in the second of the two calls (``Hazard.next_call``).
 
@@ -140,6 +145,7 @@ def verify_plan(program: Program, plan: Any, calls: int = 2) -> list[Hazard]:
         new = {groups[o] for o in op.outputs if o >= 0 and groups[o] not in seen}
         seen |= new
         creates.append(set() if view[op.index] else new)
+    cells = arena_cells(program, plan, groups)
     last_writer: dict[Any, int] = {}
     readers: dict[Any, list[int]] = {}
     for call in range(calls):
@@ -151,23 +157,33 @@ def verify_plan(program: Program, plan: Any, calls: int = 2) -> list[Hazard]:
                 reads, writes = rw[j]
             writes = set(writes) | creates[j]
             key = (lambda g: g if g in caller else (call, g))
-            for g in reads - writes:
-                w = last_writer.get(key(g))
-                if w is not None and not before(w, b):
-                    report("RAW", w, b, rep[g])
+            # storage key -> a value on it (for messages); arena cells are keys of their own
+            wk = {key(g): rep[g] for g in writes}
             for g in writes:
-                k = key(g)
+                for c in cells.get(g, ()):
+                    wk.setdefault(c, rep[g])
+            rk = {key(g): rep[g] for g in reads - writes}
+            for g in reads - writes:
+                for c in cells.get(g, ()):
+                    rk.setdefault(c, rep[g])
+            for k in wk:
+                rk.pop(k, None)
+            for k, vid in rk.items():
                 w = last_writer.get(k)
                 if w is not None and not before(w, b):
-                    report("WAW", w, b, rep[g])
+                    report("RAW", w, b, vid)
+            for k, vid in wk.items():
+                w = last_writer.get(k)
+                if w is not None and not before(w, b):
+                    report("WAW", w, b, vid)
                 for r in readers.get(k, ()):
                     if r != b and not before(r, b):
-                        report("WAR", r, b, rep[g])
-            for g in reads - writes:
-                readers.setdefault(key(g), []).append(b)
-            for g in writes:
-                last_writer[key(g)] = b
-                readers[key(g)] = []
+                        report("WAR", r, b, vid)
+            for k in rk:
+                readers.setdefault(k, []).append(b)
+            for k in wk:
+                last_writer[k] = b
+                readers[k] = []
             if workers:
                 for r in program.ops[j].refs():
                     p = made_by.get(r)
@@ -177,11 +193,39 @@ def verify_plan(program: Program, plan: Any, calls: int = 2) -> list[Hazard]:
     return sorted(set(hazards), key=lambda h: (h.next_call, h.second, h.first, h.kind))
 
 
+def arena_cells(program: Program, plan: Any, groups: Sequence[int]) -> dict[int, tuple[tuple[str, int, int], ...]]:
+    """Per storage group (``groups``), the arena cells its values occupy (``("arena", arena,
+    cell)``; a cell is a byte range between consecutive placement ends); empty without
+    ``plan.memory``."""
+    mem = getattr(plan, "memory", None)
+    if mem is None or not mem.placements:
+        return {}
+    from .memory import arena_groups
+
+    agroups = arena_groups(program, plan.groups)
+    by_agroup: dict[int, list[tuple[str, int, int]]] = {}
+    for k in range(len(mem.devices)):
+        ps = [p for p in mem.placements if p.arena == k]
+        cuts = sorted({p.offset for p in ps} | {p.offset + p.nbytes for p in ps})
+        at = {c: i for i, c in enumerate(cuts)}
+        for p in ps:
+            by_agroup[p.group] = [("arena", k, c) for c in range(at[p.offset], at[p.offset + p.nbytes])]
+    out: dict[int, set[tuple[str, int, int]]] = {}
+    for v in range(len(program.values)):
+        c = by_agroup.get(agroups[v])
+        if c:
+            out.setdefault(groups[v], set()).update(c)
+    return {g: tuple(sorted(c)) for g, c in out.items()}
+
+
 def _free_hazards(program: Program, plan: Any, groups: Sequence[int], caller: set[int], view: Sequence[bool],
                   before: Any, call: int, n: int, workers: bool) -> list[Hazard]:
     """``FREE`` hazards of one call: storage released (its last value freed) while a use on
-    another stream may be pending and no record or release covers that stream."""
+    another stream may be pending and no record or release covers that stream. An arena
+    value's free releases nothing (its block is ordered by the arena cells instead)."""
     ins = plan.instructions
+    mem = getattr(plan, "memory", None)
+    in_arena = {groups[v] for v in mem.values} if mem is not None else set()
     outs = {groups[r.id] for r in program.outputs if hasattr(r, "id")}
     release: dict[int, int] = {}  # group -> op after which its last value is freed
     recorded: dict[int, set[int]] = {}
@@ -216,7 +260,7 @@ def _free_hazards(program: Program, plan: Any, groups: Sequence[int], caller: se
                         found.append(Hazard("FREE", u, k, v, (t, i.stream), False))
         return found
     for g, k in release.items():
-        if g in caller or g in outs or g not in alloc:
+        if g in caller or g in outs or g not in alloc or g in in_arena:
             continue
         home = alloc[g]
         # the point of the allocating stream that the free follows: its last op up to k

@@ -1,189 +1,156 @@
-"""One rank's part of a pipeline: its stage's module, the jobs of a schedule, point-to-point
-transfers with its neighbours (``torch.distributed``: gloo on CPUs, NCCL on GPUs) and a timer
-per job.
+"""Transfers between pipeline ranks: ``torch.distributed`` point-to-point (gloo on CPUs, NCCL on
+GPUs), shapes agreed once, messages in a fixed order per channel, bounded waits.
 
-Forward ``sFm`` takes micro-batch ``m`` from the caller (stage 0) or from stage ``s-1``, runs the
-module and sends the output on (the last stage computes the loss instead); backward ``sBm``
-takes the output's gradient from stage ``s+1`` (the last stage starts from its loss), runs
-autograd through the module and sends the input's gradient back. Parameter gradients accumulate
-over the micro-batches in ``.grad``, each micro-batch's loss scaled by ``1 / n_micro`` so that
-they equal the gradients of the mean loss over the whole batch.
+A *channel* is one direction between two ranks (``src -> dst``). Its messages — a stage's
+outputs for the next stage's forward, or a stage's input gradients for the previous stage's
+backward — are numbered in the order the sender's plan produces them; every rank computes the
+same numbering from the plan (:func:`channel_order`), the sender posts sends in that order and
+the receiver posts its receives in that order too. That is what NCCL needs (it matches
+point-to-point operations by order, not by tag); gloo also gets a tag per message. On NCCL the
+two directions of a pair travel on two process groups so that a posted receive never queues a
+send behind it on one NCCL stream.
 
-Shapes travel once, at ``setup``: each stage runs its module on zeros of the incoming shape and
-tells the next stage the shape and dtype it will send.
+Waits end after ``timeout`` seconds, or at once when a peer's connection closes, and then name
+what they waited for and the error another rank posted to the group's store
+(:func:`post_failure`).
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+import datetime
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .launch import PipelineError
 from .schedules import Job
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_HEADER = 10  # dtype code, ndim, up to 8 dims
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
+          torch.uint8, torch.int8, torch.int16)
+_MAX_TENSORS, _MAX_DIMS = 8, 8
+_HEADER = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)
+_FAIL_KEY = "flowexec/pipeline/failure"
+
+Spec = tuple[tuple[tuple[int, ...], torch.dtype], ...]  # per tensor: shape, dtype
 
 
-@dataclass
-class StepResult:
-    """What a rank saw in one step: the losses of its micro-batches (last stage only, unscaled)
-    and per job (job, start ns, end ns, ns spent waiting to receive), on ``perf_counter_ns``."""
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message of a step: ``kind`` "act" (the input of ``stage``'s forward) or "grad" (the
+    output gradients for ``stage``'s backward), of micro-batch ``micro``, on channel
+    ``src -> dst`` at position ``pos``."""
 
-    losses: list[float] = field(default_factory=list)
-    jobs: list[tuple[str, int, int, int]] = field(default_factory=list)
+    kind: str
+    stage: int
+    micro: int
+    src: int
+    dst: int
+    pos: int
 
 
-class PipelineStage:
-    """Stage ``stage`` of ``n_stages`` on this rank (ranks are stages, in order).
+def spec_of(tensors: Sequence[torch.Tensor], what: str) -> Spec:
+    """The shapes and dtypes of a stage's tensors (an error names what cannot travel)."""
+    if not 1 <= len(tensors) <= _MAX_TENSORS:
+        raise ValueError(f"{what}: a pipeline sends 1 to {_MAX_TENSORS} tensors between stages, got {len(tensors)}")
+    out = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: element {i} is {type(t).__name__}; stages exchange tensors or tuples of tensors")
+        if t.dtype not in DTYPES or t.dim() > _MAX_DIMS:
+            raise ValueError(f"{what}: element {i} is {t.dtype} of {t.dim()} dims; a pipeline sends tensors of "
+                             f"{', '.join(map(str, DTYPES))} with at most {_MAX_DIMS} dims")
+        out.append((tuple(t.shape), t.dtype))
+    return tuple(out)
 
-    >>> import torch
-    >>> st = PipelineStage(torch.nn.Linear(4, 4), 0, 1, loss_fn=torch.nn.functional.mse_loss)
-    >>> st.setup((2, 4))
-    >>> r = st.run([Job(0, "F", 0), Job(0, "B", 0)], inputs=[torch.ones(2, 4)], targets=[torch.zeros(2, 4)])
-    >>> len(r.losses), st.module.weight.grad is not None
-    (1, True)
-    """
 
-    def __init__(self, module: torch.nn.Module, stage: int, n_stages: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 group: Any = None) -> None:
-        if not 0 <= stage < n_stages:
-            raise ValueError(f"stage {stage} is not in 0..{n_stages - 1}")
-        if stage == n_stages - 1 and loss_fn is None:
-            raise ValueError("the last stage needs a loss_fn")
-        self.module, self.stage, self.n_stages, self.loss_fn, self.group = module, stage, n_stages, loss_fn, group
-        self.first, self.last = stage == 0, stage == n_stages - 1
-        self.in_spec: tuple[tuple[int, ...], torch.dtype] | None = None
-        self.out_spec: tuple[tuple[int, ...], torch.dtype] | None = None
-        self.device = next(iter(module.parameters()), torch.empty(0)).device
+def encode_spec(spec: Spec) -> torch.Tensor:
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[0] = len(spec)
+    for i, (shape, dtype) in enumerate(spec):
+        o = 1 + i * (2 + _MAX_DIMS)
+        h[o], h[o + 1] = DTYPES.index(dtype), len(shape)
+        h[o + 2:o + 2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    return h
 
-    # -- set-up ------------------------------------------------------------------------------
-    def setup(self, micro_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> None:
-        """Learn the shapes this stage receives and sends. Stage 0 passes one micro-batch's
-        shape; the others receive it from their predecessor."""
-        if self.first:
-            if micro_shape is None:
-                raise ValueError("stage 0's setup needs the shape of one micro-batch")
-            self.in_spec = (tuple(micro_shape), dtype)
-        else:
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            dist.recv(header, self.stage - 1, group=self.group)
-            ndim = int(header[1])
-            self.in_spec = (tuple(int(d) for d in header[2:2 + ndim]), _DTYPES[int(header[0])])
-        if self.last:  # its output only feeds loss_fn: any type will do, nothing is sent
-            return
-        out = self._probe()
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"stage {self.stage} returns {type(out).__name__}; a stage that sends to the next "
-                             "must return one tensor")
-        self.out_spec = (tuple(out.shape), out.dtype)
-        if out.dtype not in _DTYPES or out.dim() > _HEADER - 2:
-            raise ValueError(f"stage {self.stage} outputs {out.dtype} of {out.dim()} dims; "
-                             f"a pipeline sends floating tensors of at most {_HEADER - 2} dims")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
-        header[2:2 + out.dim()] = torch.tensor(out.shape)
-        dist.send(header, self.stage + 1, group=self.group)
 
-    def _probe(self) -> Any:
-        """The module's output on zeros of the incoming shape, leaving no trace: random state
-        and buffers (BatchNorm's running statistics) are as they were."""
-        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            out = self.module(torch.zeros(self.in_spec[0], dtype=self.in_spec[1], device=self.device))  # type: ignore[index]
-            for b, saved in buffers:
-                b.copy_(saved)
-        return out
+def decode_spec(h: torch.Tensor) -> Spec:
+    out = []
+    for i in range(int(h[0])):
+        o = 1 + i * (2 + _MAX_DIMS)
+        ndim = int(h[o + 1])
+        out.append((tuple(int(d) for d in h[o + 2:o + 2 + ndim]), DTYPES[int(h[o])]))
+    return tuple(out)
 
-    # -- one step ----------------------------------------------------------------------------
-    def run(self, jobs: Sequence[Job], inputs: Sequence[torch.Tensor] | None = None,
-            targets: Sequence[torch.Tensor] | None = None) -> StepResult:
-        """Run this rank's jobs of one step (``inputs``: stage 0's micro-batches, ``targets``:
-        the last stage's). Gradients accumulate into the parameters' ``.grad``."""
-        if self.in_spec is None:
-            raise RuntimeError(f"stage {self.stage}: call setup() before run()")
-        if not jobs:
-            raise ValueError(f"stage {self.stage}: no jobs to run")
-        n_micro = 1 + max(j.micro for j in jobs)
-        for name, given, needed in (("inputs", inputs, self.first), ("targets", targets, self.last)):
-            if needed and (given is None or len(given) != n_micro):
-                raise ValueError(f"stage {self.stage} needs {n_micro} micro-batch {name}, "
-                                 f"got {None if given is None else len(given)}")
-        if self.first:
-            for m, t in enumerate(inputs):  # type: ignore[arg-type]
-                if (tuple(t.shape), t.dtype) != self.in_spec:
-                    raise ValueError(f"stage 0: micro-batch {m} is {t.dtype} {list(t.shape)}, but setup() was "
-                                     f"given {self.in_spec[1]} {list(self.in_spec[0])} (the shapes sent down the "
-                                     "pipeline follow from it)")
-        res = StepResult()
-        saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro -> (input, output or loss)
-        sends: list[Any] = []
-        clock = time.perf_counter_ns
-        # Every receive of the step is posted up front, in job order (so the transfers overlap
-        # the jobs before the one that needs them); a job waits on its own.
-        recvs = {(j.kind, j.micro): self._post_recv(j) for j in jobs
-                 if (j.kind == "F" and not self.first) or (j.kind == "B" and not self.last)}
-        for job in jobs:
-            if job.stage != self.stage:
-                raise ValueError(f"job {job} is not stage {self.stage}'s")
-            t0 = clock()
-            waited = 0
-            if job.kind == "F":
-                if self.first:
-                    x = inputs[job.micro]  # type: ignore[index]
-                else:
-                    x, work = recvs.pop(("F", job.micro))
-                    work.wait()
-                    waited = clock() - t0
-                    x.requires_grad_(True)
-                out = self.module(x)
-                if self.last:
-                    loss = self.loss_fn(out, targets[job.micro])  # type: ignore[index,misc]
-                    res.losses.append(float(loss.detach()))
-                    saved[job.micro] = (x, loss / n_micro)
-                else:
-                    if (tuple(out.shape), out.dtype) != self.out_spec:
-                        raise ValueError(f"stage {self.stage}: micro-batch {job.micro}'s output is {out.dtype} "
-                                         f"{list(out.shape)}, not the {self.out_spec[1]} "  # type: ignore[index]
-                                         f"{list(self.out_spec[0])} it had at setup()")  # type: ignore[index]
-                    saved[job.micro] = (x, out)
-                    sends.append(dist.isend(out.detach().contiguous(), self.stage + 1, group=self.group,
-                                            tag=2 * job.micro))
+
+def grad_spec(spec: Spec) -> Spec:
+    """What travels back for a message of ``spec``: a gradient per floating tensor."""
+    return tuple(s for s in spec if s[1].is_floating_point)
+
+
+def channel_order(plan: dict[int, Sequence[Job]], owner: dict[int, int]) -> list[Message]:
+    """Every cross-rank message of one step, numbered per channel in the sender's job order."""
+    n_stages = len(owner)
+    pos: dict[tuple[int, int], int] = {}
+    out = []
+    for r, jobs in sorted(plan.items()):
+        for j in jobs:
+            if j.kind == "F" and j.stage + 1 < n_stages:
+                kind, stage = "act", j.stage + 1
+            elif j.kind in ("B", "I") and j.stage > 0:
+                kind, stage = "grad", j.stage - 1
             else:
-                x, out = saved.pop(job.micro)
-                if not self.last:
-                    grad, work = recvs.pop(("B", job.micro))
-                    work.wait()
-                    waited = clock() - t0
-                if out.requires_grad:  # else nothing before it needs a gradient (no parameters, say)
-                    torch.autograd.backward(out, None if self.last else grad)
-                if not self.first:
-                    gx = x.grad if x.grad is not None else torch.zeros_like(x)  # the output ignored its input
-                    sends.append(dist.isend(gx.contiguous(), self.stage - 1, group=self.group, tag=2 * job.micro + 1))
-            res.jobs.append((str(job), t0, clock(), waited))
-        for w in sends:
-            w.wait()
-        return res
-
-    def _post_recv(self, job: Job) -> tuple[torch.Tensor, Any]:
-        """The buffer and pending receive of what ``job`` takes from a neighbour: the activation
-        from stage ``s-1`` for a forward, the output's gradient from ``s+1`` for a backward."""
-        shape, dtype = self.in_spec if job.kind == "F" else self.out_spec  # type: ignore[misc]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        peer, tag = (self.stage - 1, 2 * job.micro) if job.kind == "F" else (self.stage + 1, 2 * job.micro + 1)
-        return buf, dist.irecv(buf, peer, group=self.group, tag=tag)
+                continue
+            dst = owner[stage]
+            if dst == r:
+                continue  # a neighbour on the same rank: handed over in memory
+            k = pos.get((r, dst), 0)
+            pos[r, dst] = k + 1
+            out.append(Message(kind, stage, j.micro, r, dst, k))  # type: ignore[arg-type]
+    return out
 
 
-def split_batch(t: torch.Tensor, n_micro: int) -> list[torch.Tensor]:
-    """``n_micro`` equal micro-batches along dim 0 (an error names sizes that do not divide).
+def post_failure(rank: int, error: BaseException) -> None:
+    """Tell the other ranks (through the group's store) that this rank failed, and why."""
+    store = _store()
+    if store is not None:
+        try:
+            if not store.check([_FAIL_KEY]):
+                store.set(_FAIL_KEY, f"rank {rank} failed: {type(error).__name__}: {error}"[:4000])
+        except Exception:  # the store may be gone with the group: the others time out instead
+            pass
 
-    >>> [m.shape[0] for m in split_batch(torch.zeros(8, 3), 4)]
-    [2, 2, 2, 2]
-    """
-    if t.shape[0] % n_micro:
-        raise ValueError(f"a batch of {t.shape[0]} does not split into {n_micro} equal micro-batches")
-    return list(t.chunk(n_micro))
+
+def posted_failure() -> str | None:
+    store = _store()
+    if store is None:
+        return None
+    try:
+        return store.get(_FAIL_KEY).decode() if store.check([_FAIL_KEY]) else None
+    except Exception:
+        return None
+
+
+def _store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
+
+
+def wait(work: Any, what: str, rank: int, timeout: float) -> None:
+    """Wait for a point-to-point ``work`` at most ``timeout`` seconds. A peer that failed (and
+    posted why, :func:`post_failure`) or ended closes the connection, which ends the wait at
+    once; either way the error names what this rank waited for and, when another rank posted
+    one, that rank's error. (gloo's works report completion only through ``wait``, so there is
+    nothing to poll.)"""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as e:
+        failure = posted_failure()
+        if failure is not None:
+            raise PipelineError(f"rank {rank} stopped waiting for {what}: {failure}") from None
+        raise PipelineError(f"rank {rank}: waiting for {what} failed within {timeout:g} s (a rank that ended or "
+                            f"hangs, or a plan the ranks do not share): {type(e).__name__}: {str(e)[:300]}") from e

@@ -2,8 +2,12 @@
 
 On CUDA a job is timed by events recorded on the stream that runs it (before its first op, after
 its last), read once after the step — :meth:`JobTimer.flush` is the only synchronisation — and
-anchored to the host clock with one event whose host time is known. On the CPU the host clock is
-the device clock. :data:`NULL_TIMER` does nothing, so code can always call a timer.
+anchored to the host clock once per flush: after the device has finished everything, one more
+event is recorded and spun on, and the host clock read the moment it completes; every event of
+the step is that host time minus its distance to the anchor on the device. (Anchoring to the
+host time at which the first event was *recorded* would be off by however long the queue ahead
+of it was.) On the CPU the host clock is the device clock. :data:`NULL_TIMER` does nothing, so
+code can always call a timer.
 
 >>> import torch
 >>> t = JobTimer(torch.device("cpu"), rank=0, host="h")
@@ -47,24 +51,21 @@ class JobTimer:
 
     enabled = True
 
-    def __init__(self, device: torch.device | str, rank: int = 0, host: str | None = None) -> None:
+    def __init__(self, device: torch.device | str, rank: int = 0, host: str | None = None,
+                 offset_ns: int = 0) -> None:
         self.device = torch.device(device)
         self.rank = rank
         self.host = host or socket.gethostname()
         self.pid = os.getpid()
+        self.offset_ns = offset_ns  # this rank's clock to rank 0's (clocks.measure_offset), stamped on every span
         self._cuda = self.device.type == "cuda"
         self._open: list[list[Any]] = []
-        self._anchor: tuple[Any, int] | None = None
 
     def begin(self, *, step: int, stage: int | None, kind: str, micro: int | None, stream: str = "compute",
               peer: int | None = None, tag: int | None = None, name: str | None = None) -> list[Any]:
         """Start a span; returns the token to pass to :meth:`end`."""
         issue = time.perf_counter_ns()
         if self._cuda:
-            if self._anchor is None:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                self._anchor = (ev, time.perf_counter_ns())
             start: Any = torch.cuda.Event(enable_timing=True)
             start.record()
         else:
@@ -86,17 +87,27 @@ class JobTimer:
         """The spans since the last flush (waits for their events on CUDA)."""
         toks, self._open = self._open, []
         if self._cuda and toks:
-            anchor_ev, anchor_ns = self._anchor  # type: ignore[misc]
-            torch.cuda.synchronize(self.device)
-            to_ns = lambda ev: anchor_ns + int(anchor_ev.elapsed_time(ev) * 1e6)  # noqa: E731
-            self._anchor = None
+            anchor_ev, anchor_ns = anchor(self.device)
+            to_ns = lambda ev: anchor_ns - round(ev.elapsed_time(anchor_ev) * 1e6)  # noqa: E731
         else:
             to_ns = lambda t: t  # noqa: E731
         out = []
+        clock = "cuda" if self._cuda else "host"
         for step, stage, kind, micro, stream, peer, tag, name, issue, start, end in toks:
             if end is None:
                 continue  # a span that never ended (its job raised) is not a measurement
-            out.append(Span(rank=self.rank, host=self.host, pid=self.pid, step=step, stage=stage, kind=kind,
-                            micro=micro, stream=stream, start_ns=to_ns(start), end_ns=to_ns(end),
-                            clock="cuda" if self._cuda else "host", issue_ns=issue, peer=peer, tag=tag, name=name))
+            out.append(Span(self.rank, self.host, self.pid, step, stage, kind, micro, stream, to_ns(start), to_ns(end),
+                            clock, self.offset_ns, issue, peer, tag, name))
         return out
+
+
+def anchor(device: torch.device) -> tuple[Any, int]:
+    """An event on ``device``'s current stream and the host ``perf_counter_ns`` at which it
+    completed: waits for all work queued so far, records the event, spins until it is done (a
+    blocking wait would add the thread's wake-up latency) and reads the clock at once."""
+    torch.cuda.synchronize(device)
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    while not ev.query():
+        pass
+    return ev, time.perf_counter_ns()

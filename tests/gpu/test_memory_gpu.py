@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import flowexec
 from flowexec.models import make_mlp, make_step
-from flowexec.passes.memory import arena_buffers, check_arena
+from flowexec.passes.memory import arena_buffers, check_arena, instruction_order, metadata_ops
+from flowexec.passes.verify import verify_plan
 from flowexec.runtime.gc import collector
 from flowexec.runtime.memtrack import measure_memory
 from helpers import assert_close_rel, assert_same_state, block_adam_twins, twin
@@ -45,7 +46,8 @@ def test_planned_memory_on_cuda_trains_like_eager(mode, gc, streams):
     exe = flowexec.compile(s2, *data[0], mode=mode, gc=gc, memory="planned", streams=streams)
     plan = exe.plan
     check_arena(plan.memory, arena_buffers(plan.program, plan.groups, plan.liveness.last_use)[1],
-                [i.deps for i in plan.instructions], [i.stream for i in plan.instructions])
+                instruction_order(plan.instructions), metadata_ops(plan.program))
+    assert verify_plan(plan.program, plan) == []  # arena blocks count as shared storage
     assert plan.stats()["planned_buffers"] > 0
     for x, y in data[1:]:
         assert_close_rel(exe(x, y), s1(x, y), tol=1e-4, what="loss")

@@ -1,0 +1,92 @@
+"""What the pipeline benchmarks share: the same training through torch.distributed.pipelining
+(one rank's worker), the bubble a rank measured from its job spans, and the theory."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flowexec.pipeline import get_schedule, simulate
+from flowexec.pipeline.demo import Config, data, stage_modules, stages_per_rank
+
+# flowexec schedule -> the torch.distributed.pipelining schedule class run beside it
+TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
+               "zbh1": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
+SCHEDULES = list(TORCH_NAMES)
+
+
+def torch_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """The same model, micro-batches, loss, SGD and placement through torch.distributed.pipelining."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    cfg = Config(**cfg_dict)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    dev = torch.device(cfg.device or "cpu")
+    mods = [m.to(dev) for m in stage_modules(cfg, world)]
+    plan = get_schedule(cfg.schedule)(world, cfg.n_micro, len(mods))
+    local = sorted({j.stage for j in plan[rank]})  # the placement flowexec uses (loop or V)
+    stages = [PipelineStage(mods[s], s, len(mods), dev) for s in local]
+    cls = get_schedule_class(TORCH_NAMES[cfg.schedule])
+    single = stages_per_rank(cfg.schedule) == 1 and cfg.schedule != "zbh1"
+    sched = cls(stages[0] if single else stages, n_microbatches=cfg.n_micro, loss_fn=F.mse_loss)
+    params = [p for s in local for p in mods[s].parameters()]
+    opt = torch.optim.SGD(params, lr=cfg.lr)
+    x, y = (t.to(dev) for t in data(cfg))
+    has_first, has_last = 0 in local, len(mods) - 1 in local
+    out: dict[str, Any] = {"step_s": [], "losses": []}
+    for _ in range(cfg.steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if has_last else {}
+        sched.step(x, **kwargs) if has_first else sched.step(**kwargs)
+        opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        out["step_s"].append(time.perf_counter() - t0)
+        if losses:
+            out["losses"].append(sum(float(v.detach()) for v in losses) / len(losses))
+    out["params"] = {s: [p.detach().cpu().clone() for p in mods[s].parameters()] for s in local}
+    return out
+
+
+def measured_bubble(spans_per_step: list[list[Any]], skip: int) -> float:
+    """Median over the steps after ``skip`` of 1 - (time in jobs) / (step time), one rank."""
+    vals = []
+    for spans in spans_per_step[skip:]:
+        step = sum(s.duration_ns for s in spans if s.kind == "step")
+        busy = sum(s.duration_ns for s in spans if s.kind in ("F", "B", "I", "W", "OPT"))
+        if step:
+            vals.append(1 - busy / step)
+    return statistics.median(vals) if vals else float("nan")
+
+
+def job_costs(spans_per_step: list[list[Any]], skip: int) -> dict[str, float]:
+    """Median duration (ms) of each job kind a rank ran after ``skip`` steps."""
+    by: dict[str, list[float]] = {}
+    for spans in spans_per_step[skip:]:
+        for s in spans:
+            if s.kind in ("F", "B", "I", "W"):
+                by.setdefault(s.kind, []).append(s.duration_ns / 1e6)
+    return {k: statistics.median(v) for k, v in by.items()}
+
+
+def theory_bubble(schedule: str, world: int, n_micro: int, costs: dict[str, float] | None = None) -> float:
+    """The plan's bubble in simulate: equal costs, or (T_F, T_B, T_W) from measured job times
+    (a full backward's time split in half where only B was measured)."""
+    plan = get_schedule(schedule)(world, n_micro, world * stages_per_rank(schedule))
+    if costs:
+        t_f = costs.get("F", 1.0)
+        if "I" in costs:
+            t_b, t_w = costs["I"], costs.get("W", 0.0)
+        else:
+            t_b = t_w = costs.get("B", 2 * t_f) / 2
+        return simulate(plan, costs=(t_f, t_b, t_w)).bubble
+    return simulate(plan).bubble

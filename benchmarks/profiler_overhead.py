@@ -1,0 +1,130 @@
+"""What profiling costs: on against off.
+
+1. The CPU pipeline step, 2 gloo ranks (4 blocks of Linear(256) + tanh, batch 64 in 4
+   micro-batches, 1F1B, one thread per rank): every step recorded (the job records, the
+   optimizer's timer, the flush and the JSON-lines write per step) against no profiler, in
+   alternating rounds of fresh process pairs; the figure is the median step of rank 0 over the
+   last steps of each round, then the median over rounds.
+2. The demo's MLP step (3 x 256, batch 32, SGD) in trace mode, per call: plain; under
+   ``flowexec.profile`` with host stamps per instruction; with device times (a CUDA event per
+   instruction; CUDA only) — what per-instruction timing costs.
+3. A job timer around that whole step (``JobTimer.begin``/``end`` and a flush per step: on CUDA
+   two events and the anchor), against none: the cost per job the pipeline pays, ≤ 2% is the aim.
+
+    python3 benchmarks/profiler_overhead.py --out benchmarks/results/profiler_overhead.json
+    python3 benchmarks/profiler_overhead.py --device cpu --quick --out /tmp/po.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from host_meta import host_meta  # noqa: E402
+
+import flowexec  # noqa: E402
+from flowexec.models import make_mlp, make_step  # noqa: E402
+from flowexec.profiler import JobTimer  # noqa: E402
+
+
+def pipeline_overhead(rounds: int, steps: int) -> dict[str, Any]:
+    from flowexec.pipeline.launch import spawn
+    from flowexec.profiler.pipeline_demo import Config, profiled_worker
+
+    cfg = Config(width=256, blocks=4, batch=64, n_micro=4, schedule="1f1b", steps=steps, threads=1)
+    med: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for mode in ("off", "on"):
+            with tempfile.TemporaryDirectory() as d:
+                res = spawn(profiled_worker, 2, asdict(cfg), d, None if mode == "off" else list(range(steps)),
+                            timeout=300)
+            med[mode].append(statistics.median(res[0]["step_ns"][2:]) / 1e6)
+    off, on = statistics.median(med["off"]), statistics.median(med["on"])
+    return {"what": "2-rank gloo 1F1B step, every step recorded vs no profiler (rank 0, ms)",
+            "off_ms": off, "on_ms": on, "overhead": on / off - 1, "rounds_off_ms": med["off"], "rounds_on_ms": med["on"]}
+
+
+def _timed(fn, sync, n: int) -> float:
+    out = []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter_ns()
+        fn()
+        sync()
+        out.append(time.perf_counter_ns() - t0)
+    return statistics.median(out) / 1e3
+
+
+def mlp_overhead(dev: torch.device, runs: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = make_mlp(256, 3).to(dev)
+    step = make_step(model, torch.optim.SGD(model.parameters(), lr=0.01), F.cross_entropy)
+    x, y = torch.randn(32, 256, device=dev), torch.randint(0, 10, (32,), device=dev)
+    exe = flowexec.compile(step, x, y, mode="trace")
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    for _ in range(10):
+        exe(x, y)
+    out: dict[str, Any] = {"what": "demo MLP step (3 x 256, batch 32, SGD), trace mode, µs per call (median)",
+                           "instructions": len(exe.plan.instructions)}
+    rows: dict[str, list[float]] = {"plain": [], "host_stamps": [], "device_times": [], "job_timer": []}
+    timer = JobTimer(dev)
+
+    def with_timer():
+        tok = timer.begin(step=0, stage=0, kind="F", micro=0)
+        exe(x, y)
+        timer.end(tok)
+        timer.flush()
+
+    for _ in range(3):  # alternate, so that drift hits all alike
+        rows["plain"].append(_timed(lambda: exe(x, y), sync, runs))
+        rows["job_timer"].append(_timed(with_timer, sync, runs))
+        rows["host_stamps"].append(statistics.median(flowexec.profile(exe, x, y, runs=runs, device_times=False).run_us))
+        if dev.type == "cuda":
+            rows["device_times"].append(statistics.median(flowexec.profile(exe, x, y, runs=runs, device_times=True).run_us))
+    for k, v in rows.items():
+        if v:
+            out[f"{k}_us"] = statistics.median(v)
+    plain = out["plain_us"]
+    for k in ("host_stamps", "device_times", "job_timer"):
+        if f"{k}_us" in out:
+            out[f"{k}_overhead"] = out[f"{k}_us"] / plain - 1
+    if "device_times_us" in out:
+        out["device_times_us_per_instruction"] = (out["device_times_us"] - plain) / out["instructions"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and runs (a smoke test)")
+    ap.add_argument("--skip-pipeline", action="store_true", help="only the MLP step (the GPU machine)")
+    args = ap.parse_args()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    res: dict[str, Any] = {**host_meta(" ".join(sys.argv)), "torch_device": str(dev)}
+    if dev.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name(dev)
+    res["mlp"] = mlp_overhead(dev, 20 if args.quick else 200)
+    print(json.dumps(res["mlp"], indent=1), flush=True)
+    if not args.skip_pipeline:
+        res["pipeline"] = pipeline_overhead(1 if args.quick else 5, 6 if args.quick else 12)
+        print(json.dumps(res["pipeline"], indent=1), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

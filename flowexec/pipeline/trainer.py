@@ -1,0 +1,481 @@
+"""PipelineTrainer: one training step of a model cut into stages, run by every rank of a
+``torch.distributed`` group after a plan (:mod:`.schedules`).
+
+Every rank builds the same list of stage modules and the same trainer; each keeps the stages the
+plan puts on it. The first step agrees on shapes (each stage's output spec travels once to the
+next stage's rank), builds a runner per local stage (:func:`~.runner.make_runner`) and lowers
+this rank's jobs into a list of instructions with their message sources and destinations; every
+later step only runs that list: post every receive of the step in channel order, run the jobs
+(F, B, I, W, OPT), wait for the sends.
+
+Run it under ``torchrun`` (or :func:`~.launch.spawn` for a quick local try)::
+
+    # torchrun --nproc-per-node 2 train.py
+    import torch, torch.distributed as dist
+    from flowexec.pipeline import PipelineTrainer, split
+    dist.init_process_group("gloo")
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    trainer = PipelineTrainer(split(model, 2), schedule="1F1B", microbatches=4,
+                              loss_fn=torch.nn.functional.mse_loss,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), compile=False)
+    loss = trainer.step(torch.randn(32, 64), torch.randn(32, 64))  # a tensor on the last stage's rank, else None
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..profiler.timers import NULL_TIMER
+from .launch import PipelineError
+from .runner import StageRunner, _as_tuple, make_runner
+from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
+from .stage import Message, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure, spec_of, wait
+
+NO_GROUP = ("PipelineTrainer needs a torch.distributed process group: start the script with "
+            "`torchrun --nproc-per-node N script.py` (across machines: `torchrun --nnodes M --nproc-per-node N "
+            "--rdzv-backend c10d --rdzv-endpoint HOST:PORT script.py`) and call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first, or try it locally with "
+            "flowexec.pipeline.spawn(fn, world)")
+
+
+def split(seq: torch.nn.Sequential, n: int) -> list[torch.nn.Module]:
+    """Cut a sequential model into ``n`` contiguous stages of as even a number of layers as the
+    count allows (the modules are shared with ``seq``, not copied).
+
+    >>> [len(s) for s in split(torch.nn.Sequential(*[torch.nn.ReLU()] * 5), 2)]
+    [3, 2]
+    """
+    if not isinstance(seq, torch.nn.Sequential):
+        raise TypeError(f"split cuts an nn.Sequential, got {type(seq).__name__}")
+    layers = list(seq)
+    if not isinstance(n, int) or not 1 <= n <= len(layers):
+        raise ValueError(f"cannot cut {len(layers)} layers into {n!r} stages")
+    edges = [i * (len(layers) // n) + min(i, len(layers) % n) for i in range(n + 1)]  # the first stages get the extra
+    return [torch.nn.Sequential(*layers[edges[i]:edges[i + 1]]) for i in range(n)]
+
+
+def split_batch(t: Any, n_micro: int) -> list[Any]:
+    """``n_micro`` equal micro-batches along dim 0 of a tensor, or of each tensor of a tuple.
+
+    >>> [m.shape[0] for m in split_batch(torch.zeros(8, 3), 4)]
+    [2, 2, 2, 2]
+    """
+    if isinstance(t, (tuple, list)):
+        parts = [split_batch(x, n_micro) for x in t]
+        return [tuple(p[i] for p in parts) for i in range(n_micro)]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"a batch is a tensor or a tuple of tensors, got {type(t).__name__}")
+    if t.dim() == 0 or t.shape[0] % n_micro:
+        raise ValueError(f"a batch of {t.shape[0] if t.dim() else 'a scalar'} does not split into {n_micro} "
+                         "equal micro-batches")
+    return list(t.chunk(n_micro))
+
+
+@dataclass(frozen=True, slots=True)
+class _Ins:
+    """One lowered job: where its input comes from and where its output goes.
+    src/dst: None (the caller / the loss / nothing), "local" (a stage on this rank), or a Message."""
+
+    job: Job
+    src: Any
+    dst: Any
+
+
+class PipelineTrainer:
+    """Train ``stages`` (every stage's module, the same list on every rank) pipeline-parallel.
+
+    ``schedule``: a name (FThenB/GPipe, 1F1B, Interleaved1F1B, ZBH1, ZBV; any case), a function
+    ``(n_ranks, n_micro, n_stages) -> plan``, or a plan (``{rank: [Job, ...]}``). The plan decides
+    which stages each rank holds (ZBV: two in a V; Interleaved1F1B: ``r, r+p, ...``).
+    ``loss_fn(output, target)``: a mean over the micro-batch; gradients are those of the mean over
+    the batch. ``optimizer(params)`` builds one optimizer per local stage, stepped by the stage's
+    ``OPT`` job (None: gradients are left in ``.grad``). ``compile``: False for eager stages, True
+    (or a mode string) for flowexec programs. ``device``: where the local stages run (default
+    ``cuda:LOCAL_RANK`` on an NCCL group, else the CPU). ``timer``: a
+    :class:`~flowexec.profiler.timers.JobTimer` to record every job and receive wait; the spans of
+    the last step are in ``trainer.spans``. ``profile``: the steps to record (``range(10, 13)``)
+    into ``profile_dir`` (one JSON-lines file per rank; ``flowexec timeline merge DIR``), or use
+    ``with trainer.profiling(DIR):`` around steps (docs/timeline.md). ``timeout``: seconds any
+    wait may last.
+
+    :meth:`step` returns the mean loss (a 0-d tensor) on the rank holding the last stage, None on
+    the others. A rank that raises posts its error; the others stop waiting with a
+    :class:`PipelineError` naming it.
+    """
+
+    def __init__(self, stages: Sequence[torch.nn.Module], schedule: str | Callable[..., Plan] | Plan = "1F1B",
+                 microbatches: int = 8, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 optimizer: Callable[[list[torch.nn.Parameter]], Any] | None = None, compile: bool | str = True,
+                 device: torch.device | str | None = None, timer: Any = None, timeout: float = 300.0,
+                 profile: Any = None, profile_dir: str = "flowexec-timeline") -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(NO_GROUP)
+        stages = list(stages)
+        if not stages or not all(isinstance(s, torch.nn.Module) for s in stages):
+            raise TypeError("stages must be a non-empty list of nn.Module (every stage of the model, on every rank)")
+        if loss_fn is None or not callable(loss_fn):
+            raise ValueError("PipelineTrainer needs loss_fn(output, target)")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a whole number >= 1, got {microbatches!r}")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.n_stages, self.n_micro = len(stages), microbatches
+        plan = self._resolve(schedule)
+        self.plan = with_optimizer(plan)
+        self.owner = placement(self.plan)
+        self.local = [s for s in range(self.n_stages) if self.owner[s] == self.rank]
+        self.backend = str(dist.get_backend())  # "gloo", "nccl", or "cpu:gloo,cuda:nccl"
+        if device is None:
+            device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
+                      if "nccl" in self.backend and torch.cuda.is_available() else torch.device("cpu"))
+        self.device = torch.device(device)
+        self.nccl = "nccl" in self.backend and self.device.type == "cuda"  # transfers go through NCCL
+        self.modules = {s: stages[s].to(self.device) for s in self.local}
+        self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
+        self.optimizers = {}
+        for s in self.local:
+            params = [p for p in self.modules[s].parameters() if p.requires_grad]
+            self.optimizers[s] = optimizer(params) if optimizer is not None and params else None
+        self.timer = timer if timer is not None else NULL_TIMER
+        self.spans: list[Any] = []
+        self.runners: dict[int, StageRunner] = {}
+        self.step_count = 0
+        self._program: list[_Ins] | None = None
+        # NCCL matches point-to-point operations by order per communicator: the two directions of a
+        # pair get a group each, so a posted receive never queues a send behind it.
+        self._groups = (dist.new_group(), dist.new_group()) if self.nccl else (None, None)
+        self._comm = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Built on every rank at once: it measures each rank's clock offset to rank 0.
+        self._schedule_name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "plan")
+        self.profiler = self._profiler(profile_dir, profile) if profile is not None else None
+
+    def _profiler(self, directory: str, steps: Any) -> Any:
+        from ..profiler.pipeline_demo import pipeline_meta
+        from ..profiler.session import StepProfiler
+
+        meta = pipeline_meta(self.plan, self._schedule_name, self.world, self.n_stages, self.n_micro, self.device)
+        return StepProfiler(directory, steps, device=self.device, meta=meta)
+
+    @contextlib.contextmanager
+    def profiling(self, directory: str = "flowexec-timeline") -> Iterator[Any]:
+        """``with trainer.profiling("timeline/"):`` records every step inside the block (every
+        rank enters it at the same step); the records are written when it closes."""
+        from ..profiler.session import ALL_STEPS
+
+        kept, self.profiler = self.profiler, self._profiler(directory, ALL_STEPS)
+        try:
+            yield self.profiler
+        finally:
+            prof, self.profiler = self.profiler, kept
+            prof.close()
+
+    # -- construction ------------------------------------------------------------------------
+    def _resolve(self, schedule: Any) -> dict[int, tuple[Job, ...]]:
+        if isinstance(schedule, str):
+            fn = get_schedule(schedule)
+            name = schedule
+        elif callable(schedule):
+            fn, name = schedule, getattr(schedule, "__name__", "the schedule")
+        else:
+            fn, name = None, "the plan"
+        try:
+            plan = fn(self.world, self.n_micro, self.n_stages) if fn is not None else schedule
+        except ValueError as e:
+            raise ValueError(f"{name} does not fit {self.n_stages} stages on {self.world} ranks with "
+                             f"{self.n_micro} micro-batches: {e}") from None
+        plan = {int(r): tuple(js) for r, js in dict(plan).items()}
+        if sorted(plan) != list(range(self.world)):
+            raise ValueError(f"{name} has jobs for ranks {sorted(plan)}, but the group has {self.world} ranks")
+        check(plan)
+        stages = sorted(placement(plan))
+        if len(stages) != self.n_stages:
+            raise ValueError(f"{name} runs {len(stages)} stages, but {self.n_stages} stage modules were given")
+        micro = 1 + max(j.micro for js in plan.values() for j in js if j.micro is not None)
+        if micro != self.n_micro:
+            raise ValueError(f"{name} runs {micro} micro-batches, but microbatches={self.n_micro}")
+        if any(not js for js in plan.values()):
+            raise ValueError(f"{name} leaves rank {next(r for r, js in plan.items() if not js)} without jobs")
+        simulate(plan)  # a plan that deadlocks fails here, on every rank, naming the stuck jobs
+        return plan
+
+    def _group(self, src: int, dst: int) -> Any:
+        return self._groups[0] if src < dst else self._groups[1]
+
+    def _wait(self, work: Any, what: str) -> None:
+        if self.nccl:
+            work.wait()  # orders the current stream after the transfer; the host goes on
+        else:
+            wait(work, what, self.rank, self.timeout)
+
+    def _setup(self, first_micro: tuple[torch.Tensor, ...] | None) -> None:
+        """Agree on shapes (once), build the runners and lower this rank's jobs."""
+        msgs = channel_order(self.plan, self.owner)
+        self._warm_up(msgs)
+        hdr_dev = self.device if self.nccl else torch.device("cpu")
+        last = self.n_stages - 1
+        self.in_spec: dict[int, Spec] = {}
+        self.out_spec: dict[int, Spec] = {}
+        sends = []
+        for s in self.local:
+            if s == 0:
+                self.in_spec[s] = spec_of(first_micro, "stage 0's micro-batch")  # type: ignore[arg-type]
+            elif self.owner[s - 1] == self.rank:
+                self.in_spec[s] = self.out_spec[s - 1]
+            else:
+                h = torch.zeros(encode_spec(()).shape, dtype=torch.int64, device=hdr_dev)
+                src = self.owner[s - 1]
+                self._wait(dist.irecv(h, src, group=self._group(src, self.rank), tag=1 << 20 | s),
+                           f"stage {s - 1}'s output shapes from rank {src}")
+                self.in_spec[s] = decode_spec(h.cpu())
+            example = tuple(torch.zeros(shape, dtype=dt, device=self.device).requires_grad_(s > 0 and dt.is_floating_point)
+                            for shape, dt in self.in_spec[s])
+            if s == 0:
+                example = tuple(x.detach().to(self.device) for x in first_micro)  # type: ignore[union-attr]
+            self.runners[s] = make_runner(self.modules[s], example_inputs=example,
+                                          loss_fn=self.loss_fn if s == last else None,
+                                          loss_scale=1.0 / self.n_micro, compile=self.compile)
+            if s == last:
+                continue
+            self.out_spec[s] = spec_of(_as_tuple(_probe(self.modules[s], example, self.device)),
+                                       f"stage {s}'s output")
+            dst = self.owner[s + 1]
+            if dst != self.rank:
+                h = encode_spec(self.out_spec[s]).to(hdr_dev)
+                sends.append((dist.isend(h, dst, group=self._group(self.rank, dst), tag=1 << 20 | (s + 1)), h))
+        for w, _ in sends:
+            self._wait(w, "the shapes sent to the next rank")
+        by_key = {(m.kind, m.stage, m.micro): m for m in msgs}
+        program: list[_Ins] = []
+        needed: list[Message] = []
+        for j in self.plan[self.rank]:
+            s, m = j.stage, j.micro
+            src = dst = None
+            if j.kind == "F":
+                if s > 0:
+                    src = "local" if self.owner[s - 1] == self.rank else by_key["act", s, m]
+                if s < last:
+                    dst = "local" if self.owner[s + 1] == self.rank else by_key["act", s + 1, m]
+            elif j.kind in ("B", "I"):
+                if s < last:
+                    src = "local" if self.owner[s + 1] == self.rank else by_key["grad", s, m]
+                if s > 0:
+                    dst = "local" if self.owner[s - 1] == self.rank else by_key["grad", s - 1, m]
+            if isinstance(src, Message):
+                needed.append(src)
+            program.append(_Ins(j, src, dst))
+        # Receives are posted in each channel's order (what NCCL matches on), as early as this
+        # rank's job order needs them: all of them at the start of a step.
+        per_channel: dict[tuple[int, int], list[Message]] = {}
+        for m_ in msgs:
+            if m_.dst == self.rank:
+                per_channel.setdefault((m_.src, m_.dst), []).append(m_)
+        posted: dict[tuple[int, int], int] = {}
+        order: list[Message] = []
+        for m_ in needed:
+            ch = (m_.src, m_.dst)
+            for k in range(posted.get(ch, 0), m_.pos + 1):
+                order.append(per_channel[ch][k])
+            posted[ch] = max(posted.get(ch, 0), m_.pos + 1)
+        self._recv_order = [(m_, self._spec_of(m_)) for m_ in order]
+        self._program = program
+
+    def _spec_of(self, m: Message) -> Spec:
+        return self.in_spec[m.stage] if m.kind == "act" else grad_spec(self.out_spec[m.stage])
+
+    def _warm_up(self, msgs: list[Message]) -> None:
+        """One small message each way on every channel, in one global order: NCCL creates a
+        pair's communicator at its first operation and blocks both ranks there, so every rank
+        must meet its peers in the same order (gloo just checks the connection)."""
+        chans = sorted({(m.src, m.dst) for m in msgs} | {(m.dst, m.src) for m in msgs},
+                       key=lambda c: (min(c), max(c), c[0] > c[1]))
+        dev = self.device if self.nccl else torch.device("cpu")
+        for src, dst in chans:
+            if self.rank not in (src, dst):
+                continue
+            t = torch.zeros(1, device=dev)
+            g = self._group(src, dst)
+            w = dist.isend(t, dst, group=g, tag=1 << 21) if self.rank == src else dist.irecv(t, src, group=g, tag=1 << 21)
+            self._wait(w, f"rank {src if self.rank == dst else dst} to join the pipeline")
+        if self.nccl:
+            torch.cuda.synchronize(self.device)
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+        """One training step on the whole batch (``inputs``: the rank holding stage 0 needs
+        them, ``targets``: the rank holding the last stage; other ranks may pass None). Returns
+        the mean loss over the micro-batches on the last stage's rank, None elsewhere."""
+        try:
+            last = self.n_stages - 1
+            xs = ys = None
+            if 0 in self.modules:
+                if inputs is None:
+                    raise ValueError(f"rank {self.rank} holds stage 0: step() needs the inputs")
+                xs = [tuple(t.to(self.device) for t in _as_tuple(x)) for x in split_batch(inputs, self.n_micro)]
+            if last in self.modules:
+                if targets is None:
+                    raise ValueError(f"rank {self.rank} holds the last stage: step() needs the targets")
+                ys = [y.to(self.device) if isinstance(y, torch.Tensor) else y for y in split_batch(targets, self.n_micro)]
+            if self._program is None:
+                self._setup(xs[0] if xs is not None else None)
+            if xs is not None:
+                for m, x in enumerate(xs):
+                    if spec_of(x, "micro-batch") != self.in_spec[0]:
+                        raise ValueError(f"micro-batch {m} is {_fmt(spec_of(x, 'micro-batch'))}, but the pipeline was "
+                                         f"set up for {_fmt(self.in_spec[0])} (the first step fixes the shapes)")
+            prof, kept = self.profiler, self.timer
+            if prof is not None:
+                self.timer = prof.timer(self.step_count)
+            try:
+                out = self._run(xs, ys)
+            finally:
+                self.timer = kept
+            if prof is not None:
+                prof.add(self.step_count, self.spans)
+            self.step_count += 1
+            return out
+        except BaseException as e:
+            post_failure(self.rank, e)
+            raise
+
+    def _run(self, xs: list[tuple[torch.Tensor, ...]] | None, ys: list[Any] | None) -> torch.Tensor | None:
+        timer, k = self.timer, self.step_count
+        t_step = timer.begin(step=k, stage=None, kind="step", micro=None)
+        for s in self.local:
+            for p in self.runners[s].parameters:
+                p.grad = None
+        comm = self._comm
+        recvs: dict[tuple[str, int, int], tuple[list[torch.Tensor], list[Any]]] = {}
+        with torch.cuda.stream(comm) if comm is not None else _nullcontext():
+            for m, spec in self._recv_order:
+                bufs = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
+                tok = timer.begin(step=k, stage=m.stage, kind="recv", micro=m.micro, stream="comm", peer=m.src,
+                                  tag=m.pos)  # ended in _take, once the data is there
+                works = [dist.irecv(b, m.src, group=self._group(m.src, m.dst), tag=m.pos * 8 + i)
+                         for i, b in enumerate(bufs)]
+                recvs[m.kind, m.stage, m.micro] = (bufs, works, tok)
+        local: dict[tuple[str, int, int], tuple[Any, ...]] = {}
+        sends: list[tuple[Any, Any]] = []
+        losses: list[torch.Tensor] = []
+        for ins in self._program:  # type: ignore[union-attr]
+            j = ins.job
+            s, m = j.stage, j.micro
+            runner = self.runners[s]
+            kind = j.kind
+            if kind == "F" or kind in ("B", "I"):
+                key = ("act", s, m) if kind == "F" else ("grad", s, m)
+                if ins.src is None:
+                    got = xs[m] if kind == "F" else None  # type: ignore[index]
+                elif ins.src == "local":
+                    got = local.pop(key)
+                else:
+                    got = self._take(recvs.pop(key), ins.src)
+                tok = timer.begin(step=k, stage=s, kind=kind, micro=m)
+                if kind == "F":
+                    out = runner.forward(m, got, ys[m] if s == self.n_stages - 1 else None)  # type: ignore[index]
+                    if s == self.n_stages - 1:
+                        losses.append(out[0])
+                        timer.end(tok)
+                        continue
+                else:
+                    grads = runner.backward(m, got) if kind == "B" else runner.backward_input(m, got)
+                    if s == 0:
+                        timer.end(tok)
+                        continue
+                    spec = self.in_spec[s]
+                    out = tuple(g if g is not None else torch.zeros(shape, dtype=dt, device=self.device)
+                                for g, (shape, dt) in zip(grads, spec) if dt.is_floating_point)
+                timer.end(tok)
+                if ins.dst == "local":
+                    local[("act", s + 1, m) if kind == "F" else ("grad", s - 1, m)] = out
+                else:
+                    self._send(out, ins.dst, sends)
+            elif kind == "W":
+                tok = timer.begin(step=k, stage=s, kind="W", micro=m)
+                runner.backward_weight(m)
+                timer.end(tok)
+            else:
+                opt = self.optimizers[s]
+                if opt is not None:
+                    tok = timer.begin(step=k, stage=s, kind="OPT", micro=None)
+                    opt.step()
+                    timer.end(tok)
+        for w, _ in sends:
+            self._wait(w, "a send to finish")
+        timer.end(t_step)
+        self.spans = timer.flush()
+        return torch.stack(losses).mean() if losses else None
+
+    def _take(self, posted: tuple[list[torch.Tensor], list[Any], Any], m: Message) -> tuple[torch.Tensor, ...]:
+        bufs, works, recv_tok = posted
+        tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="wait", micro=m.micro, stream="wait",
+                               peer=m.src, name=f"recv {m.kind} for stage {m.stage}")
+        for i, w in enumerate(works):
+            self._wait(w, f"the {'input' if m.kind == 'act' else 'output gradient'} of stage {m.stage} micro-batch "
+                          f"{m.micro} from rank {m.src}")
+        self.timer.end(tok)
+        self.timer.end(recv_tok)
+        if self._comm is not None:
+            cur = torch.cuda.current_stream(self.device)
+            for b in bufs:
+                b.record_stream(cur)  # allocated on the comm stream, read on compute
+        return tuple(bufs)
+
+    def _send(self, out: tuple[torch.Tensor, ...], m: Message, sends: list[tuple[Any, Any]]) -> None:
+        spec = self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])
+        if len(out) != len(spec) or any(tuple(t.shape) != sh or t.dtype != dt for t, (sh, dt) in zip(out, spec)):
+            raise ValueError(f"stage {m.stage - 1 if m.kind == 'act' else m.stage + 1} produced {_fmt(spec_of(out, 'output'))} "
+                             f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
+        g = self._group(m.src, m.dst)
+        tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
+                               peer=m.dst, tag=m.pos,  # tag: the receive's, for the trace's flow arrows
+                               name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
+        self._send_now(out, m, g, sends)
+        self.timer.end(tok)
+
+    def _send_now(self, out: tuple[torch.Tensor, ...], m: Message, g: Any, sends: list[tuple[Any, Any]]) -> None:
+        if self._comm is not None:
+            # A copy the transfer owns: a compiled stage's outputs live in CUDA-graph buffers that a
+            # later replay on the compute stream may overwrite before the NCCL stream read them.
+            out = tuple(t.clone(memory_format=torch.contiguous_format) for t in out)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._comm.wait_event(ev)  # the transfer starts once the job that wrote it has
+            with torch.cuda.stream(self._comm):
+                for i, t in enumerate(out):
+                    t = t.contiguous()
+                    sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
+        else:
+            for i, t in enumerate(out):
+                t = t.contiguous()
+                sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+def _fmt(spec: Spec) -> str:
+    return ", ".join(f"{str(dt).replace('torch.', '')}{list(sh)}" for sh, dt in spec)
+
+
+def _probe(module: torch.nn.Module, example: tuple[torch.Tensor, ...], device: torch.device) -> Any:
+    """The module's output on the example inputs, leaving no trace: the random stream and the
+    buffers (BatchNorm's running statistics) are as they were."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        out = module(*(x.detach() for x in example))
+        for b, saved in buffers:
+            b.copy_(saved)
+    return out
+
+
+__all__ = ["PipelineTrainer", "split", "split_batch", "NO_GROUP"]

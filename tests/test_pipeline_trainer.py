@@ -1,0 +1,255 @@
+"""PipelineTrainer on gloo ranks (spawned or under torchrun, each with a timeout): every schedule
+trains like the unsplit model in one process; bad set-ups fail at construction; a failing rank
+ends every rank with its error; the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flowexec.pipeline import PipelineError, PipelineTrainer, parse_schedule, spawn, split
+from flowexec.pipeline.demo import Config, blocks, data, eager_reference, stage_modules, train_worker
+
+pytestmark = pytest.mark.timeout(300)
+SCHEDULES = ["FThenB", "1F1B", "Interleaved1F1B", "ZBH1", "ZBV"]
+SMALL = Config(width=16, blocks=8, batch=16, n_micro=4, steps=3, lr=0.1, threads=1)
+
+
+def _every_schedule(rank: int, world: int, cfg_dict: dict, compile: bool) -> dict:
+    out = {}
+    for name in SCHEDULES:
+        cfg = Config(**{**cfg_dict, "schedule": name, "compile": compile})
+        out[name] = train_worker(rank, world, asdict(cfg))
+    return out
+
+
+def _check_against_one_process(res: list[dict], world: int) -> None:
+    for name in SCHEDULES:
+        cfg = Config(**{**asdict(SMALL), "schedule": name})
+        losses, _ = eager_reference(cfg)
+        model = blocks(cfg)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        x, y = data(cfg)
+        for _ in range(cfg.steps):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        want = [list(s.parameters()) for s in split(model, len(stage_modules(cfg, world)))]
+        held = sorted(s for r in range(world) for s in res[r][name]["stages"])
+        assert held == list(range(len(want))), name
+        for r in range(world):
+            for s, got in res[r][name]["params"].items():
+                for a, b in zip(got, want[s], strict=True):
+                    torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        last = [r for r in range(world) if res[r][name]["losses"]]
+        assert len(last) == 1 and res[last[0]][name]["losses"] == pytest.approx(losses, rel=1e-5), name
+        if name == "ZBV":
+            assert last == [0]  # the V puts the last stage back on rank 0
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_trains_as_one_process(world, compile):
+    res = spawn(_every_schedule, world, asdict(SMALL), compile, timeout=120)
+    _check_against_one_process(res, world)
+    spans = res[0]["ZBH1"]["spans"][-1]
+    kinds = {s.kind for s in spans}
+    assert {"F", "I", "W", "OPT", "step", "wait"} <= kinds and all(s.end_ns >= s.start_ns for s in spans)
+
+
+def _bad_set_ups(rank: int, world: int) -> dict:
+    errors = {}
+    mods = [torch.nn.Linear(4, 4) for _ in range(4)]
+    cases = {
+        "zbv on 1 stage per rank": dict(stages=mods[:2], schedule="ZBV"),
+        "1f1b on 4 stages": dict(stages=mods, schedule="1F1B"),
+        "plan for 3 ranks": dict(stages=mods[:3], schedule=parse_schedule(
+            "rank 0: 0F0 0B0\nrank 1: 1F0 1B0\nrank 2: 2F0 2B0"), microbatches=1),
+        "unknown": dict(stages=mods[:2], schedule="dualpipe"),
+        "deadlock": dict(stages=mods[:2], schedule=parse_schedule("rank 0: 0B0 0F0\nrank 1: 1F0 1B0"), microbatches=1),
+    }
+    for what, kw in cases.items():
+        try:
+            PipelineTrainer(loss_fn=F.mse_loss, compile=False, **{"microbatches": 4, **kw})
+        except (ValueError, TypeError) as e:
+            errors[what] = str(e)
+    # tuples of tensors and float64 between stages, an integer tensor that needs no gradient
+    torch.manual_seed(0)
+    first, second = _TwoOut().double(), _TakesTwo().double()
+    t = PipelineTrainer([first, second], schedule="zbh1", microbatches=2, loss_fn=F.mse_loss, compile=False,
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    losses = [t.step(x, y) for _ in range(2)]
+    mine = first if rank == 0 else second
+    return {"errors": errors, "params": [p.detach().clone() for p in mine.parameters()],
+            "losses": [float(v) for v in losses if v is not None]}
+
+
+class _TwoOut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.a(x), torch.tanh(self.b(x)), (x[:, 0] > 0).long()  # an integer tensor: no gradient
+
+
+class _TakesTwo(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = torch.nn.Linear(7, 4)
+
+    def forward(self, u, v, idx):
+        return self.c(torch.cat([u, v], 1)) + idx[:, None].to(u.dtype) * 0.01
+
+
+def test_bad_set_ups_fail_at_construction_and_tuples_travel():
+    res = spawn(_bad_set_ups, 2, timeout=60)
+    err = res[0]["errors"]
+    assert "ZBV runs 2 stages per rank: it needs 4 stages on 2 ranks, got 2" in err["zbv on 1 stage per rank"]
+    assert "1F1B runs 1 stage per rank" in err["1f1b on 4 stages"]
+    assert "has jobs for ranks [0, 1, 2], but the group has 2 ranks" in err["plan for 3 ranks"]
+    assert "unknown schedule 'dualpipe'" in err["unknown"]
+    assert "deadlocks: rank 0 waits at 0B0" in err["deadlock"]
+    assert res[1]["errors"] == err  # every rank fails the same way, before any transfer
+    torch.manual_seed(0)
+    first, second = _TwoOut().double(), _TakesTwo().double()
+    opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.5)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.mse_loss(second(*first(x)), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert res[1]["losses"] == pytest.approx(losses, rel=1e-12)
+    for a, b in zip(res[0]["params"] + res[1]["params"], [*first.parameters(), *second.parameters()], strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
+
+
+def _fails_in_step(rank: int, world: int) -> str:
+    def loss_fn(out, y):
+        if rank == 1 and loss_fn.calls == 5:
+            raise ValueError("bad target on rank 1")
+        loss_fn.calls += 1
+        return F.mse_loss(out, y)
+
+    loss_fn.calls = 0
+    t = PipelineTrainer([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], schedule="1F1B", microbatches=4,
+                        loss_fn=loss_fn, compile=False, timeout=60)
+    try:
+        for _ in range(3):
+            t.step(torch.randn(8, 4), torch.randn(8, 4))
+    except Exception as e:  # report it instead of raising, so that both ranks' errors come back
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_failing_rank_ends_every_rank_with_its_error():
+    import time
+
+    t0 = time.monotonic()
+    res = spawn(_fails_in_step, 2, timeout=60)
+    assert res[1] == "ValueError: bad target on rank 1"
+    assert res[0].startswith("PipelineError: rank 0 stopped waiting for the output gradient of stage 0")
+    assert res[0].endswith("rank 1 failed: ValueError: bad target on rank 1")
+    assert time.monotonic() - t0 < 60  # not the 60 s timeout: the failure ends the wait
+
+
+TORCHRUN_SCRIPT = """
+import json, sys, torch, torch.distributed as dist, torch.nn.functional as F
+from flowexec.pipeline import PipelineTrainer, split
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+trainer = PipelineTrainer(split(model, 4), schedule="interleaved1f1b", microbatches=4, loss_fn=F.mse_loss,
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), compile=False)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+losses = [trainer.step(x, y) for _ in range(3)]
+rank = dist.get_rank()
+out = {"rank": rank, "stages": trainer.local, "losses": [float(v) for v in losses if v is not None],
+       "params": {s: [p.tolist() for p in trainer.modules[s].parameters()] for s in trainer.local}}
+json.dump(out, open(sys.argv[1] + f".{rank}", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_two_processes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+    assert res[0]["stages"] == [0, 2] and res[1]["stages"] == [1, 3]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert res[1]["losses"] == pytest.approx(losses, rel=1e-5)
+    for r in res:
+        for s, ps in r["params"].items():
+            for a, b in zip(ps, model[int(s)].parameters(), strict=True):
+                torch.testing.assert_close(torch.tensor(a), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_cli_zbh1_on_two_ranks(tmp_path, capsys):
+    from flowexec.cli import main
+
+    out = tmp_path / "jobs.json"
+    assert main(["pipeline", "--schedule", "zbh1", "--ranks", "2", "--micro", "2", "--steps", "2",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "step 1: loss" in text and "bubble" in text and "largest relative difference" in text
+    assert float(text.split("largest relative difference ")[1].split()[0]) <= 1e-5
+    events = json.loads(out.read_text())["traceEvents"]
+    names = [e["name"] for e in events if e["ph"] == "X" and e["tid"] == 1 and e["pid"] == 1 and e["args"]["step"] == 0]
+    assert names == ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1", "0OPT"]
+
+
+def test_cli_refuses_an_unwritable_trace_path_before_training(capsys):
+    from flowexec.cli import main
+
+    assert main(["pipeline", "--steps", "1", "--out", "/nonexistent/dir/x.json"]) == 2
+    err = capsys.readouterr().err
+    assert "flowexec pipeline:" in err and "No such file or directory" in err
+
+
+def _fails_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("bad batch on rank 1")
+    x = torch.zeros(1)
+    dist.recv(x, 1)  # never sent: the failure above, not this wait, must end the run
+    return rank
+
+
+def _exits_quietly(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(0)
+    return rank
+
+
+def test_spawn_reports_the_failing_rank():
+    with pytest.raises(PipelineError, match="rank 1 failed: ValueError: bad batch on rank 1"):
+        spawn(_fails_on_rank_1, 2, timeout=30)
+    with pytest.raises(PipelineError, match=r"ended without a result: rank 1 \(exit code 0\)"):
+        spawn(_exits_quietly, 2, timeout=60)
