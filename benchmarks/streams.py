@@ -11,8 +11,12 @@ tiny and small training steps through the torch.compile backend in graph mode wi
 streams.
 
 Issue 26's sections, in the same run: (a) a copy-heavy step (6 x (1024x1024 matmul + tanh),
-batch 256, every activation copied to pinned host memory) with ``streams="auto"`` (copies on
-a d2h copy stream) against eager and against the same step without copies; (b) the host time
+batch 256, every activation copied to pinned host memory) with ``streams="auto"`` (graph mode:
+copies on a d2h copy stream; trace mode: one stream, its host cost of stream calls would
+exceed the overlap) against eager, against the same step without copies and against its
+copies alone (this step is bound by the copy engine: its copies take longer than its compute),
+and the same at the reference's shape (``copy_heavy_large``: 8 x (2048x4096 @ 4096x4096 +
+tanh), compute-bound); (b) the host time
 the event calls of a step cost, pruned plan against the naive one (one event per
 cross-stream edge), with both counts; (c) threaded mode against trace mode on the MLP step
 and on the four-branch model; (d) graph mode with branches on four streams against one (the
@@ -162,12 +166,21 @@ def gpt2_rows(size: str, dev: torch.device, r: dict[str, Any]) -> dict[str, Call
     return rows
 
 
-def copy_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], Any]]:
-    """(a) The copy-heavy step, with and without its copies, eager and flowexec."""
+def copy_rows(dev: torch.device, r: dict[str, Any], layers: int = 6, batch: int = 256,
+              width: int = 1024) -> dict[str, Callable[[], Any]]:
+    """(a) The copy-heavy step, with and without its copies, eager and flowexec; and its
+    copies alone, eager on one stream (the copy engine's own time: with copies on a side stream
+    a step cannot be faster than that, plus its first layer)."""
     torch.manual_seed(0)
-    ws = [torch.randn(1024, 1024, device=dev) / 32 for _ in range(6)]
-    hosts = [torch.empty(256, 1024, pin_memory=dev.type == "cuda") for _ in range(6)]
-    x = torch.randn(256, 1024, device=dev)
+    r["workload"] = f"{layers} x ({batch}x{width} @ {width}x{width} + tanh), each activation copied to pinned host"
+    ws = [torch.randn(width, width, device=dev) / width ** 0.5 for _ in range(layers)]
+    hosts = [torch.empty(batch, width, pin_memory=dev.type == "cuda") for _ in range(layers)]  # made once
+    x = torch.randn(batch, width, device=dev)
+    acts = [torch.randn(batch, width, device=dev) for _ in range(layers)]
+
+    def copies_alone() -> None:
+        for a, hb in zip(acts, hosts):
+            hb.copy_(a, non_blocking=True)
 
     def with_copies(x: torch.Tensor) -> torch.Tensor:
         h = x
@@ -185,7 +198,8 @@ def copy_rows(dev: torch.device, r: dict[str, Any]) -> dict[str, Callable[[], An
     want = with_copies(x)
     torch.cuda.synchronize()
     want_host = [h.clone() for h in hosts]
-    rows: dict[str, Callable[[], Any]] = {"eager": lambda: with_copies(x), "eager, no copies": lambda: no_copies(x)}
+    rows: dict[str, Callable[[], Any]] = {"eager": lambda: with_copies(x), "eager, no copies": lambda: no_copies(x),
+                                          "eager, copies alone": copies_alone}
     for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
         for streams in (1, "auto"):
             name = f"flowexec {mode}, streams={streams}"
@@ -361,8 +375,13 @@ def main() -> None:
         "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),  # the device machine's git may be stale
         "timing": "median µs per call including a synchronize, alternating rounds",
     }
+    # copy_heavy_large: the reference's offload shape (compute per layer above its copy's time,
+    # so a copy stream can hide all but the last copy); ~12 ms a call, hence fewer calls
     builds: dict[str, Callable[..., Any]] = {"branches": branch_rows, "mlp_step": step_rows, "copy_heavy": copy_rows,
+                                             "copy_heavy_large": functools.partial(copy_rows, layers=8, batch=2048,
+                                                                                   width=4096),
                                              "threaded": threaded_rows}
+    fewer = {"copy_heavy_large": (max(2, args.rounds // 4), max(1, args.per_round // 8))}
     if args.gpt2:
         builds.update({size: functools.partial(gpt2_rows, size) for size in GPT2_SIZES})
     # the capture stream's cuBLAS workspace, made before any row's build is measured
@@ -375,20 +394,23 @@ def main() -> None:
             for _ in range(10):
                 fn()
         sync()
-        times = interleaved(rows, sync, args.rounds, args.per_round)
+        times = interleaved(rows, sync, *fewer.get(name, (args.rounds, args.per_round)))
         first = next(iter(times))
         res[name] = {"us": times, "vs_" + first: {k: times[first] / v for k, v in times.items()}, **facts}
         for k, v in times.items():
             print(f"{name:9s} {k:36s} {v:9.1f} µs  {times[first] / v:5.2f}× {first}", flush=True)
     res["event_host_time"] = {}
     event_host_time(dev, res["event_host_time"])
-    c = res["copy_heavy"]["us"]
-    for mode in ("trace", "graph"):
-        auto = c.get(f"flowexec {mode}, streams=auto")
-        if auto:
-            res["copy_heavy"][f"{mode} auto"] = {"vs eager": c["eager"] / auto,
-                                                 "over no copies": auto / c[f"flowexec {mode}, no copies"],
-                                                 "vs streams=1": c.get(f"flowexec {mode}, streams=1", float("nan")) / auto}
+    for section in ("copy_heavy", "copy_heavy_large"):
+        c = res[section]["us"]
+        for mode in ("trace", "graph"):
+            auto = c.get(f"flowexec {mode}, streams=auto")
+            if auto:
+                res[section][f"{mode} auto"] = {"vs eager": c["eager"] / auto,
+                                                "over no copies": auto / c[f"flowexec {mode}, no copies"],
+                                                "vs streams=1": c.get(f"flowexec {mode}, streams=1", float("nan")) / auto,
+                                                "over copies alone": auto / c["eager, copies alone"]}
+        print(section, json.dumps({k: v for k, v in res[section].items() if k.endswith(" auto")}), flush=True)
     t = res["threaded"]["us"]
     res["threaded"]["threaded over trace"] = {"mlp step": t["mlp step, threaded"] / t["mlp step, trace"],
                                               "branches (4 streams)": t["branches, threaded, streams=4"] / t["branches, trace, streams=4"]}

@@ -24,8 +24,8 @@ from .passes.dependencies import alias_groups, dependencies, mutated_state
 from .passes.liveness import Liveness, analyse_liveness, peak_of
 from .passes.memory import MemoryPlan
 from .passes.streams import (add_copy_streams, assign_auto, assign_streams, cross_edges, cuda_devices, data_edges,
-                             exit_uses, naive_events, plan_events, release_streams, side_outputs, stream_groups, stream_uses,
-                             value_edges)
+                             exit_uses, naive_events, plan_events, release_streams, side_outputs, stream_dependencies,
+                             stream_groups, stream_uses, value_edges)
 from .program import Op, Program, Role, lint
 
 GC_MODES = ("fast", "async", "none")
@@ -194,7 +194,7 @@ def _build(prog: Program, gc: str, streams: int | str, mode: str, prune: bool, w
     deps = dependencies(prog, alias_groups(prog, shared=True) if shared else groups)
     if streams != 1 or workers:  # a view's results on its argument's storage, every one of them
         sgroups = stream_groups(prog, shared)
-        deps = dependencies(prog, sgroups)
+        deps = stream_dependencies(prog, sgroups)
     live = analyse_liveness(prog, groups, drop=(gc != "none"))
     if streams == 1 and not workers:
         instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)

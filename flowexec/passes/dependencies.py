@@ -17,7 +17,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -107,10 +107,12 @@ def read_write_sets(prog: Program, groups: tuple[int, ...] | None = None) -> tup
     return tuple(result)
 
 
-def dependencies(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
-    """Per op, the sorted indices of earlier ops it must follow (RAW, WAR, WAW)."""
+def dependencies(prog: Program, groups: tuple[int, ...] | None = None,
+                 rw: Sequence[tuple[frozenset[int], frozenset[int]]] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Per op, the sorted indices of earlier ops it must follow (RAW, WAR, WAW); ``rw``: the
+    read and write sets to use instead of :func:`read_write_sets` (streams count more writes)."""
     groups = groups if groups is not None else alias_groups(prog)
-    rw = read_write_sets(prog, groups)
+    rw = rw if rw is not None else read_write_sets(prog, groups)
     last_writer: dict[int, int] = {}
     readers: dict[int, list[int]] = {}
     deps: list[tuple[int, ...]] = []

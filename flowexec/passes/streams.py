@@ -232,7 +232,7 @@ def stream_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
     base = alias_groups(prog, shared=shared)
     parent = list(base)
     for op in prog.ops:
-        if not is_view_op(op.target):
+        if not (is_view_op(op.target) or _dispatcher_write_view(op.target)):
             continue
         src = next(op.refs(), None)
         if src is None:
@@ -246,18 +246,53 @@ def stream_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
 
 
 def is_view_op(target: object) -> bool:
-    """Whether an op only makes views: it writes nothing and every tensor it returns aliases an
-    argument (``aten.view``, ``t``, ``transpose``, ``expand``, ``slice``, ``split`` …). Such an op
-    reads metadata only, so on a stream it needs no wait for the data of what it views."""
+    """Whether an op only makes views, as its schema says: it writes nothing and every tensor it
+    returns aliases an argument (``aten.view``, ``t``, ``transpose``, ``expand``, ``slice``,
+    ``split`` …). Such an op reads metadata only, so on a stream it needs no wait for the data of
+    what it views. ``_unsafe_view`` is not one (:func:`stream_rw_sets`)."""
     hit = _VIEW_CACHE.get(target)
     if hit is None:
         schema = getattr(target, "_schema", None)
-        hit = getattr(target, "__name__", "").split(".")[0] in _UNANNOTATED_VIEWS or bool(
-                   schema is not None and schema.returns
+        hit = bool(schema is not None and schema.returns
                    and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
                    and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
         _VIEW_CACHE[target] = hit
     return hit
+
+
+def _dispatcher_write_view(target: object) -> bool:
+    """A view at run time whose schema has no alias annotation (``_unsafe_view``): its result
+    shares its argument's storage, and the CUDA sanitizer, which reads schemas, counts the op as
+    writing that storage (argument and result)."""
+    return getattr(target, "__name__", "").split(".")[0] in _UNANNOTATED_VIEWS and not is_view_op(target)
+
+
+def stream_rw_sets(prog: Program, groups: Sequence[int]) -> tuple[tuple[frozenset[int], frozenset[int]], ...]:
+    """:func:`~flowexec.passes.dependencies.read_write_sets` over ``groups`` (:func:`stream_groups`),
+    with each unannotated view (:func:`_dispatcher_write_view`) writing the storage it views.
+
+    As PyTorch's CUDA sanitizer sees it: a consumer on another stream that reads through such a
+    view is then ordered after the view op (the last access on the producer's stream), not only
+    after the producer, at the same count of events (the view follows its producer on its
+    stream), so the sanitizer reports no race; planner and verifier use the same sets, so every
+    wait stays necessary in both.
+    """
+    from .dependencies import read_write_sets
+
+    rw = list(read_write_sets(prog, tuple(groups)))
+    for op in prog.ops:
+        if _dispatcher_write_view(op.target):
+            reads, writes = rw[op.index]
+            rw[op.index] = (reads, writes | {groups[o] for o in op.outputs if o >= 0} | reads)
+    return tuple(rw)
+
+
+def stream_dependencies(prog: Program, groups: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """:func:`~flowexec.passes.dependencies.dependencies` from :func:`stream_rw_sets`: the
+    edges several streams must order."""
+    from .dependencies import dependencies
+
+    return dependencies(prog, tuple(groups), stream_rw_sets(prog, groups))
 
 
 def data_edges(prog: Program, deps: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -339,14 +374,18 @@ def _numel(shape: Sequence[int]) -> int:
 
 def op_cost_us(op: object, prog: Program, device: str) -> float:
     """A rough device time for one op, from its kind and sizes: matrix products and
-    convolutions by their flops, everything else by the bytes it touches, with a floor per
-    launch. Only ratios matter (``streams="auto"`` compares a branch with the cost of events)."""
+    convolutions by their flops, copies between host and device by the bytes they move over
+    the bus, everything else by the bytes it touches, with a floor per launch. Only ratios
+    matter (``streams="auto"`` compares a branch with the cost of events)."""
     flops_per_us, bytes_per_us, floor = (3e7, 2e6, 2.0) if device == "cuda" else (2e4, 5e3, 1.0)
     name = getattr(op.target, "__name__", "")
     metas = [prog.values[r].meta for r in op.refs() if prog.values[r].meta is not None]
     outs = [prog.values[o].meta for o in op.outputs if o >= 0 and prog.values[o].meta is not None]
-    if is_view_op(op.target):
+    if is_view_op(op.target) or _dispatcher_write_view(op.target):
         return 0.0
+    if device == "cuda" and copy_role(op, prog) in ("d2h", "h2d"):
+        # pinned host memory over PCIe: ~33 GB/s per 1 MiB copy on the H200 run (graph mode, copy-heavy step)
+        return max(floor, max((m.nbytes for m in metas), default=0) / _BUS_BYTES_PER_US)
     if name.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm", "matmul") and metas and outs:
         a = metas[-2] if name.startswith(("addmm", "baddbmm")) else metas[0]
         k = a.shape[-1] if a.shape else 1
@@ -358,46 +397,72 @@ def op_cost_us(op: object, prog: Program, device: str) -> float:
     return max(floor, nbytes / bytes_per_us)
 
 
-# Host costs of the run modes, per op and per cross-stream wait (µs; rough, from the trace
-# and threaded runners' measured overheads): (issue per op, per event, issued serially by one host)
-_HOST_COSTS = {("cuda", "trace"): (6.0, 3.0, True), ("cuda", "graph"): (0.0, 0.5, True),
+_BUS_BYTES_PER_US = 3e4
+
+# Host costs of the run modes (µs): (issue per op, per stream call, issued serially by one
+# host). A stream call is a stream switch, an event record or wait, or a record_stream before
+# a free (:func:`stream_calls`). CUDA trace mode from the H200 run of benchmarks/streams.py:
+# ~20 µs per op (four branches, 49 ops: 975 µs; copy-heavy step, 18 ops: 418 µs) and ~7 µs per
+# stream call (the copy-heavy step with its 6 copies on a copy stream: 5 calls per copy, 206 µs
+# more), so a trace run is usually host-bound and a side stream seldom pays there.
+_HOST_COSTS = {("cuda", "trace"): (20.0, 7.0, True), ("cuda", "graph"): (0.0, 0.5, True),
                ("cuda", "threaded"): (8.0, 5.0, False), ("cpu", "trace"): (8.0, 10.0, True),
                ("cpu", "threaded"): (8.0, 10.0, False)}
+
+
+def stream_calls(deps: Sequence[Sequence[int]], where: Sequence[int]) -> list[int]:
+    """Per op, the stream calls a runner makes around it under the pruned plan of ``deps``
+    (data edges): a switch where its stream differs from the previous op's, its waits and
+    records, and a ``record_stream`` per op of another stream it takes a value from (the value
+    is recorded on this stream before its free)."""
+    ev = plan_events(deps, where)
+    out, prev = [], 0
+    for j, d in enumerate(deps):
+        out.append(len(ev.waits[j]) + len(ev.records[j]) + len({i for i in d if where[i] != where[j]})
+                   + (where[j] != prev))
+        prev = where[j]
+    return out
 
 
 def simulate_us(deps: Sequence[Sequence[int]], where: Sequence[int], cost: Sequence[float], host_us: float,
                 event_us: float, serial_host: bool) -> float:
     """Estimated time of one run: each stream runs its ops in order, an op starts once its
     dependencies finished (plus ``event_us`` across streams) and — where one host issues every
-    op (``serial_host``) — once the host got to it (``host_us`` per op, ``event_us`` per wait);
-    otherwise each stream's worker pays ``host_us`` per op itself."""
+    op (``serial_host``) — once the host got to it (``host_us`` per op and ``event_us`` per
+    stream call, :func:`stream_calls`); otherwise each stream's worker pays those itself."""
+    calls = stream_calls(deps, where) if len(set(where)) > 1 else [0] * len(deps)
     t_host = 0.0
     free: dict[int, float] = {}
     finish = [0.0] * len(deps)
     for j, d in enumerate(deps):
         s = where[j]
         ready = 0.0
+        issue = host_us + event_us * calls[j]
         if serial_host:
-            t_host += host_us + event_us * sum(where[i] != s for i in d)
+            t_host += issue
             ready = t_host
         for i in d:
             ready = max(ready, finish[i] + (event_us if where[i] != s else 0.0))
         start = max(ready, free.get(s, 0.0))
-        finish[j] = free[s] = start + cost[j] + (0.0 if serial_host else host_us)
+        finish[j] = free[s] = start + cost[j] + (0.0 if serial_host else issue)
     return max(finish, default=0.0)
 
 
 def assign_auto(prog: Program, deps: Sequence[Sequence[int]], device: str, mode: str = "trace",
                 max_compute: int = 4, min_branch_us: float | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``streams="auto"``: copies between host and device on copy streams, and independent
-    branches on extra compute streams only where the estimate says they pay. Returns (stream
+    branches on extra compute streams, only where the estimate says they pay. Returns (stream
     per op, role per stream).
 
     Branches are found as :func:`assign_streams` finds them over ``max_compute`` streams (on the
-    CPU at most one per core). A side stream whose ops' estimated time (:func:`op_cost_us`) is
-    under ``min_branch_us`` (20 µs on CUDA, 100 µs on the CPU) goes back to stream 0; then side
-    streams are merged into stream 0 one at a time while :func:`simulate_us` (op costs, the
-    mode's host cost per op and per event) says the run is no more than 2% slower for it.
+    CPU at most one per core); copies start on one copy stream per direction. A side compute
+    stream whose ops' estimated time (:func:`op_cost_us`) is under ``min_branch_us`` (20 µs on
+    CUDA, 100 µs on the CPU) goes back to stream 0; then side streams, copy streams included,
+    are merged into stream 0 one at a time while :func:`simulate_us` (op costs, the mode's host
+    cost per op and per stream call, :data:`_HOST_COSTS`) says the run is no more than 2% slower
+    for it; where what is left is not faster than one stream, every op goes to stream 0. So in
+    trace mode on CUDA, where the host issuing ops is usually the bottleneck, a copy-heavy step
+    stays on one stream; in graph mode its copies go to a copy stream.
     """
     import os
 
@@ -406,41 +471,39 @@ def assign_auto(prog: Program, deps: Sequence[Sequence[int]], device: str, mode:
     if min_branch_us is None:
         min_branch_us = 20.0 if device == "cuda" else 100.0
     host_us, event_us, serial = _HOST_COSTS.get((device, mode), _HOST_COSTS[(device, "trace")])
+    edges = data_edges(prog, deps)  # what the event plan orders
+    cost = [op_cost_us(op, prog, device) for op in prog.ops]
     compute_ops, where_sub = _assign_compute(prog, deps, max_compute)
-    sub = {j: k for k, j in enumerate(compute_ops)}
-    sub_deps = [tuple(sub[i] for i in deps[j] if i in sub) for j in compute_ops]
-    cost_of = [op_cost_us(prog.ops[j], prog, device) for j in compute_ops]
     total: dict[int, float] = {}
-    for s, c in zip(where_sub, cost_of):
-        total[s] = total.get(s, 0.0) + c
-    cur = [s if total[s] >= min_branch_us else 0 for s in where_sub]
-    best = simulate_us(sub_deps, cur, cost_of, host_us, event_us, serial)
+    for s, j in zip(where_sub, compute_ops):
+        total[s] = total.get(s, 0.0) + cost[j]
+    cur = [0] * len(prog.ops)
+    for s, j in zip(where_sub, compute_ops):
+        cur[j] = s if total[s] >= min_branch_us else 0
+    role_of = {j: copy_role(op, prog) for j, op in enumerate(prog.ops)}
+    copy_ids = {role: max_compute + k for k, role in enumerate(ROLES)}
+    for j, role in role_of.items():
+        if role is not None:
+            cur[j] = copy_ids[role]
+    best = simulate_us(edges, cur, cost, host_us, event_us, serial)
     while True:  # greedily merge the side stream whose merge costs least, within 2%
         trials = []
         for s in sorted(set(cur) - {0}):
             merged = [0 if k == s else k for k in cur]
-            trials.append((simulate_us(sub_deps, merged, cost_of, host_us, event_us, serial), merged))
+            trials.append((simulate_us(edges, merged, cost, host_us, event_us, serial), merged))
         if not trials:
             break
         t, merged = min(trials, key=lambda x: x[0])
         if t > best * 1.02:
             break
         cur, best = merged, min(best, t)
-    keep = sorted(set(cur) | {0})
-    renumber = {s: k for k, s in enumerate(keep)}
-    where = [0] * len(prog.ops)
-    for j, s in zip(compute_ops, cur):
-        where[j] = renumber[s]
-    roles = ["compute"] * len(keep)
-    role_stream: dict[str, int] = {}
-    for j, op in enumerate(prog.ops):
-        role = copy_role(op, prog)
-        if role is not None:
-            if role not in role_stream:
-                role_stream[role] = len(roles)
-                roles.append(role)
-            where[j] = role_stream[role]
-    return tuple(where), tuple(roles)
+    if set(cur) != {0} and best >= simulate_us(edges, [0] * len(cur), cost, host_us, event_us, serial):
+        cur = [0] * len(cur)
+    compute = sorted({s for s in cur if s < max_compute} | {0})
+    copies = sorted({s for s in cur if s >= max_compute}, key=lambda s: cur.index(s))  # by first use
+    renumber = {s: k for k, s in enumerate(compute + copies)}
+    roles = ["compute"] * len(compute) + [ROLES[s - max_compute] for s in copies]
+    return tuple(renumber[s] for s in cur), tuple(roles)
 
 
 def _assign_compute(prog: Program, deps: Sequence[Sequence[int]], n: int) -> tuple[list[int], tuple[int, ...]]:

@@ -47,8 +47,7 @@ from typing import Any, Sequence
 
 from ..errors import FlowexecError
 from ..program import Program, Role, format_op
-from .dependencies import read_write_sets
-from .streams import is_view_op, stream_groups
+from .streams import is_view_op, stream_groups, stream_rw_sets
 
 
 class HazardError(FlowexecError):
@@ -120,7 +119,7 @@ def verify_plan(program: Program, plan: Any, calls: int = 2) -> list[Hazard]:
     if len(ins) != n:
         raise ValueError(f"the plan has {len(ins)} instructions for {n} ops")
     groups = stream_groups(program, shared=bool(program.shared_storage))
-    rw = read_write_sets(program, groups)
+    rw = stream_rw_sets(program, groups)  # _unsafe_view writes, as the planner and CUDA sanitizer count
     caller = {groups[v.id] for v in program.values if v.role is not Role.TEMP}
     workers = bool(getattr(plan, "on_workers", False))
     pos, start = _clocks(plan, n, calls)
