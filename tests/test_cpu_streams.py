@@ -109,3 +109,26 @@ def test_a_value_used_on_several_streams_is_released_by_each():
     run = lower_workers(plan, jitter=jitter(3), spin_us=20)
     for _ in range(200):
         torch.testing.assert_close(run(x)[0], f(x))
+
+
+def test_workers_are_stopped_and_joined_at_exit():
+    # A daemon worker still inside torch when the interpreter finalizes aborts the process
+    # (seen on the H200); the atexit hook stops and joins every live worker first.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import threading, torch, flowexec
+        from flowexec.runtime import cpu_streams
+        f = lambda x: (x.sin() @ x.cos()) + (x.cos() @ x.sin())
+        exe = flowexec.compile(f, torch.randn(64, 64), mode="threaded", streams=2)
+        exe(torch.randn(64, 64))
+        workers = list(cpu_streams._LIVE_WORKERS)
+        assert workers and all(w.thread.is_alive() for w in workers)
+        cpu_streams._stop_all_workers()
+        assert not any(w.thread.is_alive() for w in workers), "a worker outlived the exit hook"
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

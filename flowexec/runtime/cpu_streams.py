@@ -45,6 +45,7 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import threading
@@ -162,6 +163,22 @@ class _Worker:
 
 _END = -2  # the index of the end-of-call item
 
+# Every worker still alive at exit is stopped and joined before the interpreter finalizes: a
+# daemon thread that finalization stops while it is inside torch (a CUDA launch, a free) aborts
+# the process ("terminate called without an active exception", seen on the H200 at exit).
+_LIVE_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_workers(timeout_s: float = 5.0) -> None:
+    workers = list(_LIVE_WORKERS)
+    for w in workers:
+        w.closed = True
+        w.wake.set()
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        w.thread.join(max(0.0, deadline - time.monotonic()))
+
 
 class WorkerPool:
     """``n`` stream workers, the events of one plan, and the per-call bookkeeping."""
@@ -178,6 +195,7 @@ class WorkerPool:
         self.joining = False  # the caller blocks on done_cond: end-of-call items wake it
         self.workers = [_Worker(self, k) for k in range(n)]
         weakref.finalize(self, WorkerPool._stop, self.workers)
+        _LIVE_WORKERS.update(self.workers)
 
     @staticmethod
     def _stop(workers: list[_Worker]) -> None:
