@@ -215,8 +215,13 @@ def test_memory_stays_flat_over_1000_steps(gc, memory):
         exe(x)
         if i in (9, 999):
             assert collector().drain(timeout=30) and collector().backlog_bytes == 0
+            import gc as pygc
+
+            pygc.collect()
             after[i] = _live_tensor_bytes()
-    assert after[999] == after[9], after
+    # The count is process-wide: garbage other tests left may die in between, so it may fall; a
+    # leak of one tensor per step would add 990.
+    assert after[999][0] <= after[9][0] and after[999][1] <= after[9][1], after
 
 
 @pytest.mark.parametrize("options", [{"memory": "planned"}, {"memory": "planned", "order": "memory", "gc": "async"}])
