@@ -97,8 +97,9 @@ class PipelineTrainer:
     ``OPT`` job (None: gradients are left in ``.grad``). ``compile``: False for eager stages, True
     (or a mode string) for flowexec programs. ``device``: where the local stages run (default
     ``cuda:LOCAL_RANK`` on an NCCL group, else the CPU). ``timer``: a
-    :class:`~flowexec.profiler.timers.JobTimer` to record every job and receive wait; the spans of
-    the last step are in ``trainer.spans``. ``profile``: the steps to record (``range(10, 13)``)
+    :class:`~flowexec.profiler.timers.JobTimer` to record every job and receive wait; the spans that
+    the last step's flush returned are in ``trainer.spans`` (on CUDA the completed ones, so some
+    come a step late; ``timer.finish()`` returns the rest). ``profile``: the steps to record (``range(10, 13)``)
     into ``profile_dir`` (one JSON-lines file per rank; ``flowexec timeline merge DIR``), or use
     ``with trainer.profiling(DIR):`` around steps (docs/timeline.md). ``timeout``: seconds any
     wait may last.

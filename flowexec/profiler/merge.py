@@ -1,7 +1,7 @@
 """Every rank's records on one clock: rank 0's.
 
 A span's times are on its rank's host clock (CUDA event times were anchored to it when the
-timer read them, once per step); its ``offset_ns`` — measured by :mod:`.clocks` when
+timer read them, against one anchor per run); its ``offset_ns`` — measured by :mod:`.clocks` when
 profiling started — takes them to rank 0's clock. Merging adds each span's offset and keeps
 the ranks' headers.
 

@@ -3,8 +3,9 @@
 :class:`StepProfiler` is what a trainer holds when profiling is on: built on every rank at the
 same point (it measures this rank's clock offset to rank 0 then, a collective over the process
 group), it hands out a :class:`~.timers.JobTimer` for a step that is to be recorded and
-:data:`~.timers.NULL_TIMER` for one that is not, and at the step's end flushes the timer (the
-one synchronisation). The spans wait in memory and are written to ``DIR/rank<r>.jsonl`` after
+:data:`~.timers.NULL_TIMER` for one that is not, and at the step's end flushes the timer (which
+never waits: on CUDA a step's spans may come a step late); after the last step of a run of
+recorded steps it finishes the timer (one synchronisation, between steps). The spans wait in memory and are written to ``DIR/rank<r>.jsonl`` after
 the last step of each run of recorded steps (``range(10, 13)``: after step 12, before step 13
 begins) and at :meth:`close`, so that writing (tens of µs per span) never lands inside a
 recorded step.
@@ -88,6 +89,7 @@ class StepProfiler:
                 self._write()
 
     def _write(self) -> None:
+        self._pending += self.timer_.finish()  # the spans of the run's last steps, still on the device
         self._writer.write(self._pending)
         self._pending = []
 

@@ -1,13 +1,22 @@
 """Timers that write :class:`~flowexec.profiler.records.Span` records.
 
-On CUDA a job is timed by events recorded on the stream that runs it (before its first op, after
-its last), read once after the step — :meth:`JobTimer.flush` is the only synchronisation — and
-anchored to the host clock once per flush: after the device has finished everything, one more
-event is recorded and spun on, and the host clock read the moment it completes; every event of
-the step is that host time minus its distance to the anchor on the device. (Anchoring to the
-host time at which the first event was *recorded* would be off by however long the queue ahead
-of it was.) On the CPU the host clock is the device clock. :data:`NULL_TIMER` does nothing, so
-code can always call a timer.
+On CUDA a job is timed by two events recorded on the stream that runs it (before its first op,
+after its last). Nothing synchronises in the steady state: :meth:`JobTimer.flush` hands back the
+spans whose events the device has completed (``event.query()``) and keeps the rest for a later
+flush, so a step's spans may come one flush late; :meth:`JobTimer.finish` (the end of a run of
+recorded steps, where the records are written) waits for the device and returns the rest.
+Events come from a pool and go back to it once read, so a span creates no CUDA event.
+
+Clock anchoring: at the first span of a run the timer synchronises once, records an anchor event,
+spins on it and reads the host clock the moment it completes; every event of the run is that host
+time plus its device distance from the anchor (``anchor.elapsed_time(ev)``). A run longer than
+``reanchor_s`` (1 s) is re-anchored at a flush — one synchronisation per second, not per step —
+which bounds the error of a drifting device clock to (drift rate x ``reanchor_s``): at the tens of
+ppm of a quartz clock, tens of µs at most. :meth:`finish` anchors again and keeps the measured
+drift of the run in :attr:`JobTimer.drift_ns`. (Anchoring to the host time at which an event was
+*recorded* would be off by however long the queue ahead of it was.) On the CPU the host clock is
+the device clock and every span is complete at its end. :data:`NULL_TIMER` does nothing, so code
+can always call a timer.
 
 >>> import torch
 >>> t = JobTimer(torch.device("cpu"), rank=0, host="h")
@@ -15,17 +24,42 @@ code can always call a timer.
 >>> t.end(tok)
 >>> [s.label for s in t.flush()]
 ['0F0']
+>>> t.finish()
+[]
 """
 from __future__ import annotations
 
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .records import Span
+
+
+class DeviceEvents(Protocol):
+    """Where a :class:`JobTimer` gets its device events (CUDA; a fake one in the tests)."""
+
+    def event(self) -> Any:
+        """A new timing event (``record()``, ``query()``, ``elapsed_time(other)`` in ms)."""
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished everything queued."""
+
+
+class CudaEvents:
+    """:class:`DeviceEvents` of one CUDA device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
 
 class _NullTimer:
@@ -42,62 +76,127 @@ class _NullTimer:
     def flush(self) -> list[Span]:
         return []
 
+    def finish(self) -> list[Span]:
+        return []
+
 
 NULL_TIMER = _NullTimer()
 
 
 class JobTimer:
-    """Times spans of work on ``device`` for one rank; :meth:`flush` returns them as spans."""
+    """Times spans of work on ``device`` for one rank; :meth:`flush` returns the completed ones
+    as spans, :meth:`finish` all of them (see the module text for the clocks)."""
 
     enabled = True
 
     def __init__(self, device: torch.device | str, rank: int = 0, host: str | None = None,
-                 offset_ns: int = 0) -> None:
+                 offset_ns: int = 0, *, reanchor_s: float | None = 1.0, events: DeviceEvents | None = None) -> None:
         self.device = torch.device(device)
         self.rank = rank
         self.host = host or socket.gethostname()
         self.pid = os.getpid()
         self.offset_ns = offset_ns  # this rank's clock to rank 0's (clocks.measure_offset), stamped on every span
-        self._cuda = self.device.type == "cuda"
-        self._open: list[list[Any]] = []
+        self.reanchor_ns = None if reanchor_s is None else int(reanchor_s * 1e9)
+        self._events: DeviceEvents | None = events if events is not None else (
+            CudaEvents(self.device) if self.device.type == "cuda" else None)
+        self._cuda = self._events is not None
+        self._clock = "cuda" if self._cuda else "host"
+        self._open: list[list[Any]] = []  # begun since the last flush
+        self._waiting: list[list[Any]] = []  # flushed, events not yet completed
+        self._pool: list[Any] = []  # events read and free to record again
+        self._anchor: tuple[Any, int] | None = None  # (event, host ns at its completion) of this run
+        self.drift_ns: int | None = None  # at the last finish: host minus anchored device time of its anchor
+        self.events_created = 0
+
+    def _event(self) -> Any:
+        if self._pool:
+            return self._pool.pop()
+        self.events_created += 1
+        return self._events.event()  # type: ignore[union-attr]
+
+    def _take_anchor(self) -> tuple[Any, int]:
+        """Synchronise, record an event, spin until it is done (a blocking wait would add the
+        thread's wake-up latency) and read the host clock at once."""
+        self._events.synchronize()  # type: ignore[union-attr]
+        ev = self._event()
+        ev.record()
+        while not ev.query():
+            pass
+        return ev, time.perf_counter_ns()
 
     def begin(self, *, step: int, stage: int | None, kind: str, micro: int | None, stream: str = "compute",
               peer: int | None = None, tag: int | None = None, name: str | None = None) -> list[Any]:
         """Start a span; returns the token to pass to :meth:`end`."""
-        issue = time.perf_counter_ns()
         if self._cuda:
-            start: Any = torch.cuda.Event(enable_timing=True)
+            if self._anchor is None:  # the first span of a run: its one synchronisation
+                self._anchor = self._take_anchor()
+            issue = time.perf_counter_ns()
+            start: Any = self._event()
             start.record()
         else:
-            start = issue
-        tok = [step, stage, kind, micro, stream, peer, tag, name, issue, start, None]
+            start = issue = time.perf_counter_ns()
+        tok = [step, stage, kind, micro, stream, peer, tag, name, issue, start, None, self._anchor]
         self._open.append(tok)
         return tok
 
     def end(self, token: list[Any]) -> None:
         """Stop the span ``token`` (on CUDA: an event on the current stream)."""
         if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self._event()
             ev.record()
             token[10] = ev
         else:
             token[10] = time.perf_counter_ns()
 
     def flush(self) -> list[Span]:
-        """The spans since the last flush (waits for their events on CUDA)."""
-        toks, self._open = self._open, []
-        if self._cuda and toks:
-            anchor_ev, anchor_ns = anchor(self.device)
-            to_ns = lambda ev: anchor_ns - round(ev.elapsed_time(anchor_ev) * 1e6)  # noqa: E731
-        else:
-            to_ns = lambda t: t  # noqa: E731
+        """The spans whose work has completed, of this flush's and earlier ones' (never waits,
+        except to re-anchor a run older than ``reanchor_s``)."""
+        self._waiting += self._open
+        self._open = []
+        if not self._cuda:
+            return self._resolve(self._waiting, [])
+        if self._anchor is not None and self.reanchor_ns is not None and self._waiting \
+                and time.perf_counter_ns() - self._anchor[1] > self.reanchor_ns:
+            out = self.finish()
+            self._anchor = self._take_anchor()
+            return out
+        done, left = [], []
+        for tok in self._waiting:
+            end = tok[10]
+            (done if end is None or (end.query() and tok[9].query()) else left).append(tok)
+        return self._resolve(done, left)
+
+    def finish(self) -> list[Span]:
+        """End a run of recorded steps: wait for the device, return every span not yet returned
+        and drop the anchor (the next span anchors anew)."""
+        self._waiting += self._open
+        self._open = []
+        if not self._cuda or self._anchor is None:
+            return self._resolve(self._waiting, [])
+        ev, host = self._take_anchor()
+        a_ev, a_host = self._anchor
+        self.drift_ns = host - (a_host + round(a_ev.elapsed_time(ev) * 1e6))
+        out = self._resolve(self._waiting, [])
+        self._pool += [ev, a_ev]
+        self._anchor = None
+        return out
+
+    def _resolve(self, done: list[list[Any]], left: list[list[Any]]) -> list[Span]:
+        self._waiting = left
         out = []
-        clock = "cuda" if self._cuda else "host"
-        for step, stage, kind, micro, stream, peer, tag, name, issue, start, end in toks:
-            if end is None:
-                continue  # a span that never ended (its job raised) is not a measurement
-            out.append(Span(self.rank, self.host, self.pid, step, stage, kind, micro, stream, to_ns(start), to_ns(end),
-                            clock, self.offset_ns, issue, peer, tag, name))
+        for step, stage, kind, micro, stream, peer, tag, name, issue, start, end, anch in done:
+            if end is None:  # a span that never ended (its job raised) is not a measurement
+                if self._cuda:
+                    self._pool.append(start)
+                continue
+            if self._cuda:
+                a_ev, a_host = anch
+                s_ns, e_ns = (a_host + round(a_ev.elapsed_time(ev) * 1e6) for ev in (start, end))
+                self._pool += [start, end]
+            else:
+                s_ns, e_ns = start, end
+            out.append(Span(self.rank, self.host, self.pid, step, stage, kind, micro, stream, s_ns, e_ns,
+                            self._clock, self.offset_ns, issue, peer, tag, name))
         return out
 
 

@@ -28,10 +28,11 @@ def test_job_timer_reads_device_times_anchored_to_the_host_clock():
         x = (x @ x).tanh()
     t.end(tok)
     issued_done = time.perf_counter_ns()
-    (s,) = t.flush()
+    got = t.flush()  # never waits: the matmuls are most likely still running
+    (s,) = got + t.finish()
     after = time.perf_counter_ns()
     assert s.clock == "cuda" and before <= s.issue_ns <= s.start_ns + 50_000
-    # the matmuls run after they were queued and end before flush returned; they take longer
+    # the matmuls run after they were queued and end before finish returned; they take longer
     # on the device than issuing them did on the host
     assert s.start_ns <= s.end_ns <= after and s.end_ns > issued_done - 50_000
     assert s.duration_ns > 0
@@ -71,3 +72,27 @@ def test_graph_mode_profile_is_one_slice_per_replay_with_kernels():
     assert len(replays) == 3 and all(s.clock == "cuda" and s.duration_ns > 0 for s in replays)
     kernels = [s for s in gp.spans if s.stream == "kernels"]
     assert kernels and all(s.name for s in kernels)
+
+
+def test_job_timer_steady_state_reuses_events_and_loses_no_span():
+    dev = torch.device("cuda")
+    x = torch.randn(1024, 1024, device=dev)
+    t = JobTimer(dev, rank=0, host="h")
+    got = []
+    for k in range(20):
+        tok = t.begin(step=k, stage=0, kind="F", micro=0)
+        for _ in range(5):
+            x = (x @ x).tanh()
+        t.end(tok)
+        got += t.flush()
+    got += t.finish()
+    assert [s.step for s in got] == list(range(20))
+    assert all(a.end_ns <= b.start_ns + 1_000 for a, b in zip(got, got[1:]))  # one stream: in order
+    assert t.drift_ns is not None and abs(t.drift_ns) < 1_000_000
+    made = t.events_created
+    assert made < 2 * 20 + 2  # events come back to the pool once read
+    for k in range(10):  # a second run: every event it needs is in the pool already
+        t.end(t.begin(step=k, stage=0, kind="F", micro=0))
+        torch.cuda.synchronize()
+        assert len(t.flush()) == 1
+    assert len(t.finish()) == 0 and t.events_created == made
