@@ -870,3 +870,23 @@ def test_atomic_sums_for_non_leaf_inputs(shapes, native):
                 torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * (1 + _scale(b)))
         plan = L._plan(x, y, w)
         assert plan.acc_layout() is not None and any(bw.atomic for bw in plan._backward.values())
+
+
+def test_a_stale_build_lock_is_removed(tmp_path):
+    # A native build killed mid-way leaves cpp_extension's lock; every later load waited on it.
+    import os
+    import time
+    import warnings
+
+    from flowexec.kernels import _native
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    _native._drop_stale_lock(str(tmp_path))
+    assert lock.exists()  # a fresh lock belongs to a build in progress
+    old = time.time() - _native.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _native._drop_stale_lock(str(tmp_path))
+    assert not lock.exists() and any("stale build lock" in str(w.message) for w in seen)

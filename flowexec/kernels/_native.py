@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -51,6 +52,26 @@ def build_directory(cuda: bool) -> str:
     return os.path.join(root, "native", tag)
 
 
+STALE_LOCK_S = 600.0  # no build of this one file takes this long
+
+
+def _drop_stale_lock(directory: str) -> None:
+    """A build killed mid-way leaves cpp_extension's ``lock`` file behind, and every later load
+    then waits on it forever (seen here: the whole test process hung). A lock older than any
+    build takes is removed, with a warning."""
+    lock = os.path.join(directory, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"flowexec: removing a stale build lock {lock} ({age:.0f} s old; a build was killed)")
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
+
+
 def load(cuda: bool) -> Any | None:
     """The compiled module (CUDA flavour launches through the driver, CPU flavour through a test
     hook), or None when disabled or unbuildable (a warning says why, once)."""
@@ -65,6 +86,7 @@ def load(cuda: bool) -> Any | None:
     name = "flowexec_lerp_native_" + ("cuda" if cuda else "cpu")
     directory = build_directory(cuda)
     os.makedirs(directory, exist_ok=True)
+    _drop_stale_lock(directory)
     if not os.path.exists(os.path.join(directory, name + ".so")):
         print(f"flowexec: compiling the native lerp launcher into {directory} (once per machine, ~30 s)",
               file=sys.stderr, flush=True)
