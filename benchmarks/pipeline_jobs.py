@@ -34,24 +34,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from host_meta import host_meta  # noqa: E402
+from flowexec.models import PreNormBlock  # noqa: E402
 from flowexec.pipeline.compiled import CompiledRunner  # noqa: E402
 
 KINDS = ("F", "I", "W", "B")
 
 
-class Block(torch.nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = torch.nn.LayerNorm(d)
-        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
-        self.ln2 = torch.nn.LayerNorm(d)
-        self.fc1 = torch.nn.Linear(d, 4 * d)
-        self.fc2 = torch.nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+Block = PreNormBlock
 
 
 class Timer:

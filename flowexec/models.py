@@ -44,6 +44,24 @@ class Block(nn.Module):
         return self.head(x)
 
 
+class PreNormBlock(nn.Module):
+    """A pre-norm transformer block over ``[batch, seq, d]``: attention, layer norm, GELU MLP,
+    residuals — the pipeline stage of the split tests and the job benchmark."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
 class ConvNet(nn.Module):
     """A small CNN with batch norm (running statistics mutate every training step)."""
 

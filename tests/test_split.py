@@ -6,27 +6,17 @@ import copy
 import pytest
 import torch
 
+from flowexec.models import PreNormBlock
+
 from flowexec.errors import CaptureError
 from flowexec.pipeline.split import capture_stage, format_kept
 from flowexec.plan import build_plan
 from flowexec.runtime.interpreter import lower_trace
 
 
-class Block(torch.nn.Module):
-    """A pre-norm transformer block: attention, layer norm, GELU MLP, residuals."""
-
-    def __init__(self, d: int = 16, heads: int = 2) -> None:
-        super().__init__()
-        self.ln1 = torch.nn.LayerNorm(d)
-        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
-        self.ln2 = torch.nn.LayerNorm(d)
-        self.fc1 = torch.nn.Linear(d, 4 * d)
-        self.fc2 = torch.nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+def Block(d: int = 16, heads: int = 2) -> torch.nn.Module:
+    """A pre-norm transformer block (flowexec.models.PreNormBlock)."""
+    return PreNormBlock(d, heads)
 
 
 class Shared(torch.nn.Module):

@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 
+from flowexec.models import PreNormBlock
+
 from flowexec.pipeline.compiled import CompiledRunner
 
 DEV = "cuda"
@@ -15,19 +17,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-class Block(torch.nn.Module):
-    def __init__(self, d: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        self.ln1 = torch.nn.LayerNorm(d)
-        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
-        self.ln2 = torch.nn.LayerNorm(d)
-        self.fc1 = torch.nn.Linear(d, 4 * d)
-        self.fc2 = torch.nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+def Block(d: int = 64, heads: int = 4) -> torch.nn.Module:
+    """A pre-norm transformer block (flowexec.models.PreNormBlock)."""
+    return PreNormBlock(d, heads)
 
 
 class Shared(torch.nn.Module):
