@@ -156,7 +156,7 @@ class PipelineTrainer:
 
     def _profiler(self, directory: str, steps: Any) -> Any:
         from ..profiler.pipeline_demo import pipeline_meta
-        from ..profiler.session import StepProfiler
+        from ..profiler.recording import StepProfiler
 
         meta = pipeline_meta(self.plan, self._schedule_name, self.world, self.n_stages, self.n_micro, self.device)
         return StepProfiler(directory, steps, device=self.device, meta=meta)
@@ -165,7 +165,7 @@ class PipelineTrainer:
     def profiling(self, directory: str = "flowexec-timeline") -> Iterator[Any]:
         """``with trainer.profiling("timeline/"):`` records every step inside the block (every
         rank enters it at the same step); the records are written when it closes."""
-        from ..profiler.session import ALL_STEPS
+        from ..profiler.recording import ALL_STEPS
 
         kept, self.profiler = self.profiler, self._profiler(directory, ALL_STEPS)
         try:
