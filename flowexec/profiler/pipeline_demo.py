@@ -1,7 +1,7 @@
 """``flowexec demo --out DIR``'s pipeline part: a 2-rank gloo pipeline of a small model trained
 with profiling on for a few steps, merged into ``DIR/trace.json`` and ``DIR/timeline.html``.
 
-Each rank records the chosen steps through :class:`~.session.StepProfiler` into
+Each rank records the chosen steps through :class:`~.recording.StepProfiler` into
 ``DIR/records/<schedule>/rank<r>.jsonl``; the parent merges them. The schedule's theoretical
 bubble (``simulate`` on unit jobs: F, I and W one unit each, a whole backward two) goes into
 the records' meta, so the page shows it beside the measured one.
