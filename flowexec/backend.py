@@ -26,7 +26,6 @@ from .errors import OptionError, count_option
 from .executable import MODES, RecaptureWarning, rewrite_program
 from .passes.streams import cuda_devices
 from .plan import build_plan, check_gc, check_streams
-from .runtime.interpreter import lower_trace  # noqa: F401
 from .runtime.streams import lower_for
 
 BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams", "memory", "order", "gc_backlog")

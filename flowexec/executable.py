@@ -30,7 +30,7 @@ from .capture import capture, storage_groups, storage_key
 from .errors import CaptureError, FlowexecError, InputError, OptionError, count_option
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
-from .runtime.interpreter import lower_trace  # noqa: F401  (re-exported for callers)
+from .runtime.borrowed import distinct_storages
 from .runtime.streams import lower_for
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
 
@@ -113,7 +113,6 @@ class _Compiled:
     runner: Callable[[Sequence[Any]], list[Any]]
     tensor_pos: tuple[int, ...]  # positions of the tensor leaves among the call's leaves
     out_build: Callable[[Sequence[Any]], Any]  # flat outputs -> fn's containers
-    n_user: int
     grad_bindings: list[tuple[torch.Tensor, int]]
     build_seconds: float
     fetch: tuple[int, ...] = ()
@@ -218,7 +217,7 @@ class Executable:
                     continue
                 borrow[k] = True
             runner = GraphVariants(capture_runner, targs, borrow)
-        return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.n_user_outputs, cap.grad_bindings,
+        return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
                          runner if isinstance(runner, GraphVariants) else None)
 
@@ -303,8 +302,10 @@ class Executable:
         hit = self._cache.get(sig)
         if hit is None:
             hit = self._compile_new(sig, leaves, args, kwargs)
+            if self._sharing:  # closure state joined _state_keys: the sharing entry may differ now
+                sig = (key, self._sig(leaves))
         # The guarded fast path checks that nothing shares storage: only such signatures join it.
-        if not self._sharing or self._sig(leaves)[-1] == _NO_SHARING[0]:
+        if not self._sharing or sig[1][-1] == _NO_SHARING[0]:
             self._remember(key, hit, leaves)
         self._last = hit
         return hit
@@ -412,11 +413,7 @@ class Executable:
     def _unshared(self, targs: Sequence[Any]) -> bool:
         """Whether no two tensors share a storage and none is on closure state's (else the
         signature's sharing entry decides, on the slow path)."""
-        try:
-            keys = [a.untyped_storage().data_ptr() for a in targs]
-        except (RuntimeError, NotImplementedError):
-            return False
-        return len(set(keys)) == len(keys) and self._state_keys.isdisjoint(keys) and 0 not in keys
+        return bool(distinct_storages(targs, self._state_keys))
 
     def compile_for(self, *args: Any, **kwargs: Any) -> Executable:
         """Capture and plan for ``exe(*args, **kwargs)`` now (``flowexec.compile`` does this for

@@ -105,8 +105,14 @@ class BorrowedAddresses:
             return None
         if not self.staged:
             return True
-        try:
-            keys = [a.untyped_storage().data_ptr() for a in self._staged_of(args)]
-        except (RuntimeError, NotImplementedError):
-            return None
-        return len(set(keys)) == len(keys) and forbidden.isdisjoint(keys) and 0 not in keys
+        return distinct_storages(self._staged_of(args), forbidden)
+
+
+def distinct_storages(tensors: Sequence[Any], forbidden: frozenset[int]) -> bool | None:
+    """Whether the tensors' storages are pairwise distinct, none of them at an address in
+    ``forbidden`` and none empty (at 0); None when a tensor has no storage to read."""
+    try:
+        keys = [a.untyped_storage().data_ptr() for a in tensors]
+    except (RuntimeError, NotImplementedError):
+        return None
+    return len(set(keys)) == len(keys) and forbidden.isdisjoint(keys) and 0 not in keys
