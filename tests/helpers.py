@@ -79,3 +79,21 @@ def record_graph_programs(monkeypatch: Any) -> list[tuple[Any, list[str], list[A
 
     monkeypatch.setattr(backend.GraphProgram, "__init__", record)
     return made
+
+
+def play_jobs(runner: Any, order: str, xs: Any, gs: Any) -> tuple[dict, dict]:
+    """Run a pipeline stage runner's jobs in ``order`` ("F0 F1 I1 B0 W1 ...": forward, whole
+    backward, input-gradient and weight-gradient halves of micro-batch m); return the forward
+    outputs and input gradients by micro-batch."""
+    outs, gins = {}, {}
+    for job in order.split():
+        kind, m = job[0], int(job[1:])
+        if kind == "F":
+            outs[m] = runner.forward(m, xs[m])
+        elif kind == "B":
+            gins[m] = runner.backward(m, gs[m])
+        elif kind == "I":
+            gins[m] = runner.backward_input(m, gs[m])
+        else:
+            runner.backward_weight(m)
+    return outs, gins

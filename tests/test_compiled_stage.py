@@ -8,6 +8,7 @@ import torch
 
 from flowexec.errors import CaptureError, InputError, OptionError
 from flowexec.pipeline.compiled import CompiledRunner
+from helpers import play_jobs as play
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,30 +42,21 @@ def eager_grads(mod, xs, gs):
     return outs, gins, [p.grad for p in mod.parameters()]
 
 
-def play(runner, order, xs, gs):
-    outs, gins = {}, {}
-    for job in order.split():
-        kind, m = job[0], int(job[1:])
-        if kind == "F":
-            outs[m] = runner.forward(m, xs[m])
-        elif kind == "B":
-            gins[m] = runner.backward(m, gs[m])
-        elif kind == "I":
-            gins[m] = runner.backward_input(m, gs[m])
-        else:
-            runner.backward_weight(m)
-    return outs, gins
-
-
-@pytest.mark.parametrize("order", ["F0 F1 I1 I0 W0 W1", "F0 B0 F1 F2 I2 B1 W2", "F0 F1 F2 I0 I1 W1 I2 W0 W2"])
-def test_jobs_in_any_order_give_eager_gradients(order):
+def two_way_setup(order):
+    """A seeded TwoWay, its eager twin, the micro-batches ``order`` names, their inputs and
+    output grads, and a CompiledRunner of the model."""
     torch.manual_seed(0)
     mod = TwoWay()
     ref_mod = copy.deepcopy(mod)
     micros = sorted({int(j[1:]) for j in order.split()})
     xs = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in micros]
     gs = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in micros]
-    runner = CompiledRunner(mod, example_inputs=xs[0])
+    return mod, ref_mod, micros, xs, gs, CompiledRunner(mod, example_inputs=xs[0])
+
+
+@pytest.mark.parametrize("order", ["F0 F1 I1 I0 W0 W1", "F0 B0 F1 F2 I2 B1 W2", "F0 F1 F2 I0 I1 W1 I2 W0 W2"])
+def test_jobs_in_any_order_give_eager_gradients(order):
+    mod, ref_mod, micros, xs, gs, runner = two_way_setup(order)
     assert runner.mode == "trace" and runner.parameters == list(mod.parameters())
     outs, gins = play(runner, order, xs, gs)
     r_outs, r_gins, r_grads = eager_grads(ref_mod, xs, gs)
@@ -224,13 +216,7 @@ def test_graph_mode_slots_keep_micro_batches_apart(monkeypatch, order, slots):
     import flowexec.runtime.cuda_graph as cg
 
     monkeypatch.setattr(cg, "CudaGraphRunner", FakeGraph)
-    torch.manual_seed(0)
-    mod = TwoWay()
-    ref_mod = copy.deepcopy(mod)
-    micros = sorted({int(j[1:]) for j in order.split()})
-    xs = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in micros]
-    gs = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in micros]
-    runner = CompiledRunner(mod, example_inputs=xs[0])
+    mod, ref_mod, micros, xs, gs, runner = two_way_setup(order)
     runner.mode = "graph"  # the slot logic, over FakeGraph
     for step in range(2):  # the second step reuses the slots
         for p in mod.parameters():

@@ -147,6 +147,27 @@ def order_edges(prog: Program, groups: tuple[int, ...]) -> list[tuple[int, ...]]
     return [tuple(sorted(set(deps[op.index]) | {producer[r] for r in op.refs() if r in producer})) for op in prog.ops]
 
 
+def _views_to_remake(graph: Any, producer: dict[int, int], users: set[int], source: set[int],
+                     free: Callable[[int], bool]) -> set[int]:
+    """The view ops of ``source`` that ops of ``users`` read and that view only values ``free``
+    accepts (or what such remade views make), closed under that: cheaper for ``users``' side to
+    remake than for ``source``'s side to keep."""
+    remade: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(users | remade):
+            for r in graph.ops[i].refs():
+                p = producer.get(r)
+                if p is None or p not in source or p in remade:
+                    continue
+                pop = graph.ops[p]
+                if _is_view_op(pop) and all(free(x) or producer.get(x) in remade for x in pop.refs()):
+                    remade.add(p)
+                    changed = True
+    return remade
+
+
 def _is_view_op(op: Any) -> bool:
     schema = getattr(op.target, "_schema", None)
     return (schema is not None and len(schema.returns) == 1 and schema.returns[0].alias_info is not None
@@ -215,20 +236,8 @@ def partition_joint(joint: Program, n_fwd_outputs: int, seeds: Sequence[int]) ->
     bwd_roots = [producer[o] for o in out_ids[n_fwd_outputs:] if o in producer]
     bwd = ancestors(deps, bwd_roots) - fwd
     # Remake views of state (t(weight), weight.view(...)) in the backward instead of saving them.
-    remade: set[int] = set()
-    changed = True
-    while changed:
-        changed = False
-        for i in sorted(bwd | remade):
-            for r in joint.ops[i].refs():
-                p = producer.get(r)
-                if p is None or p not in fwd or p in remade:
-                    continue
-                pop = joint.ops[p]
-                if _is_view_op(pop) and all(joint.values[x].role in (Role.STATE, Role.CONST) or
-                                            (producer.get(x) in remade) for x in pop.refs()):
-                    remade.add(p)
-                    changed = True
+    remade = _views_to_remake(joint, producer, bwd, fwd,
+                              lambda x: joint.values[x].role in (Role.STATE, Role.CONST))
     bwd_ops = bwd | remade
     made_in_bwd = {o for i in bwd_ops for o in joint.ops[i].outputs if o >= 0}
     needed: list[int] = []
@@ -335,20 +344,8 @@ def split_backward(backward: Program, n_input_grads: int, origins: dict[int, str
     # them from what it reads anyway, rather than keeping them.
     producer = _producers(backward)
     inputs = set(backward.inputs)
-    remade: set[int] = set()
-    changed = True
-    while changed:
-        changed = False
-        for i in sorted(w_ops | remade):
-            for r in backward.ops[i].refs():
-                p = producer.get(r)
-                if p is None or p not in i_ops or p in remade:
-                    continue
-                pop = backward.ops[p]
-                if _is_view_op(pop) and all(backward.values[x].role in (Role.STATE, Role.CONST) or x in inputs
-                                            or producer.get(x) in remade for x in pop.refs()):
-                    remade.add(p)
-                    changed = True
+    remade = _views_to_remake(backward, producer, w_ops, i_ops,
+                              lambda x: backward.values[x].role in (Role.STATE, Role.CONST) or x in inputs)
     w_ops |= remade
     # An op W needs that an op of I follows is in I by the closure above; the reverse (an I op
     # W must follow) is a W op that depends on I, which is fine: I runs first.

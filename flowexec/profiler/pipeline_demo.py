@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass(frozen=True)
 class Config:
     """The profiled run: ``blocks`` of ``Linear(width) + tanh``, MSE against random targets, SGD."""
@@ -33,16 +32,19 @@ class Config:
 
 
 def data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    return torch.randn(cfg.batch, cfg.width, generator=g), torch.randn(cfg.batch, cfg.width, generator=g)
+    """The batch of :func:`flowexec.pipeline.demo.data` (same fields, same seeding)."""
+    from ..pipeline.demo import data as demo_data
+
+    return demo_data(cfg)
 
 
 def _stages(cfg: Config, n_stages: int) -> list[torch.nn.Module]:
-    """The model (the same in every process: seeded) as ``n_stages`` contiguous stages."""
-    torch.manual_seed(cfg.seed)
-    bs = [torch.nn.Sequential(torch.nn.Linear(cfg.width, cfg.width), torch.nn.Tanh()) for _ in range(cfg.blocks)]
-    edges = [round(i * len(bs) / n_stages) for i in range(n_stages + 1)]
-    return [torch.nn.Sequential(*bs[edges[i]:edges[i + 1]]) for i in range(n_stages)]
+    """The model of :func:`flowexec.pipeline.demo.blocks` (the same in every process: seeded) as
+    ``n_stages`` contiguous stages."""
+    from ..pipeline.demo import blocks
+    from ..pipeline.trainer import split
+
+    return split(blocks(cfg), n_stages)
 
 
 def theory(schedule: Any, n_ranks: int, n_micro: int) -> tuple[float, dict[int, float]]:

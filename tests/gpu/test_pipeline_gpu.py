@@ -9,6 +9,7 @@ import torch
 from flowexec.models import PreNormBlock
 
 from flowexec.pipeline.compiled import CompiledRunner
+from helpers import play_jobs as play
 
 DEV = "cuda"
 
@@ -29,21 +30,6 @@ class Shared(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.lin(torch.tanh(self.lin(x)) + side), side.sin()
-
-
-def play(runner, order, xs, gs):
-    outs, gins = {}, {}
-    for job in order.split():
-        kind, m = job[0], int(job[1:])
-        if kind == "F":
-            outs[m] = runner.forward(m, xs[m])
-        elif kind == "B":
-            gins[m] = runner.backward(m, gs[m])
-        elif kind == "I":
-            gins[m] = runner.backward_input(m, gs[m])
-        else:
-            runner.backward_weight(m)
-    return outs, gins
 
 
 def eager_step(mod, xs, gs):
