@@ -54,3 +54,22 @@ def arena_views(mem: MemoryPlan, prog: Program) -> tuple[list[torch.Tensor], dic
             assert meta is not None
             views[p.root] = arenas[p.arena][p.offset:p.offset + p.nbytes].view(meta.dtype).view(meta.shape)
     return arenas, views, dict(mem.out_overloads)
+
+
+def bind_arenas(mem: MemoryPlan | None, prog: Program, glb: dict[str, Any]) -> dict[int, tuple[Any, str]]:
+    """Put the arenas and a global ``A<vid>`` per planned view into a lowering's globals;
+    return value -> (out= overload, out argument name), empty without a memory plan."""
+    if mem is None:
+        return {}
+    glb["_arenas"], views, outs = arena_views(mem, prog)
+    glb.update({f"A{vid}": t for vid, t in views.items()})
+    return outs
+
+
+def out_call(op: Any, outs: dict[int, tuple[Any, str]]) -> tuple[Any, str | None]:
+    """(what the lowered code calls for ``op``, its extra ``name=A<vid>`` argument or None):
+    a planned op calls its out= overload into its arena view (passes/memory.py orders reuse)."""
+    into = outs.get(op.outputs[0]) if outs and op.outputs else None
+    if into is None:
+        return op.target, None
+    return into[0], f"{into[1]}=A{op.outputs[0]}"

@@ -58,6 +58,7 @@ import torch
 from ..errors import ExecutionError
 from ..plan import ExecutionPlan
 from ..program import Ref, format_op
+from .arena import bind_arenas, out_call
 from .interpreter import _Renderer, callable_of, explain_failure
 
 DEFAULT_SPIN_US = 200.0
@@ -349,12 +350,7 @@ def lower_workers(plan: ExecutionPlan, issue: str = "host", spin_us: float = DEF
     glb.update({f"s{vid}": t for vid, t in prog.state.items()})
     glb.update({f"c{vid}": c for vid, c in prog.consts.items()})
     render = _Renderer(prog, glb)
-    outs_into: dict[int, tuple[Any, str]] = {}
-    if plan.memory is not None:  # memory="planned": planned ops write into views of the arenas
-        from .arena import arena_views
-
-        glb["_arenas"], views, outs_into = arena_views(plan.memory, prog)
-        glb.update({f"A{vid}": t for vid, t in views.items()})
+    outs_into = bind_arenas(plan.memory, prog, glb)  # memory="planned": planned ops write into arena views
 
     def slot(a: Any) -> str:  # values live in the slot table E (state and constants stay globals)
         if isinstance(a, Ref) and a.id not in prog.state and a.id not in prog.consts:
@@ -406,11 +402,11 @@ def lower_workers(plan: ExecutionPlan, issue: str = "host", spin_us: float = DEF
             glb[name] = (lambda e=e, pos=pos, s=s: _wait(pool, e, pos, s, describe))
             add(s, name, pos)
         fname = f"f{op.index}"
-        into = outs_into.get(op.outputs[0]) if outs_into and op.outputs else None
-        glb[fname] = callable_of(into[0] if into else op.target)
+        target, out_arg = out_call(op, outs_into)
+        glb[fname] = callable_of(target)
         args = [slot(a) for a in op.args] + [f"{k}={slot(v)}" for k, v in op.kwargs]
-        if into:  # the arena block is reused only after what the plan's events order (passes/memory.py)
-            args.append(f"{into[1]}=A{op.outputs[0]}")
+        if out_arg:  # the arena block is reused only after what the plan's events order (passes/memory.py)
+            args.append(out_arg)
         call = f"{fname}({', '.join(args)})"
         if op.unpack:
             names = [f"E[{o}]" if o >= 0 else "_" for o in op.outputs]

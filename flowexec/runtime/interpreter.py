@@ -28,6 +28,7 @@ import torch
 from ..errors import ExecutionError
 from ..plan import ExecutionPlan
 from ..program import Program, Ref, format_op
+from .arena import bind_arenas, out_call
 
 _counter = itertools.count()
 
@@ -110,12 +111,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
 
         glb["_gc"] = collector().bounded(plan.gc_backlog_bytes)
         handed = handed_frees(plan)
-    outs: dict[int, tuple[Any, str]] = {}
-    if plan.memory is not None:  # memory="planned": planned ops write into views of the arenas
-        from .arena import arena_views
-
-        glb["_arenas"], views, outs = arena_views(plan.memory, prog)
-        glb.update({f"A{vid}": t for vid, t in views.items()})
+    outs = bind_arenas(plan.memory, prog, glb)  # memory="planned": planned ops write into arena views
     multi = plan.n_streams > 1
     if multi:
         if streams is None:
@@ -140,11 +136,11 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
                 on = ins.stream
             lines += [f"    {stream_name(on)}.wait_event(E{e})" for e in ins.waits]
         fname = f"f{op.index}"
-        into = outs.get(op.outputs[0]) if outs and op.outputs else None
-        glb[fname] = callable_of(into[0] if into else op.target)
+        target, out_arg = out_call(op, outs)
+        glb[fname] = callable_of(target)
         args = [render(a) for a in op.args] + [f"{k}={render(v)}" for k, v in op.kwargs]
-        if into:
-            args.append(f"{into[1]}=A{op.outputs[0]}")
+        if out_arg:
+            args.append(out_arg)
         call = f"{fname}({', '.join(args)})"
         if op.unpack:
             names = [_slot(o) if o >= 0 else "_" for o in op.outputs]

@@ -38,6 +38,15 @@ def test_achieved_peak_on_cuda_is_within_5_percent_of_planned(memory):
     assert 0 < r["achieved_peak_bytes"] <= 1.05 * r["planned_peak_bytes"], r
 
 
+def _assert_trains_like_eager(exe, s1, m1, m2, data):
+    """Losses and, once the async collector has drained, the models' state match eager."""
+    for x, y in data[1:]:
+        assert_close_rel(exe(x, y), s1(x, y), tol=1e-4, what="loss")
+    torch.cuda.synchronize()
+    assert collector().drain(timeout=30)
+    assert_same_state(m1, m2, tol=1e-4)
+
+
 @pytest.mark.parametrize("mode,gc,streams", [("trace", "fast", 1), ("trace", "async", 1), ("trace", "none", 1),
                                              ("graph", "fast", 1), ("trace", "fast", 3), ("graph", "fast", 3),
                                              ("trace", "async", 3)])
@@ -49,21 +58,13 @@ def test_planned_memory_on_cuda_trains_like_eager(mode, gc, streams):
                 instruction_order(plan.instructions), metadata_ops(plan.program))
     assert verify_plan(plan.program, plan) == []  # arena blocks count as shared storage
     assert plan.stats()["planned_buffers"] > 0
-    for x, y in data[1:]:
-        assert_close_rel(exe(x, y), s1(x, y), tol=1e-4, what="loss")
-    torch.cuda.synchronize()
-    assert collector().drain(timeout=30)
-    assert_same_state(m1, m2, tol=1e-4)
+    _assert_trains_like_eager(exe, s1, m1, m2, data)
 
 
 def test_async_with_streams_and_memory_order_trains_like_eager():
     m1, m2, s1, s2, data = _mlp_twins()
     exe = flowexec.compile(s2, *data[0], gc="async", streams=2, order="memory")
-    for x, y in data[1:]:
-        assert_close_rel(exe(x, y), s1(x, y), tol=1e-4, what="loss")
-    torch.cuda.synchronize()
-    assert collector().drain(timeout=30)
-    assert_same_state(m1, m2, tol=1e-4)
+    _assert_trains_like_eager(exe, s1, m1, m2, data)
 
 
 def test_async_peak_on_cuda_is_within_10_percent_of_fast():

@@ -48,14 +48,20 @@ def test_independent_branches_on_four_streams_match_eager(mode):
         assert all(torch.equal(a, b) for a, b in zip(got, snapshot))
 
 
-@pytest.mark.parametrize("streams", [2, 4])
-def test_mlp_training_step_on_streams_matches_eager(streams):
+def _sgd_mlp_twins():
+    """Two identical small MLPs with SGD, their training steps and four batches."""
     torch.manual_seed(0)
     m1 = make_mlp(64, 4).cuda()
     m2 = copy.deepcopy(m1)
     s1 = make_step(m1, torch.optim.SGD(m1.parameters(), lr=0.1), F.cross_entropy)
     s2 = make_step(m2, torch.optim.SGD(m2.parameters(), lr=0.1), F.cross_entropy)
     data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(4)]
+    return m1, m2, s1, s2, data
+
+
+@pytest.mark.parametrize("streams", [2, 4])
+def test_mlp_training_step_on_streams_matches_eager(streams):
+    m1, m2, s1, s2, data = _sgd_mlp_twins()
     exe = flowexec.compile(s2, *data[0], mode="graph", streams=streams)
     assert exe.plan.stats()["streams"] > 1
     for x, y in data:
@@ -148,12 +154,7 @@ def test_threaded_mode_on_cuda_matches_eager(streams):
 
 
 def test_threaded_mlp_training_step_on_cuda_matches_eager():
-    torch.manual_seed(0)
-    m1 = make_mlp(64, 4).cuda()
-    m2 = copy.deepcopy(m1)
-    s1 = make_step(m1, torch.optim.SGD(m1.parameters(), lr=0.1), F.cross_entropy)
-    s2 = make_step(m2, torch.optim.SGD(m2.parameters(), lr=0.1), F.cross_entropy)
-    data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(4)]
+    m1, m2, s1, s2, data = _sgd_mlp_twins()
     exe = flowexec.compile(s2, *data[0], mode="threaded", streams=3)
     for x, y in data:
         assert_close_rel(exe(x, y), s1(x, y))
