@@ -39,6 +39,7 @@ from host_meta import host_meta  # noqa: E402
 import flowexec  # noqa: E402
 from flowexec.models import make_mlp, make_step  # noqa: E402
 from flowexec.profiler import JobTimer  # noqa: E402
+from flowexec.profiler.timers import FLUSH_BATCH, CudaEvents  # noqa: E402
 
 
 def pipeline_overhead(rounds: int, steps: int) -> dict[str, Any]:
@@ -82,31 +83,39 @@ def mlp_overhead(dev: torch.device, runs: int) -> dict[str, Any]:
                                    "loop_off_us: µs per step of loop_steps steps back to back, timer on / off",
                            "instructions": len(exe.plan.instructions)}
     rows: dict[str, list[float]] = {"plain": [], "host_stamps": [], "device_times": [], "job_timer": []}
-    timer = JobTimer(dev)
+    # As the trainer's recording sets it up (flowexec.profiler.recording), and, on CUDA, the same
+    # timer on torch.cuda.Event instead of the driver's events, for comparison.
+    timers = {"on": JobTimer(dev, batch=FLUSH_BATCH)}
+    if dev.type == "cuda":
+        timers["on_torch_events"] = JobTimer(dev, batch=FLUSH_BATCH, events=CudaEvents(dev))
+        timers["on_flush_each_step"] = JobTimer(dev)
+    timer = timers["on"]
     n_loop = 10 if runs < 100 else 50
 
-    def loop(on: bool) -> float:
+    def loop(mode: str) -> float:
         """µs per step of ``n_loop`` steps back to back (the device drained before and after)."""
+        t = timers.get(mode)
         sync()
         t0 = time.perf_counter_ns()
         for k in range(n_loop):
-            if on:
-                tok = timer.begin(step=k, stage=0, kind="F", micro=0)
+            if t is not None:
+                tok = t.begin(step=k, stage=0, kind="F", micro=0)
                 exe(x, y)
-                timer.end(tok)
-                timer.flush()
+                t.end(tok)
+                t.flush()
             else:
                 exe(x, y)
-        if on:
-            timer.finish()
+        if t is not None:
+            t.finish()
         sync()
         return (time.perf_counter_ns() - t0) / 1e3 / n_loop
 
-    loop(False), loop(True)  # warm: the pool's events, the allocator
-    loop_rows: dict[str, list[float]] = {"off": [], "on": []}
-    for _ in range(max(5, runs // 10)):  # alternating rounds, so that drift hits both alike
-        loop_rows["off"].append(loop(False))
-        loop_rows["on"].append(loop(True))
+    for mode in ("off", *timers):  # warm: the pool's events, the allocator
+        loop(mode)
+    loop_rows: dict[str, list[float]] = {"off": [], **{m: [] for m in timers}}
+    for _ in range(max(5, runs // 10)):  # alternating rounds, so that drift hits all alike
+        for mode in loop_rows:
+            loop_rows[mode].append(loop(mode))
     for _ in range(3):  # alternate, so that drift hits all alike
         rows["plain"].append(_timed(lambda: exe(x, y), sync, runs))
         rows["host_stamps"].append(statistics.median(flowexec.profile(exe, x, y, runs=runs, device_times=False).run_us))
@@ -124,6 +133,11 @@ def mlp_overhead(dev: torch.device, runs: int) -> dict[str, Any]:
         if f"{k}_us" in out:
             out[f"{k}_overhead"] = out[f"{k}_us"] / plain - 1
     out["job_timer_overhead"] = out["job_timer_us"] / out["loop_off_us"] - 1  # against the same loop, timer off
+    out["job_timer_events"] = type(timer._events).__name__ if timer._events is not None else "host clock"
+    for mode in timers:
+        if mode != "on":
+            out[f"rounds_loop_{mode}_us"] = loop_rows[mode]
+            out[f"job_timer_{mode}_overhead"] = statistics.median(loop_rows[mode]) / out["loop_off_us"] - 1
     if "device_times_us" in out:
         out["device_times_us_per_instruction"] = (out["device_times_us"] - plain) / out["instructions"]
     return out

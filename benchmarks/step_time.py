@@ -275,7 +275,10 @@ def bench_calling(dev: torch.device, n: int, out: dict[str, Any]) -> None:
     base = make_mlp().to(dev)
     x = torch.randn(32, 256, device=dev)
     y = torch.randint(0, 10, (32,), device=dev)
-    r: dict[str, Any] = {"mode": mode, "n_params": len(list(base.parameters()))}
+    from flowexec.runtime import fastcall
+
+    # "native": calls are checked in one C++ call (runtime/fastcall.py); else why not
+    r: dict[str, Any] = {"mode": mode, "n_params": len(list(base.parameters())), "call_check": fastcall.status()}
     fns: dict[str, Callable[[], Any]] = {}
 
     def closure() -> tuple[Callable[[], Any], Callable[[], Any]]:

@@ -130,6 +130,8 @@ _SIGNATURES: dict[str, list] = {
     "cuEventCreate": [ctypes.POINTER(_vp), _u],
     "cuEventRecord": [_vp, _vp],
     "cuEventQuery": [_vp],
+    "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), _vp, _vp],
+    "cuEventDestroy_v2": [_vp],
     "cuStreamWaitEvent": [_vp, _vp, _u],
     "cuStreamQuery": [_vp],
     "cuStreamSynchronize": [_vp],
@@ -259,6 +261,13 @@ def host_alloc(nbytes: int) -> tuple[int, int]:
 def event_create() -> int:
     ev = ctypes.c_void_p()
     check(driver().cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "cuEventCreate")
+    return ev.value
+
+
+def timing_event_create() -> int:
+    """An event that keeps a device timestamp (``cuEventElapsedTime`` reads it)."""
+    ev = ctypes.c_void_p()
+    check(driver().cuEventCreate(ctypes.byref(ev), 0), "cuEventCreate")
     return ev.value
 
 

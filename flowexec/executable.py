@@ -30,6 +30,7 @@ from .capture import capture, storage_groups, storage_key
 from .errors import CaptureError, FlowexecError, InputError, OptionError, count_option
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
+from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
 from .runtime.streams import lower_for
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
@@ -163,6 +164,11 @@ class Executable:
         # Per structure key (flowexec.signature.flatten): (tensor guard, compiled) pairs, most
         # recent first; a call whose tensors pass a guard skips building its signature.
         self._fast: dict[tuple[Any, ...], list[tuple[Any, _Compiled]]] = {}
+        # The C++ check of the signature and graph that ran last (runtime/fastcall.py), and
+        # those built so far by (id(compiled), id(runner)): a call that fails the check takes
+        # the Python path, which sets the one it ends on.
+        self._native: Any = None
+        self._natives: dict[tuple[int, int], Any] = {}
         self._first: _Compiled | None = None
         self._first_sig: tuple[Any, ...] | None = None
         self._last: _Compiled | None = None
@@ -343,6 +349,8 @@ class Executable:
             tensors = [(a, p) for a, p in zip(leaves, paths) if isinstance(a, torch.Tensor)]
             _check_graph_devices([a for a, _ in tensors], [p for _, p in tensors])
         compiled = self._build(leaves, tree, paths)
+        self._native = None  # closure state may grow: checks built against the old keys go
+        self._natives.clear()
         if self._sharing:  # the state is known now
             self._state_keys |= {storage_key(t) for t in compiled.plan.program.state.values()} - {0}
             sig = (sig[0], self._sig(leaves))
@@ -374,6 +382,11 @@ class Executable:
 
     # -- running --------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fc = self._native
+        if fc is not None and fc.alive[0] and not kwargs:
+            targs = fc.check(args)  # every check below in one C++ walk (runtime/fastcall.py)
+            if targs is not None:
+                return self._finish(fc.compiled, fc.run, targs)
         leaves, key = flatten(args, kwargs)
         c = None
         entries = self._fast.get(key)
@@ -391,16 +404,37 @@ class Executable:
                 g = c.variants.select(targs, self._state_keys) if c.variants is not None else None
                 if g is not None:
                     run = g
+                    if not kwargs:
+                        self._native = self._native_for(c, g, leaves, targs, getattr(g, "borrowed", None))
                 elif not self._unshared(targs):
                     c = None
                 else:
                     run = c.runner
-            else:
-                run = c.runner if c is not None else None
+                    if not kwargs:
+                        self._native = self._native_for(c, run, leaves, targs, None, self._state_keys)
+            elif c is not None:
+                run = c.runner
+                if not kwargs:
+                    self._native = self._native_for(c, run, leaves, targs)
         if c is None:
             c = self._lookup_leaves(leaves, key, args, kwargs)
             targs = leaves if c.all_tensors else [leaves[i] for i in c.tensor_pos]
             run = c.runner
+        return self._finish(c, run, targs)
+
+    def _native_for(self, c: _Compiled, run: Any, leaves: Sequence[Any], targs: Sequence[Any], borrowed: Any = None,
+                    forbidden: frozenset[int] | None = None) -> Any:
+        """The C++ check for calls like this one, which passed the Python checks to ``run``
+        (built once per (signature, graph); None where it cannot be had)."""
+        k = (id(c), id(run))
+        hit = self._natives.get(k, False)
+        if hit is False:
+            if len(self._natives) >= 4 * self.cache_size:  # graphs come and go: never pile up
+                self._natives.clear()
+            hit = self._natives[k] = fastcall.make(c, run, c.tree, leaves, targs, borrowed, forbidden)
+        return hit
+
+    def _finish(self, c: _Compiled, run: Callable[[Sequence[Any]], list[Any]], targs: Sequence[Any]) -> Any:
         flat = run(targs)
         for p, idx in c.grad_bindings:
             g = flat[idx]

@@ -145,3 +145,25 @@ def test_every_span_arrives_by_finish(busy):
     got += t.finish()
     assert sorted((s.step, s.micro) for s in got) == [(k, m) for k in range(5) for m in range(2)]
     assert all(s.end_ns >= s.start_ns for s in got)
+
+
+def test_a_batching_timer_reads_events_only_once_a_batch_waits():
+    dev = FakeDevice()
+    t = JobTimer(torch.device("cpu"), events=dev, reanchor_s=None, batch=7)
+    queries = []
+    real = FakeEvent.query
+    FakeEvent.query = lambda self: queries.append(self) or real(self)  # count reads
+    try:
+        _step(t, 0)
+        queries.clear()  # (the anchor's own wait reads its event)
+        assert t.flush() == [] and not queries  # 3 spans wait: none read
+        _step(t, 1)
+        assert t.flush() == [] and not queries  # 6
+        _step(t, 2)
+        got = t.flush()  # 9 >= 7: all read now
+        assert [(s.step, s.micro) for s in got] == [(k, m) for k in range(3) for m in range(3)] and queries
+        _step(t, 3)
+        assert [s.step for s in t.finish()] == [3, 3, 3]  # the end of a run reads the rest
+    finally:
+        FakeEvent.query = real
+    assert dev.created <= 2 * 9 + 4  # events still come back to the pool

@@ -30,7 +30,7 @@ from typing import Any, Container, Iterator
 import torch
 
 from .io import Header, RecordWriter, rank_file
-from .timers import NULL_TIMER, JobTimer
+from .timers import FLUSH_BATCH, NULL_TIMER, JobTimer
 
 
 class _AllSteps:
@@ -69,7 +69,7 @@ class StepProfiler:
             # Processes on rank 0's machine read the same monotonic clock: an estimate could only
             # add its error (up to half a round trip) there. Other machines take the estimate.
             offset = 0 if same_host else measured
-        self.timer_ = JobTimer(self.device, rank=self.rank, host=self.host, offset_ns=offset)
+        self.timer_ = JobTimer(self.device, rank=self.rank, host=self.host, offset_ns=offset, batch=FLUSH_BATCH)
         os.makedirs(directory, exist_ok=True)
         self._writer = RecordWriter(rank_file(directory, self.rank),
                                     Header(self.rank, self.host, os.getpid(), offset, rtt, dict(meta or {}),

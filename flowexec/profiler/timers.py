@@ -74,6 +74,93 @@ class _TimingEvent(torch.cuda.Event):
         torch._C._CudaEventBase.record(self, stream)
 
 
+class _DriverEvent:
+    """A timing event through the CUDA driver (ctypes): a record is one driver call, where
+    ``torch.cuda.Event.record`` costs about 3 µs on the H200's host (pybind, device guard,
+    Python stream). Same methods as ``torch.cuda.Event`` as far as :class:`JobTimer` uses them."""
+
+    __slots__ = ("h", "src")
+
+    def __init__(self, h: int, src: "DriverEvents") -> None:
+        self.h, self.src = h, src
+
+    def record(self, stream: Any = None) -> None:
+        src = self.src
+        code = src.rec(self.h, src.raw(src.index) if stream is None else stream.cuda_stream)
+        if code:
+            src.fail(code, "cuEventRecord")
+
+    def query(self) -> bool:
+        code = self.src.query(self.h)
+        if code == 0:
+            return True
+        if code != _NOT_READY:
+            self.src.fail(code, "cuEventQuery")
+        return False
+
+    def elapsed_time(self, other: "_DriverEvent") -> float:
+        src = self.src
+        code = src.elapsed(src.ms_ref, self.h, other.h)
+        if code:
+            src.fail(code, "cuEventElapsedTime")
+        return src.ms.value
+
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+# Spans a recording timer lets wait before a flush reads their events (``JobTimer(batch=...)``):
+# the trainer's records of a step or two, read in one go.
+FLUSH_BATCH = 64
+
+
+class DriverEvents:
+    """:class:`DeviceEvents` of one CUDA device through the driver (:class:`_DriverEvent`); its
+    events live as long as it does. ``JobTimer`` takes it where libcuda loads, else
+    :class:`CudaEvents`."""
+
+    def __init__(self, device: torch.device) -> None:
+        import ctypes
+        import weakref
+
+        from .. import _cuda_native as cn
+
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        d = cn.driver()
+        cn.ensure_context(self.index)
+        self.rec, self.query, self.elapsed = d.cuEventRecord, d.cuEventQuery, d.cuEventElapsedTime
+        self.raw = torch._C._cuda_getCurrentRawStream
+        self.ms = ctypes.c_float()
+        self.ms_ref = ctypes.byref(self.ms)
+        self._cn = cn
+        self._handles: list[int] = []
+        weakref.finalize(self, _destroy, d, self._handles)
+
+    def event(self) -> _DriverEvent:
+        h = self._cn.timing_event_create()
+        self._handles.append(h)
+        return _DriverEvent(h, self)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def fail(self, code: int, call: str) -> None:
+        raise self._cn.CudaDriverError(code, call)
+
+
+def _destroy(d: Any, handles: list[int]) -> None:
+    for h in handles:
+        d.cuEventDestroy_v2(h)
+
+
+def device_events(device: torch.device) -> DeviceEvents:
+    """The cheapest :class:`DeviceEvents` this machine has for ``device``: the driver's, or
+    torch's where libcuda cannot be loaded directly."""
+    try:
+        return DriverEvents(device)
+    except (OSError, AttributeError, RuntimeError):
+        return CudaEvents(device)
+
+
 class CudaEvents:
     """:class:`DeviceEvents` of one CUDA device."""
 
@@ -116,7 +203,11 @@ class JobTimer:
     enabled = True
 
     def __init__(self, device: torch.device | str, rank: int = 0, host: str | None = None,
-                 offset_ns: int = 0, *, reanchor_s: float | None = 1.0, events: DeviceEvents | None = None) -> None:
+                 offset_ns: int = 0, *, reanchor_s: float | None = 1.0, events: DeviceEvents | None = None,
+                 batch: int = 1) -> None:
+        """``batch``: on CUDA, :meth:`flush` reads events only once this many spans wait (each
+        read is two device calls per span; reading them in one go later keeps them off the
+        steps in between)."""
         self.device = torch.device(device)
         self.rank = rank
         self.host = host or socket.gethostname()
@@ -124,7 +215,8 @@ class JobTimer:
         self.offset_ns = offset_ns  # this rank's clock to rank 0's (clocks.measure_offset), stamped on every span
         self.reanchor_ns = None if reanchor_s is None else int(reanchor_s * 1e9)
         self._events: DeviceEvents | None = events if events is not None else (
-            CudaEvents(self.device) if self.device.type == "cuda" else None)
+            device_events(self.device) if self.device.type == "cuda" else None)
+        self.batch = max(1, int(batch))
         self._cuda = self._events is not None
         self._clock = "cuda" if self._cuda else "host"
         self._open: list[list[Any]] = []  # begun since the last flush
@@ -176,7 +268,8 @@ class JobTimer:
 
     def flush(self) -> list[Span]:
         """The spans whose work has completed, of this flush's and earlier ones' (never waits,
-        except to re-anchor a run older than ``reanchor_s``)."""
+        except to re-anchor a run older than ``reanchor_s``; on CUDA, none until ``batch``
+        spans wait)."""
         self._waiting += self._open
         self._open = []
         if not self._cuda:
@@ -186,6 +279,8 @@ class JobTimer:
             out = self.finish()
             self._anchor = self._take_anchor()
             return out
+        if len(self._waiting) < self.batch:
+            return []
         done, left = [], []
         for tok in self._waiting:
             end = tok[10]

@@ -38,6 +38,39 @@ def test_job_timer_reads_device_times_anchored_to_the_host_clock():
     assert s.duration_ns > 0
 
 
+def test_driver_events_time_what_torch_events_time():
+    from flowexec.profiler.timers import CudaEvents, DriverEvents
+
+    dev = torch.device("cuda")
+    assert type(JobTimer(dev)._events) is DriverEvents  # the default where libcuda loads
+    x = torch.randn(2048, 2048, device=dev)
+    durations = {}
+    for name, src in (("driver", DriverEvents(dev)), ("torch", CudaEvents(dev))):
+        a, b = src.event(), src.event()
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(20):
+            x = (x @ x).tanh()
+        b.record()
+        b.query()  # done or not yet: either way it answers without raising
+        torch.cuda.synchronize()
+        assert a.query() and b.query()
+        durations[name] = a.elapsed_time(b)
+    assert durations["driver"] > 0 and 0.5 < durations["driver"] / durations["torch"] < 2.0
+    # on a side stream too: the event lands on the current stream
+    s = torch.cuda.Stream()
+    t = JobTimer(dev, batch=4)
+    spans = []
+    with torch.cuda.stream(s):
+        for k in range(6):
+            tok = t.begin(step=k, stage=0, kind="F", micro=0)
+            x = (x @ x).tanh()
+            t.end(tok)
+            spans += t.flush()
+    spans += t.finish()
+    assert [sp.step for sp in spans] == list(range(6)) and all(sp.duration_ns > 0 for sp in spans)
+
+
 def _mlp_step():
     torch.manual_seed(0)
     model = make_mlp(256, 3).cuda()
