@@ -385,8 +385,9 @@ class Executable:
         fc = self._native
         if fc is not None and fc.alive[0] and not kwargs:
             targs = fc.check(args)  # every check below in one C++ walk (runtime/fastcall.py)
-            if targs is not None:
-                return self._finish(fc.compiled, fc.run, targs)
+            if targs is not None:  # (run None: the signature's runner, which a profiler may swap)
+                c = fc.compiled
+                return self._finish(c, fc.run or c.runner, targs)
         leaves, key = flatten(args, kwargs)
         c = None
         entries = self._fast.get(key)
@@ -405,17 +406,18 @@ class Executable:
                 if g is not None:
                     run = g
                     if not kwargs:
-                        self._native = self._native_for(c, g, leaves, targs, getattr(g, "borrowed", None))
+                        self._native = self._native_for(c, getattr(g, "call", g), leaves, targs,
+                                                        getattr(g, "borrowed", None))
                 elif not self._unshared(targs):
                     c = None
                 else:
                     run = c.runner
                     if not kwargs:
-                        self._native = self._native_for(c, run, leaves, targs, None, self._state_keys)
+                        self._native = self._native_for(c, None, leaves, targs, None, self._state_keys)
             elif c is not None:
                 run = c.runner
                 if not kwargs:
-                    self._native = self._native_for(c, run, leaves, targs)
+                    self._native = self._native_for(c, None, leaves, targs)
         if c is None:
             c = self._lookup_leaves(leaves, key, args, kwargs)
             targs = leaves if c.all_tensors else [leaves[i] for i in c.tensor_pos]
@@ -424,8 +426,9 @@ class Executable:
 
     def _native_for(self, c: _Compiled, run: Any, leaves: Sequence[Any], targs: Sequence[Any], borrowed: Any = None,
                     forbidden: frozenset[int] | None = None) -> Any:
-        """The C++ check for calls like this one, which passed the Python checks to ``run``
-        (built once per (signature, graph); None where it cannot be had)."""
+        """The C++ check for calls like this one, which passed the Python checks to ``run`` (a
+        graph of ``c``; None: ``c.runner``), built once per (signature, graph); None where it
+        cannot be had."""
         k = (id(c), id(run))
         hit = self._natives.get(k, False)
         if hit is False:

@@ -156,3 +156,16 @@ def test_status_names_why_it_is_off(monkeypatch):
     monkeypatch.setattr(fastcall, "_STATE", {})
     monkeypatch.setenv("FLOWEXEC_NATIVE", "0")
     assert fastcall.load() is None and "FLOWEXEC_NATIVE=0" in fastcall.status()
+
+
+def test_a_profiler_that_swaps_the_runner_is_not_bypassed(mod):
+    w = torch.randn(16, 16)
+    exe = flowexec.compile(lambda x: torch.tanh(x @ w).sum(), torch.randn(8, 16))
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        exe(x)
+    assert exe._native is not None
+    tl = flowexec.profile(exe, x, runs=3)
+    # every instruction of every run was stamped by the profiler's runner, not skipped past it
+    assert len(tl.records) == 3 * len(exe.plan.instructions)
+    assert sum(r.dur_us for r in tl.records) > 0 and len({r.start_us for r in tl.records}) > 1

@@ -125,19 +125,19 @@ def layout_of(tree: Any, leaves: Sequence[Any]) -> list[int] | None:
 @dataclass(frozen=True)
 class FastCall:
     """One signature's call path: ``check(args)`` (C++) gives the tensor leaves or None,
-    ``run(tensors)`` runs them; ``alive[0]`` turns False when a captured storage the check
+    ``run(tensors)`` runs them (None: the signature's own runner, read at each call); ``alive[0]`` turns False when a captured storage the check
     relies on dies (shared with :class:`~flowexec.runtime.borrowed.BorrowedAddresses`)."""
 
     check: Callable[[tuple[Any, ...]], list[torch.Tensor] | None]
     compiled: Any
-    run: Callable[[Sequence[Any]], list[Any]]
+    run: Callable[[Sequence[Any]], list[Any]] | None
     alive: list[bool]
 
 
 _ALWAYS = [True]
 
 
-def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]], tree: Any, leaves: Sequence[Any],
+def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: Any, leaves: Sequence[Any],
          tensors: Sequence[torch.Tensor], borrowed: Any = None, forbidden: frozenset[int] | None = None) -> FastCall | None:
     """The C++ check for a call that just passed the Python checks with these ``tensors`` (its
     tensor leaves): with ``borrowed`` (a graph's ``BorrowedAddresses``) it also checks that
