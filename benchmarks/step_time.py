@@ -401,6 +401,7 @@ def main() -> None:
         "torch": torch.__version__, "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "PYTHONPATH=. python3 benchmarks/step_time.py " + " ".join(sys.argv[1:]),
+        "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),  # (scripts/gpu_batch.sh sets it)
     }
     try:
         import triton
