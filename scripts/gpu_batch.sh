@@ -19,7 +19,7 @@ run_step() {  # name, seconds, command...
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
-python3 -m flowexec.runtime.fastcall 2>&1 | tail -1  # the native call check (~20 s, once)
+python3 -m flowexec.runtime.build_native 2>&1 | tail -1  # the native call check (~20 s, once)
 for step in "$@"; do
   case $step in
     tests-new) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider $(ls tests/gpu/test_calling_gpu.py \

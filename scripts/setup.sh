@@ -13,4 +13,4 @@ extra=""
 "$PY" -m pip install -q --no-build-isolation -e ".${extra}"
 # The native call check (flowexec/runtime/fastcall.py): built once per machine, ~30 s; without a
 # compiler flowexec still works (calls take the Python path), so a failed build only says so.
-"$PY" -m flowexec.runtime.fastcall || echo "setup: the native call check was not built; calls use the Python path" >&2
+"$PY" -m flowexec.runtime.build_native || echo "setup: the native call check was not built; calls use the Python path" >&2

@@ -12,7 +12,7 @@ and the call takes the Python path, which decides as before. The C++ check compa
 what the Python path compares, or more, so it can send a call to the slow path but never let
 one through that the slow path would refuse.
 
-The extension is not built on import: ``python -m flowexec.runtime.fastcall`` (which
+The extension is not built on import: ``python -m flowexec.runtime.build_native`` (which
 ``scripts/setup.sh`` runs) compiles it once per machine into ``~/.cache/flowexec`` (about 30 s);
 without it, or with ``FLOWEXEC_NATIVE=0``, calls take the Python path. :func:`status` says
 which.
@@ -75,7 +75,7 @@ def load() -> Any | None:
     name, directory = _name_and_directory()
     path = os.path.join(directory, name + ".so")
     if not os.path.exists(path):
-        _STATE["error"] = f"not built (run: {sys.executable} -m flowexec.runtime.fastcall)"
+        _STATE["error"] = f"not built (run: {sys.executable} -m flowexec.runtime.build_native)"
         return None
     try:
         spec = importlib.util.spec_from_file_location(name, path,
@@ -167,9 +167,3 @@ def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: 
     except (RuntimeError, TypeError):  # symbolic shapes, a layout it refuses: the Python path
         return None
     return FastCall(guard.check, compiled, run, alive)
-
-
-if __name__ == "__main__":
-    print(f"flowexec: compiling the native call check ({_SOURCE}) once for this machine ...", flush=True)
-    build()
-    print(f"flowexec: native call check ready ({status()})")
