@@ -181,13 +181,24 @@ class HeldOutputs:
     generation (their test: a new ``torch.compile`` invocation, no forward waiting for its
     backward, or ``mark_step_begin``); if so, every alias still held that still points at pool
     memory gets a private copy (``alias.data = clone``), since the new generation's replays
-    write over the old one's memory. ``moved`` counts them."""
+    write over the old one's memory. An alias autograd adopted as a parameter's ``.grad`` is
+    held from C++ only (its Python object, and so the weak reference, is gone): parameters the
+    graphs read (``add_parameters``) whose ``.grad`` lies in memory handed out since get
+    ``.grad = .grad.clone()``. ``moved`` counts both."""
 
     def __init__(self, device_index: int) -> None:
         self.device_index = device_index
         self.handed: list[tuple[Any, int]] = []  # (weak ref to an alias, its storage's address then)
+        self.ptrs: set[int] = set()  # storages handed out in this generation
+        self.params: dict[int, Any] = {}  # id -> weak ref: parameters whose .grad may be a handed output
         self.manager: Any = None
         self.moved = 0
+
+    def add_parameters(self, tensors: Sequence[Any]) -> None:
+        """Leaf tensors that require grad (a graph's parameters): their ``.grad`` is checked."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad and id(t) not in self.params:
+                self.params[id(t)] = weakref.ref(t)
 
     def before_call(self) -> None:
         from torch._inductor.cudagraph_trees import get_manager
@@ -196,18 +207,30 @@ class HeldOutputs:
         if m is not self.manager:
             if self.manager is not None:  # the trees were reset, and their pool with them
                 self.handed.clear()
+                self.ptrs.clear()
             self.manager = m  # (from None: the aliases came from the calls that made it)
-        if self.handed and m is not None and m.can_start_new_generation():
+        if self.ptrs and m is not None and m.can_start_new_generation():
             self._move_held()
 
     def _move_held(self) -> None:
+        ptrs = self.ptrs
         with torch.no_grad():
             for ref, ptr in self.handed:
                 t = ref()
                 if t is not None and t.untyped_storage().data_ptr() == ptr:
                     t.data = t.clone()
                     self.moved += 1
+            for key, ref in list(self.params.items()):
+                p = ref()
+                if p is None:
+                    del self.params[key]
+                    continue
+                g = p.grad
+                if g is not None and g.untyped_storage().data_ptr() in ptrs:
+                    p.grad = g.clone()
+                    self.moved += 1
         self.handed.clear()
+        ptrs.clear()
 
     def hand_out(self, outs: Sequence[Any], positions: Sequence[int]) -> list[Any]:
         """``outs`` with an alias in place of each output at ``positions`` (pool memory)."""
@@ -217,7 +240,9 @@ class HeldOutputs:
             o = outs[k]
             if isinstance(o, torch.Tensor):
                 a = o.detach()
-                handed.append((weakref.ref(a), o.untyped_storage().data_ptr()))
+                ptr = o.untyped_storage().data_ptr()
+                handed.append((weakref.ref(a), ptr))
+                self.ptrs.add(ptr)
                 outs[k] = a
         if len(handed) > 4096:  # no generation ends (a caller that never steps): keep only the living
             self.handed = [(r, p) for r, p in handed if r() is not None]
@@ -270,9 +295,10 @@ class SharedPoolGraph:
         if first:  # which outputs are a static input's memory: fixed by the program, read once
             static = {args[i].untyped_storage().data_ptr() for i in self.static_idx
                       if i < len(args) and isinstance(args[i], torch.Tensor)}
+            held.add_parameters([args[i] for i in self.static_idx if i < len(args)])
         outs = self._fn(args)
         if first:
-            self._positions = [k for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_cuda
+            self._positions = [k for k, o in enumerate(outs) if isinstance(o, torch.Tensor)
                                and o.untyped_storage().data_ptr() not in static
                                and o.untyped_storage().data_ptr() != 0 and k not in self._unprotected]
         self.calls += 1
