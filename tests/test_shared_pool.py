@@ -261,6 +261,7 @@ def test_dropped_outputs_cost_nothing_and_kept_grads_move_once(fake_trees):
 def test_executable_with_shared_pool_trains_like_eager_and_keeps_held_losses(fake_trees):
     """flowexec.compile(..., mode="graph", pool="shared"): one tree function per signature, every
     call its own generation; losses kept across calls keep their values, state equals eager's."""
+    import flowexec.runtime.graph_trees as graph_trees
     from flowexec.executable import Executable
     from flowexec.models import make_step
 
@@ -277,6 +278,8 @@ def test_executable_with_shared_pool_trains_like_eager_and_keeps_held_losses(fak
         assert_close_rel(mine, eager, what=f"loss {k}")
     assert_same_state(m1, m2)
     (fn,) = fake_trees.functions
-    assert fn["inference"] and fn["calls"] == 4 and fn["static"]
+    # the parameters and momenta are closure state, which the program reads in place: no static inputs
+    assert fn["inference"] and fn["calls"] == 4 and fn["static"] == []
+    assert graph_trees.held_outputs(0).moved == 3  # each kept loss, once, at the next call
     with pytest.raises(OptionError, match="trees own the graphs' input buffers"):
         exe.input_buffers
