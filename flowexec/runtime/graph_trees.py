@@ -305,6 +305,29 @@ class SharedPoolGraph:
         return held.hand_out(outs, self._positions)
 
 
+def uncounted_output_bytes(device_index: int) -> int | None:
+    """Bytes of the device's tree outputs alive now that the caching allocator does not count:
+    on their fast path trees hand out tensors over pool memory they do not own (the allocator
+    saw that memory freed when the recording's own outputs died), so ``memory_allocated`` misses
+    them. Benchmarks add this to compare with eager honestly; None where the trees' internals
+    differ."""
+    m = tree_manager(device_index)
+    if m is None or m.current_node is None:
+        return 0
+    try:
+        seen: set[int] = set()
+        total = 0
+        for ref in m.current_node.path_live_weakrefs():
+            cdata = ref()
+            if cdata is None or ref.data_ptr() in seen or torch._C._has_Standard_Deleter(cdata):
+                continue
+            seen.add(ref.data_ptr())
+            total += torch.UntypedStorage._new_with_weak_ptr(cdata).nbytes()
+        return total
+    except Exception:
+        return None
+
+
 def tree_manager(device_index: int) -> Any:
     """The device's CUDA-graph tree manager, or None (benchmarks and tests read its pool)."""
     from torch._inductor.cudagraph_trees import get_manager
