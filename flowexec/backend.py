@@ -136,6 +136,7 @@ class GraphProgram:
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
         self.shared: Any = None  # pool="shared": the SharedPoolGraph every call goes through
+        self._tree_device: int | None = None  # a backward in trace mode after a forward in the trees
         if self.mode == "graph" and pool == "shared":
             self.shared = self._shared_graph(gm, example_inputs, role, tree_static)
 
@@ -146,10 +147,14 @@ class GraphProgram:
         from .runtime.graph_trees import SharedPoolGraph, graph_metadata, skip_reason
 
         devices = cuda_devices(self.plan.program)
-        why = skip_reason(gm) or (None if len(devices) == 1 else f"{len(devices)} CUDA devices")
+        fwd = self.forward
+        why = (("its forward graph runs in trace mode" if fwd is not None and fwd.shared is None else None)
+               or skip_reason(gm) or (None if len(devices) == 1 else f"{len(devices)} CUDA devices"))
         if why is not None:
             warnings.warn(f"flowexec: pool='shared': this {role} graph runs in trace mode (no CUDA graph): {why}")
             self.mode = "trace"
+            if fwd is not None and fwd.shared is not None:  # the trees must still see the backward run
+                self._tree_device = fwd.shared.device_index
             return None
         (device,) = devices
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -183,6 +188,12 @@ class GraphProgram:
         # AOTAutograd calls boxed (one list) where it sees _boxed_call, unboxed elsewhere.
         args = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
         if self.mode != "graph":  # trace and threaded
+            if self._tree_device is not None:  # as the cudagraphs backend does: no forward pending now
+                from .runtime.graph_trees import tree_manager
+
+                manager = tree_manager(self._tree_device)
+                if manager is not None:
+                    manager.set_to_running_backward()
             return self.run(*args)
         if self.shared is not None:  # pool="shared": the trees pick, record and replay the graph
             return self.shared(args)
