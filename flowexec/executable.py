@@ -234,15 +234,18 @@ class Executable:
         replay over the last call's memory once the outputs still held are moved out. Read in
         place (static): what graph mode borrows (arguments fn writes, parameters, ``borrow``)."""
         from .passes.streams import cuda_devices
-        from .runtime.graph_trees import SharedPoolGraph, named_placeholders
+        from .runtime.graph_trees import SharedPoolGraph, executable_metadata
 
-        devices = cuda_devices(plan.program)
-        if len(devices) != 1:
-            warnings.warn(f"flowexec: pool='shared': this signature runs in trace mode (its program is on "
-                          f"{len(devices)} CUDA devices; a CUDA-graph tree is one device's)", stacklevel=5)
+        from .runtime import graph_trees
+
+        prog = plan.program
+        devices = cuda_devices(prog)
+        why = graph_trees.program_skip_reason(prog, devices)
+        if why is not None:
+            warnings.warn(f"flowexec: pool='shared': this signature runs in trace mode ({why}; a CUDA-graph tree "
+                          "records one GPU's tensors)", stacklevel=5)
             return fallback
         (device,) = devices
-        prog = plan.program
         index = {vid: k for k, vid in enumerate(prog.inputs)}
         mutated = [index[v] for v in plan.mutated if v in index]
         borrow = borrowed_inputs(targs, mutated)
@@ -258,7 +261,7 @@ class Executable:
         graph = SharedPoolGraph(run, targs, static, mutated,
                                 device.index if device.index is not None else torch.cuda.current_device(),
                                 "inference", new_generation=True, unprotected=bound,
-                                placeholders=named_placeholders([str(k) for k in range(len(targs))]))
+                                **executable_metadata(len(targs), len(prog.outputs)))
         return lambda t: graph(list(t))  # the trees empty the list they are given
 
     def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], plan: ExecutionPlan) -> bool:

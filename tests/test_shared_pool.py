@@ -40,6 +40,8 @@ class FakeTrees:
     def cudagraphify_impl(self, model, inputs, static_input_idxs, *, device_index, is_backward, is_inference, **kw):
         from torch._dynamo.mutation_guard import GenerationTracker
 
+        assert isinstance(kw.get("stack_traces"), list), "warm-up nodes assert a list when a generation ends"
+        assert len(kw.get("placeholders", ())) == len(inputs), "the trees' messages index placeholders by input"
         info = {"static": list(static_input_idxs), "backward": is_backward, "inference": is_inference,
                 "keywords": sorted(kw), "static_params": [], "calls": 0}
         self.functions.append(info)
@@ -92,6 +94,7 @@ def fake_trees(monkeypatch):
     monkeypatch.setattr(backend, "cuda_devices", cpu_as_cuda)
     monkeypatch.setattr(streams, "cuda_devices", cpu_as_cuda)
     monkeypatch.setattr(graph_trees, "skip_reason", lambda gm: None)  # it would see CPU nodes
+    monkeypatch.setattr(graph_trees, "program_skip_reason", lambda prog, devices: None)
     monkeypatch.setattr(graph_trees, "_HELD", {})
     fake.made = record_graph_programs(monkeypatch)
     torch._dynamo.reset()
@@ -157,6 +160,14 @@ def test_missing_trees_api_names_the_torch_version(monkeypatch):
     monkeypatch.delattr(trees, "cudagraphify_impl")
     with pytest.raises(OptionError, match=re.escape(f"torch {torch.__version__} does not provide")):
         tree_api()
+
+
+def test_a_signature_off_the_gpu_is_refused_by_the_trees_check():
+    from flowexec.runtime.graph_trees import program_skip_reason
+
+    exe = flowexec.compile(lambda x: (x * 2, 1.5), torch.ones(2))
+    assert program_skip_reason(exe.program, set()) == "its program is on 0 CUDA devices"
+    assert program_skip_reason(exe.program, {torch.device("cuda", 0)}) == "it has values on cpu"
 
 
 def test_trees_keywords_exist_in_this_torch():

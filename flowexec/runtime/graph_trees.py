@@ -103,6 +103,23 @@ def skip_reason(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
+def program_skip_reason(prog: Any, devices: set) -> str | None:
+    """Why a ``flowexec.compile`` signature cannot be a graph of the trees: not on exactly one GPU
+    (the trees' outputs must be CUDA tensors), or an output that is a constant other than an int
+    or None (what the trees keep of non-tensor outputs); None where it can."""
+    from ..program import Ref
+
+    off = sorted({str(v.meta.device) for v in prog.values if v.meta is not None and v.meta.device.type != "cuda"})
+    consts = [o for o in prog.outputs if not isinstance(o, Ref) and not isinstance(o, (int, type(None)))]
+    if len(devices) != 1:
+        return f"its program is on {len(devices)} CUDA devices"
+    if off:
+        return f"it has values on {', '.join(off)}"
+    if consts:
+        return f"it returns constants ({', '.join(type(c).__name__ for c in consts)})"
+    return None
+
+
 def backward_static_indices(gm: torch.fx.GraphModule) -> list[int]:
     """A backward graph's static inputs: everything before the tangents (saved tensors, which are
     the forward's outputs or parameters), as the ``cudagraphs`` backend takes them."""
@@ -118,16 +135,18 @@ def backward_static_indices(gm: torch.fx.GraphModule) -> list[int]:
 def graph_metadata(gm: torch.fx.GraphModule, n_outputs: int) -> dict[str, Any]:
     """The trees' optional keywords taken from an AOT graph: stack traces of the outputs (used in
     their error messages; one per output or none) and placeholder records."""
-    meta: dict[str, Any] = {}
+    # One entry per output, always: the trees' warm-up nodes keep what they are given and assert
+    # it is a list when a generation ends.
+    traces: list[str | None] = [None] * n_outputs
     try:
         from torch._dynamo.backends.cudagraphs import get_stack_traces
 
-        traces = get_stack_traces(gm)
-        meta["stack_traces"] = traces if len(traces) == n_outputs else None
+        found = get_stack_traces(gm)
+        if len(found) == n_outputs:
+            traces = list(found)
     except Exception:
         pass
-    meta["placeholders"] = placeholders_of(gm.graph)
-    return meta
+    return {"stack_traces": traces, "placeholders": placeholders_of(gm.graph)}
 
 
 def placeholders_of(graph: torch.fx.Graph) -> Any:
@@ -138,6 +157,11 @@ def placeholders_of(graph: torch.fx.Graph) -> Any:
         return get_placeholder_info(graph)
     except Exception:
         return ()
+
+
+def executable_metadata(n_inputs: int, n_outputs: int) -> dict[str, Any]:
+    """The trees' optional keywords for a ``flowexec.compile`` signature (no fx graph names it)."""
+    return {"stack_traces": [None] * n_outputs, "placeholders": named_placeholders([str(k) for k in range(n_inputs)])}
 
 
 def named_placeholders(names: Sequence[str]) -> Any:

@@ -27,6 +27,7 @@ def _fresh_trees():
 
     torch._dynamo.reset()
     reset_cudagraph_trees()
+    graph_trees._HELD.clear()  # counts per test
     yield
     torch._dynamo.reset()
     reset_cudagraph_trees()
@@ -94,7 +95,7 @@ def test_gpipe_order_gives_eager_gradients():
         _gpipe_step(c2, o2, data)
         assert_same_state(m1, m2)
         o1.step(), o2.step()
-    assert graph_trees.held_outputs(0).moved == 0  # nothing was held into a new step
+    assert graph_trees.held_outputs(torch.cuda.current_device()).moved == 0  # nothing was held into a new step
 
 
 def _between_steps(run, model, data) -> tuple[int, int]:
@@ -145,7 +146,7 @@ def test_output_held_across_later_replays_keeps_its_values():
     assert not torch.equal(out, expect)  # the later steps did compute other values
     assert torch.equal(held.detach(), expect)
     assert_close_rel(held.detach(), m(xs[2]).detach(), tol=1e-5, what="held output against eager")
-    assert graph_trees.held_outputs(0).moved >= 1
+    assert graph_trees.held_outputs(torch.cuda.current_device()).moved >= 1
 
 
 def test_gradients_accumulated_across_steps_equal_eager():
