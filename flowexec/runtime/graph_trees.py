@@ -306,6 +306,7 @@ class SharedPoolGraph:
         self._positions: list[int] | None = None  # outputs in pool memory (not a static input's)
         self._new_generation = new_generation
         self._unprotected = set(unprotected)
+        self._lead: Any = None  # weak ref to the first static input of the last registration
         self.calls = 0
 
     def __call__(self, args: list[Any]) -> list[Any]:
@@ -319,7 +320,13 @@ class SharedPoolGraph:
         if first:  # which outputs are a static input's memory: fixed by the program, read once
             static = {args[i].untyped_storage().data_ptr() for i in self.static_idx
                       if i < len(args) and isinstance(args[i], torch.Tensor)}
+        if self.static_idx and (first or (self._lead is not None and args[self.static_idx[0]] is not self._lead())):
+            # new parameters (the first call, or another module of the class sharing this code):
+            # their .grad may become one of the trees' outputs. (A backward's static inputs are
+            # saved tensors, new each call: its parameters are the forward's, registered there.)
             held.add_parameters([args[i] for i in self.static_idx if i < len(args)])
+            lead = args[self.static_idx[0]]
+            self._lead = weakref.ref(lead) if self.role != "backward" and isinstance(lead, torch.Tensor) else None
         outs = self._fn(args)
         if first:
             self._positions = [k for k, o in enumerate(outs) if isinstance(o, torch.Tensor)
