@@ -267,6 +267,23 @@ def test_dropped_outputs_cost_nothing_and_kept_grads_move_once(fake_trees):
     assert graph_trees.held_outputs(0).moved == len(list(m2.parameters()))
 
 
+def test_two_modules_sharing_code_keep_accumulated_grads(fake_trees):
+    """Two modules of one class (Dynamo may share one compiled graph between them) taking turns,
+    gradients accumulated without zeroing: both modules' .grad tensors are moved out of the pool
+    at the next generation, so they equal eager's."""
+    torch.manual_seed(0)
+    eager = [make_mlp(8, 1) for _ in range(2)]
+    mine = [copy.deepcopy(m) for m in eager]
+    compiled = [_compile_shared(m) for m in mine]
+    for _ in range(3):
+        for e, c in zip(eager, compiled):
+            x = torch.randn(3, 8)
+            e(x).sum().backward()
+            c(x).sum().backward()
+    for e, m in zip(eager, mine):
+        assert_same_state(e, m)
+
+
 # -- flowexec.compile through the stand-in ------------------------------------------------------
 
 def test_executable_with_shared_pool_trains_like_eager_and_keeps_held_losses(fake_trees):
