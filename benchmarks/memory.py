@@ -152,6 +152,14 @@ def _private_pool_bytes() -> int:
                if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
+def _touch_blas(dev: torch.device) -> None:
+    """Let cuBLAS and cuBLASLt keep their workspaces for the current stream (the caching
+    allocator counts them): CUDA-graph trees free every workspace around each warm-up and
+    recording, so without this a tree row's memory between steps would come out short by them."""
+    a = torch.ones(8, 8, device=dev)
+    (a @ a + torch.addmm(a[0], a, a)).sum().item()
+
+
 MICROBATCH_RUNS = ("eager", "trace", "graph", "graph+planned", "graph+shared", "cudagraphs")
 
 
@@ -190,7 +198,7 @@ def microbatch_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         data = [(torch.randn(batch // n_mb, width, device=dev), torch.randint(0, 10, (batch // n_mb,), device=dev))
                 for _ in range(n_mb)]
-        (torch.ones(8, 8, device=dev) @ torch.ones(8, 8, device=dev)).sum().item()  # cuBLAS workspace before base
+        _touch_blas(dev)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
 
@@ -211,6 +219,8 @@ def microbatch_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
                 step()
             torch.cuda.synchronize()
             step_s = (time.perf_counter() - t0) / timed
+        _touch_blas(dev)
+        torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated() - base
         uncounted = uncounted_output_bytes(torch.cuda.current_device()) if "shared" in extra or run_name == "cudagraphs" else 0
         rows.append({"model": f"mlp{width}x4 b{batch} {n_mb} micro-batches gpipe", "run": run_name,
