@@ -5,9 +5,11 @@
   and "planned" and each order; arena size against the arena's lower bound; eager's peak;
 * graph mode (CUDA): peak during a replay and memory held between calls;
 * GPT-2 (transformers) through the torch.compile backend: eager, trace and graph peaks;
-* GPipe-order micro-batches through the backend's graph mode: memory allocated and reserved
-  between steps against eager (the 348 / 69 MiB case of benchmarks/results/microbatch_b4096.json),
-  also with memory="planned" (the micro-batches' graphs of one program share its arena);
+* GPipe-order micro-batches through the backend's graph mode: memory held and reserved between
+  steps, and time per step, against eager (the 348 / 69 MiB case of
+  benchmarks/results/microbatch_b4096.json), also with memory="planned" (the micro-batches'
+  graphs of one program share its arena) and with pool="shared" (every graph in one pool, through
+  PyTorch's CUDA-graph trees), next to the stock cudagraphs backend (trees too);
 * main-thread time per step, gc="async" against "fast", on a model of many small intermediates.
 
     PYTHONPATH=. python3 benchmarks/memory.py --out benchmarks/results            # GPU, < 3 min
@@ -18,6 +20,7 @@ Writes memory.json (memory_cpu_quick.json for the CPU smoke run).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -142,22 +145,61 @@ def gpt2_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _private_pool_bytes() -> int:
+    """Bytes of CUDA memory reserved in graph pools (every segment not of the default pool): what
+    only CUDA graphs can use. Private-pool graphs keep one pool each, the trees one per device."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
+def _touch_blas(dev: torch.device) -> None:
+    """Let cuBLAS and cuBLASLt keep their workspaces for the current stream (the caching
+    allocator counts them): CUDA-graph trees free every workspace around each warm-up and
+    recording, so without this a tree row's memory between steps would come out short by them."""
+    a = torch.ones(8, 8, device=dev)
+    (a @ a + torch.addmm(a[0], a, a)).sum().item()
+
+
+MICROBATCH_RUNS = ("eager", "trace", "graph", "graph+planned", "graph+shared", "cudagraphs")
+
+
 def microbatch_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
-    """GPipe order (every forward, then every backward) through the backend: memory between steps."""
+    """GPipe order (every forward, then every backward) through the backend: memory between steps
+    and time per step. Rows: eager; flowexec's trace and graph modes (private pools, with the
+    arena, and pool="shared": PyTorch's CUDA-graph trees); the stock cudagraphs backend (trees
+    too) as the peer. With trees, outputs replayed on their fast path are tensors over pool memory
+    the allocator does not count (``uncounted_tree_output_bytes``), so a row's held bytes are
+    allocated plus those."""
     if dev.type != "cuda":
         return [{"skipped": "graph mode needs CUDA"}]
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    from flowexec.runtime.graph_trees import uncounted_output_bytes
+
     width, batch, n_mb = (1024, 4096, 4) if not quick else (256, 256, 4)
+    warm, timed = 3, 10
     rows = []
-    for mode in ("eager", "trace", "graph", "graph+planned"):
+    for run_name in MICROBATCH_RUNS:
         torch.manual_seed(0)
         torch._dynamo.reset()
+        reset_cudagraph_trees()
+        gc.collect()
         torch.cuda.empty_cache()
         model = make_mlp(width, 4).to(dev)
-        options = {"mode": mode.split("+")[0], "cache_size": 8, **({"memory": "planned"} if "planned" in mode else {})}
-        run = model if mode == "eager" else torch.compile(model, backend="flowexec", options=options)
+        mode, *extra = run_name.split("+")
+        options = {"mode": mode, "cache_size": 8, **({"memory": "planned"} if "planned" in extra else {}),
+                   **({"pool": "shared"} if "shared" in extra else {})}
+        if run_name == "eager":
+            run = model
+        elif run_name == "cudagraphs":
+            run = torch.compile(model, backend="cudagraphs")
+        else:
+            run = torch.compile(model, backend="flowexec", options=options)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         data = [(torch.randn(batch // n_mb, width, device=dev), torch.randint(0, 10, (batch // n_mb,), device=dev))
                 for _ in range(n_mb)]
+        _touch_blas(dev)
+        torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
 
         def step() -> None:
@@ -169,16 +211,34 @@ def microbatch_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for _ in range(4):
+            for _ in range(warm):  # trees: warm-up, recording, first replay
                 step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(timed):
+                step()
+            torch.cuda.synchronize()
+            step_s = (time.perf_counter() - t0) / timed
+        _touch_blas(dev)
         torch.cuda.synchronize()
-        rows.append({"model": f"mlp{width}x4 b{batch} {n_mb} micro-batches gpipe", "run": mode,
-                     "allocated_between_steps_bytes": torch.cuda.memory_allocated() - base,
-                     "reserved_between_steps_bytes": torch.cuda.memory_reserved()})
-        del run, model, opt
-    eager = rows[0]["allocated_between_steps_bytes"]
+        allocated = torch.cuda.memory_allocated() - base
+        uncounted = uncounted_output_bytes(torch.cuda.current_device()) if "shared" in extra or run_name == "cudagraphs" else 0
+        rows.append({"model": f"mlp{width}x4 b{batch} {n_mb} micro-batches gpipe", "run": run_name,
+                     "step_ms": step_s * 1e3,
+                     "allocated_between_steps_bytes": allocated,
+                     "uncounted_tree_output_bytes": uncounted,
+                     "held_between_steps_bytes": allocated + (uncounted or 0),
+                     "reserved_between_steps_bytes": torch.cuda.memory_reserved(),
+                     "graph_pool_reserved_bytes": _private_pool_bytes()})
+        print("microbatch", run_name, f"{step_s * 1e3:.2f} ms/step", flush=True)
+        del run, model, opt, step
+    eager = rows[0]["held_between_steps_bytes"]
+    eager_ms = rows[0]["step_ms"]
     for r in rows:
-        r["over_eager"] = r["allocated_between_steps_bytes"] / eager if eager else None
+        r["over_eager"] = r["held_between_steps_bytes"] / eager if eager else None
+        r["step_time_over_eager"] = r["step_ms"] / eager_ms if eager_ms else None
+    torch._dynamo.reset()
+    reset_cudagraph_trees()
     return rows
 
 

@@ -26,9 +26,11 @@ from .errors import OptionError, count_option
 from .executable import MODES, RecaptureWarning, rewrite_program
 from .passes.streams import cuda_devices
 from .plan import build_plan, check_gc, check_streams
+from .runtime.graph_trees import backward_static_indices, check_pool
 from .runtime.streams import lower_for
 
-BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams", "memory", "order", "gc_backlog")
+BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams", "memory", "order", "gc_backlog",
+                   "pool")
 _PLAN_OPTIONS = ("memory", "order", "gc_backlog")  # passed to build_plan as they are (docs/memory.md)
 # Dynamo wraps compiled backward functions in a way that hides our _boxed_call flag; the
 # unboxed call it falls back to is correct, so its advice is noise for our users.
@@ -100,13 +102,16 @@ class GraphProgram:
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str, gc: str, warmup: int,
                  fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None,
                  static_idx: Iterable[int] = (), cache_size: int = 8, saved_from: int | None = None,
-                 streams: int = 1, plan_options: dict[str, Any] | None = None) -> None:
+                 streams: int = 1, plan_options: dict[str, Any] | None = None, pool: str = "private",
+                 role: str = "forward", tree_static: Iterable[int] = ()) -> None:
         """``static_idx``: input positions AOTAutograd marks static (:func:`_static_input_indices`,
         a forward's only); ``forward``: the forward GraphProgram of a backward graph;
         ``cache_size``: how many captured graphs (sets of borrowed addresses) to keep;
         ``saved_from``: a forward's first output that autograd saves (:func:`_saved_outputs_start`);
         ``streams``: CUDA streams to spread the graph's ops over (``flowexec.compile``'s option;
-        a graph on no CUDA device, or on several, runs on one)."""
+        a graph on no CUDA device, or on several, runs on one). ``pool="shared"``: the graph is
+        one of its device's CUDA-graph trees (``runtime/graph_trees.py``), as ``role`` (forward,
+        backward, inference), with ``tree_static`` among its static inputs."""
         program = rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp)
         # streams of one device (CUDA streams) or of none (worker threads on the CPU); memory="planned":
         # every graph captured from this program writes its intermediates into the one arena (replays
@@ -130,6 +135,31 @@ class GraphProgram:
         if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
+        self.shared: Any = None  # pool="shared": the SharedPoolGraph every call goes through
+        self._tree_device: int | None = None  # a backward in trace mode after a forward in the trees
+        if self.mode == "graph" and pool == "shared":
+            self.shared = self._shared_graph(gm, example_inputs, role, tree_static)
+
+    def _shared_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], role: str,
+                      tree_static: Iterable[int]) -> Any:
+        """This graph as a node of its device's CUDA-graph tree, or None (trace mode, warned)
+        where the ``cudagraphs`` backend would not capture it either."""
+        from .runtime.graph_trees import SharedPoolGraph, graph_metadata, skip_reason
+
+        devices = cuda_devices(self.plan.program)
+        fwd = self.forward
+        why = (("its forward graph runs in trace mode" if fwd is not None and fwd.shared is None else None)
+               or skip_reason(gm) or (None if len(devices) == 1 else f"{len(devices)} CUDA devices"))
+        if why is not None:
+            warnings.warn(f"flowexec: pool='shared': this {role} graph runs in trace mode (no CUDA graph): {why}")
+            self.mode = "trace"
+            if fwd is not None and fwd.shared is not None:  # the trees must still see the backward run
+                self._tree_device = fwd.shared.device_index
+            return None
+        (device,) = devices
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return SharedPoolGraph(self.run, example_inputs, sorted(self.static_idx | set(tree_static)),
+                               self.mutated_inputs, index, role, **graph_metadata(gm, len(self.plan.program.outputs)))
 
     def _capture(self, args: list[Any]) -> Any:
         from .runtime.cuda_graph import CudaGraphRunner, is_stable, mark_stable
@@ -158,7 +188,15 @@ class GraphProgram:
         # AOTAutograd calls boxed (one list) where it sees _boxed_call, unboxed elsewhere.
         args = args[0] if len(args) == 1 and isinstance(args[0], list) else list(args)
         if self.mode != "graph":  # trace and threaded
+            if self._tree_device is not None:  # as the cudagraphs backend does: no forward pending now
+                from .runtime.graph_trees import tree_manager
+
+                manager = tree_manager(self._tree_device)
+                if manager is not None:
+                    manager.set_to_running_backward()
             return self.run(*args)
+        if self.shared is not None:  # pool="shared": the trees pick, record and replay the graph
+            return self.shared(args)
         runners = self.graph_runners
         if runners and runners[0].matches(args):
             runner = runners[0]
@@ -298,18 +336,24 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     if mode not in MODES:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
     check_gc(gc, mode, streams)
+    pool = check_pool(opts.get("pool", "private"), mode, streams, opts)
     if mode == "graph" and not _cuda_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
     forwards: list[GraphProgram] = []  # AOTAutograd compiles this graph's forward, then its backward
     plan_options = {k: opts[k] for k in _PLAN_OPTIONS if k in opts}
 
-    def compiler(g: fx.GraphModule, inputs: Sequence[Any], saved_from: int | None = None) -> GraphProgram:
+    def compiler(g: fx.GraphModule, inputs: Sequence[Any], saved_from: int | None = None,
+                 role: str = "inference") -> GraphProgram:
+        # The trees' static inputs also count the parameters AOTAutograd lifts in front of Dynamo's
+        # inputs (none where Dynamo inlines modules), as the cudagraphs backend counts them.
+        lifted = range(max(0, len(inputs) - len(example_inputs))) if pool == "shared" else ()
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
-                            cache_size=cache_size, saved_from=saved_from, streams=streams, plan_options=plan_options)
+                            cache_size=cache_size, saved_from=saved_from, streams=streams, plan_options=plan_options,
+                            pool=pool, role=role, tree_static=lifted)
 
     def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
-        forwards.append(compiler(g, inputs, _saved_outputs_start()))
+        forwards.append(compiler(g, inputs, _saved_outputs_start(), role="forward"))
         return forwards[-1]
 
     def bw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
@@ -317,8 +361,12 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         # forward's inputs (taken for the backward's, they made a tangent "static", so every call
         # moved it and captured again). The backward borrows by address instead (is_stable:
         # parameters and the forward's outputs, which its saved tensors are).
+        # pool="shared": the trees' static inputs are everything before the tangents (saved
+        # tensors: the forward's outputs in the pool, or parameters), as the cudagraphs backend has it.
+        tree_static = backward_static_indices(g) if pool == "shared" else ()
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None,
-                            cache_size=cache_size, streams=streams, plan_options=plan_options)
+                            cache_size=cache_size, streams=streams, plan_options=plan_options, pool=pool,
+                            role="backward", tree_static=tree_static)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)
 

@@ -57,6 +57,9 @@ OPTIONS = {
              "planned peak (branches depth-first, large buffers die early)",
     "gc_backlog": "gc='async': bound on the bytes handed to the collector and not yet freed, as bytes (int) or a "
                   "fraction of the planned peak (float, default 0.1); past it the caller frees itself",
+    "pool": "graph mode: 'private' (default: each CUDA graph keeps a memory pool of its own and holds its outputs) "
+            "or 'shared' (every graph of a device in one pool, through PyTorch's CUDA-graph trees; outputs are not "
+            "held once dropped; docs/memory.md)",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
@@ -156,6 +159,7 @@ class Executable:
         self.fetch_slots = int(options.get("fetch_slots", 64))
         self.fuse_lerp: bool | str | None = options.get("fuse_lerp")
         self.borrow = tuple(options.get("borrow", ()))
+        self.pool = options.get("pool", "private")
         self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
         if self.borrow and mode != "graph":
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
@@ -191,6 +195,8 @@ class Executable:
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
         if self.mode == "graph" and not self._graph_can_stage(args, tensor_pos, plan):
             pass  # trace mode for this signature (said in a warning)
+        elif self.mode == "graph" and self.pool == "shared":
+            runner = self._shared_runner(run, plan, [args[i] for i in tensor_pos], cap, fetch, tensor_pos, runner)
         elif self.mode == "graph":
             from .runtime.cuda_graph import CudaGraphRunner
 
@@ -226,6 +232,43 @@ class Executable:
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
                          runner if isinstance(runner, GraphVariants) else None)
+
+    def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
+                       fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
+        """pool="shared": this signature's runner as a graph of its device's CUDA-graph tree
+        (``runtime/graph_trees.py``); every call is a generation of its own, so a call may
+        replay over the last call's memory once the outputs still held are moved out. Read in
+        place (static): what graph mode borrows (arguments fn writes, parameters, ``borrow``)."""
+        from .passes.streams import cuda_devices
+        from .runtime.graph_trees import SharedPoolGraph, executable_metadata
+
+        from .runtime import graph_trees
+
+        prog = plan.program
+        devices = cuda_devices(prog)
+        why = graph_trees.program_skip_reason(prog, devices)
+        if why is not None:
+            warnings.warn(f"flowexec: pool='shared': this signature runs in trace mode ({why}; a CUDA-graph tree "
+                          "records one GPU's tensors)", stacklevel=5)
+            return fallback
+        (device,) = devices
+        index = {vid: k for k, vid in enumerate(prog.inputs)}
+        mutated = [index[v] for v in plan.mutated if v in index]
+        borrow = borrowed_inputs(targs, mutated)
+        shared = sharing_positions(targs)  # staged apart by the trees: only written ones matter (see docs)
+        for i in self.borrow:
+            if not (isinstance(i, int) and i in tensor_pos):
+                raise OptionError(f"borrow: {i!r} is not the position of a tensor argument (positions count "
+                                  f"the call's leaves in flattened order; tensor leaves: {list(tensor_pos)})")
+            if tensor_pos.index(i) not in shared:
+                borrow[tensor_pos.index(i)] = True
+        static = [k for k, b in enumerate(borrow) if b]
+        bound = {i for _, i in cap.grad_bindings} | set(fetch)  # rebound after each call, as in private graphs
+        graph = SharedPoolGraph(run, targs, static, mutated,
+                                device.index if device.index is not None else torch.cuda.current_device(),
+                                "inference", new_generation=True, unprotected=bound,
+                                **executable_metadata(len(targs), len(prog.outputs)))
+        return lambda t: graph(list(t))  # the trees empty the list they are given
 
     def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], plan: ExecutionPlan) -> bool:
         """Whether a graph can run this signature: not when a tensor argument shares memory with
@@ -475,6 +518,9 @@ class Executable:
         tensor the graph was captured with.
         """
         runner = self._captured("input_buffers").runner
+        if self.mode == "graph" and self.pool == "shared":
+            raise OptionError("input_buffers: with pool='shared' the CUDA-graph trees own the graphs' input buffers "
+                              "(they copy per-call inputs into the shared pool); pass tensors to the call")
         if self.mode != "graph":
             raise OptionError("input_buffers exist in graph mode only; trace mode reads the caller's tensors directly")
         if not isinstance(runner, GraphVariants):
@@ -684,6 +730,10 @@ def compile(fn: Callable[..., Any] | None = None, *example_args: Any, mode: str 
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
     check_gc(gc, mode, check_streams(options.get("streams", 1)))
     unknown = sorted(set(options) - set(OPTIONS))
+    if not unknown:
+        from .runtime.graph_trees import check_pool
+
+        check_pool(options.get("pool", "private"), mode, check_streams(options.get("streams", 1)), options)
     if unknown:
         valid = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
         raise OptionError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options — {valid}. "
