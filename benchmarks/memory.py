@@ -184,6 +184,12 @@ def microbatch_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
         torch._dynamo.reset()
         reset_cudagraph_trees()
         gc.collect()
+        # CUDA-graph trees free every cuBLAS workspace (one per handle and stream, 32 MiB on the
+        # H200) before they record; workspaces earlier rows left on other streams would then
+        # leave the count inside this row, below its base. Every row starts without them.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
         model = make_mlp(width, 4).to(dev)
         mode, *extra = run_name.split("+")
