@@ -312,8 +312,9 @@ class JobTimer:
                 continue
             if self._cuda:
                 a_ev, a_host = anch
-                s_ns, e_ns = (a_host + round(a_ev.elapsed_time(ev) * 1e6) for ev in (start, end))
-                self._pool += [start, end]
+                s_ns = a_host + round(a_ev.elapsed_time(start) * 1e6)
+                e_ns = a_host + round(a_ev.elapsed_time(end) * 1e6)
+                self._pool += (start, end)
             else:
                 s_ns, e_ns = start, end
             out.append(Span(self.rank, self.host, self.pid, step, stage, kind, micro, stream, s_ns, e_ns,
