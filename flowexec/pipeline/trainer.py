@@ -282,6 +282,7 @@ class PipelineTrainer:
                 order.append(per_channel[ch][k])
             posted[ch] = max(posted.get(ch, 0), m_.pos + 1)
         self._recv_order = [(m_, self._spec_of(m_)) for m_ in order]
+        self._resets = [_grad_reset(self.runners[s]) for s in self.local]
         self._program = program
 
     def _spec_of(self, m: Message) -> Spec:
@@ -345,9 +346,8 @@ class PipelineTrainer:
     def _run(self, xs: list[tuple[torch.Tensor, ...]] | None, ys: list[Any] | None) -> torch.Tensor | None:
         timer, k = self.timer, self.step_count
         t_step = timer.begin(step=k, stage=None, kind="step", micro=None)
-        for s in self.local:
-            for p in self.runners[s].parameters:
-                p.grad = None
+        for reset in self._resets:
+            reset()
         comm = self._comm
         recvs: dict[tuple[str, int, int], tuple[list[torch.Tensor], list[Any]]] = {}
         with torch.cuda.stream(comm) if comm is not None else _nullcontext():
@@ -453,6 +453,20 @@ class PipelineTrainer:
             for i, t in enumerate(out):
                 t = t.contiguous()
                 sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
+
+
+def _grad_reset(runner: StageRunner) -> Callable[[], None]:
+    """What starts a step's gradients of ``runner``: its ``reset_grads`` (a compiled stage keeps
+    its ``.grad`` buffers and writes over them), else setting every ``.grad`` to None."""
+    reset = getattr(runner, "reset_grads", None)
+    if reset is not None:
+        return reset
+    params = list(runner.parameters)
+
+    def clear() -> None:
+        for p in params:
+            p.grad = None
+    return clear
 
 
 class _nullcontext:
