@@ -282,8 +282,19 @@ class PipelineTrainer:
                 order.append(per_channel[ch][k])
             posted[ch] = max(posted.get(ch, 0), m_.pos + 1)
         self._recv_order = [(m_, self._spec_of(m_)) for m_ in order]
+        # Per message, what the hot loop would otherwise rebuild every step: the spec a send
+        # must match, the span names and the wait's error text.
+        self._send_info = {m_: (self._sent_spec(m_), f"send {m_.kind} for stage {m_.stage}")
+                           for m_ in msgs if m_.src == self.rank}
+        self._recv_info = {m_: (f"recv {m_.kind} for stage {m_.stage}",
+                                f"the {'input' if m_.kind == 'act' else 'output gradient'} of stage {m_.stage} "
+                                f"micro-batch {m_.micro} from rank {m_.src}")
+                           for m_, _ in self._recv_order}
         self._resets = [_grad_reset(self.runners[s]) for s in self.local]
         self._program = program
+
+    def _sent_spec(self, m: Message) -> Spec:
+        return self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])
 
     def _spec_of(self, m: Message) -> Spec:
         return self.in_spec[m.stage] if m.kind == "act" else grad_spec(self.out_spec[m.stage])
@@ -412,11 +423,11 @@ class PipelineTrainer:
 
     def _take(self, posted: tuple[list[torch.Tensor], list[Any], Any], m: Message) -> tuple[torch.Tensor, ...]:
         bufs, works, recv_tok = posted
+        name, what = self._recv_info[m]
         tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="wait", micro=m.micro, stream="wait",
-                               peer=m.src, name=f"recv {m.kind} for stage {m.stage}")
-        for i, w in enumerate(works):
-            self._wait(w, f"the {'input' if m.kind == 'act' else 'output gradient'} of stage {m.stage} micro-batch "
-                          f"{m.micro} from rank {m.src}")
+                               peer=m.src, name=name)
+        for w in works:
+            self._wait(w, what)
         self.timer.end(tok)
         self.timer.end(recv_tok)
         if self._comm is not None:
@@ -426,14 +437,14 @@ class PipelineTrainer:
         return tuple(bufs)
 
     def _send(self, out: tuple[torch.Tensor, ...], m: Message, sends: list[tuple[Any, Any]]) -> None:
-        spec = self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])
+        spec, name = self._send_info[m]
         if len(out) != len(spec) or any(tuple(t.shape) != sh or t.dtype != dt for t, (sh, dt) in zip(out, spec)):
             raise ValueError(f"stage {m.stage - 1 if m.kind == 'act' else m.stage + 1} produced {_fmt(spec_of(out, 'output'))} "
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
         g = self._group(m.src, m.dst)
         tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
                                peer=m.dst, tag=m.pos,  # tag: the receive's, for the trace's flow arrows
-                               name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
+                               name=name)  # the issue, not the transfer
         self._send_now(out, m, g, sends)
         self.timer.end(tok)
 
