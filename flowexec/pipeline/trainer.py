@@ -34,7 +34,8 @@ from ..profiler.timers import NULL_TIMER
 from .launch import PipelineError
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
-from .stage import Message, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure, spec_of, wait
+from .stage import (Message, SendThread, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure,
+                    spec_of, wait)
 
 NO_GROUP = ("PipelineTrainer needs a torch.distributed process group: start the script with "
             "`torchrun --nproc-per-node N script.py` (across machines: `torchrun --nnodes M --nproc-per-node N "
@@ -146,6 +147,7 @@ class PipelineTrainer:
         self.runners: dict[int, StageRunner] = {}
         self.step_count = 0
         self._program: list[_Ins] | None = None
+        self._sender: SendThread | None = None
         # NCCL matches point-to-point operations by order per communicator: the two directions of a
         # pair get a group each, so a posted receive never queues a send behind it.
         self._groups = (dist.new_group(), dist.new_group()) if self.nccl else (None, None)
@@ -291,6 +293,8 @@ class PipelineTrainer:
                                 f"micro-batch {m_.micro} from rank {m_.src}")
                            for m_, _ in self._recv_order}
         self._resets = [_grad_reset(self.runners[s]) for s in self.local]
+        # gloo: sends are issued by a thread of their own, so that no job waits on one
+        self._sender = None if self.nccl or not self._send_info else SendThread(self.rank, self.timeout)
         self._program = program
 
     def _sent_spec(self, m: Message) -> Spec:
@@ -415,6 +419,8 @@ class PipelineTrainer:
                     tok = timer.begin(step=k, stage=s, kind="OPT", micro=None)
                     opt.step()
                     timer.end(tok)
+        if self._sender is not None:
+            sends += self._sender.drain()
         for w, _ in sends:
             self._wait(w, "a send to finish")
         timer.end(t_step)
@@ -460,6 +466,9 @@ class PipelineTrainer:
                 for i, t in enumerate(out):
                     t = t.contiguous()
                     sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
+        elif self._sender is not None:
+            for i, t in enumerate(out):
+                self._sender.send(t.contiguous(), m.dst, g, m.pos * 8 + i)
         else:
             for i, t in enumerate(out):
                 t = t.contiguous()
