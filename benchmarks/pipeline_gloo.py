@@ -42,6 +42,16 @@ from flowexec.pipeline.timeline import save  # noqa: E402
 
 
 
+def _median_costs(per_round: Any) -> dict[int, dict[str, float]]:
+    """Per stage and job kind, the median over rounds of the rounds' median job times."""
+    by: dict[int, dict[str, list[float]]] = {}
+    for costs in per_round:
+        for st, kinds in costs.items():
+            for k, v in kinds.items():
+                by.setdefault(int(st), {}).setdefault(k, []).append(v)
+    return {st: {k: statistics.median(v) for k, v in kinds.items()} for st, kinds in by.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_gloo.json"))
@@ -93,8 +103,11 @@ def main() -> None:
         f = statistics.median(x["ms"] for x in rounds[f"flowexec {sched}"])
         t = statistics.median(x["ms"] for x in rounds[f"torch {sched}"])
         bub = statistics.median(statistics.mean(x["bubble"]) for x in rounds[f"flowexec {sched}"])
-        costs = rounds[f"flowexec {sched}"][-1]["job_ms"][0]
-        per_stage = {int(st): c for st, c in rounds[f"flowexec {sched}"][-1]["stage_job_ms"].items()}
+        costs = _median_costs({0: x["job_ms"][0]} for x in rounds[f"flowexec {sched}"])[0]
+        per_stage = _median_costs(x["stage_job_ms"] for x in rounds[f"flowexec {sched}"])
+        # Load from other processes drifts over minutes: the runs of one round are next to each
+        # other in time, so the ratio within a round and the best round are kept too.
+        ratios = [t_["ms"] / f_["ms"] for f_, t_ in zip(rounds[f"flowexec {sched}"], rounds[f"torch {sched}"])]
         spread = {i: [min(x["ms"] for x in rounds[f"{i} {sched}"]), max(x["ms"] for x in rounds[f"{i} {sched}"])]
                   for i in names}
         lf, lt = rounds[f"flowexec {sched}"][0]["losses"], rounds[f"torch {sched}"][0]["losses"]
@@ -106,6 +119,8 @@ def main() -> None:
             "bubble_measured_per_rank": [statistics.median(x["bubble"][k] for x in rounds[f"flowexec {sched}"])
                                          for k in range(args.ranks)],
             "job_ms_per_stage": per_stage, "ms_spread_over_rounds": spread,
+            "speedup_per_round": ratios, "speedup_median_of_rounds": statistics.median(ratios),
+            "speedup_best_rounds": spread["torch"][0] / spread["flowexec"][0],
             "losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lf, ref_losses)),
             "torch_losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lt, ref_losses))}
         if eager:
@@ -113,7 +128,8 @@ def main() -> None:
             summary[sched].update(flowexec_eager_ms=e, speedup_eager=t / e, bubble_measured_eager=statistics.median(
                 statistics.mean(x["bubble"]) for x in rounds[f"flowexec eager {sched}"]))
         s = summary[sched]
-        print(f"{sched:15s}: flowexec {f:.1f} ms, torch {TORCH_NAMES[sched]} {t:.1f} ms: {t / f:.2f}x; bubble "
+        print(f"{sched:15s}: flowexec {f:.1f} ms, torch {TORCH_NAMES[sched]} {t:.1f} ms: {t / f:.2f}x "
+              f"(per round {', '.join(f'{r:.2f}' for r in ratios)}); bubble "
               f"{bub:.1%} (theory {s['bubble_theory_equal_costs']:.1%} at equal costs, "
               f"{s['bubble_theory_measured_costs']:.1%} at rank 0's measured ones, "
               f"{s['bubble_theory_measured_stage_costs']:.1%} at every stage's)"
