@@ -292,7 +292,14 @@ class PipelineTrainer:
                                 f"the {'input' if m_.kind == 'act' else 'output gradient'} of stage {m_.stage} "
                                 f"micro-batch {m_.micro} from rank {m_.src}")
                            for m_, _ in self._recv_order}
-        self._resets = [_grad_reset(self.runners[s]) for s in self.local]
+        # A parameter two local stages share (tied weights) gets both stages' gradients: its
+        # buffers are not written over, they start from None.
+        seen: dict[int, int] = {}
+        for s in self.local:
+            for p in self.runners[s].parameters:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+        self._resets = [_grad_reset(self.runners[s], keep=all(seen[id(p)] == 1 for p in self.runners[s].parameters))
+                        for s in self.local]
         # gloo: sends are issued by a thread of their own, so that no job waits on one
         self._sender = None if self.nccl or not self._send_info else SendThread(self.rank, self.timeout)
         self._program = program
@@ -475,11 +482,12 @@ class PipelineTrainer:
                 sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
 
 
-def _grad_reset(runner: StageRunner) -> Callable[[], None]:
+def _grad_reset(runner: StageRunner, keep: bool = True) -> Callable[[], None]:
     """What starts a step's gradients of ``runner``: its ``reset_grads`` (a compiled stage keeps
-    its ``.grad`` buffers and writes over them), else setting every ``.grad`` to None."""
+    its ``.grad`` buffers and writes over them) where ``keep``, else setting every ``.grad`` to
+    None."""
     reset = getattr(runner, "reset_grads", None)
-    if reset is not None:
+    if reset is not None and keep:
         return reset
     params = list(runner.parameters)
 
