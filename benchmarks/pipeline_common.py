@@ -68,6 +68,16 @@ def measured_bubble(spans_per_step: list[list[Any]], skip: int) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
+def stage_job_costs(spans_per_step: list[list[Any]], skip: int) -> dict[int, dict[str, float]]:
+    """Median duration (ms) of each job kind per stage a rank ran after ``skip`` steps."""
+    by: dict[int, dict[str, list[float]]] = {}
+    for spans in spans_per_step[skip:]:
+        for s in spans:
+            if s.kind in ("F", "B", "I", "W"):
+                by.setdefault(s.stage, {}).setdefault(s.kind, []).append(s.duration_ns / 1e6)
+    return {st: {k: statistics.median(v) for k, v in kinds.items()} for st, kinds in by.items()}
+
+
 def job_costs(spans_per_step: list[list[Any]], skip: int) -> dict[str, float]:
     """Median duration (ms) of each job kind a rank ran after ``skip`` steps."""
     by: dict[str, list[float]] = {}
@@ -78,10 +88,14 @@ def job_costs(spans_per_step: list[list[Any]], skip: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in by.items()}
 
 
-def theory_bubble(schedule: str, world: int, n_micro: int, costs: dict[str, float] | None = None) -> float:
+def theory_bubble(schedule: str, world: int, n_micro: int, costs: dict[str, float] | None = None,
+                  stage_costs: dict[int, dict[str, float]] | None = None) -> float:
     """The plan's bubble in simulate: equal costs, or (T_F, T_B, T_W) from measured job times
-    (a full backward's time split in half where only B was measured)."""
+    (a full backward's time split in half where only B was measured), or ``stage_costs``: the
+    measured cost of every job kind on every stage (stages of unequal cost)."""
     plan = get_schedule(schedule)(world, n_micro, world * stages_per_rank(schedule))
+    if stage_costs:
+        return simulate(plan, stage_costs=stage_costs).bubble
     if costs:
         t_f = costs.get("F", 1.0)
         if "I" in costs:

@@ -1,18 +1,24 @@
-"""Pipeline-parallel training steps on CPU with gloo: flowexec.pipeline (PipelineTrainer, stages
-as flowexec programs: CompiledRunner, trace mode; ``--eager`` adds eager stages) beside torch.distributed.pipelining, the same model, micro-batches, placement and SGD,
-in alternating rounds of one run.
+"""Pipeline-parallel training steps on CPU with gloo: flowexec.pipeline (PipelineTrainer) beside
+torch.distributed.pipelining, the same model, micro-batches, placement and SGD, in alternating
+rounds of one run. ``flowexec``: stages as flowexec programs (``compile=True``: CompiledRunner,
+trace mode, the I/W split pass, gradients accumulated in place); ``flowexec eager``:
+``compile=False`` (EagerRunner, autograd), left out with ``--no-eager``.
 
 Schedules (flowexec vs torch): FThenB vs GPipe, 1F1B vs 1F1B, Interleaved1F1B vs
 Interleaved1F1B, ZBH1 vs InterleavedZeroBubble (one stage per rank), ZBV vs ZBVZeroBubble.
 Default sizes: 2 ranks, 4 blocks of Linear(1024) + tanh (one-stage-per-rank schedules: 2 blocks
 a stage; two-stage ones: 1), batch 512 in 8 micro-batches of 64 rows, MSE, one intra-op thread per
-rank: one block's forward is ~1-3 ms on a 2-core CPU, so jobs, not gloo messages, decide the
-figure. Per round and implementation: a fresh group of processes, ``--steps`` steps, the median
-of the steps after the first two, per rank; the figure is the median over rounds of the slowest
-rank's. flowexec's bubble per rank is 1 - (time in jobs) / (step time) from its job spans;
-theory is ``simulate`` of the same plan (equal costs, and the measured job costs).
+rank: one block's forward is ~1.5 ms on a 2-core CPU, so jobs, not gloo messages, decide the
+figure. Per round and implementation: a fresh group of processes (both implementations: one
+process per rank, one intra-op thread, the same gloo group set-up), ``--steps`` steps, the
+median of the steps after the first ``--skip``, per rank; the figure is the median over rounds
+of the slowest rank's, with the spread (min, max) over rounds. Rounds alternate the order of
+the runs. flowexec's bubble per rank is 1 - (time in jobs) / (step time) from its job spans;
+theory is ``simulate`` of the same plan at equal costs, at rank 0's measured job costs, and at
+every stage's measured costs (a first stage makes no input gradient, so its jobs are cheaper
+and its rank idles for that too).
 
-    python3 benchmarks/pipeline_gloo.py --out benchmarks/results/pipeline_gloo.json   # ~4 min on 2 quiet cores
+    python3 benchmarks/pipeline_gloo.py --out benchmarks/results/pipeline_gloo.json   # ~6 min on 2 quiet cores
     python3 benchmarks/pipeline_gloo.py --quick                                        # a smoke run, ~1 min
 """
 from __future__ import annotations
@@ -28,34 +34,48 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from host_meta import host_meta  # noqa: E402
-from pipeline_common import (SCHEDULES, TORCH_NAMES, job_costs, measured_bubble, theory_bubble,  # noqa: E402
-                             torch_worker)
+from pipeline_common import (SCHEDULES, TORCH_NAMES, job_costs, measured_bubble, stage_job_costs,  # noqa: E402
+                             theory_bubble, torch_worker)
 from flowexec.pipeline import spawn  # noqa: E402
 from flowexec.pipeline.demo import Config, eager_reference, train_worker  # noqa: E402
 from flowexec.pipeline.timeline import save  # noqa: E402
 
-SKIP = 2  # steps left out of every median: the first sets up, the second still warms caches
+
+
+def _median_costs(per_round: Any) -> dict[int, dict[str, float]]:
+    """Per stage and job kind, the median over rounds of the rounds' median job times."""
+    by: dict[int, dict[str, list[float]]] = {}
+    for costs in per_round:
+        for st, kinds in costs.items():
+            for k, v in kinds.items():
+                by.setdefault(int(st), {}).setdefault(k, []).append(v)
+    return {st: {k: statistics.median(v) for k, v in kinds.items()} for st, kinds in by.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_gloo.json"))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--skip", type=int, default=3, help="steps left out of every median (set-up, heap growth)")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
-    ap.add_argument("--eager", action="store_true", help="also time flowexec with eager stages (EagerRunner)")
+    ap.add_argument("--no-eager", action="store_true", help="leave out flowexec with eager stages (EagerRunner)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round, 4 steps: checks it runs")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.width, args.batch = 1, 4, 256, 64
+        args.rounds, args.steps, args.skip, args.width, args.batch = 1, 4, 2, 256, 64
+    SKIP = args.skip
+    if not 0 <= SKIP < args.steps:
+        raise SystemExit(f"--skip {SKIP} must leave some of the {args.steps} steps")
     scheds = [s.strip().lower() for s in args.schedules.split(",")]
     base = Config(width=args.width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
                   threads=1, lr=0.01)
-    names = ("flowexec", "flowexec eager", "torch") if args.eager else ("flowexec", "torch")
+    eager = not args.no_eager
+    names = ("flowexec", "flowexec eager", "torch") if eager else ("flowexec", "torch")
     impls = [(impl, s) for s in scheds for impl in names]
     rounds: dict[str, list[dict[str, Any]]] = {f"{i} {s}": [] for i, s in impls}
     last_spans: dict[str, Any] = {}
@@ -69,6 +89,8 @@ def main() -> None:
             if impl.startswith("flowexec"):
                 row["bubble"] = [measured_bubble(res[k]["spans"], SKIP) for k in range(args.ranks)]
                 row["job_ms"] = [job_costs(res[k]["spans"], SKIP) for k in range(args.ranks)]
+                row["stage_job_ms"] = {st: c for k in range(args.ranks)
+                                       for st, c in stage_job_costs(res[k]["spans"], SKIP).items()}
                 if impl == "flowexec":
                     last_spans[sched] = [s for k in range(args.ranks) for step in res[k]["spans"][SKIP:] for s in step]
             rounds[f"{impl} {sched}"].append(row)
@@ -81,22 +103,37 @@ def main() -> None:
         f = statistics.median(x["ms"] for x in rounds[f"flowexec {sched}"])
         t = statistics.median(x["ms"] for x in rounds[f"torch {sched}"])
         bub = statistics.median(statistics.mean(x["bubble"]) for x in rounds[f"flowexec {sched}"])
-        costs = rounds[f"flowexec {sched}"][-1]["job_ms"][0]
+        costs = _median_costs({0: x["job_ms"][0]} for x in rounds[f"flowexec {sched}"])[0]
+        per_stage = _median_costs(x["stage_job_ms"] for x in rounds[f"flowexec {sched}"])
+        # Load from other processes drifts over minutes: the runs of one round are next to each
+        # other in time, so the ratio within a round and the best round are kept too.
+        ratios = [t_["ms"] / f_["ms"] for f_, t_ in zip(rounds[f"flowexec {sched}"], rounds[f"torch {sched}"])]
+        spread = {i: [min(x["ms"] for x in rounds[f"{i} {sched}"]), max(x["ms"] for x in rounds[f"{i} {sched}"])]
+                  for i in names}
         lf, lt = rounds[f"flowexec {sched}"][0]["losses"], rounds[f"torch {sched}"][0]["losses"]
         summary[sched] = {
             "torch_schedule": TORCH_NAMES[sched], "flowexec_ms": f, "torch_ms": t, "speedup": t / f,
             "bubble_measured": bub, "bubble_theory_equal_costs": theory_bubble(sched, args.ranks, args.micro),
             "bubble_theory_measured_costs": theory_bubble(sched, args.ranks, args.micro, costs), "job_ms_rank0": costs,
+            "bubble_theory_measured_stage_costs": theory_bubble(sched, args.ranks, args.micro, stage_costs=per_stage),
+            "bubble_measured_per_rank": [statistics.median(x["bubble"][k] for x in rounds[f"flowexec {sched}"])
+                                         for k in range(args.ranks)],
+            "job_ms_per_stage": per_stage, "ms_spread_over_rounds": spread,
+            "speedup_per_round": ratios, "speedup_median_of_rounds": statistics.median(ratios),
+            "speedup_best_rounds": spread["torch"][0] / spread["flowexec"][0],
             "losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lf, ref_losses)),
             "torch_losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lt, ref_losses))}
-        if args.eager:
+        if eager:
             e = statistics.median(x["ms"] for x in rounds[f"flowexec eager {sched}"])
             summary[sched].update(flowexec_eager_ms=e, speedup_eager=t / e, bubble_measured_eager=statistics.median(
                 statistics.mean(x["bubble"]) for x in rounds[f"flowexec eager {sched}"]))
         s = summary[sched]
-        print(f"{sched:15s}: flowexec {f:.1f} ms, torch {TORCH_NAMES[sched]} {t:.1f} ms: {t / f:.2f}x; bubble "
+        print(f"{sched:15s}: flowexec {f:.1f} ms, torch {TORCH_NAMES[sched]} {t:.1f} ms: {t / f:.2f}x "
+              f"(per round {', '.join(f'{r:.2f}' for r in ratios)}); bubble "
               f"{bub:.1%} (theory {s['bubble_theory_equal_costs']:.1%} at equal costs, "
-              f"{s['bubble_theory_measured_costs']:.1%} at the measured ones)", flush=True)
+              f"{s['bubble_theory_measured_costs']:.1%} at rank 0's measured ones, "
+              f"{s['bubble_theory_measured_stage_costs']:.1%} at every stage's)"
+              + (f"; eager stages {s['flowexec_eager_ms']:.1f} ms: {s['speedup_eager']:.2f}x" if eager else ""), flush=True)
     goals = {}
     if all(k in summary for k in SCHEDULES):
         goals = {"speedup_ge_1.2_every_schedule": all(summary[k]["speedup"] >= 1.2 for k in SCHEDULES),
@@ -108,7 +145,10 @@ def main() -> None:
                  < summary["1f1b"]["bubble_measured"]}
         print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()))
     cmd = "python3 benchmarks/pipeline_gloo.py " + " ".join(sys.argv[1:])
-    out = {**host_meta(cmd.strip()), "config": asdict(base), "ranks": args.ranks, "skip_steps": SKIP,
+    out = {**host_meta(cmd.strip()), "config": asdict(base), "ranks": args.ranks,
+           "implementations": {"flowexec": "PipelineTrainer(compile=True): CompiledRunner, trace mode",
+                               "flowexec eager": "PipelineTrainer(compile=False): EagerRunner, autograd",
+                               "torch": "torch.distributed.pipelining, opt.zero_grad(set_to_none=True)"}, "skip_steps": SKIP,
            "rounds": rounds, "summary": summary, "goals": goals}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

@@ -253,3 +253,31 @@ def test_spawn_reports_the_failing_rank():
         spawn(_fails_on_rank_1, 2, timeout=30)
     with pytest.raises(PipelineError, match=r"ended without a result: rank 1 \(exit code 0\)"):
         spawn(_exits_quietly, 2, timeout=60)
+
+
+def _tied(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    tied = torch.nn.Linear(8, 8)
+    stages = [torch.nn.Sequential(tied, torch.nn.Tanh()), torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()),
+              torch.nn.Sequential(tied, torch.nn.Tanh()), torch.nn.Linear(8, 8)]
+    trainer = PipelineTrainer(stages, schedule="Interleaved1F1B", microbatches=2, loss_fn=F.mse_loss, compile=True,
+                              timeout=60)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    for _ in range(2):
+        trainer.step(x, y)
+    return {s: [p.grad.clone() for p in trainer.modules[s].parameters()] for s in trainer.local}
+
+
+def test_weight_tied_between_two_stages_of_a_rank_gets_both_gradients():
+    res = spawn(_tied, 2, timeout=120)  # rank 0 holds stages 0 and 2, both the tied Linear
+    torch.manual_seed(0)
+    tied = torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(tied, torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), tied, torch.nn.Tanh(),
+                                torch.nn.Linear(8, 8))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    F.mse_loss(model(x), y).backward()
+    for got in (res[0][0], res[0][2]):  # no optimizer: the second step's .grad is one step's gradient
+        torch.testing.assert_close(got[0], tied.weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], tied.bias.grad, rtol=1e-5, atol=1e-6)

@@ -17,6 +17,8 @@ what they waited for and the error another rank posted to the group's store
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -154,3 +156,62 @@ def wait(work: Any, what: str, rank: int, timeout: float) -> None:
             raise PipelineError(f"rank {rank} stopped waiting for {what}: {failure}") from None
         raise PipelineError(f"rank {rank}: waiting for {what} failed within {timeout:g} s (a rank that ended or "
                             f"hangs, or a plan the ranks do not share): {type(e).__name__}: {str(e)[:300]}") from e
+
+
+class SendThread:
+    """Issues gloo sends off the compute thread, in the order they were handed over (the
+    channel order). ``dist.isend`` on gloo can block the caller for milliseconds: it takes the
+    connection's lock, which the process's gloo I/O thread holds while it reads an incoming
+    message, and on a loaded CPU that thread may wait for a core. Here only this thread waits;
+    the jobs go on. :meth:`drain` (the end of a step) returns the works issued so far.
+
+    >>> t = SendThread(rank=0, timeout=5.0)
+    >>> t.drain()
+    []
+    >>> t.close()
+    """
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        self.rank, self.timeout = rank, timeout
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._works: list[tuple[Any, torch.Tensor]] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="flowexec-pipeline-send", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            t, dst, group, tag = item
+            try:
+                self._works.append((dist.isend(t, dst, group=group, tag=tag), t))
+            except BaseException as e:  # raised on the compute thread at drain()
+                if self._error is None:
+                    self._error = e
+
+    def send(self, t: torch.Tensor, dst: int, group: Any, tag: int) -> None:
+        self._q.put((t, dst, group, tag))
+
+    def drain(self) -> list[tuple[Any, torch.Tensor]]:
+        """Wait (at most ``timeout`` s) until every handed-over send is issued; its works."""
+        done = threading.Event()
+        self._q.put(done)
+        if not done.wait(self.timeout):
+            failure = posted_failure()
+            raise PipelineError(f"rank {self.rank}: a send was not issued within {self.timeout:g} s"
+                                + (f": {failure}" if failure else ""))
+        if self._error is not None:
+            e, self._error = self._error, None
+            failure = posted_failure()
+            raise PipelineError(f"rank {self.rank}: a send failed: "
+                                + (failure or f"{type(e).__name__}: {str(e)[:300]}")) from e
+        works, self._works = self._works, []
+        return works
+
+    def close(self) -> None:
+        self._q.put(None)

@@ -34,7 +34,8 @@ from ..profiler.timers import NULL_TIMER
 from .launch import PipelineError
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
-from .stage import Message, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure, spec_of, wait
+from .stage import (Message, SendThread, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure,
+                    spec_of, wait)
 
 NO_GROUP = ("PipelineTrainer needs a torch.distributed process group: start the script with "
             "`torchrun --nproc-per-node N script.py` (across machines: `torchrun --nnodes M --nproc-per-node N "
@@ -146,6 +147,7 @@ class PipelineTrainer:
         self.runners: dict[int, StageRunner] = {}
         self.step_count = 0
         self._program: list[_Ins] | None = None
+        self._sender: SendThread | None = None
         # NCCL matches point-to-point operations by order per communicator: the two directions of a
         # pair get a group each, so a posted receive never queues a send behind it.
         self._groups = (dist.new_group(), dist.new_group()) if self.nccl else (None, None)
@@ -282,7 +284,28 @@ class PipelineTrainer:
                 order.append(per_channel[ch][k])
             posted[ch] = max(posted.get(ch, 0), m_.pos + 1)
         self._recv_order = [(m_, self._spec_of(m_)) for m_ in order]
+        # Per message, what the hot loop would otherwise rebuild every step: the spec a send
+        # must match, the span names and the wait's error text.
+        self._send_info = {m_: (self._sent_spec(m_), f"send {m_.kind} for stage {m_.stage}")
+                           for m_ in msgs if m_.src == self.rank}
+        self._recv_info = {m_: (f"recv {m_.kind} for stage {m_.stage}",
+                                f"the {'input' if m_.kind == 'act' else 'output gradient'} of stage {m_.stage} "
+                                f"micro-batch {m_.micro} from rank {m_.src}")
+                           for m_, _ in self._recv_order}
+        # A parameter two local stages share (tied weights) gets both stages' gradients: its
+        # buffers are not written over, they start from None.
+        seen: dict[int, int] = {}
+        for s in self.local:
+            for p in self.runners[s].parameters:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+        self._resets = [_grad_reset(self.runners[s], keep=all(seen[id(p)] == 1 for p in self.runners[s].parameters))
+                        for s in self.local]
+        # gloo: sends are issued by a thread of their own, so that no job waits on one
+        self._sender = None if self.nccl or not self._send_info else SendThread(self.rank, self.timeout)
         self._program = program
+
+    def _sent_spec(self, m: Message) -> Spec:
+        return self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])
 
     def _spec_of(self, m: Message) -> Spec:
         return self.in_spec[m.stage] if m.kind == "act" else grad_spec(self.out_spec[m.stage])
@@ -345,9 +368,8 @@ class PipelineTrainer:
     def _run(self, xs: list[tuple[torch.Tensor, ...]] | None, ys: list[Any] | None) -> torch.Tensor | None:
         timer, k = self.timer, self.step_count
         t_step = timer.begin(step=k, stage=None, kind="step", micro=None)
-        for s in self.local:
-            for p in self.runners[s].parameters:
-                p.grad = None
+        for reset in self._resets:
+            reset()
         comm = self._comm
         recvs: dict[tuple[str, int, int], tuple[list[torch.Tensor], list[Any]]] = {}
         with torch.cuda.stream(comm) if comm is not None else _nullcontext():
@@ -404,6 +426,8 @@ class PipelineTrainer:
                     tok = timer.begin(step=k, stage=s, kind="OPT", micro=None)
                     opt.step()
                     timer.end(tok)
+        if self._sender is not None:
+            sends += self._sender.drain()
         for w, _ in sends:
             self._wait(w, "a send to finish")
         timer.end(t_step)
@@ -412,11 +436,11 @@ class PipelineTrainer:
 
     def _take(self, posted: tuple[list[torch.Tensor], list[Any], Any], m: Message) -> tuple[torch.Tensor, ...]:
         bufs, works, recv_tok = posted
+        name, what = self._recv_info[m]
         tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="wait", micro=m.micro, stream="wait",
-                               peer=m.src, name=f"recv {m.kind} for stage {m.stage}")
-        for i, w in enumerate(works):
-            self._wait(w, f"the {'input' if m.kind == 'act' else 'output gradient'} of stage {m.stage} micro-batch "
-                          f"{m.micro} from rank {m.src}")
+                               peer=m.src, name=name)
+        for w in works:
+            self._wait(w, what)
         self.timer.end(tok)
         self.timer.end(recv_tok)
         if self._comm is not None:
@@ -426,14 +450,14 @@ class PipelineTrainer:
         return tuple(bufs)
 
     def _send(self, out: tuple[torch.Tensor, ...], m: Message, sends: list[tuple[Any, Any]]) -> None:
-        spec = self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])
+        spec, name = self._send_info[m]
         if len(out) != len(spec) or any(tuple(t.shape) != sh or t.dtype != dt for t, (sh, dt) in zip(out, spec)):
             raise ValueError(f"stage {m.stage - 1 if m.kind == 'act' else m.stage + 1} produced {_fmt(spec_of(out, 'output'))} "
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
         g = self._group(m.src, m.dst)
         tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
                                peer=m.dst, tag=m.pos,  # tag: the receive's, for the trace's flow arrows
-                               name=f"send {m.kind} for stage {m.stage}")  # the issue, not the transfer
+                               name=name)  # the issue, not the transfer
         self._send_now(out, m, g, sends)
         self.timer.end(tok)
 
@@ -449,10 +473,28 @@ class PipelineTrainer:
                 for i, t in enumerate(out):
                     t = t.contiguous()
                     sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
+        elif self._sender is not None:
+            for i, t in enumerate(out):
+                self._sender.send(t.contiguous(), m.dst, g, m.pos * 8 + i)
         else:
             for i, t in enumerate(out):
                 t = t.contiguous()
                 sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
+
+
+def _grad_reset(runner: StageRunner, keep: bool = True) -> Callable[[], None]:
+    """What starts a step's gradients of ``runner``: its ``reset_grads`` (a compiled stage keeps
+    its ``.grad`` buffers and writes over them) where ``keep``, else setting every ``.grad`` to
+    None."""
+    reset = getattr(runner, "reset_grads", None)
+    if reset is not None and keep:
+        return reset
+    params = list(runner.parameters)
+
+    def clear() -> None:
+        for p in params:
+            p.grad = None
+    return clear
 
 
 class _nullcontext:
