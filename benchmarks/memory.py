@@ -86,6 +86,10 @@ def model_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
                                                             if st.get("arena_lower_bound_bytes") else None),
                                  "unplanned_buffers": st.get("unplanned_buffers")})
         if dev.type == "cuda":
+            exe = None  # the last trace-mode executable (its arena) must not die after `before`
+            import gc as gc_module  # (`gc` is the loop's collector name above)
+
+            gc_module.collect()
             for memory in ("normal", "planned"):
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_allocated()
@@ -97,7 +101,8 @@ def model_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
                 rows.append({"model": name, "run": "graph", "memory": memory, "replay_peak_bytes": peak,
                              "held_between_calls_bytes": held,
                              "reserved_bytes": torch.cuda.memory_reserved()})
-                del exe
+                exe = None
+                gc_module.collect()
                 torch.cuda.empty_cache()
         print(name, "done", flush=True)
     return rows
