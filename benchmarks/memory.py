@@ -74,22 +74,20 @@ def model_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
         rows.append({"model": name, "run": "eager", "achieved_peak_bytes": eager_peak})
         for memory in ("normal", "planned"):
             for order in ("program", "memory"):
-                for gc in (("fast", "async") if memory == "normal" and order == "program" else ("fast",)):
-                    exe = flowexec.compile(step, *args, memory=memory, order=order, gc=gc)
+                for gc_mode in (("fast", "async") if memory == "normal" and order == "program" else ("fast",)):
+                    exe = flowexec.compile(step, *args, memory=memory, order=order, gc=gc_mode)
                     exe(*args)
                     r = measure_memory(exe, *args)
                     r.pop("result")
                     st = exe.plan.stats()
-                    rows.append({"model": name, "run": "trace", "memory": memory, "order": order, "gc": gc, **r,
+                    rows.append({"model": name, "run": "trace", "memory": memory, "order": order, "gc": gc_mode, **r,
                                  "arena_lower_bound_bytes": st.get("arena_lower_bound_bytes", 0),
                                  "arena_over_lower_bound": (st["arena_bytes"] / st["arena_lower_bound_bytes"]
                                                             if st.get("arena_lower_bound_bytes") else None),
                                  "unplanned_buffers": st.get("unplanned_buffers")})
         if dev.type == "cuda":
             exe = None  # the last trace-mode executable (its arena) must not die after `before`
-            import gc as gc_module  # (`gc` is the loop's collector name above)
-
-            gc_module.collect()
+            gc.collect()
             for memory in ("normal", "planned"):
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_allocated()
@@ -102,7 +100,7 @@ def model_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
                              "held_between_calls_bytes": held,
                              "reserved_bytes": torch.cuda.memory_reserved()})
                 exe = None
-                gc_module.collect()
+                gc.collect()
                 torch.cuda.empty_cache()
         print(name, "done", flush=True)
     return rows
@@ -265,8 +263,8 @@ def gc_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
     x = torch.randn(n, n, device=dev)
     rows = []
     steps = 20 if quick else 200
-    for gc in ("fast", "async"):
-        exe = flowexec.compile(many, x, gc=gc)
+    for gc_mode in ("fast", "async"):
+        exe = flowexec.compile(many, x, gc=gc_mode)
         for _ in range(3):
             exe(x)
         if dev.type == "cuda":
@@ -279,7 +277,7 @@ def gc_rows(dev: torch.device, quick: bool) -> list[dict[str, Any]]:
             torch.cuda.synchronize()
         collector().drain()
         peak = measure_memory(exe, x)["achieved_peak_bytes"]
-        rows.append({"model": "200 small elementwise ops", "gc": gc, "main_thread_ms_per_step": host * 1e3,
+        rows.append({"model": "200 small elementwise ops", "gc": gc_mode, "main_thread_ms_per_step": host * 1e3,
                      "achieved_peak_bytes": peak})
     return rows
 

@@ -447,30 +447,26 @@ class Executable:
                 # argument's storage is read.
                 g = c.variants.select(targs, self._state_keys) if c.variants is not None else None
                 if g is not None:
-                    run = g
-                    if not kwargs:
-                        self._native = self._native_for(c, getattr(g, "call", g), leaves, targs,
-                                                        getattr(g, "borrowed", None))
+                    run, native = g, (getattr(g, "call", g), getattr(g, "borrowed", None), None)
                 elif not self._unshared(targs):
                     c = None
                 else:
-                    run = c.runner
-                    if not kwargs:
-                        self._native = self._native_for(c, None, leaves, targs, None, self._state_keys)
+                    run, native = c.runner, (None, None, self._state_keys)
             elif c is not None:
-                run = c.runner
-                if not kwargs:
-                    self._native = self._native_for(c, None, leaves, targs)
+                run, native = c.runner, (None, None, None)
+            if c is not None and not kwargs:  # the next call like this one: the C++ check
+                self._native = self._native_for(c, *native, leaves, targs)
         if c is None:
             c = self._lookup_leaves(leaves, key, args, kwargs)
             targs = leaves if c.all_tensors else [leaves[i] for i in c.tensor_pos]
             run = c.runner
         return self._finish(c, run, targs)
 
-    def _native_for(self, c: _Compiled, run: Any, leaves: Sequence[Any], targs: Sequence[Any], borrowed: Any = None,
-                    forbidden: frozenset[int] | None = None) -> Any:
+    def _native_for(self, c: _Compiled, run: Any, borrowed: Any, forbidden: frozenset[int] | None,
+                    leaves: Sequence[Any], targs: Sequence[Any]) -> Any:
         """The C++ check for calls like this one, which passed the Python checks to ``run`` (a
-        graph of ``c``; None: ``c.runner``), built once per (signature, graph); None where it
+        graph of ``c``; None: ``c.runner``) with ``borrowed``'s addresses or storages apart from
+        ``forbidden`` (:func:`fastcall.make`), built once per (signature, graph); None where it
         cannot be had."""
         k = (id(c), id(run))
         hit = self._natives.get(k, False)

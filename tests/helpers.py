@@ -97,3 +97,18 @@ def play_jobs(runner: Any, order: str, xs: Any, gs: Any) -> tuple[dict, dict]:
         else:
             runner.backward_weight(m)
     return outs, gins
+
+
+def eager_stage_grads(mod: torch.nn.Module, xs: Any, gs: Any) -> tuple[list, list, list]:
+    """Eager reference for a pipeline stage: per micro-batch outputs and input gradients (each
+    micro-batch's inputs a list of tensors, ``gs`` the output gradients), and the parameter
+    gradients summed over the micro-batches."""
+    outs, gins = [], []
+    for x, g in zip(xs, gs):
+        xr = [t.clone().requires_grad_(True) for t in x]
+        y = mod(*xr)
+        y = y if isinstance(y, tuple) else (y,)
+        torch.autograd.backward(y, g)
+        outs.append([t.detach() for t in y])
+        gins.append([t.grad for t in xr])
+    return outs, gins, [p.grad for p in mod.parameters()]

@@ -8,7 +8,7 @@ import torch
 
 from flowexec.errors import CaptureError, InputError, OptionError
 from flowexec.pipeline.compiled import CompiledRunner
-from helpers import play_jobs as play
+from helpers import eager_stage_grads, play_jobs as play
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -29,19 +29,6 @@ class TwoWay(torch.nn.Module):
         return self.b(torch.layer_norm(h, (6,))), side * 2
 
 
-def eager_grads(mod, xs, gs):
-    """Eager reference: per micro-batch output and input grads; param grads summed over micro-batches."""
-    outs, gins = [], []
-    for x, g in zip(xs, gs):
-        xr = [t.clone().requires_grad_(True) for t in x]
-        y = mod(*xr)
-        y = y if isinstance(y, tuple) else (y,)
-        torch.autograd.backward(y, g)
-        outs.append([t.detach() for t in y])
-        gins.append([t.grad for t in xr])
-    return outs, gins, [p.grad for p in mod.parameters()]
-
-
 def two_way_setup(order):
     """A seeded TwoWay, its eager twin, the micro-batches ``order`` names, their inputs and
     output grads, and a CompiledRunner of the model."""
@@ -59,7 +46,7 @@ def test_jobs_in_any_order_give_eager_gradients(order):
     mod, ref_mod, micros, xs, gs, runner = two_way_setup(order)
     assert runner.mode == "trace" and runner.parameters == list(mod.parameters())
     outs, gins = play(runner, order, xs, gs)
-    r_outs, r_gins, r_grads = eager_grads(ref_mod, xs, gs)
+    r_outs, r_gins, r_grads = eager_stage_grads(ref_mod, xs, gs)
     for m in micros:
         for got, want in zip(outs[m], r_outs[m]):
             assert rel_err(got, want) <= 1e-5
@@ -232,7 +219,7 @@ def test_graph_mode_slots_keep_micro_batches_apart(monkeypatch, order, slots):
                 gins[m] = [t.clone() for t in res]
             else:
                 runner.backward_weight(m)
-        r_outs, r_gins, r_grads = eager_grads(ref_mod, xs, gs)
+        r_outs, r_gins, r_grads = eager_stage_grads(ref_mod, xs, gs)
         for m in micros:
             for got, want in zip(outs[m] + gins[m], r_outs[m] + r_gins[m]):
                 assert rel_err(got, want) <= 1e-5

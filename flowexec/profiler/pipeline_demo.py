@@ -9,41 +9,19 @@ the records' meta, so the page shows it beside the measured one.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class Config:
-    """The profiled run: ``blocks`` of ``Linear(width) + tanh``, MSE against random targets, SGD."""
-
-    width: int = 256
-    blocks: int = 4
-    batch: int = 64
-    n_micro: int = 4
-    schedule: str = "1f1b"
-    steps: int = 5
-    lr: float = 0.05
-    seed: int = 0
-    threads: int = 1  # intra-op threads per rank
-
-
-def data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch of :func:`flowexec.pipeline.demo.data` (same fields, same seeding)."""
-    from ..pipeline.demo import data as demo_data
-
-    return demo_data(cfg)
+from ..pipeline.demo import Config, blocks, data  # the model, config and batch of `flowexec pipeline`
+from ..pipeline.trainer import split
 
 
 def _stages(cfg: Config, n_stages: int) -> list[torch.nn.Module]:
-    """The model of :func:`flowexec.pipeline.demo.blocks` (the same in every process: seeded) as
-    ``n_stages`` contiguous stages."""
-    from ..pipeline.demo import blocks
-    from ..pipeline.trainer import split
-
+    """:func:`flowexec.pipeline.demo.blocks` (seeded: the same in every process) as ``n_stages``
+    contiguous stages."""
     return split(blocks(cfg), n_stages)
 
 

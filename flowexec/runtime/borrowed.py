@@ -108,6 +108,22 @@ class BorrowedAddresses:
         return distinct_storages(self._staged_of(args), forbidden)
 
 
+    def native_spec(self, n: int) -> tuple[list[int], list[bool], frozenset[int], list[bool]] | None:
+        """What the C++ call check (:mod:`flowexec.runtime.fastcall`) needs for ``n`` tensor
+        arguments: each one's captured address (0: not borrowed), whether it is staged, the
+        storages staged ones must stay apart from, and the liveness flag of the captured
+        storages; None where :meth:`unshared` could not vouch (a storage died, or it has not
+        run for the current closure state)."""
+        if not self._alive[0] or self._forbidden is None:
+            return None
+        ptrs, staged = [0] * n, [False] * n
+        for i, p in zip(self.positions, self.ptrs):
+            ptrs[i] = p
+        for i in self.staged:
+            staged[i] = True
+        return ptrs, staged, self._forbidden, self._alive
+
+
 def distinct_storages(tensors: Sequence[Any], forbidden: frozenset[int]) -> bool | None:
     """Whether the tensors' storages are pairwise distinct, none of them at an address in
     ``forbidden`` and none empty (at 0); None when a tensor has no storage to read."""

@@ -153,13 +153,10 @@ def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: 
     n = len(tensors)
     ptrs, staged, alive = [0] * n, [False] * n, _ALWAYS
     if borrowed is not None:
-        if not borrowed._alive[0] or borrowed._forbidden is None:
+        spec = borrowed.native_spec(n)
+        if spec is None:
             return None
-        for i, p in zip(borrowed.positions, borrowed.ptrs):
-            ptrs[i] = p
-        for i in borrowed.staged:
-            staged[i] = True
-        forbidden, alive = borrowed._forbidden, borrowed._alive
+        ptrs, staged, forbidden, alive = spec
     elif forbidden is not None:
         staged = [True] * n
     try:

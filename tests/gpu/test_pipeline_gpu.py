@@ -9,7 +9,7 @@ import torch
 from flowexec.models import PreNormBlock
 
 from flowexec.pipeline.compiled import CompiledRunner
-from helpers import play_jobs as play
+from helpers import eager_stage_grads, play_jobs as play
 
 DEV = "cuda"
 
@@ -30,18 +30,6 @@ class Shared(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.lin(torch.tanh(self.lin(x)) + side), side.sin()
-
-
-def eager_step(mod, xs, gs):
-    outs, gins = [], []
-    for x, g in zip(xs, gs):
-        xr = [t.clone().requires_grad_(True) for t in x]
-        y = mod(*xr)
-        y = y if isinstance(y, tuple) else (y,)
-        torch.autograd.backward(y, g)
-        outs.append([t.detach() for t in y])
-        gins.append([t.grad for t in xr])
-    return outs, gins
 
 
 @pytest.mark.parametrize("make, inputs, order, slots", [
@@ -65,7 +53,7 @@ def test_graph_mode_jobs_match_eager_over_two_steps(make, inputs, order, slots):
         for p, q in zip(mod.parameters(), ref.parameters()):
             p.grad = q.grad = None
         outs, gins = play(runner, order, xs, gs)
-        r_outs, r_gins = eager_step(ref, xs, gs)
+        r_outs, r_gins, _ = eager_stage_grads(ref, xs, gs)
         for m in micros:
             for got, want in zip(outs[m], r_outs[m]):
                 assert rel_err(got, want) <= 1e-5
