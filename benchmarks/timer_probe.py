@@ -8,8 +8,9 @@ Micro rows (µs per call, median of 5 rounds of ``n`` calls): perf_counter_ns; t
 cuEventRecord through ctypes (idle stream, and behind a queued 2 ms sleep kernel); the same
 through torch.cuda.Event.record; cuEventElapsedTime; the raw current stream lookup;
 JobTimer begin+end with no work; flush with nothing ready; finish of 50 spans.
-Loop rows (µs per step, 50 steps back to back): off; events only (two bare driver records per
-step); begin/end (no flush); begin/end/flush; and the whole timer with finish; plus one step with
+Loop rows (µs per step, 50 steps back to back; the host's time to issue them and the device's
+time between an event before the first and after the last): off; events only (two bare driver
+records per step; the same with events that keep no timestamp); begin/end (no flush); begin/end/flush; and the whole timer with finish; plus one step with
 a synchronisation after it (``plain``) to compare back-to-back against synchronised steps.
 """
 from __future__ import annotations
@@ -85,7 +86,12 @@ def micro(dev: torch.device) -> dict[str, float]:
         t = timer.begin(step=0, stage=0, kind="F", micro=0)
         timer.end(t)
     timer.begin(step=0, stage=0, kind="F", micro=0)  # the run's anchor, outside the timed loop
-    out["timer_begin_end"] = per_call(be, 2000, rounds=3)
+    def bef() -> None:
+        be()
+        timer.flush()
+    for _ in range(200):
+        bef()
+    out["timer_begin_end_flush_steady"] = per_call(bef, 2000, rounds=3)  # events come back from the pool
     out["timer_flush_nothing_ready"] = per_call(timer.flush, 2000, rounds=3)
     timer.finish()
 
@@ -114,6 +120,9 @@ def loops(dev: torch.device) -> dict[str, Any]:
     timer = JobTimer(dev, batch=FLUSH_BATCH)
     dev_events = DriverEvents(dev)
     ea, eb = dev_events.event(), dev_events.event()
+    na, nb = cn.event_create(), cn.event_create()  # no timing: does a timestamp cost the device?
+    rec, raw = cn.driver().cuEventRecord, torch._C._cuda_getCurrentRawStream
+    g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     n = 50
 
     def loop(kind: str) -> float:
@@ -123,7 +132,9 @@ def loops(dev: torch.device) -> dict[str, Any]:
             for _ in range(n):
                 exe(x, y)
                 torch.cuda.synchronize()
+            issue_us[kind].append(float("nan"))
             return (time.perf_counter_ns() - t0) / 1e3 / n
+        g0.record()
         if kind in ("begin_end", "begin_end_flush"):
             timer.begin(step=0, stage=0, kind="F", micro=0)  # anchored before the timed steps
         for k in range(n):
@@ -133,6 +144,10 @@ def loops(dev: torch.device) -> dict[str, Any]:
                 ea.record()
                 exe(x, y)
                 eb.record()
+            elif kind == "events_only_no_timing":
+                rec(na, raw(0))
+                exe(x, y)
+                rec(nb, raw(0))
             elif kind == "begin_end":
                 tok = timer.begin(step=k, stage=0, kind="F", micro=0)
                 exe(x, y)
@@ -143,27 +158,32 @@ def loops(dev: torch.device) -> dict[str, Any]:
                 timer.end(tok)
                 timer.flush()
         t_loop = time.perf_counter_ns()
+        g1.record()
         if kind == "full":
             timer.finish()
         torch.cuda.synchronize()
         t1 = time.perf_counter_ns()
+        device_us[kind].append(g0.elapsed_time(g1) * 1e3 / n)
         if kind in ("begin_end", "begin_end_flush"):
             timer.finish()  # outside the timed part: these rows are the per-step pieces
         issue_us[kind].append((t_loop - t0) / 1e3 / n)
         return (t1 - t0) / 1e3 / n
 
-    kinds = ("off", "plain", "events_only", "begin_end", "begin_end_flush", "full")
+    kinds = ("off", "plain", "events_only", "events_only_no_timing", "begin_end", "begin_end_flush", "full")
     issue_us: dict[str, list[float]] = {k: [] for k in kinds}
+    device_us: dict[str, list[float]] = {k: [] for k in kinds if k != "plain"}
     for k in kinds:
         loop(k)
     for k in kinds:
         issue_us[k].clear()
+        device_us.get(k, []).clear()
     res: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(15):
         for k in kinds:
             res[k].append(loop(k))
     out: dict[str, Any] = {"steps_per_loop": n, "us_per_step": {k: statistics.median(v) for k, v in res.items()},
                            "issue_us_per_step": {k: statistics.median(v) for k, v in issue_us.items()},
+                           "device_us_per_step": {k: statistics.median(v) for k, v in device_us.items()},
                            "rounds": res}
     off = out["us_per_step"]["off"]
     out["overhead_vs_off"] = {k: v / off - 1 for k, v in out["us_per_step"].items()}
