@@ -39,7 +39,7 @@ from host_meta import host_meta  # noqa: E402
 import flowexec  # noqa: E402
 from flowexec.models import make_mlp, make_step  # noqa: E402
 from flowexec.profiler import JobTimer  # noqa: E402
-from flowexec.profiler.timers import FLUSH_BATCH, CudaEvents  # noqa: E402
+from flowexec.profiler.timers import FLUSH_BATCH, CudaEvents, DriverEvents  # noqa: E402
 
 
 def pipeline_overhead(rounds: int, steps: int) -> dict[str, Any]:
@@ -83,10 +83,12 @@ def mlp_overhead(dev: torch.device, runs: int) -> dict[str, Any]:
                                    "loop_off_us: µs per step of loop_steps steps back to back, timer on / off",
                            "instructions": len(exe.plan.instructions)}
     rows: dict[str, list[float]] = {"plain": [], "host_stamps": [], "device_times": [], "job_timer": []}
-    # As the trainer's recording sets it up (flowexec.profiler.recording), and, on CUDA, the same
-    # timer on torch.cuda.Event instead of the driver's events, for comparison.
+    # As the trainer's recording sets it up (flowexec.profiler.recording: the native event clock
+    # where it is built), and, on CUDA, the same timer on the driver through ctypes and on
+    # torch.cuda.Event, for comparison.
     timers = {"on": JobTimer(dev, batch=FLUSH_BATCH)}
     if dev.type == "cuda":
+        timers["on_ctypes_events"] = JobTimer(dev, batch=FLUSH_BATCH, events=DriverEvents(dev))
         timers["on_torch_events"] = JobTimer(dev, batch=FLUSH_BATCH, events=CudaEvents(dev))
         timers["on_flush_each_step"] = JobTimer(dev)
     timer = timers["on"]

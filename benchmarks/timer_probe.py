@@ -5,13 +5,13 @@ timer's pieces switched on one by one.
     PYTHONPATH=. python3 benchmarks/timer_probe.py --out DIR     # DIR/timer_probe.json
 
 Micro rows (µs per call, median of 5 rounds of ``n`` calls): perf_counter_ns; the driver's
-cuEventRecord through ctypes (idle stream, and behind a queued 2 ms sleep kernel); the same
-through torch.cuda.Event.record; cuEventElapsedTime; the raw current stream lookup;
-JobTimer begin+end with no work; flush with nothing ready; finish of 50 spans.
-Loop rows (µs per step, 50 steps back to back; the host's time to issue them and the device's
-time between an event before the first and after the last): off; events only (two bare driver
-records per step; the same with events that keep no timestamp); begin/end (no flush); begin/end/flush; and the whole timer with finish; plus one step with
-a synchronisation after it (``plain``) to compare back-to-back against synchronised steps.
+cuEventRecord through ctypes (idle stream, and behind a queued 2 ms sleep kernel),
+cuEventElapsedTime, cuEventQuery; then for each kind of timer events (native: the C++ event
+clock; ctypes: the driver through ctypes; torch: torch.cuda.Event) a record, a read, a JobTimer
+begin+end+flush in the steady state (events back from the pool), finish of 50 spans.
+Loop rows (µs per step, 50 steps back to back, finish counted; the host's time to issue them
+and the device's time from an event before the first step to one after the last): off; two
+bare driver records per step; the job timer on each kind of events.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from host_meta import host_meta  # noqa: E402
 import flowexec  # noqa: E402
 from flowexec import _cuda_native as cn  # noqa: E402
 from flowexec.models import make_mlp, make_step  # noqa: E402
-from flowexec.profiler.timers import FLUSH_BATCH, DriverEvents, JobTimer  # noqa: E402
+from flowexec.profiler.timers import FLUSH_BATCH, CudaEvents, DriverEvents, JobTimer, NativeEvents  # noqa: E402
 
 
 def per_call(fn: Callable[[], Any], n: int, rounds: int = 5, before: Callable[[], Any] | None = None) -> float:
@@ -50,6 +50,17 @@ def per_call(fn: Callable[[], Any], n: int, rounds: int = 5, before: Callable[[]
     return statistics.median(out)
 
 
+def _sources(dev: torch.device) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        out["native"] = NativeEvents(dev)
+    except RuntimeError as e:
+        print(f"native event clock: {e}", flush=True)
+    out["ctypes"] = DriverEvents(dev)
+    out["torch"] = CudaEvents(dev)
+    return out
+
+
 def micro(dev: torch.device) -> dict[str, float]:
     d = cn.driver()
     cn.ensure_context(dev.index or 0)
@@ -60,8 +71,6 @@ def micro(dev: torch.device) -> dict[str, float]:
     ms = ctypes.c_float()
     ref = ctypes.byref(ms)
     rec = d.cuEventRecord
-    tev = torch.cuda.Event(enable_timing=True)
-    ev = DriverEvents(dev).event()
     n = 5000
     out: dict[str, float] = {}
     out["perf_counter_ns"] = per_call(time.perf_counter_ns, n)
@@ -69,43 +78,38 @@ def micro(dev: torch.device) -> dict[str, float]:
     out["cuEventRecord_ctypes_idle"] = per_call(lambda: rec(h, s), n)
     # Behind queued work: a long sleep kernel first, so every record lands on a busy stream.
     out["cuEventRecord_ctypes_busy"] = per_call(lambda: rec(h, s), 500, before=lambda: torch.cuda._sleep(2_000_000))
-    out["driver_event_record_idle"] = per_call(ev.record, n)
-    out["torch_event_record_idle"] = per_call(tev.record, n)
-    out["torch_event_record_busy"] = per_call(tev.record, 500, before=lambda: torch.cuda._sleep(2_000_000))
     rec(h, s)
     rec(h2, s)
     torch.cuda.synchronize()
     out["cuEventElapsedTime_ctypes"] = per_call(lambda: d.cuEventElapsedTime(ref, h, h2), n)
     out["cuEventQuery_ctypes"] = per_call(lambda: d.cuEventQuery(h2), n)
-    timer = JobTimer(dev, batch=FLUSH_BATCH)
-    tok = timer.begin(step=0, stage=0, kind="F", micro=0)  # anchor outside the loop
-    timer.end(tok)
-    timer.finish()
-
-    def be() -> None:
-        t = timer.begin(step=0, stage=0, kind="F", micro=0)
-        timer.end(t)
-    timer.begin(step=0, stage=0, kind="F", micro=0)  # the run's anchor, outside the timed loop
-    def bef() -> None:
-        be()
-        timer.flush()
-    for _ in range(200):
-        bef()
-    out["timer_begin_end_flush_steady"] = per_call(bef, 2000, rounds=3)  # events come back from the pool
-    out["timer_flush_nothing_ready"] = per_call(timer.flush, 2000, rounds=3)
-    timer.finish()
-
-    def finish50() -> None:
-        for k in range(50):
-            be()
+    for name, src in _sources(dev).items():
+        def rec_release() -> None:
+            src.release([src.record()])
+        out[f"{name}_record_release"] = per_call(rec_release, n)
+        a, b = src.record(), src.record()
         torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
+        out[f"{name}_offsets_ns_per_event"] = per_call(lambda: src.offsets_ns(a, [b] * 50), 200) / 50
+        timer = JobTimer(dev, batch=FLUSH_BATCH, events=src)
+
+        def bef() -> None:
+            t = timer.begin(step=0, stage=0, kind="F", micro=0)
+            timer.end(t)
+            timer.flush()
+        for _ in range(200):
+            bef()
+        out[f"{name}_timer_begin_end_flush"] = per_call(bef, 2000, rounds=3)  # incl. reading every 64th
         timer.finish()
-        times.append((time.perf_counter_ns() - t0) / 1e3)
-    times: list[float] = []
-    for _ in range(5):
-        finish50()
-    out["timer_finish_50_spans_us"] = statistics.median(times)
+        times: list[float] = []
+        for _ in range(5):
+            for _ in range(50):
+                t = timer.begin(step=0, stage=0, kind="F", micro=0)
+                timer.end(t)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            timer.finish()
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        out[f"{name}_timer_finish_50_spans_us"] = statistics.median(times)
     cn.driver().cuEventDestroy_v2(h)
     cn.driver().cuEventDestroy_v2(h2)
     return out
@@ -117,10 +121,8 @@ def loops(dev: torch.device) -> dict[str, Any]:
     step = make_step(model, torch.optim.SGD(model.parameters(), lr=0.01), F.cross_entropy)
     x, y = torch.randn(32, 256, device=dev), torch.randint(0, 10, (32,), device=dev)
     exe = flowexec.compile(step, x, y, mode="trace")
-    timer = JobTimer(dev, batch=FLUSH_BATCH)
-    dev_events = DriverEvents(dev)
-    ea, eb = dev_events.event(), dev_events.event()
-    na, nb = cn.event_create(), cn.event_create()  # no timing: does a timestamp cost the device?
+    timers = {name: JobTimer(dev, batch=FLUSH_BATCH, events=src) for name, src in _sources(dev).items()}
+    na, nb = cn.timing_event_create(), cn.timing_event_create()
     rec, raw = cn.driver().cuEventRecord, torch._C._cuda_getCurrentRawStream
     g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     n = 50
@@ -128,30 +130,15 @@ def loops(dev: torch.device) -> dict[str, Any]:
     def loop(kind: str) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
-        if kind == "plain":  # synchronised after every step
-            for _ in range(n):
-                exe(x, y)
-                torch.cuda.synchronize()
-            issue_us[kind].append(float("nan"))
-            return (time.perf_counter_ns() - t0) / 1e3 / n
         g0.record()
-        if kind in ("begin_end", "begin_end_flush"):
-            timer.begin(step=0, stage=0, kind="F", micro=0)  # anchored before the timed steps
+        timer = timers.get(kind)
         for k in range(n):
             if kind == "off":
                 exe(x, y)
-            elif kind == "events_only":
-                ea.record()
-                exe(x, y)
-                eb.record()
-            elif kind == "events_only_no_timing":
+            elif kind == "events_only":  # two bare driver records (ctypes) a step: the floor
                 rec(na, raw(0))
                 exe(x, y)
                 rec(nb, raw(0))
-            elif kind == "begin_end":
-                tok = timer.begin(step=k, stage=0, kind="F", micro=0)
-                exe(x, y)
-                timer.end(tok)
             else:
                 tok = timer.begin(step=k, stage=0, kind="F", micro=0)
                 exe(x, y)
@@ -159,24 +146,21 @@ def loops(dev: torch.device) -> dict[str, Any]:
                 timer.flush()
         t_loop = time.perf_counter_ns()
         g1.record()
-        if kind == "full":
+        if timer is not None:
             timer.finish()
         torch.cuda.synchronize()
         t1 = time.perf_counter_ns()
         device_us[kind].append(g0.elapsed_time(g1) * 1e3 / n)
-        if kind in ("begin_end", "begin_end_flush"):
-            timer.finish()  # outside the timed part: these rows are the per-step pieces
         issue_us[kind].append((t_loop - t0) / 1e3 / n)
         return (t1 - t0) / 1e3 / n
 
-    kinds = ("off", "plain", "events_only", "events_only_no_timing", "begin_end", "begin_end_flush", "full")
+    kinds = ("off", "events_only", *timers)
     issue_us: dict[str, list[float]] = {k: [] for k in kinds}
-    device_us: dict[str, list[float]] = {k: [] for k in kinds if k != "plain"}
+    device_us: dict[str, list[float]] = {k: [] for k in kinds}
     for k in kinds:
         loop(k)
-    for k in kinds:
         issue_us[k].clear()
-        device_us.get(k, []).clear()
+        device_us[k].clear()
     res: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(15):
         for k in kinds:

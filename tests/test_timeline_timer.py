@@ -10,7 +10,8 @@ from flowexec.profiler.timers import JobTimer
 
 class FakeDevice:
     """A device whose clock advances 1000 ns per recorded event; while ``busy`` events stay
-    pending until :meth:`drain`. Reading an incomplete event raises, as on CUDA."""
+    pending until :meth:`drain`. Reading an incomplete event raises, as on CUDA; so does
+    recording an event that was not handed back."""
 
     def __init__(self) -> None:
         self.now = 0
@@ -18,10 +19,28 @@ class FakeDevice:
         self.pending: list[FakeEvent] = []
         self.created = 0
         self.syncs = 0
+        self.free: list[FakeEvent] = []
+        self.queries = 0
 
-    def event(self) -> FakeEvent:
-        self.created += 1
-        return FakeEvent(self)
+    def record(self) -> FakeEvent:
+        if self.free:
+            ev = self.free.pop()
+        else:
+            self.created += 1
+            ev = FakeEvent(self)
+        ev.record()
+        return ev
+
+    def done(self, ev: FakeEvent) -> bool:
+        self.queries += 1
+        return ev.t is not None
+
+    def offsets_ns(self, anchor: FakeEvent, evs: list[FakeEvent]) -> list[int]:
+        return [round(anchor.elapsed_time(ev) * 1e6) for ev in evs]
+
+    def release(self, evs: list[FakeEvent]) -> None:
+        assert not any(ev in self.free for ev in evs), "an event handed back twice"
+        self.free += evs
 
     def synchronize(self) -> None:
         self.syncs += 1
@@ -39,6 +58,7 @@ class FakeEvent:
         self.dev, self.t, self.queued = dev, None, None
 
     def record(self) -> None:
+        assert self not in self.dev.free, "recorded while in the free pool"
         self.dev.now += 1000
         self.queued, self.t = self.dev.now, None
         if self.dev.busy:
@@ -110,7 +130,7 @@ def test_a_span_that_never_ended_is_dropped_and_its_event_returned():
     t.begin(step=0, stage=0, kind="B", micro=0)
     t.end(t.begin(step=0, stage=0, kind="F", micro=1))
     assert [s.kind for s in t.flush()] == ["F"]
-    assert len(t._pool) == 3 and t._waiting == []
+    assert len(dev.free) == 3 and t._waiting == []
 
 
 def test_a_long_run_is_reanchored_at_a_flush():
@@ -150,20 +170,14 @@ def test_every_span_arrives_by_finish(busy):
 def test_a_batching_timer_reads_events_only_once_a_batch_waits():
     dev = FakeDevice()
     t = JobTimer(torch.device("cpu"), events=dev, reanchor_s=None, batch=7)
-    queries = []
-    real = FakeEvent.query
-    FakeEvent.query = lambda self: queries.append(self) or real(self)  # count reads
-    try:
-        _step(t, 0)
-        queries.clear()  # (the anchor's own wait reads its event)
-        assert t.flush() == [] and not queries  # 3 spans wait: none read
-        _step(t, 1)
-        assert t.flush() == [] and not queries  # 6
-        _step(t, 2)
-        got = t.flush()  # 9 >= 7: all read now
-        assert [(s.step, s.micro) for s in got] == [(k, m) for k in range(3) for m in range(3)] and queries
-        _step(t, 3)
-        assert [s.step for s in t.finish()] == [3, 3, 3]  # the end of a run reads the rest
-    finally:
-        FakeEvent.query = real
+    _step(t, 0)
+    dev.queries = 0  # (the anchor's own wait reads its event)
+    assert t.flush() == [] and not dev.queries  # 3 spans wait: none read
+    _step(t, 1)
+    assert t.flush() == [] and not dev.queries  # 6
+    _step(t, 2)
+    got = t.flush()  # 9 >= 7: all read now
+    assert [(s.step, s.micro) for s in got] == [(k, m) for k in range(3) for m in range(3)] and dev.queries
+    _step(t, 3)
+    assert [s.step for s in t.finish()] == [3, 3, 3]  # the end of a run reads the rest
     assert dev.created <= 2 * 9 + 4  # events still come back to the pool

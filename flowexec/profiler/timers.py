@@ -5,7 +5,9 @@ after its last). Nothing synchronises in the steady state: :meth:`JobTimer.flush
 spans whose events the device has completed (``event.query()``) and keeps the rest for a later
 flush, so a step's spans may come one flush late; :meth:`JobTimer.finish` (the end of a run of
 recorded steps, where the records are written) waits for the device and returns the rest.
-Events come from a pool and go back to it once read, so a span creates no CUDA event.
+Events come from a pool and go back to it once read, so a span creates no CUDA event. The
+events are the native extension's event clock where it is built (:class:`NativeEvents`: the
+driver called from C++), else the driver through ctypes, else ``torch.cuda.Event``.
 
 Clock anchoring: at the first span of a run the timer synchronises once, records an anchor event,
 spins on it and reads the host clock the moment it completes; every event of the run is that host
@@ -32,7 +34,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -40,13 +42,164 @@ from .records import Span
 
 
 class DeviceEvents(Protocol):
-    """Where a :class:`JobTimer` gets its device events (CUDA; a fake one in the tests)."""
+    """Where a :class:`JobTimer` gets its device events: handles to timing events, recorded on
+    the current stream, read in batches and handed back for reuse (CUDA; fakes in the tests)."""
 
-    def event(self) -> Any:
-        """A new timing event (``record()``, ``query()``, ``elapsed_time(other)`` in ms)."""
+    created: int  # events made so far (the rest are reused)
+
+    def record(self) -> Any:
+        """Record a free timing event on the current stream; returns its handle."""
+
+    def done(self, h: Any) -> bool:
+        """Whether the device has passed event ``h`` (never waits)."""
+
+    def offsets_ns(self, anchor: Any, hs: list[Any]) -> list[int]:
+        """Device nanoseconds from ``anchor`` to each of ``hs`` (all complete)."""
+
+    def release(self, hs: list[Any]) -> None:
+        """Hand read events back for reuse."""
 
     def synchronize(self) -> None:
         """Wait until the device has finished everything queued."""
+
+
+_CLOCK_FUNCTIONS = ("cuEventCreate", "cuEventRecord", "cuEventQuery", "cuEventElapsedTime", "cuEventDestroy_v2",
+                    "cuGetErrorName")
+
+
+def driver_functions(index: int) -> dict[str, int]:
+    """Addresses of the driver functions the native event clock calls (libcuda via ctypes),
+    with ``index``'s context current on this thread."""
+    import ctypes
+
+    from .. import _cuda_native as cn
+
+    d = cn.driver()
+    cn.ensure_context(index)
+    return {n: ctypes.cast(getattr(d, n), ctypes.c_void_p).value for n in _CLOCK_FUNCTIONS}  # type: ignore[misc]
+
+
+class NativeEvents:
+    """:class:`DeviceEvents` of one CUDA device through the native extension's ``EventClock``
+    (``runtime/csrc/eventclock.cpp``): the driver's own functions called from C++, so a record
+    is one pybind call (no ctypes conversion, no Python event object) and a batch of reads is
+    one call. Raises RuntimeError where the extension is not built."""
+
+    def __init__(self, device: torch.device, *, functions: dict[str, int] | None = None,
+                 current_stream: Callable[[int], int] | None = None) -> None:
+        """``functions`` (the driver's by default): addresses of ``cuEventCreate``,
+        ``cuEventRecord``, ``cuEventQuery``, ``cuEventElapsedTime``, ``cuEventDestroy_v2``,
+        ``cuGetErrorName``; ``current_stream(device index)`` the raw stream to record on
+        (torch's current stream by default). The tests pass stand-ins for both."""
+        from ..runtime import fastcall
+
+        mod = fastcall.load()
+        if mod is None or not hasattr(mod, "EventClock"):
+            raise RuntimeError(f"native event clock unavailable: {fastcall.status()}")
+        self.device = device
+        if functions is None:
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+            functions = driver_functions(self.index)
+        else:
+            self.index = device.index or 0
+        self.clock = mod.EventClock(*(functions[n] for n in _CLOCK_FUNCTIONS))
+        self._rec = self.clock.record
+        self._raw = current_stream or torch._C._cuda_getCurrentRawStream
+        self.done, self.offsets_ns, self.release = self.clock.done, self.clock.offsets_ns, self.clock.release
+
+    @property
+    def created(self) -> int:
+        return self.clock.created
+
+    def record(self) -> int:
+        return self._rec(self._raw(self.index))
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+# Spans a recording timer lets wait before a flush reads their events (``JobTimer(batch=...)``):
+# the trainer's records of a step or two, read in one go.
+FLUSH_BATCH = 64
+
+
+class DriverEvents:
+    """:class:`DeviceEvents` of one CUDA device through the driver by ctypes (where the native
+    extension is not built): handles are the driver's ``CUevent`` values; they live as long as
+    this object does."""
+
+    def __init__(self, device: torch.device) -> None:
+        import ctypes
+        import weakref
+
+        from .. import _cuda_native as cn
+
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        d = cn.driver()
+        cn.ensure_context(self.index)
+        self._rec, self._query, self._elapsed = d.cuEventRecord, d.cuEventQuery, d.cuEventElapsedTime
+        self._raw = torch._C._cuda_getCurrentRawStream
+        self._ms = ctypes.c_float()
+        self._ms_ref = ctypes.byref(self._ms)
+        self._cn = cn
+        self._handles: list[int] = []
+        self._free: list[int] = []
+        self.created = 0
+        weakref.finalize(self, _destroy, d, self._handles)
+
+    def record(self) -> int:
+        if self._free:
+            h = self._free.pop()
+        else:
+            h = self._cn.timing_event_create()
+            self._handles.append(h)
+            self.created += 1
+        code = self._rec(h, self._raw(self.index))
+        if code:
+            self._free.append(h)
+            raise self._cn.CudaDriverError(code, "cuEventRecord")
+        return h
+
+    def done(self, h: int) -> bool:
+        code = self._query(h)
+        if code == 0:
+            return True
+        if code != _NOT_READY:
+            raise self._cn.CudaDriverError(code, "cuEventQuery")
+        return False
+
+    def offsets_ns(self, anchor: int, hs: list[int]) -> list[int]:
+        out = []
+        for h in hs:
+            code = self._elapsed(self._ms_ref, anchor, h)
+            if code:
+                raise self._cn.CudaDriverError(code, "cuEventElapsedTime")
+            out.append(round(self._ms.value * 1e6))
+        return out
+
+    def release(self, hs: list[int]) -> None:
+        self._free += hs
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def _destroy(d: Any, handles: list[int]) -> None:
+    for h in handles:
+        d.cuEventDestroy_v2(h)
+
+
+def device_events(device: torch.device) -> DeviceEvents:
+    """The cheapest :class:`DeviceEvents` this machine has for ``device``: the native event
+    clock, else the driver's through ctypes, else torch's events."""
+    for kind in (NativeEvents, DriverEvents):
+        try:
+            return kind(device)
+        except (OSError, AttributeError, RuntimeError):
+            pass
+    return CudaEvents(device)
 
 
 _STREAMS: dict[tuple[int, int, int], Any] = {}  # torch.cuda.Stream objects by (id, device, type)
@@ -74,102 +227,33 @@ class _TimingEvent(torch.cuda.Event):
         torch._C._CudaEventBase.record(self, stream)
 
 
-class _DriverEvent:
-    """A timing event through the CUDA driver (ctypes): a record is one driver call, where
-    ``torch.cuda.Event.record`` costs about 3 µs on the H200's host (pybind, device guard,
-    Python stream). Same methods as ``torch.cuda.Event`` as far as :class:`JobTimer` uses them."""
-
-    __slots__ = ("h", "src")
-
-    def __init__(self, h: int, src: "DriverEvents") -> None:
-        self.h, self.src = h, src
-
-    def record(self, stream: Any = None) -> None:
-        src = self.src
-        code = src.rec(self.h, src.raw(src.index) if stream is None else stream.cuda_stream)
-        if code:
-            src.fail(code, "cuEventRecord")
-
-    def query(self) -> bool:
-        code = self.src.query(self.h)
-        if code == 0:
-            return True
-        if code != _NOT_READY:
-            self.src.fail(code, "cuEventQuery")
-        return False
-
-    def elapsed_time(self, other: "_DriverEvent") -> float:
-        src = self.src
-        code = src.elapsed(src.ms_ref, self.h, other.h)
-        if code:
-            src.fail(code, "cuEventElapsedTime")
-        return src.ms.value
-
-
-_NOT_READY = 600  # CUDA_ERROR_NOT_READY
-# Spans a recording timer lets wait before a flush reads their events (``JobTimer(batch=...)``):
-# the trainer's records of a step or two, read in one go.
-FLUSH_BATCH = 64
-
-
-class DriverEvents:
-    """:class:`DeviceEvents` of one CUDA device through the driver (:class:`_DriverEvent`); its
-    events live as long as it does. ``JobTimer`` takes it where libcuda loads, else
-    :class:`CudaEvents`."""
-
-    def __init__(self, device: torch.device) -> None:
-        import ctypes
-        import weakref
-
-        from .. import _cuda_native as cn
-
-        self.device = device
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        d = cn.driver()
-        cn.ensure_context(self.index)
-        self.rec, self.query, self.elapsed = d.cuEventRecord, d.cuEventQuery, d.cuEventElapsedTime
-        self.raw = torch._C._cuda_getCurrentRawStream
-        self.ms = ctypes.c_float()
-        self.ms_ref = ctypes.byref(self.ms)
-        self._cn = cn
-        self._handles: list[int] = []
-        weakref.finalize(self, _destroy, d, self._handles)
-
-    def event(self) -> _DriverEvent:
-        h = self._cn.timing_event_create()
-        self._handles.append(h)
-        return _DriverEvent(h, self)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def fail(self, code: int, call: str) -> None:
-        raise self._cn.CudaDriverError(code, call)
-
-
-def _destroy(d: Any, handles: list[int]) -> None:
-    for h in handles:
-        d.cuEventDestroy_v2(h)
-
-
-def device_events(device: torch.device) -> DeviceEvents:
-    """The cheapest :class:`DeviceEvents` this machine has for ``device``: the driver's, or
-    torch's where libcuda cannot be loaded directly."""
-    try:
-        return DriverEvents(device)
-    except (OSError, AttributeError, RuntimeError):
-        return CudaEvents(device)
-
-
 class CudaEvents:
-    """:class:`DeviceEvents` of one CUDA device."""
+    """:class:`DeviceEvents` of one CUDA device through ``torch.cuda.Event`` (handles are the
+    events)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self._free: list[Any] = []
+        self.created = 0
 
-    def event(self) -> Any:
-        return _TimingEvent(self.index)
+    def record(self) -> Any:
+        if self._free:
+            ev = self._free.pop()
+        else:
+            ev = _TimingEvent(self.index)
+            self.created += 1
+        ev.record()
+        return ev
+
+    def done(self, ev: Any) -> bool:
+        return ev.query()
+
+    def offsets_ns(self, anchor: Any, evs: list[Any]) -> list[int]:
+        return [round(anchor.elapsed_time(ev) * 1e6) for ev in evs]
+
+    def release(self, evs: list[Any]) -> None:
+        self._free += evs
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -219,26 +303,23 @@ class JobTimer:
         self.batch = max(1, int(batch))
         self._cuda = self._events is not None
         self._clock = "cuda" if self._cuda else "host"
+        if self._events is not None:  # bound once: begin/end are the hot path
+            self._record, self._done = self._events.record, self._events.done
         self._open: list[list[Any]] = []  # begun since the last flush
         self._waiting: list[list[Any]] = []  # flushed, events not yet completed
-        self._pool: list[Any] = []  # events read and free to record again
         self._anchor: tuple[Any, int] | None = None  # (event, host ns at its completion) of this run
         self.drift_ns: int | None = None  # at the last finish: host minus anchored device time of its anchor
-        self.events_created = 0
 
-    def _event(self) -> Any:
-        if self._pool:
-            return self._pool.pop()
-        self.events_created += 1
-        return self._events.event()  # type: ignore[union-attr]
+    @property
+    def events_created(self) -> int:
+        return 0 if self._events is None else self._events.created
 
     def _take_anchor(self) -> tuple[Any, int]:
         """Synchronise, record an event, spin until it is done (a blocking wait would add the
         thread's wake-up latency) and read the host clock at once."""
         self._events.synchronize()  # type: ignore[union-attr]
-        ev = self._event()
-        ev.record()
-        while not ev.query():
+        ev = self._record()
+        while not self._done(ev):
             pass
         return ev, time.perf_counter_ns()
 
@@ -249,8 +330,7 @@ class JobTimer:
             if self._anchor is None:  # the first span of a run: its one synchronisation
                 self._anchor = self._take_anchor()
             issue = time.perf_counter_ns()
-            start: Any = self._event()
-            start.record()
+            start: Any = self._record()
         else:
             start = issue = time.perf_counter_ns()
         tok = [step, stage, kind, micro, stream, peer, tag, name, issue, start, None, self._anchor]
@@ -259,12 +339,7 @@ class JobTimer:
 
     def end(self, token: list[Any]) -> None:
         """Stop the span ``token`` (on CUDA: an event on the current stream)."""
-        if self._cuda:
-            ev = self._event()
-            ev.record()
-            token[10] = ev
-        else:
-            token[10] = time.perf_counter_ns()
+        token[10] = self._record() if self._cuda else time.perf_counter_ns()
 
     def flush(self) -> list[Span]:
         """The spans whose work has completed, of this flush's and earlier ones' (never waits,
@@ -282,9 +357,10 @@ class JobTimer:
         if len(self._waiting) < self.batch:
             return []
         done, left = [], []
+        ready = self._done
         for tok in self._waiting:
             end = tok[10]
-            (done if end is None or (end.query() and tok[9].query()) else left).append(tok)
+            (done if end is None or (ready(end) and ready(tok[9])) else left).append(tok)
         return self._resolve(done, left)
 
     def finish(self) -> list[Span]:
@@ -296,29 +372,42 @@ class JobTimer:
             return self._resolve(self._waiting, [])
         ev, host = self._take_anchor()
         a_ev, a_host = self._anchor
-        self.drift_ns = host - (a_host + round(a_ev.elapsed_time(ev) * 1e6))
+        self.drift_ns = host - (a_host + self._events.offsets_ns(a_ev, [ev])[0])  # type: ignore[union-attr]
         out = self._resolve(self._waiting, [])
-        self._pool += [ev, a_ev]
+        self._events.release([ev, a_ev])  # type: ignore[union-attr]
         self._anchor = None
         return out
 
     def _resolve(self, done: list[list[Any]], left: list[list[Any]]) -> list[Span]:
         self._waiting = left
-        out = []
-        for step, stage, kind, micro, stream, peer, tag, name, issue, start, end, anch in done:
-            if end is None:  # a span that never ended (its job raised) is not a measurement
-                if self._cuda:
-                    self._pool.append(start)
-                continue
-            if self._cuda:
-                a_ev, a_host = anch
-                s_ns = a_host + round(a_ev.elapsed_time(start) * 1e6)
-                e_ns = a_host + round(a_ev.elapsed_time(end) * 1e6)
-                self._pool += (start, end)
-            else:
-                s_ns, e_ns = start, end
-            out.append(Span(self.rank, self.host, self.pid, step, stage, kind, micro, stream, s_ns, e_ns,
-                            self._clock, self.offset_ns, issue, peer, tag, name))
+        ended = [tok for tok in done if tok[10] is not None]
+        if self._cuda:
+            # A span that never ended (its job raised) is not a measurement: its event goes back.
+            self._events.release([tok[9] for tok in done if tok[10] is None])  # type: ignore[union-attr]
+            times = self._device_times(ended)
+        else:
+            times = [(tok[9], tok[10]) for tok in ended]
+        r, h, p, c, o = self.rank, self.host, self.pid, self._clock, self.offset_ns
+        return [Span(r, h, p, step, stage, kind, micro, stream, s_ns, e_ns, c, o, issue, peer, tag, name)
+                for (step, stage, kind, micro, stream, peer, tag, name, issue, *_), (s_ns, e_ns) in zip(ended, times)]
+
+    def _device_times(self, toks: list[list[Any]]) -> list[tuple[int, int]]:
+        """Host ns of each span's start and end event: one read per run of spans that share an
+        anchor (all of them, unless a re-anchor fell between), then the events go back."""
+        ev = self._events
+        out: list[tuple[int, int]] = []
+        i = 0
+        while i < len(toks):
+            anch = toks[i][11]
+            j = i
+            while j < len(toks) and toks[j][11] is anch:
+                j += 1
+            hs = [t[9] for t in toks[i:j]] + [t[10] for t in toks[i:j]]
+            ns = ev.offsets_ns(anch[0], hs)  # type: ignore[union-attr]
+            n, base = j - i, anch[1]
+            out += [(base + ns[k], base + ns[n + k]) for k in range(n)]
+            ev.release(hs)  # type: ignore[union-attr]
+            i = j
         return out
 
 

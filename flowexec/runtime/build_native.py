@@ -1,5 +1,7 @@
-"""``python -m flowexec.runtime.build_native``: compile the native call check
-(:mod:`flowexec.runtime.fastcall`) once for this machine (about 30 s); ``scripts/setup.sh`` runs it."""
+"""``python -m flowexec.runtime.build_native``: compile the native extension — the call check
+(:mod:`flowexec.runtime.fastcall`) and the job timer's event clock
+(:class:`flowexec.profiler.timers.NativeEvents`) — once for this machine (30-60 s);
+``scripts/setup.sh`` runs it."""
 from __future__ import annotations
 
 from . import fastcall
@@ -7,9 +9,10 @@ from . import fastcall
 
 def main() -> None:
     if fastcall.load() is None:
-        print(f"flowexec: compiling the native call check ({fastcall._SOURCE}) once for this machine ...", flush=True)
+        print(f"flowexec: compiling the native extension ({', '.join(fastcall._SOURCES)}) once for this machine ...",
+              flush=True)
         fastcall.build()
-    print(f"flowexec: native call check ready ({fastcall.status()})")
+    print(f"flowexec: native extension ready ({fastcall.status()})")
 
 
 if __name__ == "__main__":

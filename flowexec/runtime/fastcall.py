@@ -35,6 +35,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fastcall.cpp")
+# One extension, two sources: the call check and the job timer's event clock
+# (profiler/timers.py, NativeEvents).
+_SOURCES = [_SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "eventclock.cpp")]
 _STATE: dict[str, Any] = {}  # "module" once loaded, "error" why not
 
 # Layout codes (as in csrc/fastcall.cpp)
@@ -44,9 +47,12 @@ TENSOR, NONE, LIST, TUPLE = -1, -2, 1, 2
 def _name_and_directory() -> tuple[str, str]:
     from ..kernels._native import build_directory
 
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha1(f.read()).hexdigest()[:10]
-    # The source's hash in the name: an edited source is a new module, never a stale one.
+    h = hashlib.sha1()
+    for src in _SOURCES:
+        with open(src, "rb") as f:
+            h.update(f.read())
+    digest = h.hexdigest()[:10]
+    # The sources' hash in the name: an edited source is a new module, never a stale one.
     return f"flowexec_fastcall_{digest}", build_directory(False) + "-fastcall"
 
 
@@ -59,7 +65,7 @@ def build() -> Any:
     name, directory = _name_and_directory()
     os.makedirs(directory, exist_ok=True)
     _drop_stale_lock(directory)
-    mod = cpp_extension.load(name, [_SOURCE], extra_cflags=["-O2"], build_directory=directory, verbose=False)
+    mod = cpp_extension.load(name, _SOURCES, extra_cflags=["-O2"], build_directory=directory, verbose=False)
     _STATE.clear()
     _STATE["module"] = mod
     return mod

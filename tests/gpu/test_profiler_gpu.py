@@ -39,24 +39,30 @@ def test_job_timer_reads_device_times_anchored_to_the_host_clock():
 
 
 def test_driver_events_time_what_torch_events_time():
-    from flowexec.profiler.timers import CudaEvents, DriverEvents
+    from flowexec.profiler.timers import CudaEvents, DriverEvents, NativeEvents
+    from flowexec.runtime import fastcall
 
     dev = torch.device("cuda")
-    assert type(JobTimer(dev)._events) is DriverEvents  # the default where libcuda loads
+    want = NativeEvents if fastcall.load() is not None else DriverEvents
+    assert type(JobTimer(dev)._events) is want  # the default: native where built, else ctypes
     x = torch.randn(2048, 2048, device=dev)
     durations = {}
-    for name, src in (("driver", DriverEvents(dev)), ("torch", CudaEvents(dev))):
-        a, b = src.event(), src.event()
+    sources = {"driver": DriverEvents(dev), "torch": CudaEvents(dev)}
+    if fastcall.load() is not None:
+        sources["native"] = NativeEvents(dev)
+    for name, src in sources.items():
         torch.cuda.synchronize()
-        a.record()
+        a = src.record()
         for _ in range(20):
             x = (x @ x).tanh()
-        b.record()
-        b.query()  # done or not yet: either way it answers without raising
+        b = src.record()
+        src.done(b)  # done or not yet: either way it answers without raising
         torch.cuda.synchronize()
-        assert a.query() and b.query()
-        durations[name] = a.elapsed_time(b)
-    assert durations["driver"] > 0 and 0.5 < durations["driver"] / durations["torch"] < 2.0
+        assert src.done(a) and src.done(b)
+        durations[name] = src.offsets_ns(a, [b])[0] / 1e6
+        src.release([a, b])
+    for name in sources:
+        assert durations[name] > 0 and 0.5 < durations[name] / durations["torch"] < 2.0, durations
     # on a side stream too: the event lands on the current stream
     s = torch.cuda.Stream()
     t = JobTimer(dev, batch=4)

@@ -151,7 +151,10 @@ class CallGuard {
 
 }  // namespace
 
+void register_event_clock(py::module_& m);  // eventclock.cpp: the job timer's events
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_event_clock(m);
   py::class_<CallGuard>(m, "CallGuard")
       .def(py::init<std::vector<int>, py::list, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>>(),
            py::arg("layout"), py::arg("tensors"), py::arg("ptrs"), py::arg("staged"), py::arg("forbidden"))
