@@ -13,6 +13,10 @@
    ``flush`` per step as the trainer does, ``finish`` after the last (the end of a recorded run,
    counted), against the same loop with the timer off, in alternating rounds; µs per step. The
    cost per job the pipeline pays, ≤ 2% is the aim.
+4. (CUDA) The same timer around graph-mode jobs, what a pipeline's jobs are on CUDA: one
+   CUDA-graph replay per job (an MLP step, 4 x 2048, batch 2048).
+Overheads are the median over rounds of each round's on/off ratio (the two measured back to
+back; the host's speed moves between rounds).
 
     python3 benchmarks/profiler_overhead.py --out benchmarks/results/profiler_overhead.json
     python3 benchmarks/profiler_overhead.py --device cpu --quick --out /tmp/po.json
@@ -42,6 +46,13 @@ from flowexec.profiler import JobTimer  # noqa: E402
 from flowexec.profiler.timers import FLUSH_BATCH, CudaEvents, DriverEvents  # noqa: E402
 
 
+def paired(on: list[float], off: list[float]) -> float:
+    """Median over rounds of (on / off - 1), each round's two figures measured back to back: the
+    host's speed moves between rounds (±30% on the lent machine), so ratios within a round are
+    what compares."""
+    return statistics.median(a / b - 1 for a, b in zip(on, off))
+
+
 def pipeline_overhead(rounds: int, steps: int) -> dict[str, Any]:
     from flowexec.pipeline.launch import spawn
     from flowexec.profiler.pipeline_demo import Config, profiled_worker
@@ -56,7 +67,8 @@ def pipeline_overhead(rounds: int, steps: int) -> dict[str, Any]:
             med[mode].append(statistics.median(res[0]["step_ns"][2:]) / 1e6)
     off, on = statistics.median(med["off"]), statistics.median(med["on"])
     return {"what": "2-rank gloo 1F1B step, every step recorded vs no profiler (rank 0, ms)",
-            "off_ms": off, "on_ms": on, "overhead": on / off - 1, "rounds_off_ms": med["off"], "rounds_on_ms": med["on"]}
+            "off_ms": off, "on_ms": on, "overhead": paired(med["on"], med["off"]),
+            "overhead_of_medians": on / off - 1, "rounds_off_ms": med["off"], "rounds_on_ms": med["on"]}
 
 
 def _timed(fn, sync, n: int) -> float:
@@ -134,15 +146,56 @@ def mlp_overhead(dev: torch.device, runs: int) -> dict[str, Any]:
     for k in ("host_stamps", "device_times"):
         if f"{k}_us" in out:
             out[f"{k}_overhead"] = out[f"{k}_us"] / plain - 1
-    out["job_timer_overhead"] = out["job_timer_us"] / out["loop_off_us"] - 1  # against the same loop, timer off
+    out["job_timer_overhead"] = paired(loop_rows["on"], loop_rows["off"])  # against the same loop, timer off
+    out["job_timer_overhead_of_medians"] = out["job_timer_us"] / out["loop_off_us"] - 1
     out["job_timer_events"] = type(timer._events).__name__ if timer._events is not None else "host clock"
     for mode in timers:
         if mode != "on":
             out[f"rounds_loop_{mode}_us"] = loop_rows[mode]
-            out[f"job_timer_{mode}_overhead"] = statistics.median(loop_rows[mode]) / out["loop_off_us"] - 1
+            out[f"job_timer_{mode}_overhead"] = paired(loop_rows[mode], loop_rows["off"])
     if "device_times_us" in out:
         out["device_times_us_per_instruction"] = (out["device_times_us"] - plain) / out["instructions"]
     return out
+
+
+def graph_job_overhead(dev: torch.device, rounds: int) -> dict[str, Any]:
+    """The job timer around graph-mode jobs, what a pipeline's jobs are on CUDA (one CUDA-graph
+    replay each): an MLP training step (4 x 2048, batch 2048) in graph mode, 50 back to back,
+    the timer on (begin/end/flush per job, finish counted) against off, paired rounds."""
+    torch.manual_seed(0)
+    model = make_mlp(2048, 4).to(dev)
+    step = make_step(model, torch.optim.SGD(model.parameters(), lr=0.01), F.cross_entropy)
+    x, y = torch.randn(2048, 2048, device=dev), torch.randint(0, 10, (2048,), device=dev)
+    exe = flowexec.compile(step, x, y, mode="graph")
+    timer = JobTimer(dev, batch=FLUSH_BATCH)
+    n = 50
+
+    def loop(on: bool) -> float:
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter_ns()
+        for k in range(n):
+            if on:
+                tok = timer.begin(step=k, stage=0, kind="F", micro=0)
+                exe(x, y)
+                timer.end(tok)
+                timer.flush()
+            else:
+                exe(x, y)
+        if on:
+            timer.finish()
+        torch.cuda.synchronize(dev)
+        return (time.perf_counter_ns() - t0) / 1e3 / n
+    for on in (False, True, False, True):
+        loop(on)
+    rows: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        rows["off"].append(loop(False))
+        rows["on"].append(loop(True))
+    return {"what": "job timer around graph-mode jobs: MLP step 4 x 2048, batch 2048, one CUDA-graph replay "
+                    "per job, 50 back to back; µs per job", "off_us": statistics.median(rows["off"]),
+            "on_us": statistics.median(rows["on"]), "overhead": paired(rows["on"], rows["off"]),
+            "rounds_off_us": rows["off"], "rounds_on_us": rows["on"],
+            "events": type(timer._events).__name__}
 
 
 def main() -> None:
@@ -158,8 +211,11 @@ def main() -> None:
         res["gpu"] = torch.cuda.get_device_name(dev)
     res["mlp"] = mlp_overhead(dev, 20 if args.quick else 200)
     print(json.dumps(res["mlp"], indent=1), flush=True)
+    if dev.type == "cuda":
+        res["graph_jobs"] = graph_job_overhead(dev, 5 if args.quick else 15)
+        print(json.dumps({k: v for k, v in res["graph_jobs"].items() if not k.startswith("rounds")}, indent=1), flush=True)
     if not args.skip_pipeline:
-        res["pipeline"] = pipeline_overhead(1 if args.quick else 5, 6 if args.quick else 12)
+        res["pipeline"] = pipeline_overhead(1 if args.quick else 9, 6 if args.quick else 12)
         print(json.dumps(res["pipeline"], indent=1), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -37,7 +37,7 @@ for step in "$@"; do
     jobs)      run_step $step 240 python3 benchmarks/pipeline_jobs.py --out "$R" ;;
     probe)     run_step $step 120 python3 benchmarks/timer_probe.py --out "$R" ;;
     proftests) run_step $step 90 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_profiler_gpu.py ;;
-    profiler)  run_step $step 150 python3 benchmarks/profiler_overhead.py --out "$R/profiler_overhead_gpu.json" ;;
+    profiler)  run_step $step 300 python3 benchmarks/profiler_overhead.py --out "$R/profiler_overhead_gpu.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done
