@@ -71,6 +71,26 @@ def pipeline_overhead(rounds: int, steps: int) -> dict[str, Any]:
             "overhead_of_medians": on / off - 1, "rounds_off_ms": med["off"], "rounds_on_ms": med["on"]}
 
 
+def timed_loop(exe: Any, args: tuple[Any, ...], timer: JobTimer | None, n: int, sync: Any) -> float:
+    """µs per step of ``n`` calls back to back (the device drained before and after), each a
+    job of ``timer`` when there is one (begin, call, end, flush; ``finish`` after the last,
+    counted)."""
+    sync()
+    t0 = time.perf_counter_ns()
+    for k in range(n):
+        if timer is not None:
+            tok = timer.begin(step=k, stage=0, kind="F", micro=0)
+            exe(*args)
+            timer.end(tok)
+            timer.flush()
+        else:
+            exe(*args)
+    if timer is not None:
+        timer.finish()
+    sync()
+    return (time.perf_counter_ns() - t0) / 1e3 / n
+
+
 def _timed(fn, sync, n: int) -> float:
     out = []
     for _ in range(n):
@@ -107,22 +127,7 @@ def mlp_overhead(dev: torch.device, runs: int) -> dict[str, Any]:
     n_loop = 10 if runs < 100 else 50
 
     def loop(mode: str) -> float:
-        """µs per step of ``n_loop`` steps back to back (the device drained before and after)."""
-        t = timers.get(mode)
-        sync()
-        t0 = time.perf_counter_ns()
-        for k in range(n_loop):
-            if t is not None:
-                tok = t.begin(step=k, stage=0, kind="F", micro=0)
-                exe(x, y)
-                t.end(tok)
-                t.flush()
-            else:
-                exe(x, y)
-        if t is not None:
-            t.finish()
-        sync()
-        return (time.perf_counter_ns() - t0) / 1e3 / n_loop
+        return timed_loop(exe, (x, y), timers.get(mode), n_loop, sync)
 
     for mode in ("off", *timers):  # warm: the pool's events, the allocator
         loop(mode)
@@ -171,20 +176,7 @@ def graph_job_overhead(dev: torch.device, rounds: int) -> dict[str, Any]:
     n = 50
 
     def loop(on: bool) -> float:
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter_ns()
-        for k in range(n):
-            if on:
-                tok = timer.begin(step=k, stage=0, kind="F", micro=0)
-                exe(x, y)
-                timer.end(tok)
-                timer.flush()
-            else:
-                exe(x, y)
-        if on:
-            timer.finish()
-        torch.cuda.synchronize(dev)
-        return (time.perf_counter_ns() - t0) / 1e3 / n
+        return timed_loop(exe, (x, y), timer if on else None, n, lambda: torch.cuda.synchronize(dev))
     for on in (False, True, False, True):
         loop(on)
     rows: dict[str, list[float]] = {"off": [], "on": []}

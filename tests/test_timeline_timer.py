@@ -38,6 +38,9 @@ class FakeDevice:
     def offsets_ns(self, anchor: FakeEvent, evs: list[FakeEvent]) -> list[int]:
         return [round(anchor.elapsed_time(ev) * 1e6) for ev in evs]
 
+    def n_free(self) -> int:
+        return len(self.free)
+
     def release(self, evs: list[FakeEvent]) -> None:
         assert not any(ev in self.free for ev in evs), "an event handed back twice"
         self.free += evs
@@ -75,13 +78,25 @@ class FakeEvent:
         return (other.t - self.t) / 1e6
 
 
+@pytest.fixture(params=["python", "native"])
+def dev(request):
+    """The fake device as Python events, and as the native event clock over a fake driver."""
+    if request.param == "python":
+        return FakeDevice()
+    from flowexec.runtime import fastcall
+    from test_event_clock import NativeFake
+
+    if fastcall.load() is None:
+        fastcall.build()
+    return NativeFake()
+
+
 def _step(t: JobTimer, k: int, n: int = 3) -> None:
     for m in range(n):
         t.end(t.begin(step=k, stage=0, kind="F", micro=m))
 
 
-def test_flush_returns_only_completed_spans_and_the_rest_later():
-    dev = FakeDevice()
+def test_flush_returns_only_completed_spans_and_the_rest_later(dev):
     t = JobTimer(torch.device("cpu"), rank=1, host="h", events=dev, reanchor_s=None)
     _step(t, 0)  # the first span anchors: one synchronisation
     assert dev.syncs == 1
@@ -99,8 +114,7 @@ def test_flush_returns_only_completed_spans_and_the_rest_later():
     assert t.finish() == [] and t.drift_ns is not None
 
 
-def test_device_times_are_anchored_and_durations_exact():
-    dev = FakeDevice()
+def test_device_times_are_anchored_and_durations_exact(dev):
     t = JobTimer(torch.device("cpu"), events=dev, reanchor_s=None)
     a = t.begin(step=0, stage=0, kind="F", micro=0)  # anchor at device 1000, start event at 2000
     b = t.begin(step=0, stage=0, kind="send", micro=0, stream="comm")  # 3000
@@ -114,8 +128,7 @@ def test_device_times_are_anchored_and_durations_exact():
     assert f.issue_ns >= anchor_host  # issued after the anchor's host reading
 
 
-def test_events_are_reused_across_steps():
-    dev = FakeDevice()
+def test_events_are_reused_across_steps(dev):
     t = JobTimer(torch.device("cpu"), events=dev, reanchor_s=None)
     for k in range(50):
         _step(t, k)
@@ -124,17 +137,15 @@ def test_events_are_reused_across_steps():
     assert t.events_created == dev.created
 
 
-def test_a_span_that_never_ended_is_dropped_and_its_event_returned():
-    dev = FakeDevice()
+def test_a_span_that_never_ended_is_dropped_and_its_event_returned(dev):
     t = JobTimer(torch.device("cpu"), events=dev, reanchor_s=None)
     t.begin(step=0, stage=0, kind="B", micro=0)
     t.end(t.begin(step=0, stage=0, kind="F", micro=1))
     assert [s.kind for s in t.flush()] == ["F"]
-    assert len(dev.free) == 3 and t._waiting == []
+    assert dev.n_free() == 3 and t._waiting == []
 
 
-def test_a_long_run_is_reanchored_at_a_flush():
-    dev = FakeDevice()
+def test_a_long_run_is_reanchored_at_a_flush(dev):
     t = JobTimer(torch.device("cpu"), events=dev, reanchor_s=0.0)  # every flush is "too old"
     _step(t, 0)
     first = t._anchor
@@ -152,8 +163,7 @@ def test_cpu_timer_needs_no_events():
 
 
 @pytest.mark.parametrize("busy", [False, True])
-def test_every_span_arrives_by_finish(busy):
-    dev = FakeDevice()
+def test_every_span_arrives_by_finish(busy, dev):
     t = JobTimer(torch.device("cpu"), events=dev, reanchor_s=None)
     got = []
     for k in range(5):
@@ -167,8 +177,7 @@ def test_every_span_arrives_by_finish(busy):
     assert all(s.end_ns >= s.start_ns for s in got)
 
 
-def test_a_batching_timer_reads_events_only_once_a_batch_waits():
-    dev = FakeDevice()
+def test_a_batching_timer_reads_events_only_once_a_batch_waits(dev):
     t = JobTimer(torch.device("cpu"), events=dev, reanchor_s=None, batch=7)
     _step(t, 0)
     dev.queries = 0  # (the anchor's own wait reads its event)
