@@ -23,7 +23,7 @@ The ideal at the measured costs is ``simulate`` of the plan at every stage's med
 rank's simulated idle against its measured idle says what the schedule explains.
 
     python3 benchmarks/pipeline_idle.py --steps 8 --skip 3            # ~30 s on 2 cores
-    python3 benchmarks/pipeline_idle.py --out /tmp/idle.json --trace /tmp/idle_trace.json
+    python3 benchmarks/pipeline_idle.py --out benchmarks/results/pipeline_idle.json --trace /tmp/idle_trace.json
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from host_meta import host_meta  # noqa: E402
 from flowexec.pipeline import get_schedule, simulate, spawn  # noqa: E402
 from flowexec.pipeline.demo import Config, stages_per_rank, train_worker  # noqa: E402
 from flowexec.pipeline.schedules import with_optimizer  # noqa: E402
@@ -204,7 +205,8 @@ def main() -> None:
         print(f"gloo ping-pong, {nbytes // 1024} KiB one way: {pp['one_way_ms']:.3f} ms")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"config": asdict(cfg), "per_rank_ms": med, "between_steps_ms": gaps, "stage_costs": stage_costs,
+            cmd = "python3 benchmarks/pipeline_idle.py " + " ".join(sys.argv[1:])
+            json.dump({**host_meta(cmd.strip()), "config": asdict(cfg), "per_rank_ms": med, "between_steps_ms": gaps, "stage_costs": stage_costs,
                        "opt_ms": opt_ms, "transfers": tr, "pingpong": pp,
                        "sim": {n: {"makespan": s.makespan, "bubble": s.bubble, "idle": s.idle} for n, s in sims.items()}},
                       f, indent=1)
