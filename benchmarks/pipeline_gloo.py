@@ -20,6 +20,9 @@ and its rank idles for that too).
 
     python3 benchmarks/pipeline_gloo.py --out benchmarks/results/pipeline_gloo.json   # ~6 min on 2 quiet cores
     python3 benchmarks/pipeline_gloo.py --quick                                        # a smoke run, ~1 min
+
+Where a rank's idle time goes (waits, transfers, host time, against ``simulate``):
+``benchmarks/pipeline_idle.py`` on the same configuration (docs/pipeline.md).
 """
 from __future__ import annotations
 

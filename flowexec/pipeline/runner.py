@@ -131,12 +131,15 @@ class EagerRunner:
         if not roots or not self.parameters:
             return
         got = torch.autograd.grad(roots, self.parameters, grads, allow_unused=True)
+        # A weight gradient may be an output gradient itself (``x + w``: dL/dw is dL/dy), and
+        # the trainer receives those into buffers it reuses every step: .grad gets its own copy.
+        seeds = {g.data_ptr() for g in grads if isinstance(g, torch.Tensor)}
         with torch.no_grad():
             for p, g in zip(self.parameters, got):
                 if g is None:
                     continue
                 if p.grad is None:
-                    p.grad = g
+                    p.grad = g.clone() if g.data_ptr() in seeds else g
                 else:
                     p.grad.add_(g)
 

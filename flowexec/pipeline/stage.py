@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -160,26 +161,35 @@ def wait(work: Any, what: str, rank: int, timeout: float) -> None:
 
 class SendThread:
     """Issues gloo sends off the compute thread, in the order they were handed over (the
-    channel order). ``dist.isend`` on gloo can block the caller for milliseconds: it takes the
-    connection's lock, which the process's gloo I/O thread holds while it reads an incoming
-    message, and on a loaded CPU that thread may wait for a core. Here only this thread waits;
-    the jobs go on. :meth:`drain` (the end of a step) returns the works issued so far.
+    channel order). ``dist.isend`` on gloo can block the caller for milliseconds: it writes the
+    message into the socket, which (the socket buffers being smaller than a message of a few
+    hundred KiB) waits for the receiving process's gloo I/O thread to drain it, and on a loaded
+    CPU that thread may wait for a core; it also takes the connection's lock, which the
+    process's own I/O thread holds while it reads an incoming message. Here only this thread
+    waits; the jobs go on. :meth:`drain` (the end of a step) returns the works issued so far.
+
+    ``record``: stamp each ``isend`` call (its start and end on ``perf_counter_ns``, with the
+    label handed over); :meth:`issued` returns and clears the stamps — the trainer turns them
+    into ``isend`` spans, which show how long a message waited for this thread and its call.
 
     >>> t = SendThread(rank=0, timeout=5.0)
-    >>> t.drain()
-    []
+    >>> t.drain(), t.issued()
+    ([], [])
     >>> t.close()
     """
 
-    def __init__(self, rank: int, timeout: float) -> None:
+    def __init__(self, rank: int, timeout: float, record: bool = False) -> None:
         self.rank, self.timeout = rank, timeout
+        self.record = record
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._works: list[tuple[Any, torch.Tensor]] = []
+        self._stamps: list[tuple[Any, int, int]] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="flowexec-pipeline-send", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        clock = time.perf_counter_ns
         while True:
             item = self._q.get()
             if item is None:
@@ -187,15 +197,26 @@ class SendThread:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            t, dst, group, tag = item
+            t, dst, group, tag, label = item
             try:
-                self._works.append((dist.isend(t, dst, group=group, tag=tag), t))
+                if self.record:
+                    t0 = clock()
+                    self._works.append((dist.isend(t, dst, group=group, tag=tag), t))
+                    self._stamps.append((label, t0, clock()))
+                else:
+                    self._works.append((dist.isend(t, dst, group=group, tag=tag), t))
             except BaseException as e:  # raised on the compute thread at drain()
                 if self._error is None:
                     self._error = e
 
-    def send(self, t: torch.Tensor, dst: int, group: Any, tag: int) -> None:
-        self._q.put((t, dst, group, tag))
+    def send(self, t: torch.Tensor, dst: int, group: Any, tag: int, label: Any = None) -> None:
+        self._q.put((t, dst, group, tag, label))
+
+    def issued(self) -> list[tuple[Any, int, int]]:
+        """``(label, start_ns, end_ns)`` of every ``isend`` call recorded since the last call
+        (complete after :meth:`drain`)."""
+        out, self._stamps = self._stamps, []
+        return out
 
     def drain(self) -> list[tuple[Any, torch.Tensor]]:
         """Wait (at most ``timeout`` s) until every handed-over send is issued; its works."""

@@ -26,8 +26,8 @@ from typing import Any, Iterable
 from ..profiler.records import JOB_KINDS, Span
 
 _COLOURS = {"F": "thread_state_running", "B": "rail_response", "I": "rail_response", "W": "rail_animation",
-            "OPT": "rail_idle", "wait": "thread_state_iowait", "send": "generic_work"}
-_LANES = {"wait": 2, "send": 3}
+            "OPT": "rail_idle", "wait": "thread_state_iowait", "send": "generic_work", "isend": "good"}
+_LANES = {"wait": 2, "send": 3, "isend": 4}
 
 
 def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
@@ -40,12 +40,13 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "jobs"}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 2, "args": {"name": "waiting to receive"}})
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 3, "args": {"name": "sends issued"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 3, "args": {"name": "sends handed over"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 4, "args": {"name": "send thread: isend calls"}})
     for s in sorted(spans, key=lambda s: (s.rank, s.start_ns)):
         ts = (s.start_ns + s.offset_ns - t0) / 1e3
         if s.kind == "step":
             events.append({"ph": "i", "s": "p", "name": f"step {s.step}", "pid": s.rank + 1, "tid": 1, "ts": ts})
-        elif s.kind in JOB_KINDS or s.kind in ("wait", "send"):
+        elif s.kind in JOB_KINDS or s.kind in _LANES:
             events.append({"ph": "X", "name": _label(s), "cat": s.kind,
                            "pid": s.rank + 1, "tid": _LANES.get(s.kind, 1), "cname": _COLOURS[s.kind],
                            "ts": ts, "dur": s.duration_ns / 1e3, "args": {"step": s.step}})
@@ -53,7 +54,7 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
 
 
 def _label(s: Span) -> str:
-    if s.kind in ("wait", "send"):
+    if s.kind in _LANES:
         return s.name or s.kind
     return f"{s.stage}{s.kind}{'' if s.micro is None else s.micro}"  # 1F3, 0OPT: the plan's text form
 

@@ -5,8 +5,9 @@ Every rank builds the same list of stage modules and the same trainer; each keep
 plan puts on it. The first step agrees on shapes (each stage's output spec travels once to the
 next stage's rank), builds a runner per local stage (:func:`~.runner.make_runner`) and lowers
 this rank's jobs into a list of instructions with their message sources and destinations; every
-later step only runs that list: post every receive of the step in channel order, run the jobs
-(F, B, I, W, OPT), wait for the sends.
+later step only runs that list: post every receive of the step in channel order (on gloo into
+buffers kept for the run, just before the first job that takes one), run the jobs (F, B, I, W,
+OPT), wait for the sends.
 
 Run it under ``torchrun`` (or :func:`~.launch.spawn` for a quick local try)::
 
@@ -284,6 +285,13 @@ class PipelineTrainer:
                 order.append(per_channel[ch][k])
             posted[ch] = max(posted.get(ch, 0), m_.pos + 1)
         self._recv_order = [(m_, self._spec_of(m_)) for m_ in order]
+        # On the CPU every message has one receive buffer for the whole run: a fresh 256 KiB
+        # buffer a step costs page faults in gloo's I/O thread while the message arrives, on
+        # the path of every transfer. A step's jobs are done with its buffers (W included) before
+        # the next step posts its receives. (On CUDA a buffer is read on the compute stream
+        # after the host moved on, so each step allocates on the comm stream.)
+        self._recv_bufs: dict[Message, list[torch.Tensor]] = {} if self._comm is not None else {
+            m_: [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec] for m_, spec in self._recv_order}
         # Per message, what the hot loop would otherwise rebuild every step: the spec a send
         # must match, the span names and the wait's error text.
         self._send_info = {m_: (self._sent_spec(m_), f"send {m_.kind} for stage {m_.stage}")
@@ -303,6 +311,23 @@ class PipelineTrainer:
         # gloo: sends are issued by a thread of their own, so that no job waits on one
         self._sender = None if self.nccl or not self._send_info else SendThread(self.rank, self.timeout)
         self._program = program
+        # gloo: the step's receives are posted just before the first job that takes one, so
+        # that the jobs ahead of it start at once (stage 0's first forwards, which the next rank
+        # waits for at every step's start). A message a peer sends before that posting waits
+        # for it (gloo pairs a send with its receive once both are there); nothing else changes.
+        # NCCL: all at the start of the step, on the comm stream, as before.
+        first = next((i for i, ins in enumerate(program) if isinstance(ins.src, Message)), len(program))
+        self._post_at = 0 if self.nccl else first
+
+    def _issue_spans(self, timer: Any, stamps: list[tuple[Message, int, int]]) -> list[Any]:
+        """The send thread's ``isend`` calls of this step as spans (kind ``isend``, stream
+        ``send thread``): from the hand-off (the ``send`` span) to the call's start a message
+        waited for the thread; the call itself may wait for the peer to drain the socket."""
+        from ..profiler.records import Span
+
+        host, pid, off = getattr(timer, "host", ""), getattr(timer, "pid", os.getpid()), getattr(timer, "offset_ns", 0)
+        return [Span(self.rank, host, pid, self.step_count, m.stage, "isend", m.micro, "send thread", a, b, "host", off,
+                     None, m.dst, m.pos, f"isend {m.kind} for stage {m.stage}") for m, a, b in stamps]
 
     def _sent_spec(self, m: Message) -> Spec:
         return self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])
@@ -370,20 +395,17 @@ class PipelineTrainer:
         t_step = timer.begin(step=k, stage=None, kind="step", micro=None)
         for reset in self._resets:
             reset()
-        comm = self._comm
-        recvs: dict[tuple[str, int, int], tuple[list[torch.Tensor], list[Any]]] = {}
-        with torch.cuda.stream(comm) if comm is not None else _nullcontext():
-            for m, spec in self._recv_order:
-                bufs = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
-                tok = timer.begin(step=k, stage=m.stage, kind="recv", micro=m.micro, stream="comm", peer=m.src,
-                                  tag=m.pos)  # ended in _take, once the data is there
-                works = [dist.irecv(b, m.src, group=self._group(m.src, m.dst), tag=m.pos * 8 + i)
-                         for i, b in enumerate(bufs)]
-                recvs[m.kind, m.stage, m.micro] = (bufs, works, tok)
+        sender = self._sender
+        if sender is not None:
+            sender.record = bool(getattr(timer, "enabled", False))  # stamp the isend calls of the steps that are recorded
+        recvs: dict[tuple[str, int, int], tuple[list[torch.Tensor], list[Any], Any]] = {}
+        post_at = self._post_at
         local: dict[tuple[str, int, int], tuple[Any, ...]] = {}
         sends: list[tuple[Any, Any]] = []
         losses: list[torch.Tensor] = []
-        for ins in self._program:  # type: ignore[union-attr]
+        for pos, ins in enumerate(self._program):  # type: ignore[arg-type]
+            if pos == post_at:
+                self._post(recvs)
             j = ins.job
             s, m = j.stage, j.micro
             runner = self.runners[s]
@@ -426,13 +448,27 @@ class PipelineTrainer:
                     tok = timer.begin(step=k, stage=s, kind="OPT", micro=None)
                     opt.step()
                     timer.end(tok)
-        if self._sender is not None:
-            sends += self._sender.drain()
+        if sender is not None:
+            sends += sender.drain()
         for w, _ in sends:
             self._wait(w, "a send to finish")
         timer.end(t_step)
         self.spans = timer.flush()
+        if sender is not None and sender.record:
+            self.spans += self._issue_spans(timer, sender.issued())
         return torch.stack(losses).mean() if losses else None
+
+    def _post(self, recvs: dict[tuple[str, int, int], tuple[list[torch.Tensor], list[Any], Any]]) -> None:
+        """Post every receive of the step, in channel order."""
+        timer, k, comm = self.timer, self.step_count, self._comm
+        with torch.cuda.stream(comm) if comm is not None else _nullcontext():
+            for m, spec in self._recv_order:
+                bufs = self._recv_bufs.get(m) or [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
+                tok = timer.begin(step=k, stage=m.stage, kind="recv", micro=m.micro, stream="comm", peer=m.src,
+                                  tag=m.pos)  # ended in _take, once the data is there
+                works = [dist.irecv(b, m.src, group=self._group(m.src, m.dst), tag=m.pos * 8 + i)
+                         for i, b in enumerate(bufs)]
+                recvs[m.kind, m.stage, m.micro] = (bufs, works, tok)
 
     def _take(self, posted: tuple[list[torch.Tensor], list[Any], Any], m: Message) -> tuple[torch.Tensor, ...]:
         bufs, works, recv_tok = posted
@@ -475,7 +511,7 @@ class PipelineTrainer:
                     sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
         elif self._sender is not None:
             for i, t in enumerate(out):
-                self._sender.send(t.contiguous(), m.dst, g, m.pos * 8 + i)
+                self._sender.send(t.contiguous(), m.dst, g, m.pos * 8 + i, m)
         else:
             for i, t in enumerate(out):
                 t = t.contiguous()
