@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from host_meta import host_meta  # noqa: E402
+from pipeline_common import stage_job_costs  # noqa: E402
 from flowexec.pipeline import get_schedule, simulate, spawn  # noqa: E402
 from flowexec.pipeline.demo import Config, stages_per_rank, train_worker  # noqa: E402
 from flowexec.pipeline.schedules import with_optimizer  # noqa: E402
@@ -159,16 +160,8 @@ def main() -> None:
         steps = [next(s for s in sp if s.kind == "step") for sp in by_rank[k][args.skip:]]
         gaps[k] = statistics.median((b.start_ns - a.end_ns) / 1e6 for a, b in zip(steps, steps[1:]))
     # every stage's median job costs, the optimizer's, and the transfers that waited
-    costs: dict[int, dict[str, list[float]]] = {}
-    opt: list[float] = []
-    for sp_steps in by_rank:
-        for sp in sp_steps[args.skip:]:
-            for s in sp:
-                if s.kind in ("F", "B", "I", "W"):
-                    costs.setdefault(s.stage, {}).setdefault(s.kind, []).append(s.duration_ns / 1e6)
-                elif s.kind == "OPT":
-                    opt.append(s.duration_ns / 1e6)
-    stage_costs = {st: {k: statistics.median(v) for k, v in ks.items()} for st, ks in costs.items()}
+    stage_costs = {st: c for k in range(args.ranks) for st, c in stage_job_costs(by_rank[k], args.skip).items()}
+    opt = [s.duration_ns / 1e6 for sp_steps in by_rank for sp in sp_steps[args.skip:] for s in sp if s.kind == "OPT"]
     opt_ms = statistics.median(opt) if opt else 0.0
     tr = transfers(by_rank, args.skip)
     lat = statistics.median(t["transfer_ms"] for t in tr) if tr else 0.0

@@ -240,8 +240,6 @@ class Executable:
         replay over the last call's memory once the outputs still held are moved out. Read in
         place (static): what graph mode borrows (arguments fn writes, parameters, ``borrow``)."""
         from .passes.streams import cuda_devices
-        from .runtime.graph_trees import SharedPoolGraph, executable_metadata
-
         from .runtime import graph_trees
 
         prog = plan.program
@@ -264,10 +262,10 @@ class Executable:
                 borrow[tensor_pos.index(i)] = True
         static = [k for k, b in enumerate(borrow) if b]
         bound = {i for _, i in cap.grad_bindings} | set(fetch)  # rebound after each call, as in private graphs
-        graph = SharedPoolGraph(run, targs, static, mutated,
-                                device.index if device.index is not None else torch.cuda.current_device(),
-                                "inference", new_generation=True, unprotected=bound,
-                                **executable_metadata(len(targs), len(prog.outputs)))
+        index_ = device.index if device.index is not None else torch.cuda.current_device()
+        graph = graph_trees.SharedPoolGraph(run, targs, static, mutated, index_, "inference", new_generation=True,
+                                            unprotected=bound,
+                                            **graph_trees.executable_metadata(len(targs), len(prog.outputs)))
         return lambda t: graph(list(t))  # the trees empty the list they are given
 
     def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], plan: ExecutionPlan) -> bool:
@@ -724,17 +722,17 @@ def compile(fn: Callable[..., Any] | None = None, *example_args: Any, mode: str 
     """
     if mode not in MODES:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
-    check_gc(gc, mode, check_streams(options.get("streams", 1)))
+    streams = check_streams(options.get("streams", 1))
+    check_gc(gc, mode, streams)
     unknown = sorted(set(options) - set(OPTIONS))
-    if not unknown:
-        from .runtime.graph_trees import check_pool
-
-        check_pool(options.get("pool", "private"), mode, check_streams(options.get("streams", 1)), options)
     if unknown:
         valid = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
         raise OptionError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options — {valid}. "
                           "(fn's own keyword arguments go to the call, exe(x, name=value), or to "
                           "compile(..., example_kwargs={...}))")
+    from .runtime.graph_trees import check_pool
+
+    check_pool(options.get("pool", "private"), mode, streams, options)
     if fn is None:  # @flowexec.compile(mode=..., ...)
         if example_args or example_kwargs:
             raise OptionError("compile(None, ...): example arguments need the function to capture")

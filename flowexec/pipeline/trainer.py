@@ -294,12 +294,18 @@ class PipelineTrainer:
             m_: [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec] for m_, spec in self._recv_order}
         # Per message, what the hot loop would otherwise rebuild every step: the spec a send
         # must match, the span names and the wait's error text.
-        self._send_info = {m_: (self._sent_spec(m_), f"send {m_.kind} for stage {m_.stage}")
+        self._send_info = {m_: (self._sent_spec(m_), f"send {m_.kind} for stage {m_.stage}",
+                                f"isend {m_.kind} for stage {m_.stage}")
                            for m_ in msgs if m_.src == self.rank}
         self._recv_info = {m_: (f"recv {m_.kind} for stage {m_.stage}",
                                 f"the {'input' if m_.kind == 'act' else 'output gradient'} of stage {m_.stage} "
                                 f"micro-batch {m_.micro} from rank {m_.src}")
                            for m_, _ in self._recv_order}
+        # What posting a step's receives needs, per message in channel order: its key among
+        # the step's receives, its group, its tags, and its kept buffers (None on CUDA).
+        self._recv_plan = [(m_, (m_.kind, m_.stage, m_.micro), self._group(m_.src, m_.dst),
+                            [m_.pos * 8 + i for i in range(len(spec))], self._recv_bufs.get(m_), spec)
+                           for m_, spec in self._recv_order]
         # A parameter two local stages share (tied weights) gets both stages' gradients: its
         # buffers are not written over, they start from None.
         seen: dict[int, int] = {}
@@ -326,8 +332,9 @@ class PipelineTrainer:
         from ..profiler.records import Span
 
         host, pid, off = getattr(timer, "host", ""), getattr(timer, "pid", os.getpid()), getattr(timer, "offset_ns", 0)
+        info = self._send_info
         return [Span(self.rank, host, pid, self.step_count, m.stage, "isend", m.micro, "send thread", a, b, "host", off,
-                     None, m.dst, m.pos, f"isend {m.kind} for stage {m.stage}") for m, a, b in stamps]
+                     None, m.dst, m.pos, info[m][2]) for m, a, b in stamps]
 
     def _sent_spec(self, m: Message) -> Spec:
         return self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])
@@ -462,13 +469,12 @@ class PipelineTrainer:
         """Post every receive of the step, in channel order."""
         timer, k, comm = self.timer, self.step_count, self._comm
         with torch.cuda.stream(comm) if comm is not None else _nullcontext():
-            for m, spec in self._recv_order:
-                bufs = self._recv_bufs.get(m) or [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
+            for m, key, group, tags, kept, spec in self._recv_plan:
+                bufs = kept or [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
                 tok = timer.begin(step=k, stage=m.stage, kind="recv", micro=m.micro, stream="comm", peer=m.src,
                                   tag=m.pos)  # ended in _take, once the data is there
-                works = [dist.irecv(b, m.src, group=self._group(m.src, m.dst), tag=m.pos * 8 + i)
-                         for i, b in enumerate(bufs)]
-                recvs[m.kind, m.stage, m.micro] = (bufs, works, tok)
+                works = [dist.irecv(b, m.src, group=group, tag=tag) for b, tag in zip(bufs, tags)]
+                recvs[key] = (bufs, works, tok)
 
     def _take(self, posted: tuple[list[torch.Tensor], list[Any], Any], m: Message) -> tuple[torch.Tensor, ...]:
         bufs, works, recv_tok = posted
@@ -486,7 +492,7 @@ class PipelineTrainer:
         return tuple(bufs)
 
     def _send(self, out: tuple[torch.Tensor, ...], m: Message, sends: list[tuple[Any, Any]]) -> None:
-        spec, name = self._send_info[m]
+        spec, name, _ = self._send_info[m]
         if len(out) != len(spec) or any(tuple(t.shape) != sh or t.dtype != dt for t, (sh, dt) in zip(out, spec)):
             raise ValueError(f"stage {m.stage - 1 if m.kind == 'act' else m.stage + 1} produced {_fmt(spec_of(out, 'output'))} "
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
