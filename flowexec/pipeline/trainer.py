@@ -329,12 +329,9 @@ class PipelineTrainer:
         """The send thread's ``isend`` calls of this step as spans (kind ``isend``, stream
         ``send thread``): from the hand-off (the ``send`` span) to the call's start a message
         waited for the thread; the call itself may wait for the peer to drain the socket."""
-        from ..profiler.records import Span
-
-        host, pid, off = getattr(timer, "host", ""), getattr(timer, "pid", os.getpid()), getattr(timer, "offset_ns", 0)
         info = self._send_info
-        return [Span(self.rank, host, pid, self.step_count, m.stage, "isend", m.micro, "send thread", a, b, "host", off,
-                     None, m.dst, m.pos, info[m][2]) for m, a, b in stamps]
+        return [timer.host_span(step=self.step_count, stage=m.stage, kind="isend", micro=m.micro, stream="send thread",
+                                start_ns=a, end_ns=b, peer=m.dst, tag=m.pos, name=info[m][2]) for m, a, b in stamps]
 
     def _sent_spec(self, m: Message) -> Spec:
         return self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])

@@ -337,6 +337,13 @@ class JobTimer:
         self._open.append(tok)
         return tok
 
+    def host_span(self, *, step: int, stage: int | None, kind: str, micro: int | None, stream: str, start_ns: int,
+                  end_ns: int, peer: int | None = None, tag: int | None = None, name: str | None = None) -> Span:
+        """A span this rank timed on the host clock elsewhere (another thread's call, say),
+        stamped like the timer's own."""
+        return Span(self.rank, self.host, self.pid, step, stage, kind, micro, stream, start_ns, end_ns, "host",
+                    self.offset_ns, None, peer, tag, name)
+
     def end(self, token: list[Any]) -> None:
         """Stop the span ``token`` (on CUDA: an event on the current stream)."""
         token[10] = self._record() if self._cuda else time.perf_counter_ns()
