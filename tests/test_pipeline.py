@@ -2,6 +2,8 @@
 checks, and the eager stage runner against autograd (one process, no group)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,8 +100,18 @@ def test_interleaved_bubble_divides_by_v(p, m, v):
     sim = simulate(interleaved_1f1b(p, m, p * v), costs=(1 / v, 1 / v, 1 / v))
     assert sim.bubble == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
     assert max(sim.idle.values()) == pytest.approx(simulate(one_f_one_b(p, m)).idle[0] / v)
-    with pytest.raises(ValueError, match="multiple of 2"):
+    with pytest.raises(ValueError, match="9 micro-batches on 4 ranks do not split into 2 rounds; 8 or 10 do"):
         interleaved_1f1b(4, 9, 8)
+
+
+@pytest.mark.parametrize("p, m", [(2, 7), (2, 9), (3, 7), (4, 9), (4, 13)])
+def test_interleaved_names_micro_batch_counts_that_fit(p, m):
+    with pytest.raises(ValueError) as err:
+        interleaved_1f1b(p, m)
+    lo, hi = (int(k) for k in re.search(r"; (\d+) or (\d+) do", str(err.value)).groups())
+    assert lo < m < hi
+    for k in (lo, hi):  # the advice can be followed
+        check(interleaved_1f1b(p, k))
 
 
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16), (3, 6)])

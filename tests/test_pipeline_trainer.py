@@ -110,6 +110,60 @@ class _TakesTwo(torch.nn.Module):
         return self.c(torch.cat([u, v], 1)) + idx[:, None].to(u.dtype) * 0.01
 
 
+class _LowPrecisionOut(torch.nn.Module):
+    """Sends its activation to the next stage as bfloat16, float16 and float8 at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return h.to(torch.bfloat16), h.to(torch.float16), h.to(torch.float8_e4m3fn)
+
+
+class _LowPrecisionIn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = torch.nn.Linear(4, 4)
+
+    def forward(self, b, h, f):
+        return self.c(b.float() + h.float() + f.float())
+
+
+def _low_precision(rank: int, world: int) -> dict:
+    out = {}
+    for compile in (False, True):
+        torch.manual_seed(0)
+        first, second = _LowPrecisionOut(), _LowPrecisionIn()
+        t = PipelineTrainer([first, second], schedule="1F1B", microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), timeout=60)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+        for _ in range(2):
+            t.step(x, y)
+        out[compile] = [p.detach().clone() for p in (first if rank == 0 else second).parameters()]
+    return out
+
+
+def test_float_dtypes_travel_between_stages_with_their_gradients():
+    res = spawn(_low_precision, 2, timeout=120)
+    torch.manual_seed(0)
+    first, second = _LowPrecisionOut(), _LowPrecisionIn()
+    opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    for _ in range(2):
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):  # per micro-batch: the low-precision casts round per element
+            (F.mse_loss(second(*first(xm)), ym) / 2).backward()
+        opt.step()
+    for compile in (False, True):
+        got = res[0][compile] + res[1][compile]
+        for a, b in zip(got, [*first.parameters(), *second.parameters()], strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"compile={compile}: {m}")
+
+
 def test_bad_set_ups_fail_at_construction_and_tuples_travel():
     res = spawn(_bad_set_ups, 2, timeout=60)
     err = res[0]["errors"]
@@ -162,6 +216,40 @@ def test_a_failing_rank_ends_every_rank_with_its_error():
     assert res[0].startswith("PipelineError: rank 0 stopped waiting for the output gradient of stage 0")
     assert res[0].endswith("rank 1 failed: ValueError: bad target on rank 1")
     assert time.monotonic() - t0 < 60  # not the 60 s timeout: the failure ends the wait
+
+
+class _FailsAtCall(torch.nn.Linear):
+    """A Linear whose forward raises at its ``n``-th call (on the rank that holds it)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(4, 4)
+        self.n, self.calls = n, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.n:
+            raise ValueError("bad input on rank 0")
+        return super().forward(x)
+
+
+def _fails_on_rank_0(rank: int, world: int) -> str:
+    t = PipelineTrainer([_FailsAtCall(7), torch.nn.Linear(4, 4)], schedule="1F1B", microbatches=4,
+                        loss_fn=F.mse_loss, compile=False, timeout=60)
+    try:
+        for _ in range(3):
+            t.step(torch.randn(8, 4), torch.randn(8, 4))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_failing_rank_0_is_named_on_the_others():
+    # Rank 0 used to host the group's store, which went with it: the others saw only a closed
+    # connection. spawn keeps the store in the parent (torchrun's agent does the same).
+    res = spawn(_fails_on_rank_0, 2, timeout=60)
+    assert res[0] == "ValueError: bad input on rank 0"
+    assert res[1].startswith("PipelineError: rank 1 stopped waiting for the input of stage 1"), res[1]
+    assert res[1].endswith("rank 0 failed: ValueError: bad input on rank 0"), res[1]
 
 
 TORCHRUN_SCRIPT = """
@@ -281,3 +369,45 @@ def test_weight_tied_between_two_stages_of_a_rank_gets_both_gradients():
     for got in (res[0][0], res[0][2]):  # no optimizer: the second step's .grad is one step's gradient
         torch.testing.assert_close(got[0], tied.weight.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[1], tied.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+def _tied_model() -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    tied = torch.nn.Linear(8, 8)
+    return [torch.nn.Sequential(tied, torch.nn.Tanh()), torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()),
+            torch.nn.Sequential(tied, torch.nn.Tanh()), torch.nn.Linear(8, 8)]
+
+
+def _tied_trained(rank: int, world: int) -> dict:
+    out = {}
+    for schedule in ("Interleaved1F1B", "ZBV"):  # the tied stages 0 and 2: on rank 0 / on ranks 0 and 1
+        for compile in (False, True):
+            stages = _tied_model()
+            trainer = PipelineTrainer(stages, schedule=schedule, microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01), timeout=60)
+            g = torch.Generator().manual_seed(1)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+            for _ in range(3):
+                trainer.step(x, y)
+            out[schedule, compile] = {s: [p.detach().clone() for p in trainer.modules[s].parameters()]
+                                      for s in trainer.local}
+    return out
+
+
+def test_a_tied_weight_is_stepped_once_with_its_whole_gradient_on_one_rank_or_across_ranks():
+    res = spawn(_tied_trained, 2, timeout=120)
+    stages = _tied_model()
+    model = torch.nn.Sequential(*stages)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)  # the tied weight once: one state, one step
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    for _ in range(3):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    for key in res[0]:
+        got = {s: ps for r in range(2) for s, ps in res[r][key].items()}
+        assert sorted(got) == [0, 1, 2, 3], key
+        for s, ps in got.items():
+            for a, b in zip(ps, stages[s].parameters(), strict=True):
+                torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} stage {s}: {m}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -23,17 +22,13 @@ class PipelineError(RuntimeError):
     """A rank failed or the run timed out; the message names the rank and its error."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, backend: str, timeout: float,
             args: tuple, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world,
+        # The store is the parent's (see spawn): a rank's posted failure outlives the rank.
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         out = io.BytesIO()  # tensors as bytes: a tensor shared through the queue dies with this process
         torch.save(fn(rank, world, *args), out)
@@ -58,7 +53,12 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = _free_port()
+    # The group's store lives here, not in rank 0 (as it would with MASTER_PORT alone): a rank
+    # that fails posts its error there (stage.post_failure) and exits, and the others read it
+    # when their waits break — rank 0's error too, whose store would have gone with it.
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, fn, world, port, backend, timeout, args, results), daemon=True)
              for r in range(world)]
     for p in procs:

@@ -196,8 +196,12 @@ def _interleaved(p: int, m: int, v: int, zero_bubble: bool) -> dict[int, tuple[J
     rounds = max(1, m // p)
     per_round = m // rounds
     if m % rounds:
-        raise ValueError(f"interleaved schedules need n_micro to be a multiple of {rounds} "
-                         f"(max(1, n_micro // n_ranks)), got {m}")
+        # The rule depends on m itself (m // p rounds of equal size), so name counts that fit.
+        fits = [k for k in range(max(1, m - 2 * p), m + 2 * p + 1) if k % max(1, k // p) == 0]
+        lo, hi = max(k for k in fits if k < m), min(k for k in fits if k > m)
+        raise ValueError(f"interleaved schedules run n_micro // n_ranks rounds of equal size: {m} micro-batches "
+                         f"on {p} ranks do not split into {rounds} rounds; {lo} or {hi} do (any multiple of "
+                         f"{p} does)")
     out = {}
     for r in range(p):
         # The last rank runs (v-1) rounds of forwards ahead; each rank before it 2 more (1 for ZB).

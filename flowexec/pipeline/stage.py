@@ -29,8 +29,12 @@ import torch.distributed as dist
 from .launch import PipelineError
 from .schedules import Job
 
+# The dtypes a stage may send; a dtype's position is its code in the shape header, so new ones
+# go at the end. float8 travels as its bytes (NCCL's send takes only the types it reduces).
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                if hasattr(torch, n))
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
-          torch.uint8, torch.int8, torch.int16)
+          torch.uint8, torch.int8, torch.int16, *_FLOAT8)
 _MAX_TENSORS, _MAX_DIMS = 8, 8
 _HEADER = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)
 _FAIL_KEY = "flowexec/pipeline/failure"
@@ -65,6 +69,16 @@ def spec_of(tensors: Sequence[torch.Tensor], what: str) -> Spec:
                              f"{', '.join(map(str, DTYPES))} with at most {_MAX_DIMS} dims")
         out.append((tuple(t.shape), t.dtype))
     return tuple(out)
+
+
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """What a transfer sends or receives into for ``t``: ``t`` itself, or a byte view of it for
+    the float8 dtypes (the same memory, so a receive into the view fills ``t``).
+
+    >>> wire(torch.zeros(2, dtype=torch.float8_e4m3fn)).dtype
+    torch.uint8
+    """
+    return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
 
 
 def encode_spec(spec: Spec) -> torch.Tensor:

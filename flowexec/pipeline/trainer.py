@@ -36,7 +36,8 @@ from .launch import PipelineError
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
 from .stage import (Message, SendThread, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure,
-                    spec_of, wait)
+                    spec_of, wait, wire)
+from .tied import cross_rank_ties, find_ties, optimizer_groups, parameter_at, unique_parameters
 
 NO_GROUP = ("PipelineTrainer needs a torch.distributed process group: start the script with "
             "`torchrun --nproc-per-node N script.py` (across machines: `torchrun --nnodes M --nproc-per-node N "
@@ -96,7 +97,9 @@ class PipelineTrainer:
     which stages each rank holds (ZBV: two in a V; Interleaved1F1B: ``r, r+p, ...``).
     ``loss_fn(output, target)``: a mean over the micro-batch; gradients are those of the mean over
     the batch. ``optimizer(params)`` builds one optimizer per local stage, stepped by the stage's
-    ``OPT`` job (None: gradients are left in ``.grad``). ``compile``: False for eager stages, True
+    ``OPT`` job (None: gradients are left in ``.grad``); local stages that share a weight get one
+    optimizer between them, and a weight shared with another rank's stage has its gradient
+    summed over those ranks before it is stepped (:mod:`.tied`). ``compile``: False for eager stages, True
     (or a mode string) for flowexec programs. ``device``: where the local stages run (default
     ``cuda:LOCAL_RANK`` on an NCCL group, else the CPU). ``timer``: a
     :class:`~flowexec.profiler.timers.JobTimer` to record every job and receive wait; the spans that
@@ -139,10 +142,7 @@ class PipelineTrainer:
         self.nccl = "nccl" in self.backend and self.device.type == "cuda"  # transfers go through NCCL
         self.modules = {s: stages[s].to(self.device) for s in self.local}
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
-        self.optimizers = {}
-        for s in self.local:
-            params = [p for p in self.modules[s].parameters() if p.requires_grad]
-            self.optimizers[s] = optimizer(params) if optimizer is not None and params else None
+        self._tie_setup(stages, optimizer)
         self.timer = timer if timer is not None else NULL_TIMER
         self.spans: list[Any] = []
         self.runners: dict[int, StageRunner] = {}
@@ -205,6 +205,45 @@ class PipelineTrainer:
             raise ValueError(f"{name} leaves rank {next(r for r, js in plan.items() if not js)} without jobs")
         simulate(plan)  # a plan that deadlocks fails here, on every rank, naming the stuck jobs
         return plan
+
+    def _tie_setup(self, stages: Sequence[torch.nn.Module], optimizer: Callable[..., Any] | None) -> None:
+        """Optimizers and tied weights (:mod:`.tied`): local stages that share a parameter get one
+        optimizer, stepped by the last of their ``OPT`` jobs on this rank; a parameter shared with
+        a stage of another rank has its gradient summed over those ranks at the end of the step
+        (a group per set of ranks, made on every rank in one order), and the optimizers holding
+        it step after that."""
+        ties = find_ties(stages)
+        cross = cross_rank_ties(ties, self.owner)
+        opt_at = {j.stage: i for i, j in enumerate(self.plan[self.rank]) if j.kind == "OPT"}
+        self.optimizers: dict[int, Any] = {s: None for s in self.local}
+        self._deferred: list[int] = []  # stages whose OPT waits for the tied gradients' sum
+        for group in optimizer_groups(self.local, ties):
+            params = unique_parameters([self.modules[s] for s in group])
+            at = max(group, key=lambda s: opt_at.get(s, -1))
+            if optimizer is not None and params:
+                self.optimizers[at] = optimizer(params)
+            if any(s in t.stages for t in cross for s in group):
+                self._deferred.append(at)
+        groups: dict[tuple[int, ...], Any] = {}
+        for t in cross:  # every rank, in the ties' order: new_group is collective
+            if t.ranks not in groups:
+                groups[t.ranks] = dist.new_group(list(t.ranks))
+        self._synced = [(parameter_at(stages, t), groups[t.ranks], f"the gradient of {t.name}, tied across ranks "
+                         f"{', '.join(map(str, t.ranks))}") for t in cross if self.rank in t.ranks]
+
+    def _sum_tied(self) -> None:
+        """Sum the gradients of weights tied across ranks (every rank in the ties' order, so the
+        collectives cannot cross), then step the optimizers that waited for them."""
+        for p, group, what in self._synced:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._wait(dist.all_reduce(p.grad, group=group, async_op=True), what)
+        for s in self._deferred:
+            opt = self.optimizers[s]
+            if opt is not None:
+                tok = self.timer.begin(step=self.step_count, stage=s, kind="OPT", micro=None)
+                opt.step()
+                self.timer.end(tok)
 
     def _group(self, src: int, dst: int) -> Any:
         return self._groups[0] if src < dst else self._groups[1]
@@ -448,7 +487,7 @@ class PipelineTrainer:
                 timer.end(tok)
             else:
                 opt = self.optimizers[s]
-                if opt is not None:
+                if opt is not None and s not in self._deferred:
                     tok = timer.begin(step=k, stage=s, kind="OPT", micro=None)
                     opt.step()
                     timer.end(tok)
@@ -456,6 +495,8 @@ class PipelineTrainer:
             sends += sender.drain()
         for w, _ in sends:
             self._wait(w, "a send to finish")
+        if self._synced or self._deferred:
+            self._sum_tied()
         timer.end(t_step)
         self.spans = timer.flush()
         if sender is not None and sender.record:
@@ -470,7 +511,7 @@ class PipelineTrainer:
                 bufs = kept or [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
                 tok = timer.begin(step=k, stage=m.stage, kind="recv", micro=m.micro, stream="comm", peer=m.src,
                                   tag=m.pos)  # ended in _take, once the data is there
-                works = [dist.irecv(b, m.src, group=group, tag=tag) for b, tag in zip(bufs, tags)]
+                works = [dist.irecv(wire(b), m.src, group=group, tag=tag) for b, tag in zip(bufs, tags)]
                 recvs[key] = (bufs, works, tok)
 
     def _take(self, posted: tuple[list[torch.Tensor], list[Any], Any], m: Message) -> tuple[torch.Tensor, ...]:
@@ -510,14 +551,14 @@ class PipelineTrainer:
             self._comm.wait_event(ev)  # the transfer starts once the job that wrote it has
             with torch.cuda.stream(self._comm):
                 for i, t in enumerate(out):
-                    t = t.contiguous()
+                    t = wire(t.contiguous())
                     sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
         elif self._sender is not None:
             for i, t in enumerate(out):
-                self._sender.send(t.contiguous(), m.dst, g, m.pos * 8 + i, m)
+                self._sender.send(wire(t.contiguous()), m.dst, g, m.pos * 8 + i, m)
         else:
             for i, t in enumerate(out):
-                t = t.contiguous()
+                t = wire(t.contiguous())
                 sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
 
 
