@@ -6,10 +6,14 @@ trace mode, the I/W split pass, gradients accumulated in place); ``flowexec eage
 
 Schedules (flowexec vs torch): FThenB vs GPipe, 1F1B vs 1F1B, Interleaved1F1B vs
 Interleaved1F1B, ZBH1 vs InterleavedZeroBubble (one stage per rank), ZBV vs ZBVZeroBubble.
-Default sizes: 2 ranks, 4 blocks of Linear(1024) + tanh (one-stage-per-rank schedules: 2 blocks
-a stage; two-stage ones: 1), batch 512 in 8 micro-batches of 64 rows, MSE, one intra-op thread per
-rank: one block's forward is ~1.5 ms on a 2-core CPU, so jobs, not gloo messages, decide the
-figure. Per round and implementation: a fresh group of processes (both implementations: one
+Default sizes: 2 ranks; an input layer Linear(512, 1024) + tanh, 4 blocks of Linear(1024) + tanh,
+an output head Linear(1024, 512) (one-stage-per-rank schedules: 2 blocks a stage; two-stage ones:
+1; the input layer on the first stage, the head on the last: ``split``'s ``balance``), batch 512 in
+8 micro-batches of 64 rows, MSE, one intra-op thread per rank: one block's forward is ~1.5 ms on a
+2-core CPU, so jobs, not gloo messages, decide the figure. The input layer and the head even out
+the stages: without them (``--in-width 0 --out-width 0``, the runs before 2026-12-02's second
+stop) stage 0 computes no input gradient for its first layer, its backward is 3 products against
+the last stage's 4, and 1F1B idles for that at any speed of the runtime. Per round and implementation: a fresh group of processes (both implementations: one
 process per rank, one intra-op thread, the same gloo group set-up), ``--steps`` steps, the
 median of the steps after the first ``--skip``, per rank; a run's time is its slowest rank's.
 The speedup is the median over rounds of torch's time over flowexec's in that round (the two
@@ -64,6 +68,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skip", type=int, default=3, help="steps left out of every median (set-up, heap growth)")
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--in-width", type=int, default=512,
+                    help="the input layer's features (0: none); with --out-width it evens out the stages' costs")
+    ap.add_argument("--out-width", type=int, default=512, help="the output head's features (0: none)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
@@ -73,11 +80,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps, args.skip, args.width, args.batch = 1, 4, 2, 256, 64
+        args.in_width, args.out_width = 192, 128
     SKIP = args.skip
     if not 0 <= SKIP < args.steps:
         raise SystemExit(f"--skip {SKIP} must leave some of the {args.steps} steps")
     scheds = [s.strip().lower() for s in args.schedules.split(",")]
-    base = Config(width=args.width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
+    base = Config(width=args.width, in_width=args.in_width, out_width=args.out_width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
                   threads=1, lr=0.01)
     eager = not args.no_eager
     names = ("flowexec", "flowexec eager", "torch") if eager else ("flowexec", "torch")

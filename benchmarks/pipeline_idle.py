@@ -141,6 +141,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--in-width", type=int, default=512,
+                    help="the input layer's features (0: none); with --out-width it evens out the stages' costs")
+    ap.add_argument("--out-width", type=int, default=512, help="the output head's features (0: none)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
@@ -149,7 +152,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="a JSON file for the figures")
     ap.add_argument("--trace", default="", help="a Perfetto trace of the steps analysed")
     args = ap.parse_args()
-    cfg = Config(width=args.width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
+    cfg = Config(width=args.width, in_width=args.in_width, out_width=args.out_width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
                  threads=1, lr=0.01, schedule=args.schedule, compile=not args.eager)
     res = spawn(train_worker, args.ranks, asdict(cfg), timeout=300)
     by_rank = [r["spans"] for r in res]

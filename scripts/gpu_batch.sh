@@ -38,6 +38,8 @@ for step in "$@"; do
     probe)     run_step $step 120 python3 benchmarks/timer_probe.py --out "$R" ;;
     proftests) run_step $step 90 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_profiler_gpu.py ;;
     profiler)  run_step $step 300 python3 benchmarks/profiler_overhead.py --out "$R/profiler_overhead_gpu.json" ;;
+    pipeline-cpu) CUDA_VISIBLE_DEVICES= run_step $step 560 python3 benchmarks/pipeline_gloo.py --rounds 4 \
+                 --out "$R/pipeline_gloo_h200host.json" ;;  # the gloo benchmark on the lent host's 16 cores
     *) echo "unknown step $step" ;;
   esac
 done

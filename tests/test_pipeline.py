@@ -242,6 +242,11 @@ def test_split_and_split_batch():
         split(seq, 6)
     with pytest.raises(TypeError, match="nn.Sequential"):
         split(torch.nn.Linear(2, 2), 2)
+    parts = split(seq, 3, balance=[1, 3, 1])
+    assert [len(p) for p in parts] == [1, 3, 1] and parts[1][0] is seq[1] and parts[2][0] is seq[4]
+    for bad in ([2, 2], [2, 2, 2], [0, 4, 1], [1.5, 2.5, 1]):
+        with pytest.raises(ValueError, match=r"balance=.* each of the 3 stages at least one layer and add up to"):
+            split(seq, 3, balance=bad)
     with pytest.raises(ValueError, match="a batch of 5 does not split into 2"):
         split_batch(torch.ones(5, 2), 2)
     a, b = split_batch((torch.zeros(4, 1), torch.ones(4, 3)), 2)

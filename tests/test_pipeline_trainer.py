@@ -64,6 +64,28 @@ def test_every_schedule_trains_as_one_process(world, compile):
     assert {"F", "I", "W", "OPT", "step", "wait"} <= kinds and all(s.end_ns >= s.start_ns for s in spans)
 
 
+def _with_input_layer_and_head(rank: int, world: int, cfg_dict: dict) -> dict:
+    return {name: train_worker(rank, world, asdict(Config(**{**cfg_dict, "schedule": name})))
+            for name in ("1F1B", "Interleaved1F1B", "ZBV")}
+
+
+def test_an_input_layer_and_a_head_go_to_the_first_and_last_stages_and_train_as_one_process():
+    # The benchmark's model: stage 0 also holds the input layer, the last stage the head
+    # (split's balance), so that the stages cost the same.
+    cfg = Config(width=16, blocks=4, in_width=12, out_width=8, batch=16, n_micro=4, steps=3, lr=0.1, threads=1,
+                 compile=True)
+    assert [len(s) for s in stage_modules(cfg, 2)] == [3, 3]
+    assert [len(s) for s in stage_modules(Config(**{**asdict(cfg), "schedule": "zbv"}), 2)] == [2, 1, 1, 2]
+    res = spawn(_with_input_layer_and_head, 2, asdict(cfg), timeout=120)
+    _, want = eager_reference(cfg)
+    for name in ("1F1B", "Interleaved1F1B", "ZBV"):
+        got = {s: ps for r in range(2) for s, ps in res[r][name]["params"].items()}
+        flat = [p for s in sorted(got) for p in got[s]]
+        assert len(flat) == len(want), name
+        for a, b in zip(flat, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def _bad_set_ups(rank: int, world: int) -> dict:
     errors = {}
     mods = [torch.nn.Linear(4, 4) for _ in range(4)]

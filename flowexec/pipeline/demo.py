@@ -31,6 +31,8 @@ class Config:
     compile: bool = False  # stages as flowexec programs (CompiledRunner) instead of eager autograd
     profile: bool = True  # record job spans (JobTimer)
     device: str = ""  # "" : the trainer's default (cuda:LOCAL_RANK on NCCL, else the CPU)
+    in_width: int = 0  # > 0: an input layer Linear(in_width, width) + tanh before the blocks, on the first stage
+    out_width: int = 0  # > 0: an output head Linear(width, out_width) after the blocks, on the last stage
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -39,22 +41,38 @@ def stages_per_rank(schedule: str) -> int:
 
 
 def blocks(cfg: Config) -> torch.nn.Sequential:
-    """The whole model, the same in every process (seeded)."""
+    """The whole model, the same in every process (seeded): the input layer (if ``in_width``),
+    ``blocks`` blocks of ``Linear(width) + tanh``, the output head (if ``out_width``)."""
     torch.manual_seed(cfg.seed)
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(cfg.width, cfg.width), torch.nn.Tanh())
-                                 for _ in range(cfg.blocks)])
+    w = cfg.width
+    layers = [torch.nn.Sequential(torch.nn.Linear(cfg.in_width, w), torch.nn.Tanh())] if cfg.in_width else []
+    layers += [torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Tanh()) for _ in range(cfg.blocks)]
+    layers += [torch.nn.Linear(w, cfg.out_width)] if cfg.out_width else []
+    return torch.nn.Sequential(*layers)
+
+
+def layers_per_stage(cfg: Config, n: int) -> list[int]:
+    """The blocks as evenly as they go over ``n`` stages, the input layer on the first, the head
+    on the last (``split``'s ``balance``)."""
+    if cfg.blocks < n:
+        raise ValueError(f"{cfg.blocks} blocks cannot fill {n} stages")
+    sizes = [cfg.blocks // n + (i < cfg.blocks % n) for i in range(n)]
+    sizes[0] += bool(cfg.in_width)
+    sizes[-1] += bool(cfg.out_width)
+    return sizes
 
 
 def stage_modules(cfg: Config, world: int) -> list[torch.nn.Module]:
     n = world * stages_per_rank(cfg.schedule)
     if cfg.blocks < n:
         raise ValueError(f"{cfg.blocks} blocks cannot fill {n} stages ({cfg.schedule} on {world} ranks)")
-    return split(blocks(cfg), n)
+    return split(blocks(cfg), n, balance=layers_per_stage(cfg, n))
 
 
 def data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(cfg.seed + 1)
-    return torch.randn(cfg.batch, cfg.width, generator=g), torch.randn(cfg.batch, cfg.width, generator=g)
+    return (torch.randn(cfg.batch, cfg.in_width or cfg.width, generator=g),
+            torch.randn(cfg.batch, cfg.out_width or cfg.width, generator=g))
 
 
 def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
@@ -134,4 +152,4 @@ def run_cli(schedule: str, ranks: int, micro: int, steps: int, out: str, compile
     print(f"job timeline: {out} (open in https://ui.perfetto.dev)")
 
 
-__all__ = ["Config", "asdict", "blocks", "data", "eager_reference", "stage_modules", "train_worker"]
+__all__ = ["Config", "asdict", "blocks", "data", "eager_reference", "layers_per_stage", "stage_modules", "train_worker"]

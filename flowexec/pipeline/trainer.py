@@ -46,19 +46,30 @@ NO_GROUP = ("PipelineTrainer needs a torch.distributed process group: start the 
             "flowexec.pipeline.spawn(fn, world)")
 
 
-def split(seq: torch.nn.Sequential, n: int) -> list[torch.nn.Module]:
-    """Cut a sequential model into ``n`` contiguous stages of as even a number of layers as the
-    count allows (the modules are shared with ``seq``, not copied).
+def split(seq: torch.nn.Sequential, n: int, balance: Sequence[int] | None = None) -> list[torch.nn.Module]:
+    """Cut a sequential model into ``n`` contiguous stages (the modules are shared with ``seq``,
+    not copied): of as even a number of layers as the count allows, or of ``balance[i]`` layers
+    for stage ``i`` (torchgpipe's and Megatron's knob for stages of unequal cost, such as a first
+    stage with an input layer or a last one with the output head).
 
     >>> [len(s) for s in split(torch.nn.Sequential(*[torch.nn.ReLU()] * 5), 2)]
     [3, 2]
+    >>> [len(s) for s in split(torch.nn.Sequential(*[torch.nn.ReLU()] * 6), 4, balance=[2, 1, 1, 2])]
+    [2, 1, 1, 2]
     """
     if not isinstance(seq, torch.nn.Sequential):
         raise TypeError(f"split cuts an nn.Sequential, got {type(seq).__name__}")
     layers = list(seq)
     if not isinstance(n, int) or not 1 <= n <= len(layers):
         raise ValueError(f"cannot cut {len(layers)} layers into {n!r} stages")
-    edges = [i * (len(layers) // n) + min(i, len(layers) % n) for i in range(n + 1)]  # the first stages get the extra
+    if balance is None:
+        sizes = [len(layers) // n + (i < len(layers) % n) for i in range(n)]  # the first stages get the extra
+    else:
+        sizes = list(balance)
+        if len(sizes) != n or not all(isinstance(k, int) and k >= 1 for k in sizes) or sum(sizes) != len(layers):
+            raise ValueError(f"balance={list(balance)!r} must give each of the {n} stages at least one layer and "
+                             f"add up to the model's {len(layers)} layers")
+    edges = [sum(sizes[:i]) for i in range(n + 1)]
     return [torch.nn.Sequential(*layers[edges[i]:edges[i + 1]]) for i in range(n)]
 
 

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..pipeline.demo import Config, blocks, data  # the model, config and batch of `flowexec pipeline`
+from ..pipeline.demo import Config, blocks, data, layers_per_stage  # the model, config and batch of `flowexec pipeline`
 from ..pipeline.trainer import split
 
 
 def _stages(cfg: Config, n_stages: int) -> list[torch.nn.Module]:
     """:func:`flowexec.pipeline.demo.blocks` (seeded: the same in every process) as ``n_stages``
     contiguous stages."""
-    return split(blocks(cfg), n_stages)
+    return split(blocks(cfg), n_stages, balance=layers_per_stage(cfg, n_stages))
 
 
 def theory(schedule: Any, n_ranks: int, n_micro: int) -> tuple[float, dict[int, float]]:
