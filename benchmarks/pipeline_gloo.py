@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from host_meta import host_meta  # noqa: E402
 from pipeline_common import (SCHEDULES, TORCH_NAMES, job_costs, measured_bubble, stage_job_costs,  # noqa: E402
                              theory_bubble, torch_worker)
-from flowexec.pipeline import spawn  # noqa: E402
+from flowexec.pipeline import PipelineError, spawn  # noqa: E402
 from flowexec.pipeline.demo import Config, eager_reference, train_worker  # noqa: E402
 from flowexec.pipeline.timeline import save  # noqa: E402
 
@@ -91,14 +91,20 @@ def main() -> None:
     names = ("flowexec", "flowexec eager", "torch") if eager else ("flowexec", "torch")
     impls = [(impl, s) for s in scheds for impl in names]
     rounds: dict[str, list[dict[str, Any]]] = {f"{i} {s}": [] for i, s in impls}
+    failed: dict[str, list[dict[str, Any]]] = {}
     last_spans: dict[str, Any] = {}
     for r in range(args.rounds):
         for impl, sched in (impls if r % 2 == 0 else impls[::-1]):
             cfg = replace(base, schedule=sched, compile=impl == "flowexec")
-            res = spawn(torch_worker if impl == "torch" else train_worker, args.ranks, asdict(cfg), timeout=300)
+            try:
+                res = spawn(torch_worker if impl == "torch" else train_worker, args.ranks, asdict(cfg), timeout=300)
+            except PipelineError as e:  # one run's failure (a peer's gloo path too) loses that run, not the others
+                failed.setdefault(f"{impl} {sched}", []).append({"round": r, "error": str(e).splitlines()[0][:500]})
+                print(f"round {r} {impl:14s} {sched:15s}: FAILED: {str(e).splitlines()[0][:300]}", flush=True)
+                continue
             med = [statistics.median(res[k]["step_s"][SKIP:]) * 1e3 for k in range(args.ranks)]
             last = next(k for k in range(args.ranks) if res[k]["losses"])
-            row: dict[str, Any] = {"step_ms": med, "ms": max(med), "losses": res[last]["losses"]}
+            row: dict[str, Any] = {"round": r, "step_ms": med, "ms": max(med), "losses": res[last]["losses"]}
             if impl.startswith("flowexec"):
                 row["bubble"] = [measured_bubble(res[k]["spans"], SKIP) for k in range(args.ranks)]
                 row["job_ms"] = [job_costs(res[k]["spans"], SKIP) for k in range(args.ranks)]
@@ -113,6 +119,11 @@ def main() -> None:
     ref_losses, _ = eager_reference(base)
     summary: dict[str, Any] = {}
     for sched in scheds:
+        if not all(rounds[f"{i} {sched}"] for i in names):
+            summary[sched] = {"torch_schedule": TORCH_NAMES[sched], "error": "no successful run of " + ", ".join(
+                i for i in names if not rounds[f"{i} {sched}"])}
+            print(f"{sched:15s}: {summary[sched]['error']}", flush=True)
+            continue
         f = statistics.median(x["ms"] for x in rounds[f"flowexec {sched}"])
         t = statistics.median(x["ms"] for x in rounds[f"torch {sched}"])
         bub = statistics.median(statistics.mean(x["bubble"]) for x in rounds[f"flowexec {sched}"])
@@ -120,7 +131,8 @@ def main() -> None:
         per_stage = _median_costs(x["stage_job_ms"] for x in rounds[f"flowexec {sched}"])
         # Load from other processes drifts over minutes: the runs of one round are next to each
         # other in time, so the ratio within a round and the best round are kept too.
-        ratios = [t_["ms"] / f_["ms"] for f_, t_ in zip(rounds[f"flowexec {sched}"], rounds[f"torch {sched}"])]
+        by_round = {x["round"]: x["ms"] for x in rounds[f"torch {sched}"]}
+        ratios = [by_round[x["round"]] / x["ms"] for x in rounds[f"flowexec {sched}"] if x["round"] in by_round]
         spread = {i: [min(x["ms"] for x in rounds[f"{i} {sched}"]), max(x["ms"] for x in rounds[f"{i} {sched}"])]
                   for i in names}
         lf, lt = rounds[f"flowexec {sched}"][0]["losses"], rounds[f"torch {sched}"][0]["losses"]
@@ -129,14 +141,14 @@ def main() -> None:
             # The headline: the median of the rounds' ratios (flowexec and torch run next to each
             # other in a round, so a ratio is free of the drift between rounds); the ratio of the
             # medians over all rounds beside it.
-            "speedup": statistics.median(ratios), "speedup_of_medians": t / f,
+            "speedup": statistics.median(ratios) if ratios else t / f, "speedup_of_medians": t / f,
             "bubble_measured": bub, "bubble_theory_equal_costs": theory_bubble(sched, args.ranks, args.micro),
             "bubble_theory_measured_costs": theory_bubble(sched, args.ranks, args.micro, costs), "job_ms_rank0": costs,
             "bubble_theory_measured_stage_costs": theory_bubble(sched, args.ranks, args.micro, stage_costs=per_stage),
             "bubble_measured_per_rank": [statistics.median(x["bubble"][k] for x in rounds[f"flowexec {sched}"])
                                          for k in range(args.ranks)],
             "job_ms_per_stage": per_stage, "ms_spread_over_rounds": spread,
-            "speedup_per_round": ratios, "speedup_median_of_rounds": statistics.median(ratios),
+            "speedup_per_round": ratios, "speedup_median_of_rounds": statistics.median(ratios) if ratios else None,
             "speedup_best_rounds": spread["torch"][0] / spread["flowexec"][0],
             "losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lf, ref_losses)),
             "torch_losses_max_rel_diff_vs_one_process": max(abs(a - b) / abs(b) for a, b in zip(lt, ref_losses))}
@@ -153,7 +165,7 @@ def main() -> None:
               f"{s['bubble_theory_measured_stage_costs']:.1%} at every stage's)"
               + (f"; eager stages {s['flowexec_eager_ms']:.1f} ms: {s['speedup_eager']:.2f}x" if eager else ""), flush=True)
     goals = {}
-    if all(k in summary for k in SCHEDULES):
+    if all(k in summary and "error" not in summary[k] for k in SCHEDULES):
         goals = {"speedup_ge_1.2_every_schedule": all(summary[k]["speedup"] >= 1.2 for k in SCHEDULES),
                  "1f1b_bubble_le_1.25x_theory": summary["1f1b"]["bubble_measured"]
                  <= 1.25 * summary["1f1b"]["bubble_theory_equal_costs"],
@@ -167,7 +179,7 @@ def main() -> None:
            "implementations": {"flowexec": "PipelineTrainer(compile=True): CompiledRunner, trace mode",
                                "flowexec eager": "PipelineTrainer(compile=False): EagerRunner, autograd",
                                "torch": "torch.distributed.pipelining, opt.zero_grad(set_to_none=True)"}, "skip_steps": SKIP,
-           "rounds": rounds, "summary": summary, "goals": goals}
+           "rounds": rounds, "failed_runs": failed, "summary": summary, "goals": goals}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)
