@@ -13,7 +13,9 @@ an output head Linear(1024, 512) (one-stage-per-rank schedules: 2 blocks a stage
 2-core CPU, so jobs, not gloo messages, decide the figure. The input layer and the head even out
 the stages: without them (``--in-width 0 --out-width 0``, the runs before 2026-12-02's second
 stop) stage 0 computes no input gradient for its first layer, its backward is 3 products against
-the last stage's 4, and 1F1B idles for that at any speed of the runtime. Per round and implementation: a fresh group of processes (both implementations: one
+the last stage's 4, and 1F1B idles for that at any speed of the runtime. ZBV runs the blocks
+alone: its V puts the first and the last stage on rank 0, which the input layer and the head
+would both load (``model_for``). Per round and implementation: a fresh group of processes (both implementations: one
 process per rank, one intra-op thread, the same gloo group set-up), ``--steps`` steps, the
 median of the steps after the first ``--skip``, per rank; a run's time is its slowest rank's.
 The speedup is the median over rounds of torch's time over flowexec's in that round (the two
@@ -61,6 +63,15 @@ def _median_costs(per_round: Any) -> dict[int, dict[str, float]]:
     return {st: {k: statistics.median(v) for k, v in kinds.items()} for st, kinds in by.items()}
 
 
+def model_for(base: Config, sched: str, compile: bool = True) -> Config:
+    """The run's configuration for ``sched``: ZBV's V puts the first and the last stage on rank 0,
+    so there the input layer and the head would both load rank 0 (8.5 products a micro-batch
+    against rank 1's 6): ZBV runs the blocks alone (rank 0: 5, rank 1: 6)."""
+    if sched == "zbv":
+        base = replace(base, in_width=0, out_width=0)
+    return replace(base, schedule=sched, compile=compile)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_gloo.json"))
@@ -95,7 +106,7 @@ def main() -> None:
     last_spans: dict[str, Any] = {}
     for r in range(args.rounds):
         for impl, sched in (impls if r % 2 == 0 else impls[::-1]):
-            cfg = replace(base, schedule=sched, compile=impl == "flowexec")
+            cfg = model_for(base, sched, compile=impl == "flowexec")
             try:
                 res = spawn(torch_worker if impl == "torch" else train_worker, args.ranks, asdict(cfg), timeout=300)
             except PipelineError as e:  # one run's failure (a peer's gloo path too) loses that run, not the others
@@ -116,7 +127,6 @@ def main() -> None:
             extra = f", bubble {', '.join(f'{b:.0%}' for b in row['bubble'])}" if "bubble" in row else ""
             print(f"round {r} {impl:14s} {sched:15s}: " + ", ".join(f"rank {k} {m:.1f} ms" for k, m in enumerate(med))
                   + extra, flush=True)
-    ref_losses, _ = eager_reference(base)
     summary: dict[str, Any] = {}
     for sched in scheds:
         if not all(rounds[f"{i} {sched}"] for i in names):
@@ -136,6 +146,7 @@ def main() -> None:
         spread = {i: [min(x["ms"] for x in rounds[f"{i} {sched}"]), max(x["ms"] for x in rounds[f"{i} {sched}"])]
                   for i in names}
         lf, lt = rounds[f"flowexec {sched}"][0]["losses"], rounds[f"torch {sched}"][0]["losses"]
+        ref_losses, _ = eager_reference(model_for(base, sched))
         summary[sched] = {
             "torch_schedule": TORCH_NAMES[sched], "flowexec_ms": f, "torch_ms": t,
             # The headline: the median of the rounds' ratios (flowexec and torch run next to each
@@ -176,6 +187,7 @@ def main() -> None:
         print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in goals.items()))
     cmd = "python3 benchmarks/pipeline_gloo.py " + " ".join(sys.argv[1:])
     out = {**host_meta(cmd.strip()), "config": asdict(base), "ranks": args.ranks,
+           "configs": {s: asdict(model_for(base, s)) for s in scheds},
            "implementations": {"flowexec": "PipelineTrainer(compile=True): CompiledRunner, trace mode",
                                "flowexec eager": "PipelineTrainer(compile=False): EagerRunner, autograd",
                                "torch": "torch.distributed.pipelining, opt.zero_grad(set_to_none=True)"}, "skip_steps": SKIP,
