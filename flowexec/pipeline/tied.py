@@ -44,13 +44,17 @@ class Tie:
 
     index: int
     stages: tuple[int, ...]
-    name: str
+    param: str
     ranks: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stages[0]}: {self.param}"
 
 
 def find_ties(stages: Sequence[torch.nn.Module]) -> list[Tie]:
     """Every trainable parameter that more than one stage uses, in order of first appearance."""
-    first: dict[int, tuple[int, str]] = {}
+    first: dict[int, tuple[int, str]] = {}  # id -> (stage, name) where it first appears
     users: dict[int, list[int]] = {}
     order: list[int] = []
     for s, mod in enumerate(stages):
@@ -67,8 +71,7 @@ def find_ties(stages: Sequence[torch.nn.Module]) -> list[Tie]:
     ties = []
     for key in order:
         if len(users[key]) > 1:
-            s, name = first[key]
-            ties.append(Tie(len(ties), tuple(users[key]), f"stage {s}: {name}"))
+            ties.append(Tie(len(ties), tuple(users[key]), first[key][1]))
     return ties
 
 
@@ -99,7 +102,7 @@ def cross_rank_ties(ties: Sequence[Tie], owner: Mapping[int, int]) -> list[Tie]:
     for t in ties:
         ranks = tuple(sorted({owner[s] for s in t.stages}))
         if len(ranks) > 1:
-            out.append(Tie(t.index, t.stages, t.name, ranks))
+            out.append(Tie(t.index, t.stages, t.param, ranks))
     return out
 
 
@@ -117,8 +120,7 @@ def unique_parameters(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Param
 
 def parameter_at(stages: Sequence[torch.nn.Module], tie: Tie) -> torch.nn.Parameter:
     """The parameter object a tie names, looked up in its first stage."""
-    s, name = tie.stages[0], tie.name.split(": ", 1)[1]
-    return stages[s].get_parameter(name)
+    return stages[tie.stages[0]].get_parameter(tie.param)
 
 
 __all__ = ["Tie", "cross_rank_ties", "find_ties", "optimizer_groups", "parameter_at", "unique_parameters"]

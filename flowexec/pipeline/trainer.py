@@ -227,14 +227,15 @@ class PipelineTrainer:
         cross = cross_rank_ties(ties, self.owner)
         opt_at = {j.stage: i for i, j in enumerate(self.plan[self.rank]) if j.kind == "OPT"}
         self.optimizers: dict[int, Any] = {s: None for s in self.local}
-        self._deferred: list[int] = []  # stages whose OPT waits for the tied gradients' sum
+        deferred = []  # stages whose OPT waits for the tied gradients' sum
         for group in optimizer_groups(self.local, ties):
             params = unique_parameters([self.modules[s] for s in group])
             at = max(group, key=lambda s: opt_at.get(s, -1))
             if optimizer is not None and params:
                 self.optimizers[at] = optimizer(params)
             if any(s in t.stages for t in cross for s in group):
-                self._deferred.append(at)
+                deferred.append(at)
+        self._deferred = tuple(deferred)
         groups: dict[tuple[int, ...], Any] = {}
         for t in cross:  # every rank, in the ties' order: new_group is collective
             if t.ranks not in groups:
