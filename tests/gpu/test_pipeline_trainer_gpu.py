@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, replace
+from typing import Any
 
 import pytest
 import torch
@@ -30,25 +31,34 @@ def _worker(rank: int, world: int, cfg_dict: dict, compile: bool) -> dict:
     return out
 
 
+def _stage_params_on_one_gpu(cfg: Any, world: int) -> list[list[torch.Tensor]]:
+    """The whole model trained on one GPU for ``cfg.steps`` SGD steps, its parameters cut into
+    the stages the pipeline runs on ``world`` ranks."""
+    from flowexec.pipeline import split
+    from flowexec.pipeline.demo import blocks, data, layers_per_stage, stage_modules
+
+    model = blocks(cfg).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    x, y = (t.cuda() for t in data(cfg))
+    for _ in range(cfg.steps):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    n = len(stage_modules(cfg, world))
+    return [list(s.parameters()) for s in split(model, n, balance=layers_per_stage(cfg, n))]
+
+
 @two_gpus
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_two_gpus_every_schedule_trains_as_one_gpu(compile):
-    from flowexec.pipeline import spawn, split
-    from flowexec.pipeline.demo import Config, blocks, data, stage_modules
+    from flowexec.pipeline import spawn
+    from flowexec.pipeline.demo import Config
 
     torch.backends.cuda.matmul.allow_tf32 = False
     base = Config(width=64, blocks=4, batch=32, n_micro=4, steps=3, lr=0.1)
     res = spawn(_worker, 2, asdict(base), compile, backend="nccl", timeout=240)
     for name in SCHEDULES:
-        cfg = replace(base, schedule=name)
-        model = blocks(cfg).cuda()
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-        x, y = (t.cuda() for t in data(cfg))
-        for _ in range(cfg.steps):
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-        want = [list(s.parameters()) for s in split(model, len(stage_modules(cfg, 2)))]
+        want = _stage_params_on_one_gpu(replace(base, schedule=name), 2)
         for r in range(2):
             for s, got in res[r][name]["params"].items():
                 for a, b in zip(got, want[s], strict=True):
@@ -95,22 +105,14 @@ def test_one_gpu_every_schedule_and_a_tied_weight_train_as_one_process():
     """One rank of an NCCL group holds every stage: the trainer's CUDA path (graph-mode stages,
     CUDA-event spans, stages handing over on the device, optimizers) without transfers, which
     need 2 GPUs (the test above)."""
-    from flowexec.pipeline import spawn, split
-    from flowexec.pipeline.demo import Config, blocks, data, stage_modules
+    from flowexec.pipeline import spawn
+    from flowexec.pipeline.demo import Config
 
     torch.backends.cuda.matmul.allow_tf32 = False
     base = Config(width=64, blocks=4, batch=32, n_micro=4, steps=3, lr=0.1)
     res = spawn(_one_rank, 1, asdict(base), backend="nccl", timeout=240)[0]
     for name in SCHEDULES:
-        cfg = replace(base, schedule=name)
-        model = blocks(cfg).cuda()
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-        x, y = (t.cuda() for t in data(cfg))
-        for _ in range(cfg.steps):
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-        want = [list(s.parameters()) for s in split(model, len(stage_modules(cfg, 1)))]
+        want = _stage_params_on_one_gpu(replace(base, schedule=name), 1)
         for compile in (False, True):
             got = res[name, compile]
             assert sorted(got["params"]) == list(range(len(want))), (name, compile)
