@@ -39,16 +39,16 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from host_meta import host_meta  # noqa: E402
-from pipeline_common import (SCHEDULES, TORCH_NAMES, job_costs, measured_bubble, stage_job_costs,  # noqa: E402
-                             theory_bubble, torch_worker)
+from pipeline_common import (SCHEDULES, TORCH_NAMES, add_model_args, job_costs, measured_bubble,  # noqa: E402
+                             model_config, model_for, stage_job_costs, theory_bubble, torch_worker)
 from flowexec.pipeline import PipelineError, spawn  # noqa: E402
-from flowexec.pipeline.demo import Config, eager_reference, train_worker  # noqa: E402
+from flowexec.pipeline.demo import eager_reference, train_worker  # noqa: E402
 from flowexec.pipeline.timeline import save  # noqa: E402
 
 
@@ -63,28 +63,13 @@ def _median_costs(per_round: Any) -> dict[int, dict[str, float]]:
     return {st: {k: statistics.median(v) for k, v in kinds.items()} for st, kinds in by.items()}
 
 
-def model_for(base: Config, sched: str, compile: bool = True) -> Config:
-    """The run's configuration for ``sched``: ZBV's V puts the first and the last stage on rank 0,
-    so there the input layer and the head would both load rank 0 (8.5 products a micro-batch
-    against rank 1's 6): ZBV runs the blocks alone (rank 0: 5, rank 1: 6)."""
-    if sched == "zbv":
-        base = replace(base, in_width=0, out_width=0)
-    return replace(base, schedule=sched, compile=compile)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_gloo.json"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skip", type=int, default=3, help="steps left out of every median (set-up, heap growth)")
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--in-width", type=int, default=512,
-                    help="the input layer's features (0: none); with --out-width it evens out the stages' costs")
-    ap.add_argument("--out-width", type=int, default=512, help="the output head's features (0: none)")
-    ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--ranks", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--no-eager", action="store_true", help="leave out flowexec with eager stages (EagerRunner)")
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round, 4 steps: checks it runs")
@@ -96,8 +81,7 @@ def main() -> None:
     if not 0 <= SKIP < args.steps:
         raise SystemExit(f"--skip {SKIP} must leave some of the {args.steps} steps")
     scheds = [s.strip().lower() for s in args.schedules.split(",")]
-    base = Config(width=args.width, in_width=args.in_width, out_width=args.out_width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
-                  threads=1, lr=0.01)
+    base = model_config(args, steps=args.steps)
     eager = not args.no_eager
     names = ("flowexec", "flowexec eager", "torch") if eager else ("flowexec", "torch")
     impls = [(impl, s) for s in scheds for impl in names]

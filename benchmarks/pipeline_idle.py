@@ -39,9 +39,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from host_meta import host_meta  # noqa: E402
-from pipeline_common import stage_job_costs  # noqa: E402
+from pipeline_common import add_model_args, model_config, model_for, stage_job_costs  # noqa: E402
 from flowexec.pipeline import get_schedule, simulate, spawn  # noqa: E402
-from flowexec.pipeline.demo import Config, stages_per_rank, train_worker  # noqa: E402
+from flowexec.pipeline.demo import stages_per_rank, train_worker  # noqa: E402
 from flowexec.pipeline.schedules import with_optimizer  # noqa: E402
 
 JOBS = ("F", "B", "I", "W", "OPT")
@@ -140,20 +140,13 @@ def main() -> None:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=3)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--in-width", type=int, default=512,
-                    help="the input layer's features (0: none); with --out-width it evens out the stages' costs")
-    ap.add_argument("--out-width", type=int, default=512, help="the output head's features (0: none)")
-    ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--ranks", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--eager", action="store_true", help="eager stages (compile=False)")
     ap.add_argument("--pingpong", type=int, default=200, help="round trips of the ping-pong (0: none)")
     ap.add_argument("--out", default="", help="a JSON file for the figures")
     ap.add_argument("--trace", default="", help="a Perfetto trace of the steps analysed")
     args = ap.parse_args()
-    cfg = Config(width=args.width, in_width=args.in_width, out_width=args.out_width, blocks=2 * args.ranks, batch=args.batch, n_micro=args.micro, steps=args.steps,
-                 threads=1, lr=0.01, schedule=args.schedule, compile=not args.eager)
+    cfg = model_for(model_config(args, steps=args.steps), args.schedule.lower(), compile=not args.eager)
     res = spawn(train_worker, args.ranks, asdict(cfg), timeout=300)
     by_rank = [r["spans"] for r in res]
     rows = {k: [decompose(sp) for sp in by_rank[k][args.skip:]] for k in range(args.ranks)}

@@ -37,15 +37,13 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from host_meta import host_meta  # noqa: E402
 from pipeline_common import (SCHEDULES, TORCH_NAMES, job_costs, measured_bubble, theory_bubble,  # noqa: E402
                              torch_worker)
-from flowexec.pipeline import split  # noqa: E402
-from flowexec.pipeline.demo import Config, blocks, data, stage_modules, train_worker  # noqa: E402
+from flowexec.pipeline.demo import Config, eager_reference, stage_modules, train_worker  # noqa: E402
 
 SKIP = 2
 
@@ -56,14 +54,8 @@ class _Skip(Exception):
 
 def one_device_reference(cfg: Config, world: int, dev: torch.device) -> list[list[torch.Tensor]]:
     """The whole model trained on one device on the whole batch: parameters per stage."""
-    model = blocks(cfg).to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    x, y = (t.to(dev) for t in data(cfg))
-    for _ in range(cfg.steps):
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return [[p.detach().cpu() for p in s.parameters()] for s in split(model, len(stage_modules(cfg, world)))]
+    _, model = eager_reference(cfg, dev)
+    return [[p.detach().cpu() for p in s.parameters()] for s in stage_modules(cfg, world, model)]
 
 
 def main() -> None:

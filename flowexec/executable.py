@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .capture import capture, storage_groups, storage_key
-from .errors import CaptureError, FlowexecError, InputError, OptionError, count_option
+from .errors import CaptureError, FlowexecError, InputError, OptionError
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall

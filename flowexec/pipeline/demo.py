@@ -62,11 +62,13 @@ def layers_per_stage(cfg: Config, n: int) -> list[int]:
     return sizes
 
 
-def stage_modules(cfg: Config, world: int) -> list[torch.nn.Module]:
+def stage_modules(cfg: Config, world: int, model: torch.nn.Sequential | None = None) -> list[torch.nn.Module]:
+    """``model`` (default: a fresh :func:`blocks`) cut into the stages ``cfg.schedule`` runs on
+    ``world`` ranks: the same cut for the pipeline and for a reference trained in one process."""
     n = world * stages_per_rank(cfg.schedule)
     if cfg.blocks < n:
         raise ValueError(f"{cfg.blocks} blocks cannot fill {n} stages ({cfg.schedule} on {world} ranks)")
-    return split(blocks(cfg), n, balance=layers_per_stage(cfg, n))
+    return split(blocks(cfg) if model is None else model, n, balance=layers_per_stage(cfg, n))
 
 
 def data(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,11 +110,12 @@ def train_worker(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, A
     return out
 
 
-def eager_reference(cfg: Config) -> tuple[list[float], list[torch.Tensor]]:
-    """The same training in one process on the whole batch: losses per step and the parameters."""
-    model = blocks(cfg)
+def eager_reference(cfg: Config, device: torch.device | str = "cpu") -> tuple[list[float], torch.nn.Sequential]:
+    """The same training in one process on the whole batch, on ``device``: losses per step and
+    the trained model (``stage_modules(cfg, world, model)`` cuts it as the pipeline does)."""
+    model = blocks(cfg).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    x, y = data(cfg)
+    x, y = (t.to(device) for t in data(cfg))
     losses = []
     for _ in range(cfg.steps):
         opt.zero_grad()
@@ -120,7 +123,7 @@ def eager_reference(cfg: Config) -> tuple[list[float], list[torch.Tensor]]:
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    return losses, [p.detach().clone() for p in model.parameters()]
+    return losses, model
 
 
 def run_cli(schedule: str, ranks: int, micro: int, steps: int, out: str, compile: bool = False) -> None:

@@ -213,12 +213,10 @@ class SendThread:
                 continue
             t, dst, group, tag, label = item
             try:
-                if self.record:
-                    t0 = clock()
-                    self._works.append((dist.isend(t, dst, group=group, tag=tag), t))
+                t0 = clock() if self.record else 0
+                self._works.append((dist.isend(t, dst, group=group, tag=tag), t))
+                if t0:
                     self._stamps.append((label, t0, clock()))
-                else:
-                    self._works.append((dist.isend(t, dst, group=group, tag=tag), t))
             except BaseException as e:  # raised on the compute thread at drain()
                 if self._error is None:
                     self._error = e

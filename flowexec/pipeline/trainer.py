@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from ..profiler.timers import NULL_TIMER
-from .launch import PipelineError
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
 from .stage import (Message, SendThread, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure,
@@ -88,6 +87,18 @@ def split_batch(t: Any, n_micro: int) -> list[Any]:
         raise ValueError(f"a batch of {t.shape[0] if t.dim() else 'a scalar'} does not split into {n_micro} "
                          "equal micro-batches")
     return list(t.chunk(n_micro))
+
+
+@dataclass(frozen=True, slots=True)
+class _SendInfo:
+    """What sending one message needs, built at set-up: the spec it must match, the ``send``
+    and ``isend`` span names, its process group and a tag per tensor."""
+
+    spec: Spec
+    name: str
+    isend_name: str
+    group: Any
+    tags: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +239,8 @@ class PipelineTrainer:
         opt_at = {j.stage: i for i, j in enumerate(self.plan[self.rank]) if j.kind == "OPT"}
         self.optimizers: dict[int, Any] = {s: None for s in self.local}
         deferred = []  # stages whose OPT waits for the tied gradients' sum
-        for group in optimizer_groups(self.local, ties):
+        local_groups = optimizer_groups(self.local, ties)
+        for group in local_groups:
             params = unique_parameters([self.modules[s] for s in group])
             at = max(group, key=lambda s: opt_at.get(s, -1))
             if optimizer is not None and params:
@@ -236,6 +248,9 @@ class PipelineTrainer:
             if any(s in t.stages for t in cross for s in group):
                 deferred.append(at)
         self._deferred = tuple(deferred)
+        # the optimizer each OPT job of the run loop steps (None where it waits for the sum)
+        self._opt_in_loop = {s: None if s in self._deferred else opt for s, opt in self.optimizers.items()}
+        self._shares_locally = frozenset(s for g in local_groups if len(g) > 1 for s in g)
         groups: dict[tuple[int, ...], Any] = {}
         for t in cross:  # every rank, in the ties' order: new_group is collective
             if t.ranks not in groups:
@@ -344,27 +359,30 @@ class PipelineTrainer:
         self._recv_bufs: dict[Message, list[torch.Tensor]] = {} if self._comm is not None else {
             m_: [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec] for m_, spec in self._recv_order}
         # Per message, what the hot loop would otherwise rebuild every step: the spec a send
-        # must match, the span names and the wait's error text.
-        self._send_info = {m_: (self._sent_spec(m_), f"send {m_.kind} for stage {m_.stage}",
-                                f"isend {m_.kind} for stage {m_.stage}")
-                           for m_ in msgs if m_.src == self.rank}
+        # must match, the span names, its group and tags, and the wait's error text.
+        self._send_info: dict[Message, _SendInfo] = {}
+        for m_ in msgs:
+            if m_.src == self.rank:
+                spec = self._sent_spec(m_)
+                self._send_info[m_] = _SendInfo(spec, f"send {m_.kind} for stage {m_.stage}",
+                                                f"isend {m_.kind} for stage {m_.stage}", self._group(m_.src, m_.dst),
+                                                tuple(m_.pos * 8 + i for i in range(len(spec))))
         self._recv_info = {m_: (f"recv {m_.kind} for stage {m_.stage}",
                                 f"the {'input' if m_.kind == 'act' else 'output gradient'} of stage {m_.stage} "
                                 f"micro-batch {m_.micro} from rank {m_.src}")
                            for m_, _ in self._recv_order}
         # What posting a step's receives needs, per message in channel order: its key among
-        # the step's receives, its group, its tags, and its kept buffers (None on CUDA).
-        self._recv_plan = [(m_, (m_.kind, m_.stage, m_.micro), self._group(m_.src, m_.dst),
-                            [m_.pos * 8 + i for i in range(len(spec))], self._recv_bufs.get(m_), spec)
-                           for m_, spec in self._recv_order]
+        # the step's receives, its group, its tags, its kept buffers and what gloo receives
+        # into (their wire views; None on CUDA, where each step allocates).
+        self._recv_plan = []
+        for m_, spec in self._recv_order:
+            kept = self._recv_bufs.get(m_)
+            self._recv_plan.append((m_, (m_.kind, m_.stage, m_.micro), self._group(m_.src, m_.dst),
+                                    [m_.pos * 8 + i for i in range(len(spec))], kept,
+                                    [wire(b) for b in kept] if kept else None, spec))
         # A parameter two local stages share (tied weights) gets both stages' gradients: its
         # buffers are not written over, they start from None.
-        seen: dict[int, int] = {}
-        for s in self.local:
-            for p in self.runners[s].parameters:
-                seen[id(p)] = seen.get(id(p), 0) + 1
-        self._resets = [_grad_reset(self.runners[s], keep=all(seen[id(p)] == 1 for p in self.runners[s].parameters))
-                        for s in self.local]
+        self._resets = [_grad_reset(self.runners[s], keep=s not in self._shares_locally) for s in self.local]
         # gloo: sends are issued by a thread of their own, so that no job waits on one
         self._sender = None if self.nccl or not self._send_info else SendThread(self.rank, self.timeout)
         self._program = program
@@ -382,7 +400,8 @@ class PipelineTrainer:
         waited for the thread; the call itself may wait for the peer to drain the socket."""
         info = self._send_info
         return [timer.host_span(step=self.step_count, stage=m.stage, kind="isend", micro=m.micro, stream="send thread",
-                                start_ns=a, end_ns=b, peer=m.dst, tag=m.pos, name=info[m][2]) for m, a, b in stamps]
+                                start_ns=a, end_ns=b, peer=m.dst, tag=m.pos, name=info[m].isend_name)
+                for m, a, b in stamps]
 
     def _sent_spec(self, m: Message) -> Spec:
         return self.out_spec[m.stage - 1] if m.kind == "act" else grad_spec(self.in_spec[m.stage + 1])
@@ -498,8 +517,8 @@ class PipelineTrainer:
                 runner.backward_weight(m)
                 timer.end(tok)
             else:
-                opt = self.optimizers[s]
-                if opt is not None and s not in self._deferred:
+                opt = self._opt_in_loop[s]
+                if opt is not None:
                     tok = timer.begin(step=k, stage=s, kind="OPT", micro=None)
                     opt.step()
                     timer.end(tok)
@@ -519,11 +538,12 @@ class PipelineTrainer:
         """Post every receive of the step, in channel order."""
         timer, k, comm = self.timer, self.step_count, self._comm
         with torch.cuda.stream(comm) if comm is not None else _nullcontext():
-            for m, key, group, tags, kept, spec in self._recv_plan:
+            for m, key, group, tags, kept, kept_wire, spec in self._recv_plan:
                 bufs = kept or [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
                 tok = timer.begin(step=k, stage=m.stage, kind="recv", micro=m.micro, stream="comm", peer=m.src,
                                   tag=m.pos)  # ended in _take, once the data is there
-                works = [dist.irecv(wire(b), m.src, group=group, tag=tag) for b, tag in zip(bufs, tags)]
+                works = [dist.irecv(b, m.src, group=group, tag=tag)
+                         for b, tag in zip(kept_wire or [wire(b) for b in bufs], tags)]
                 recvs[key] = (bufs, works, tok)
 
     def _take(self, posted: tuple[list[torch.Tensor], list[Any], Any], m: Message) -> tuple[torch.Tensor, ...]:
@@ -542,18 +562,22 @@ class PipelineTrainer:
         return tuple(bufs)
 
     def _send(self, out: tuple[torch.Tensor, ...], m: Message, sends: list[tuple[Any, Any]]) -> None:
-        spec, name, _ = self._send_info[m]
+        info = self._send_info[m]
+        spec = info.spec
         if len(out) != len(spec) or any(tuple(t.shape) != sh or t.dtype != dt for t, (sh, dt) in zip(out, spec)):
             raise ValueError(f"stage {m.stage - 1 if m.kind == 'act' else m.stage + 1} produced {_fmt(spec_of(out, 'output'))} "
                              f"for micro-batch {m.micro}, not the {_fmt(spec)} it had at the first step")
-        g = self._group(m.src, m.dst)
         tok = self.timer.begin(step=self.step_count, stage=m.stage, kind="send", micro=m.micro, stream="comm",
                                peer=m.dst, tag=m.pos,  # tag: the receive's, for the trace's flow arrows
-                               name=name)  # the issue, not the transfer
-        self._send_now(out, m, g, sends)
+                               name=info.name)  # the issue, not the transfer
+        self._send_now(out, m, info, sends)
         self.timer.end(tok)
 
-    def _send_now(self, out: tuple[torch.Tensor, ...], m: Message, g: Any, sends: list[tuple[Any, Any]]) -> None:
+    def _send_now(self, out: tuple[torch.Tensor, ...], m: Message, info: _SendInfo,
+                  sends: list[tuple[Any, Any]]) -> None:
+        """CUDA: isend on the comm stream after the job; gloo: hand over to the send thread (a
+        rank that sends always has one there)."""
+        g, tags = info.group, info.tags
         if self._comm is not None:
             # A copy the transfer owns: a compiled stage's outputs live in CUDA-graph buffers that a
             # later replay on the compute stream may overwrite before the NCCL stream read them.
@@ -562,16 +586,12 @@ class PipelineTrainer:
             ev.record()
             self._comm.wait_event(ev)  # the transfer starts once the job that wrote it has
             with torch.cuda.stream(self._comm):
-                for i, t in enumerate(out):
+                for t, tag in zip(out, tags):
                     t = wire(t.contiguous())
-                    sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
-        elif self._sender is not None:
-            for i, t in enumerate(out):
-                self._sender.send(wire(t.contiguous()), m.dst, g, m.pos * 8 + i, m)
+                    sends.append((dist.isend(t, m.dst, group=g, tag=tag), t))
         else:
-            for i, t in enumerate(out):
-                t = wire(t.contiguous())
-                sends.append((dist.isend(t, m.dst, group=g, tag=m.pos * 8 + i), t))
+            for t, tag in zip(out, tags):
+                self._sender.send(wire(t.contiguous()), m.dst, g, tag, m)  # type: ignore[union-attr]
 
 
 def _grad_reset(runner: StageRunner, keep: bool = True) -> Callable[[], None]:

@@ -15,14 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..pipeline.demo import Config, blocks, data, layers_per_stage  # the model, config and batch of `flowexec pipeline`
-from ..pipeline.trainer import split
-
-
-def _stages(cfg: Config, n_stages: int) -> list[torch.nn.Module]:
-    """:func:`flowexec.pipeline.demo.blocks` (seeded: the same in every process) as ``n_stages``
-    contiguous stages."""
-    return split(blocks(cfg), n_stages, balance=layers_per_stage(cfg, n_stages))
+from ..pipeline.demo import Config, data, stage_modules  # the model, config and batch of `flowexec pipeline`
 
 
 def theory(schedule: Any, n_ranks: int, n_micro: int) -> tuple[float, dict[int, float]]:
@@ -53,13 +46,11 @@ def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: 
     Returns the records' path, the losses and each step's ns."""
     import time
 
-    from ..pipeline.schedules import STAGES_PER_RANK
     from ..pipeline.trainer import PipelineTrainer
 
     cfg = Config(**cfg_dict)
     torch.set_num_threads(max(1, cfg.threads))
-    n_stages = (STAGES_PER_RANK.get(cfg.schedule.lower()) or 1) * world
-    trainer = PipelineTrainer(_stages(cfg, n_stages), schedule=cfg.schedule, microbatches=cfg.n_micro,
+    trainer = PipelineTrainer(stage_modules(cfg, world), schedule=cfg.schedule, microbatches=cfg.n_micro,
                               loss_fn=F.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.lr), compile=False,
                               profile=record, profile_dir=directory)
     x, y = data(cfg)

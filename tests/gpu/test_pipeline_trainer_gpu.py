@@ -32,20 +32,10 @@ def _worker(rank: int, world: int, cfg_dict: dict, compile: bool) -> dict:
 
 
 def _stage_params_on_one_gpu(cfg: Any, world: int) -> list[list[torch.Tensor]]:
-    """The whole model trained on one GPU for ``cfg.steps`` SGD steps, its parameters cut into
-    the stages the pipeline runs on ``world`` ranks."""
-    from flowexec.pipeline import split
-    from flowexec.pipeline.demo import blocks, data, layers_per_stage, stage_modules
+    """The whole model trained on one GPU, its parameters cut into the stages of ``world`` ranks."""
+    from flowexec.pipeline.demo import eager_reference, stage_modules
 
-    model = blocks(cfg).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    x, y = (t.cuda() for t in data(cfg))
-    for _ in range(cfg.steps):
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    n = len(stage_modules(cfg, world))
-    return [list(s.parameters()) for s in split(model, n, balance=layers_per_stage(cfg, n))]
+    return [list(s.parameters()) for s in stage_modules(cfg, world, eager_reference(cfg, "cuda")[1])]
 
 
 @two_gpus
