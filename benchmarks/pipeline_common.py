@@ -23,25 +23,27 @@ SCHEDULES = list(TORCH_NAMES)
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model and batch options the CPU pipeline benchmarks share."""
     ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--in-width", type=int, default=512,
+    ap.add_argument("--in-width", type=int, default=768,
                     help="the input layer's features (0: none); with --out-width it evens out the stages' costs")
     ap.add_argument("--out-width", type=int, default=512, help="the output head's features (0: none)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=0, help="Linear(width) + tanh blocks (0: 4 a rank)")
 
 
 def model_config(args: argparse.Namespace, **fields: Any) -> Config:
-    """The run's :class:`Config` from :func:`add_model_args`' options: 2 blocks a rank, one
-    intra-op thread, SGD at 0.01."""
-    return Config(width=args.width, in_width=args.in_width, out_width=args.out_width, blocks=2 * args.ranks,
+    """The run's :class:`Config` from :func:`add_model_args`' options: ``--blocks`` (4 a rank
+    by default), one intra-op thread, SGD at 0.01."""
+    return Config(width=args.width, in_width=args.in_width, out_width=args.out_width,
+                  blocks=args.blocks or 4 * args.ranks,
                   batch=args.batch, n_micro=args.micro, threads=1, lr=0.01, **fields)
 
 
 def model_for(base: Config, sched: str, compile: bool = True) -> Config:
     """The run's configuration for ``sched``: ZBV's V puts the first and the last stage on rank 0,
-    so there the input layer and the head would both load rank 0 (8.5 products a micro-batch
-    against rank 1's 6): ZBV runs the blocks alone (rank 0: 5, rank 1: 6)."""
+    so there the input layer and the head would both load rank 0 (with the default 8 blocks, 14
+    products a micro-batch against rank 1's 12): ZBV runs the blocks alone (rank 0: 11, rank 1: 12)."""
     if sched == "zbv":
         base = replace(base, in_width=0, out_width=0)
     return replace(base, schedule=sched, compile=compile)

@@ -6,14 +6,18 @@ trace mode, the I/W split pass, gradients accumulated in place); ``flowexec eage
 
 Schedules (flowexec vs torch): FThenB vs GPipe, 1F1B vs 1F1B, Interleaved1F1B vs
 Interleaved1F1B, ZBH1 vs InterleavedZeroBubble (one stage per rank), ZBV vs ZBVZeroBubble.
-Default sizes: 2 ranks; an input layer Linear(512, 1024) + tanh, 4 blocks of Linear(1024) + tanh,
-an output head Linear(1024, 512) (one-stage-per-rank schedules: 2 blocks a stage; two-stage ones:
-1; the input layer on the first stage, the head on the last: ``split``'s ``balance``), batch 512 in
-8 micro-batches of 64 rows, MSE, one intra-op thread per rank: one block's forward is ~1.5 ms on a
-2-core CPU, so jobs, not gloo messages, decide the figure. The input layer and the head even out
-the stages: without them (``--in-width 0 --out-width 0``, the runs before 2026-12-02's second
-stop) stage 0 computes no input gradient for its first layer, its backward is 3 products against
-the last stage's 4, and 1F1B idles for that at any speed of the runtime. ZBV runs the blocks
+Default sizes: 2 ranks; an input layer Linear(768, 1024) + tanh, 8 blocks of Linear(1024) + tanh,
+an output head Linear(1024, 512) (one-stage-per-rank schedules: 4 blocks a stage; two-stage ones:
+2; the input layer on the first stage, the head on the last: ``split``'s ``balance``), batch 512 in
+8 micro-batches of 64 rows, MSE, one intra-op thread per rank: one block's forward is ~1.5-2 ms on a
+2-core CPU and the shortest job (an interleaved stage's forward) ~5 ms, so jobs, not gloo messages,
+decide the figure. (With 4 blocks, the runs before 2026-12-02's third stop, an interleaved stage was one block
+and its 6 messages a micro-batch, each taking CPU from the jobs on 2 cores, put its bubble at
+1F1B's.) The input layer and the head even out the stages: the input layer computes its weight
+gradient but no input gradient (768 inputs: 1.5 products a micro-batch), the head both (512
+outputs: 1.5 products). Without them (``--in-width 0 --out-width 0``, the runs before 2026-12-02's second
+stop) stage 0 computes no input gradient for its first layer, its backward is a product short of
+the last stage's, and 1F1B idles for that at any speed of the runtime. ZBV runs the blocks
 alone: its V puts the first and the last stage on rank 0, which the input layer and the head
 would both load (``model_for``). Per round and implementation: a fresh group of processes (both implementations: one
 process per rank, one intra-op thread, the same gloo group set-up), ``--steps`` steps, the
@@ -26,7 +30,7 @@ theory is ``simulate`` of the same plan at equal costs, at rank 0's measured job
 every stage's measured costs (a first stage makes no input gradient, so its jobs are cheaper
 and its rank idles for that too).
 
-    python3 benchmarks/pipeline_gloo.py --out benchmarks/results/pipeline_gloo.json   # ~6 min on 2 quiet cores
+    python3 benchmarks/pipeline_gloo.py --out benchmarks/results/pipeline_gloo.json   # ~25 min on 2 quiet cores
     python3 benchmarks/pipeline_gloo.py --quick                                        # a smoke run, ~1 min
 
 Where a rank's idle time goes (waits, transfers, host time, against ``simulate``):
