@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 import pytest
@@ -313,6 +314,31 @@ def test_torchrun_two_processes(tmp_path):
         for s, ps in r["params"].items():
             for a, b in zip(ps, model[int(s)].parameters(), strict=True):
                 torch.testing.assert_close(torch.tensor(a), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+TORCHRUN_FAILING_SCRIPT = """
+import time, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise ValueError("bad data on rank 1")
+time.sleep(300)  # a host wait that never looks at the peers: a CUDA sync behind a stuck NCCL receive
+"""
+
+
+def test_torchrun_ends_a_rank_that_cannot_see_its_peer_fail(tmp_path):
+    # On NCCL a receive blocks the GPU, not the host, so the trainer cannot see a peer fail: the
+    # launcher ends the run (docs/pipeline.md, Failure). torchrun stops the other ranks when one
+    # fails and names it as the root cause, its traceback above.
+    script = tmp_path / "fail.py"
+    script.write_text(TORCHRUN_FAILING_SCRIPT)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 100  # far from rank 0's 300 s sleep
+    assert proc.returncode != 0
+    assert "ValueError: bad data on rank 1" in proc.stderr, proc.stderr[-3000:]
+    root = proc.stderr.split("Root Cause")[1]
+    assert "rank      : 1" in root, root[:1000]
 
 
 def test_cli_zbh1_on_two_ranks(tmp_path, capsys):
