@@ -236,16 +236,22 @@ def pipeline() -> None:
     if not d or "goals" not in d:  # written by the benchmark before PipelineTrainer: a different table
         return
     c = d["config"]
+    ends = f"an input layer Linear({c['in_width']}, {c['width']}) + tanh, " if c.get("in_width") else ""
+    head = f", a head Linear({c['width']}, {c['out_width']})" if c.get("out_width") else ""
+    if ends and not d.get("configs", {}).get("zbv", c).get("in_width"):
+        head += " (ZBV: the blocks alone)"
     print(f"Pipeline-parallel training on CPU with gloo — {d['cpus']} CPUs, torch {d['torch']}, {d['date'][:10]}, "
-          f"commit {d['commit']} (`{d['command']}`; {d['ranks']} ranks, {c['blocks']} blocks of Linear({c['width']}) "
-          f"+ tanh, batch {c['batch']} in {c['n_micro']} micro-batches, SGD, one thread per rank; median step of the "
-          f"slowest rank over {len(next(iter(d['rounds'].values())))} alternating rounds):\n")
+          f"commit {d['commit']} (`{d['command']}`; {d['ranks']} ranks, {ends}{c['blocks']} blocks of Linear({c['width']}) "
+          f"+ tanh{head}, batch {c['batch']} in {c['n_micro']} micro-batches, SGD, one thread per rank; median step of "
+          f"the slowest rank over {len(next(iter(d['rounds'].values())))} alternating rounds; speedup: the median "
+          "of the rounds' ratios):\n")
     print("| schedule | torch.distributed.pipelining | flowexec (compiled stages) | flowexec bubble, measured "
-          "| bubble, simulated at the measured job costs | losses vs one process |")
+          "| bubble, simulated: equal costs / every stage's measured costs | losses vs one process |")
     print("|---|---|---|---|---|---|")
     for sched, r in d["summary"].items():
         print(f"| {sched} | {r['torch_schedule']} {r['torch_ms']:.1f} ms | {r['flowexec_ms']:.1f} ms "
-              f"({r['speedup']:.2f}×) | {r['bubble_measured']:.0%} | {r['bubble_theory_measured_costs']:.0%} "
+              f"({r['speedup']:.2f}×) | {r['bubble_measured']:.1%} | {r['bubble_theory_equal_costs']:.1%} / "
+              f"{r.get('bubble_theory_measured_stage_costs', r['bubble_theory_measured_costs']):.1%} "
               f"| {r['losses_max_rel_diff_vs_one_process']:.1e} |")
     print()
 
