@@ -452,3 +452,67 @@ def test_a_tied_weight_is_stepped_once_with_its_whole_gradient_on_one_rank_or_ac
         for s, ps in got.items():
             for a, b in zip(ps, stages[s].parameters(), strict=True):
                 torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} stage {s}: {m}")
+
+
+def _clipped(rank: int, world: int) -> dict:
+    out = {}
+    for schedule in ("1F1B", "Interleaved1F1B", "ZBV"):  # the tied weight on ranks 0 and 1 / on rank 0 / on both
+        for compile in (False, True):
+            stages = _tied_model()
+            if schedule == "1F1B":  # one stage a rank: stages 0-1 and 2-3 joined
+                stages = [torch.nn.Sequential(stages[0], stages[1]), torch.nn.Sequential(stages[2], stages[3])]
+            trainer = PipelineTrainer(stages, schedule=schedule, microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), max_grad_norm=0.05,
+                                      timeout=60)
+            g = torch.Generator().manual_seed(1)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+            norms = []
+            for _ in range(3):
+                trainer.step(x, y)
+                norms.append(float(trainer.grad_norm))
+            out[schedule, compile] = ({s: [p.detach().clone() for p in trainer.modules[s].parameters()]
+                                       for s in trainer.local}, norms)
+    from flowexec.pipeline.timeline import chrome_trace
+    from flowexec.profiler.timers import JobTimer
+
+    trainer.timer = JobTimer(trainer.device, rank=rank)  # the last one (ZBV, compiled): the clip in the timeline
+    trainer.step(x, y)
+    out["trace"] = [(e["name"], e["tid"]) for e in chrome_trace(trainer.spans)["traceEvents"] if e["ph"] == "X"]
+    return out
+
+
+def test_max_grad_norm_clips_by_the_whole_models_norm_as_clip_grad_norm_does():
+    res = spawn(_clipped, 2, timeout=180)
+    stages = _tied_model()
+    model = torch.nn.Sequential(*stages)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    norms = []
+    for _ in range(3):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+    assert min(norms) > 0.1  # the clip changes every step
+    want = [p for s in stages for p in s.parameters()]  # the tied weight at both its places
+    for r in range(2):  # the clip after the last job, on the jobs' lane, before the optimizers that waited
+        jobs = [name for name, tid in res[r].pop("trace") if tid == 1]
+        assert jobs[-3:] == ["clip", f"{r}OPT", f"{3 - r}OPT"], jobs
+    for key in res[0]:
+        for r in range(2):
+            assert res[r][key][1] == pytest.approx(norms, rel=1e-5), (key, r)
+        got = {s: ps for r in range(2) for s, ps in res[r][key][0].items()}
+        flat = [p for s in sorted(got) for p in got[s]]
+        assert len(flat) == len(want), key
+        for a, b in zip(flat, want, strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def test_max_grad_norm_must_be_a_positive_number():
+    from flowexec.pipeline.step_end import check_max_norm
+
+    assert check_max_norm(None) is None and check_max_norm(1) == 1.0
+    for bad in (0, -1.0, float("inf"), float("nan"), "1", True):
+        with pytest.raises(ValueError, match="max_grad_norm must be a positive finite number"):
+            check_max_norm(bad)

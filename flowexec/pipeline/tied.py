@@ -118,9 +118,19 @@ def unique_parameters(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Param
     return out
 
 
+def norm_parameters(modules: Sequence[torch.nn.Module], stages: Sequence[torch.nn.Module], cross: Sequence[Tie],
+                    rank: int) -> list[torch.nn.Parameter]:
+    """The parameters of ``modules`` (this rank's stages) whose gradients ``rank`` counts toward
+    a norm over the whole model: each once, but a weight tied across ranks (``cross``) only on
+    the lowest of its ranks, since after the sum every copy holds the whole gradient."""
+    skip = {id(parameter_at(stages, t)) for t in cross if rank in t.ranks and rank != min(t.ranks)}
+    return [p for p in unique_parameters(modules) if id(p) not in skip]
+
+
 def parameter_at(stages: Sequence[torch.nn.Module], tie: Tie) -> torch.nn.Parameter:
     """The parameter object a tie names, looked up in its first stage."""
     return stages[tie.stages[0]].get_parameter(tie.param)
 
 
-__all__ = ["Tie", "cross_rank_ties", "find_ties", "optimizer_groups", "parameter_at", "unique_parameters"]
+__all__ = ["Tie", "cross_rank_ties", "find_ties", "norm_parameters", "optimizer_groups", "parameter_at",
+           "unique_parameters"]

@@ -26,8 +26,10 @@ from typing import Any, Iterable
 from ..profiler.records import JOB_KINDS, Span
 
 _COLOURS = {"F": "thread_state_running", "B": "rail_response", "I": "rail_response", "W": "rail_animation",
-            "OPT": "rail_idle", "wait": "thread_state_iowait", "send": "generic_work", "isend": "good"}
+            "OPT": "rail_idle", "clip": "rail_idle", "wait": "thread_state_iowait", "send": "generic_work",
+            "isend": "good"}
 _LANES = {"wait": 2, "send": 3, "isend": 4}
+_STEP_LEVEL = {"clip"}  # the step end's work on the jobs' lane, no stage: the gradient clip
 
 
 def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
@@ -46,7 +48,7 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
         ts = (s.start_ns + s.offset_ns - t0) / 1e3
         if s.kind == "step":
             events.append({"ph": "i", "s": "p", "name": f"step {s.step}", "pid": s.rank + 1, "tid": 1, "ts": ts})
-        elif s.kind in JOB_KINDS or s.kind in _LANES:
+        elif s.kind in JOB_KINDS or s.kind in _LANES or s.kind in _STEP_LEVEL:
             events.append({"ph": "X", "name": _label(s), "cat": s.kind,
                            "pid": s.rank + 1, "tid": _LANES.get(s.kind, 1), "cname": _COLOURS[s.kind],
                            "ts": ts, "dur": s.duration_ns / 1e3, "args": {"step": s.step}})
@@ -54,7 +56,7 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
 
 
 def _label(s: Span) -> str:
-    if s.kind in _LANES:
+    if s.kind in _LANES or s.kind in _STEP_LEVEL:
         return s.name or s.kind
     return f"{s.stage}{s.kind}{'' if s.micro is None else s.micro}"  # 1F3, 0OPT: the plan's text form
 

@@ -34,9 +34,10 @@ import torch.distributed as dist
 from ..profiler.timers import NULL_TIMER
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
+from .step_end import StepEnd, check_max_norm
 from .stage import (Message, SendThread, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure,
                     spec_of, wait, wire)
-from .tied import cross_rank_ties, find_ties, optimizer_groups, parameter_at, unique_parameters
+from .tied import cross_rank_ties, find_ties, norm_parameters, optimizer_groups, parameter_at, unique_parameters
 
 NO_GROUP = ("PipelineTrainer needs a torch.distributed process group: start the script with "
             "`torchrun --nproc-per-node N script.py` (across machines: `torchrun --nnodes M --nproc-per-node N "
@@ -129,7 +130,10 @@ class PipelineTrainer:
     come a step late; ``timer.finish()`` returns the rest). ``profile``: the steps to record (``range(10, 13)``)
     into ``profile_dir`` (one JSON-lines file per rank; ``flowexec timeline merge DIR``), or use
     ``with trainer.profiling(DIR):`` around steps (docs/timeline.md). ``timeout``: seconds any
-    wait may last.
+    wait may last. ``max_grad_norm``: clip the gradients by their norm over the whole model, as
+    ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would (one ``all_reduce`` of a
+    scalar at the step's end; the optimizers step after it); ``trainer.grad_norm`` then holds
+    the step's norm before the clip (a 0-d tensor, on every rank).
 
     :meth:`step` returns the mean loss (a 0-d tensor) on the rank holding the last stage, None on
     the others. A rank that raises posts its error; the others stop waiting with a
@@ -140,7 +144,8 @@ class PipelineTrainer:
                  microbatches: int = 8, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  optimizer: Callable[[list[torch.nn.Parameter]], Any] | None = None, compile: bool | str = True,
                  device: torch.device | str | None = None, timer: Any = None, timeout: float = 300.0,
-                 profile: Any = None, profile_dir: str = "flowexec-timeline") -> None:
+                 profile: Any = None, profile_dir: str = "flowexec-timeline",
+                 max_grad_norm: float | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(NO_GROUP)
         stages = list(stages)
@@ -164,7 +169,8 @@ class PipelineTrainer:
         self.nccl = "nccl" in self.backend and self.device.type == "cuda"  # transfers go through NCCL
         self.modules = {s: stages[s].to(self.device) for s in self.local}
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
-        self._tie_setup(stages, optimizer)
+        self._tie_setup(stages, optimizer, check_max_norm(max_grad_norm))
+        self.grad_norm: torch.Tensor | None = None
         self.timer = timer if timer is not None else NULL_TIMER
         self.spans: list[Any] = []
         self.runners: dict[int, StageRunner] = {}
@@ -228,49 +234,43 @@ class PipelineTrainer:
         simulate(plan)  # a plan that deadlocks fails here, on every rank, naming the stuck jobs
         return plan
 
-    def _tie_setup(self, stages: Sequence[torch.nn.Module], optimizer: Callable[..., Any] | None) -> None:
-        """Optimizers and tied weights (:mod:`.tied`): local stages that share a parameter get one
-        optimizer, stepped by the last of their ``OPT`` jobs on this rank; a parameter shared with
-        a stage of another rank has its gradient summed over those ranks at the end of the step
-        (a group per set of ranks, made on every rank in one order), and the optimizers holding
-        it step after that."""
+    def _tie_setup(self, stages: Sequence[torch.nn.Module], optimizer: Callable[..., Any] | None,
+                   max_norm: float | None) -> None:
+        """Optimizers, tied weights (:mod:`.tied`) and the clip: local stages that share a
+        parameter get one optimizer, stepped by the last of their ``OPT`` jobs on this rank; a
+        parameter shared with a stage of another rank has its gradient summed over those ranks at
+        the end of the step (a group per set of ranks, made on every rank in one order), and the
+        optimizers holding it step after that; with ``max_norm`` every optimizer steps there,
+        after the clip (:mod:`.step_end`)."""
         ties = find_ties(stages)
         cross = cross_rank_ties(ties, self.owner)
         opt_at = {j.stage: i for i, j in enumerate(self.plan[self.rank]) if j.kind == "OPT"}
         self.optimizers: dict[int, Any] = {s: None for s in self.local}
-        deferred = []  # stages whose OPT waits for the tied gradients' sum
+        deferred = []  # stages whose OPT waits for the tied gradients' sum or the clip
         local_groups = optimizer_groups(self.local, ties)
         for group in local_groups:
             params = unique_parameters([self.modules[s] for s in group])
             at = max(group, key=lambda s: opt_at.get(s, -1))
             if optimizer is not None and params:
                 self.optimizers[at] = optimizer(params)
-            if any(s in t.stages for t in cross for s in group):
+            if max_norm is not None or any(s in t.stages for t in cross for s in group):
                 deferred.append(at)
         self._deferred = tuple(deferred)
-        # the optimizer each OPT job of the run loop steps (None where it waits for the sum)
+        # the optimizer each OPT job of the run loop steps (None where it waits for the step's end)
         self._opt_in_loop = {s: None if s in self._deferred else opt for s, opt in self.optimizers.items()}
         self._shares_locally = frozenset(s for g in local_groups if len(g) > 1 for s in g)
         groups: dict[tuple[int, ...], Any] = {}
         for t in cross:  # every rank, in the ties' order: new_group is collective
             if t.ranks not in groups:
                 groups[t.ranks] = dist.new_group(list(t.ranks))
-        self._synced = [(parameter_at(stages, t), groups[t.ranks], f"the gradient of {t.name}, tied across ranks "
-                         f"{', '.join(map(str, t.ranks))}") for t in cross if self.rank in t.ranks]
-
-    def _sum_tied(self) -> None:
-        """Sum the gradients of weights tied across ranks (every rank in the ties' order, so the
-        collectives cannot cross), then step the optimizers that waited for them."""
-        for p, group, what in self._synced:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self._wait(dist.all_reduce(p.grad, group=group, async_op=True), what)
-        for s in self._deferred:
-            opt = self.optimizers[s]
-            if opt is not None:
-                tok = self.timer.begin(step=self.step_count, stage=s, kind="OPT", micro=None)
-                opt.step()
-                self.timer.end(tok)
+        mods = [self.modules[s] for s in self.local]
+        self._end = StepEnd(
+            synced=tuple((parameter_at(stages, t), groups[t.ranks], f"the gradient of {t.name}, tied across ranks "
+                          f"{', '.join(map(str, t.ranks))}") for t in cross if self.rank in t.ranks),
+            deferred=tuple((s, self.optimizers[s]) for s in self._deferred if self.optimizers[s] is not None),
+            max_norm=max_norm,
+            counted=tuple(norm_parameters(mods, stages, cross, self.rank)) if max_norm is not None else (),
+            scaled=tuple(unique_parameters(mods)) if max_norm is not None else ())
 
     def _group(self, src: int, dst: int) -> Any:
         return self._groups[0] if src < dst else self._groups[1]
@@ -526,8 +526,8 @@ class PipelineTrainer:
             sends += sender.drain()
         for w, _ in sends:
             self._wait(w, "a send to finish")
-        if self._synced or self._deferred:
-            self._sum_tied()
+        if self._end:
+            self.grad_norm = self._end.run(self._wait, timer, k, self.device)
         timer.end(t_step)
         self.spans = timer.flush()
         if sender is not None and sender.record:

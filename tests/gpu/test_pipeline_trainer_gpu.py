@@ -77,6 +77,14 @@ def _one_rank(rank: int, world: int, cfg_dict: dict) -> dict:
         for _ in range(3):
             t.step(x, y)
         out["tied", compile] = [p.detach().cpu().clone() for s in stages for p in s.parameters()]
+        stages = _tied_stages()  # the same, clipped by the gradient norm, with SGD
+        t = PipelineTrainer(stages, schedule="ZBV", microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), max_grad_norm=0.05, timeout=120)
+        norms = []
+        for _ in range(3):
+            t.step(x, y)
+            norms.append(float(t.grad_norm))
+        out["clipped", compile] = ([p.detach().cpu().clone() for s in stages for p in s.parameters()], norms)
     return out
 
 
@@ -124,3 +132,19 @@ def test_one_gpu_every_schedule_and_a_tied_weight_train_as_one_process():
     for compile in (False, True):
         for a, b in zip(res["tied", compile], want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"tied compile={compile}: {m}")
+    stages = _tied_stages()
+    model = torch.nn.Sequential(*stages).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    norms = []
+    for _ in range(3):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+    assert min(norms) > 0.1  # the clip changes every step
+    want = [p.detach().cpu() for s in stages for p in s.parameters()]
+    for compile in (False, True):
+        got, got_norms = res["clipped", compile]
+        assert got_norms == pytest.approx(norms, rel=1e-5), compile
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"clipped compile={compile}: {m}")

@@ -1,0 +1,93 @@
+"""What a pipeline step does after its last job, on every rank: sum the gradients of weights
+tied across ranks (:mod:`.tied`), clip every gradient by the norm over the whole model, then
+step the optimizers that waited for either.
+
+The norm is the one ``torch.nn.utils.clip_grad_norm_`` would give on the unsplit model: each
+rank sums the squares of its own gradients (a weight tied across ranks counted on the lowest of
+its ranks only, since after the sum every copy holds the whole gradient), one ``all_reduce``
+adds the ranks' sums, and every rank scales its gradients by ``min(1, max_norm / (norm +
+1e-6))``. That sum needs every rank's last job, so with clipping every optimizer steps here,
+after the sum, instead of at its stage's ``OPT`` job.
+
+A :class:`StepEnd` is built once, at the trainer's construction; :meth:`StepEnd.run` is the
+per-step work. With nothing to do it is falsy, and the trainer skips it.
+
+>>> end = StepEnd(synced=(), deferred=(), max_norm=None, counted=(), scaled=())
+>>> bool(end)
+False
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """The step's end on one rank, built at set-up.
+
+    ``synced``: per weight tied across ranks that this rank holds, ``(parameter, group, what)``
+    (``what`` names it in a timeout's error). ``deferred``: ``(stage, optimizer)`` to step after
+    the sums and the clip. ``max_norm``: the clip's bound, None for no clip. ``counted``: the
+    parameters whose gradients this rank counts toward the norm; ``scaled``: those it scales
+    (every local trainable parameter once)."""
+
+    synced: tuple[tuple[torch.nn.Parameter, Any, str], ...]
+    deferred: tuple[tuple[int, Any], ...]
+    max_norm: float | None
+    counted: tuple[torch.nn.Parameter, ...]
+    scaled: tuple[torch.nn.Parameter, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.synced or self.deferred or self.max_norm is not None)
+
+    def run(self, wait: Callable[[Any, str], None], timer: Any, step: int,
+            device: torch.device) -> torch.Tensor | None:
+        """Sum the tied gradients, clip, step the deferred optimizers (every rank, in the same
+        order, so the collectives cannot cross). Returns the norm before the clip (a 0-d
+        float32 tensor on ``device``, the same on every rank), or None without a clip."""
+        for p, group, what in self.synced:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            wait(dist.all_reduce(p.grad, group=group, async_op=True), what)
+        norm = None
+        if self.max_norm is not None:
+            tok = timer.begin(step=step, stage=None, kind="clip", micro=None)
+            norm = self._clip(wait, device)
+            timer.end(tok)
+        for s, opt in self.deferred:
+            tok = timer.begin(step=step, stage=s, kind="OPT", micro=None)
+            opt.step()
+            timer.end(tok)
+        return norm
+
+    def _clip(self, wait: Callable[[Any, str], None], device: torch.device) -> torch.Tensor:
+        grads = [p.grad for p in self.counted if p.grad is not None]
+        # Squares summed in float32 at least (float64 gradients keep float64), like clip_grad_norm_.
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            sq = sq + torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).float() ** 2
+        wait(dist.all_reduce(sq, async_op=True), "the other ranks' gradient norms")
+        norm = sq.sqrt()
+        coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        scaled = [p.grad for p in self.scaled if p.grad is not None]
+        if scaled:
+            torch._foreach_mul_(scaled, coef)
+        return norm
+
+
+def check_max_norm(max_norm: Any) -> float | None:
+    """``max_grad_norm`` as given to the trainer: None, or a positive finite number."""
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not math.isfinite(max_norm) \
+            or max_norm <= 0:
+        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_norm!r}")
+    return float(max_norm)
+
+
+__all__ = ["StepEnd", "check_max_norm"]
