@@ -516,3 +516,56 @@ def test_max_grad_norm_must_be_a_positive_number():
     for bad in (0, -1.0, float("inf"), float("nan"), "1", True):
         with pytest.raises(ValueError, match="max_grad_norm must be a positive finite number"):
             check_max_norm(bad)
+
+
+def _resumed(rank: int, world: int, path: str) -> dict:
+    out = {}
+    for schedule, compile in (("ZBV", True), ("Interleaved1F1B", False)):  # the tie across ranks / on rank 0
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+        def trainer(seed: int) -> PipelineTrainer:
+            torch.manual_seed(seed)
+            stages = _tied_model() if seed == 0 else [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                                      for _ in range(3)] + [torch.nn.Linear(8, 8)]
+            if seed != 0:  # the same tie, other values
+                stages[2] = torch.nn.Sequential(stages[0][0], torch.nn.Tanh())
+            return PipelineTrainer(stages, schedule=schedule, microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                                   optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01), timeout=60)
+
+        straight = trainer(0)
+        for _ in range(3):
+            straight.step(x, y)
+        first = trainer(0)
+        for _ in range(2):
+            first.step(x, y)
+        f = f"{path}.{schedule}.{rank}"
+        torch.save(first.state_dict(), f)
+        second = trainer(7)
+        second.load_state_dict(torch.load(f, weights_only=False))
+        second.step(x, y)
+        out[schedule] = {"straight": {s: [p.detach().clone() for p in straight.modules[s].parameters()]
+                                      for s in straight.local},
+                         "resumed": {s: [p.detach().clone() for p in second.modules[s].parameters()]
+                                     for s in second.local},
+                         "step": second.step_count}
+        try:  # the other rank's checkpoint
+            second.load_state_dict(torch.load(f"{path}.{schedule}.{1 - rank}", weights_only=False)
+                                   if os.path.exists(f"{path}.{schedule}.{1 - rank}") else {"stages": {9: {}}})
+            out[schedule]["wrong"] = "loaded"
+        except ValueError as e:
+            out[schedule]["wrong"] = str(e)
+    return out
+
+
+def test_a_checkpoint_resumes_training_where_it_stopped(tmp_path):
+    res = spawn(_resumed, 2, str(tmp_path / "ckpt"), timeout=180)
+    for r in range(2):
+        for schedule, got in res[r].items():
+            assert got["step"] == 3
+            assert sorted(got["resumed"]) == sorted(got["straight"])
+            for s in got["straight"]:
+                for a, b in zip(got["resumed"][s], got["straight"][s], strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{schedule} stage {s}: {m}")
+            assert got["wrong"].startswith("this checkpoint holds stages") and "load each rank's own" in got["wrong"], \
+                got["wrong"]

@@ -192,6 +192,43 @@ class PipelineTrainer:
         meta = pipeline_meta(self.plan, self._schedule_name, self.world, self.n_stages, self.n_micro, self.device)
         return StepProfiler(directory, steps, device=self.device, meta=meta)
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint: its stages' ``state_dict``, its optimizers' and the
+        step count. Every rank saves its own (a weight tied across ranks is in each rank's)::
+
+            torch.save(trainer.state_dict(), f"ckpt/rank{dist.get_rank()}.pt")
+            # later, the same stages, schedule and world size:
+            trainer.load_state_dict(torch.load(f"ckpt/rank{dist.get_rank()}.pt"))
+
+        Gradients are not saved: a step writes them anew."""
+        return {"rank": self.rank, "world": self.world, "schedule": self._schedule_name,
+                "stages": {s: self.modules[s].state_dict() for s in self.local},
+                "optimizers": {s: opt.state_dict() for s, opt in self.optimizers.items() if opt is not None},
+                "step": self.step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved on this rank: the stages' tensors are copied into the
+        live parameters and buffers (compiled stages keep reading them), the optimizers' state
+        replaced. A checkpoint of other stages (another rank's, another schedule's or world
+        size's) is refused, naming both."""
+        if not isinstance(state, dict) or "stages" not in state:
+            raise ValueError("not a PipelineTrainer checkpoint (a dict from trainer.state_dict())")
+        got = sorted(state["stages"])
+        if got != self.local:
+            raise ValueError(f"this checkpoint holds stages {got} (rank {state.get('rank')} of {state.get('world')}, "
+                             f"{state.get('schedule')}); rank {self.rank} of {self.world} holds {self.local} "
+                             f"({self._schedule_name}): load each rank's own checkpoint")
+        mine = sorted(s for s, opt in self.optimizers.items() if opt is not None)
+        if sorted(state.get("optimizers", {})) != mine:
+            raise ValueError(f"this checkpoint has optimizers for stages {sorted(state.get('optimizers', {}))}, this "
+                             f"trainer for {mine}")
+        for s in self.local:
+            self.modules[s].load_state_dict(state["stages"][s])
+        for s in mine:
+            self.optimizers[s].load_state_dict(state["optimizers"][s])
+        self.step_count = int(state.get("step", self.step_count))
+
     @contextlib.contextmanager
     def profiling(self, directory: str = "flowexec-timeline") -> Iterator[Any]:
         """``with trainer.profiling("timeline/"):`` records every step inside the block (every
