@@ -569,3 +569,56 @@ def test_a_checkpoint_resumes_training_where_it_stopped(tmp_path):
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{schedule} stage {s}: {m}")
             assert got["wrong"].startswith("this checkpoint holds stages") and "load each rank's own" in got["wrong"], \
                 got["wrong"]
+
+
+def _evaluated(rank: int, world: int) -> dict:
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    xv, yv = torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)  # another batch size
+    for schedule, compile in (("ZBV", True), ("Interleaved1F1B", False), ("1F1B", True)):
+        stages = _tied_model()
+        if schedule == "1F1B":
+            stages = [torch.nn.Sequential(stages[0], stages[1]), torch.nn.Sequential(stages[2], stages[3])]
+        t = PipelineTrainer(stages, schedule=schedule, microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), timeout=60)
+        before = t.evaluate(xv, yv)  # before any step: nothing set up yet
+        t.step(x, y)
+        outputs = t.evaluate(xv)
+        loss = t.evaluate(xv, yv)
+        t.step(x, y)  # training goes on as if no evaluation had run
+        out[schedule] = {"before": before, "outputs": outputs, "loss": loss,
+                         "params": {s: [p.detach().clone() for p in t.modules[s].parameters()] for s in t.local}}
+    return out
+
+
+def test_evaluate_gives_the_models_loss_or_outputs_without_touching_training():
+    res = spawn(_evaluated, 2, timeout=180)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    xv, yv = torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)
+    stages = _tied_model()
+    model = torch.nn.Sequential(*stages)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():  # the mean of the micro-batches' losses: equal micro-batches, so the batch's loss
+        before = F.mse_loss(model(xv), yv)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    with torch.no_grad():
+        outputs, loss = model(xv), F.mse_loss(model(xv), yv)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    want = [p for s in stages for p in s.parameters()]
+    for schedule in res[0]:
+        last = 0 if schedule == "ZBV" else 1  # ZBV's V ends on rank 0
+        got = res[last][schedule]
+        assert res[1 - last][schedule]["loss"] is None and res[1 - last][schedule]["outputs"] is None
+        torch.testing.assert_close(got["before"], before, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["outputs"], outputs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["loss"], loss, rtol=1e-5, atol=1e-6)
+        params = {s: ps for r in range(2) for s, ps in res[r][schedule]["params"].items()}
+        flat = [p for s in sorted(params) for p in params[s]]
+        for a, b in zip(flat, want, strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule}: {m}")

@@ -192,6 +192,19 @@ class PipelineTrainer:
         meta = pipeline_meta(self.plan, self._schedule_name, self.world, self.n_stages, self.n_micro, self.device)
         return StepProfiler(directory, steps, device=self.device, meta=meta)
 
+    def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+        """A forward-only pass over a batch, on every rank (:mod:`.evaluate`): with ``targets``
+        the mean ``loss_fn`` over the micro-batches, without them the last stage's output for the
+        batch; on the last stage's rank, None elsewhere. No gradients, no optimizer step; the
+        batch need not have the training batch's shape."""
+        from .evaluate import evaluate
+
+        try:
+            return evaluate(self, inputs, targets)
+        except BaseException as e:
+            post_failure(self.rank, e)
+            raise
+
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: its stages' ``state_dict``, its optimizers' and the
