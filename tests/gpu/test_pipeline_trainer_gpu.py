@@ -2,6 +2,7 @@
 compiled stages, trains like the whole model on one GPU."""
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import asdict, replace
 from typing import Any
@@ -85,6 +86,24 @@ def _one_rank(rank: int, world: int, cfg_dict: dict) -> dict:
             t.step(x, y)
             norms.append(float(t.grad_norm))
         out["clipped", compile] = ([p.detach().cpu().clone() for s in stages for p in s.parameters()], norms)
+        out["evaluated", compile] = t.evaluate(x, y).cpu()  # forward only, after the clipped steps
+        # a checkpoint after 2 steps, loaded into a trainer of other weights (graph-mode stages read
+        # their parameters in place), then 1 step: as 3 steps straight (the "tied" run above)
+        first = PipelineTrainer(_tied_stages(), schedule="ZBV", microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                                optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01), timeout=120)
+        for _ in range(2):
+            first.step(x, y)
+        saved = io.BytesIO()
+        torch.save(first.state_dict(), saved)
+        torch.manual_seed(5)
+        other = torch.nn.Linear(16, 16)
+        stages = [torch.nn.Sequential(other, torch.nn.Tanh()), torch.nn.Sequential(other, torch.nn.Tanh())]
+        second = PipelineTrainer(stages, schedule="ZBV", microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01), timeout=120)
+        second.step(x, y)  # set up (graphs captured) on the other weights before the load
+        second.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+        second.step(x, y)
+        out["resumed", compile] = [p.detach().cpu().clone() for s in stages for p in s.parameters()]
     return out
 
 
@@ -132,6 +151,8 @@ def test_one_gpu_every_schedule_and_a_tied_weight_train_as_one_process():
     for compile in (False, True):
         for a, b in zip(res["tied", compile], want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"tied compile={compile}: {m}")
+        for a, b in zip(res["resumed", compile], want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"resumed compile={compile}: {m}")
     stages = _tied_stages()
     model = torch.nn.Sequential(*stages).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -143,7 +164,10 @@ def test_one_gpu_every_schedule_and_a_tied_weight_train_as_one_process():
         opt.step()
     assert min(norms) > 0.1  # the clip changes every step
     want = [p.detach().cpu() for s in stages for p in s.parameters()]
+    with torch.no_grad():
+        evaluated = F.mse_loss(model(x), y).cpu()
     for compile in (False, True):
+        torch.testing.assert_close(res["evaluated", compile], evaluated, rtol=1e-5, atol=1e-6)
         got, got_norms = res["clipped", compile]
         assert got_norms == pytest.approx(norms, rel=1e-5), compile
         for a, b in zip(got, want, strict=True):
