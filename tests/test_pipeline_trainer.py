@@ -326,9 +326,10 @@ time.sleep(300)  # a host wait that never looks at the peers: a CUDA sync behind
 
 
 def test_torchrun_ends_a_rank_that_cannot_see_its_peer_fail(tmp_path):
-    # On NCCL a receive blocks the GPU, not the host, so the trainer cannot see a peer fail: the
-    # launcher ends the run (docs/pipeline.md, Failure). torchrun stops the other ranks when one
-    # fails and names it as the root cause, its traceback above.
+    # A check of the launcher, which docs/pipeline.md (Failure) relies on, not of flowexec: on
+    # NCCL a receive blocks the GPU, not the host, so the trainer cannot see a peer fail and the
+    # launcher ends the run. torchrun stops the other ranks when one fails and names it as the
+    # root cause, its traceback above.
     script = tmp_path / "fail.py"
     script.write_text(TORCHRUN_FAILING_SCRIPT)
     start = time.monotonic()
@@ -456,7 +457,7 @@ def test_a_tied_weight_is_stepped_once_with_its_whole_gradient_on_one_rank_or_ac
 
 def _clipped(rank: int, world: int) -> dict:
     out = {}
-    for schedule in ("1F1B", "Interleaved1F1B", "ZBV"):  # the tied weight on ranks 0 and 1 / on rank 0 / on both
+    for schedule in ("1F1B", "Interleaved1F1B", "ZBV"):  # the tied weight on ranks 0 and 1 / on rank 0 / on 0 and 1
         for compile in (False, True):
             stages = _tied_model()
             if schedule == "1F1B":  # one stage a rank: stages 0-1 and 2-3 joined
@@ -512,7 +513,10 @@ def test_max_grad_norm_clips_by_the_whole_models_norm_as_clip_grad_norm_does():
 def test_max_grad_norm_must_be_a_positive_number():
     from flowexec.pipeline.step_end import check_max_norm
 
+    import numpy as np
+
     assert check_max_norm(None) is None and check_max_norm(1) == 1.0
+    assert check_max_norm(np.float32(0.5)) == 0.5 and check_max_norm(np.int64(2)) == 2.0
     for bad in (0, -1.0, float("inf"), float("nan"), "1", True):
         with pytest.raises(ValueError, match="max_grad_norm must be a positive finite number"):
             check_max_norm(bad)
@@ -549,6 +553,18 @@ def _resumed(rank: int, world: int, path: str) -> dict:
                          "resumed": {s: [p.detach().clone() for p in second.modules[s].parameters()]
                                      for s in second.local},
                          "step": second.step_count}
+        bad = torch.load(f, weights_only=False)  # one tensor of another shape in the last local stage
+        s_bad = max(bad["stages"])
+        key = next(iter(bad["stages"][s_bad]))
+        bad["stages"][s_bad][key] = torch.zeros(3)
+        kept = {s: [p.detach().clone() for p in second.modules[s].parameters()] for s in second.local}
+        try:
+            second.load_state_dict(bad)
+            out[schedule + " bad"] = "loaded"
+        except ValueError as e:
+            same = all(torch.equal(a, b) for s in second.local
+                       for a, b in zip(kept[s], second.modules[s].parameters(), strict=True))
+            out[schedule + " bad"] = (str(e), same, s_bad, key)
         try:  # the other rank's checkpoint
             second.load_state_dict(torch.load(f"{path}.{schedule}.{1 - rank}", weights_only=False)
                                    if os.path.exists(f"{path}.{schedule}.{1 - rank}") else {"stages": {9: {}}})
@@ -561,6 +577,10 @@ def _resumed(rank: int, world: int, path: str) -> dict:
 def test_a_checkpoint_resumes_training_where_it_stopped(tmp_path):
     res = spawn(_resumed, 2, str(tmp_path / "ckpt"), timeout=180)
     for r in range(2):
+        for schedule in [k for k in res[r] if k.endswith(" bad")]:
+            msg, unchanged, stage, key = res[r].pop(schedule)
+            assert msg.startswith(f"rank {r}: the checkpoint's stage {stage} does not fit") and key in msg, msg
+            assert unchanged  # refused before any stage was written
         for schedule, got in res[r].items():
             assert got["step"] == 3
             assert sorted(got["resumed"]) == sorted(got["straight"])
@@ -614,7 +634,8 @@ def test_evaluate_gives_the_models_loss_or_outputs_without_touching_training():
     for schedule in res[0]:
         last = 0 if schedule == "ZBV" else 1  # ZBV's V ends on rank 0
         got = res[last][schedule]
-        assert res[1 - last][schedule]["loss"] is None and res[1 - last][schedule]["outputs"] is None
+        other = res[1 - last][schedule]
+        assert other["before"] is None and other["loss"] is None and other["outputs"] is None
         torch.testing.assert_close(got["before"], before, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["outputs"], outputs, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["loss"], loss, rtol=1e-5, atol=1e-6)
@@ -622,3 +643,77 @@ def test_evaluate_gives_the_models_loss_or_outputs_without_touching_training():
         flat = [p for s in sorted(params) for p in params[s]]
         for a, b in zip(flat, want, strict=True):
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule}: {m}")
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self, lin: torch.nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+        self.unused = torch.nn.Parameter(torch.ones(3))  # never gets a gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def _four_rank_model(n: int) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(8, 8) for _ in range(n)]
+    lins[n - 1], lins[n - 2] = lins[0], lins[1]  # two ties: first / last stage, second / second to last
+    return [_WithUnused(lin).double() for lin in lins]
+
+
+_FOUR = (("1F1B", 4), ("Interleaved1F1B", 8), ("ZBV", 8), ("ZBH1", 4))
+
+
+def _four_data() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(rows, 8, generator=g, dtype=torch.float64) for rows in (16, 16, 20, 20))
+
+
+def _four_ranks(rank: int, world: int) -> dict:
+    out = {}
+    x, y, xv, yv = _four_data()
+    for schedule, n in _FOUR:
+        t = PipelineTrainer(_four_rank_model(n), schedule=schedule, microbatches=4, loss_fn=F.mse_loss, compile=True,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), max_grad_norm=0.05, timeout=90)
+        before = t.evaluate(xv, yv)
+        norms = []
+        for _ in range(2):
+            t.step(x, y)
+            norms.append(t.grad_norm)
+        out[schedule] = {"before": before, "outputs": t.evaluate(xv), "norms": norms,
+                         "params": {s: [p.detach().clone() for p in t.modules[s].parameters()] for s in t.local}}
+    return out
+
+
+def test_four_ranks_clip_and_evaluate_a_float64_model_with_ties_as_one_process():
+    # Every placement on 4 ranks (one stage a rank, r and r+p, the V), weights tied across ranks and
+    # on one rank, a parameter without a gradient, float64: the norm is summed in float64.
+    res = spawn(_four_ranks, 4, timeout=240)
+    x, y, xv, yv = _four_data()
+    for schedule, n in _FOUR:
+        stages = _four_rank_model(n)
+        model = torch.nn.Sequential(*stages)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        with torch.no_grad():
+            before = F.mse_loss(model(xv), yv)
+        norms = []
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            opt.step()
+        with torch.no_grad():
+            outputs = model(xv)
+        assert min(norms) > 0.1
+        last = [r for r in range(4) if n - 1 in res[r][schedule]["params"]][0]
+        torch.testing.assert_close(res[last][schedule]["before"], before, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(res[last][schedule]["outputs"], outputs, rtol=1e-12, atol=1e-12)
+        for r in range(4):
+            got = res[r][schedule]["norms"]
+            assert all(g.dtype == torch.float64 for g in got), (schedule, r)
+            torch.testing.assert_close(torch.stack(got), torch.stack(norms), rtol=1e-12, atol=0)
+            for s, ps in res[r][schedule]["params"].items():
+                for a, b in zip(ps, stages[s].parameters(), strict=True):
+                    torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12,
+                                               msg=lambda m: f"{schedule} stage {s}: {m}")

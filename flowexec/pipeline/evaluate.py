@@ -52,6 +52,8 @@ def evaluate(trainer: Any, inputs: Any = None, targets: Any = None) -> torch.Ten
 
     last = trainer.n_stages - 1
     n = trainer.n_micro
+    if n >= 1 << 10 or trainer.n_stages >= 1 << 8:  # the fields of _tags
+        raise ValueError(f"evaluate() supports up to 1023 micro-batches and 255 stages, got {n} and {trainer.n_stages}")
     xs = ys = None
     if 0 in trainer.modules:
         if inputs is None:

@@ -19,6 +19,7 @@ False
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,13 +35,16 @@ class StepEnd:
     (``what`` names it in a timeout's error). ``deferred``: ``(stage, optimizer)`` to step after
     the sums and the clip. ``max_norm``: the clip's bound, None for no clip. ``counted``: the
     parameters whose gradients this rank counts toward the norm; ``scaled``: those it scales
-    (every local trainable parameter once)."""
+    (every local trainable parameter once); ``dtype``: what the squares are summed in, decided
+    from the whole model's parameters so that every rank's ``all_reduce`` agrees
+    (:func:`norm_dtype`)."""
 
     synced: tuple[tuple[torch.nn.Parameter, Any, str], ...]
     deferred: tuple[tuple[int, Any], ...]
     max_norm: float | None
     counted: tuple[torch.nn.Parameter, ...]
     scaled: tuple[torch.nn.Parameter, ...]
+    dtype: torch.dtype = torch.float32
 
     def __bool__(self) -> bool:
         return bool(self.synced or self.deferred or self.max_norm is not None)
@@ -49,7 +53,7 @@ class StepEnd:
             device: torch.device) -> torch.Tensor | None:
         """Sum the tied gradients, clip, step the deferred optimizers (every rank, in the same
         order, so the collectives cannot cross). Returns the norm before the clip (a 0-d
-        float32 tensor on ``device``, the same on every rank), or None without a clip."""
+        tensor of ``dtype`` on ``device``, the same on every rank), or None without a clip."""
         for p, group, what in self.synced:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -67,10 +71,12 @@ class StepEnd:
 
     def _clip(self, wait: Callable[[Any, str], None], device: torch.device) -> torch.Tensor:
         grads = [p.grad for p in self.counted if p.grad is not None]
-        # Squares summed in float32 at least (float64 gradients keep float64), like clip_grad_norm_.
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            sq = sq + torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).float() ** 2
+        # Per tensor in its own dtype, as clip_grad_norm_ does; the squares summed in ``dtype``
+        # (float32, float64 where the model has float64 parameters: the same on every rank).
+        if grads:
+            sq = torch.stack([n.to(self.dtype) for n in torch._foreach_norm(grads)]).square().sum()
+        else:
+            sq = torch.zeros((), dtype=self.dtype, device=device)
         wait(dist.all_reduce(sq, async_op=True), "the other ranks' gradient norms")
         norm = sq.sqrt()
         coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
@@ -81,13 +87,21 @@ class StepEnd:
 
 
 def check_max_norm(max_norm: Any) -> float | None:
-    """``max_grad_norm`` as given to the trainer: None, or a positive finite number."""
+    """``max_grad_norm`` as given to the trainer: None, or a positive finite real number (NumPy's
+    too, as ``clip_grad_norm_`` takes them)."""
     if max_norm is None:
         return None
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not math.isfinite(max_norm) \
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not math.isfinite(max_norm) \
             or max_norm <= 0:
         raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_norm!r}")
     return float(max_norm)
 
 
-__all__ = ["StepEnd", "check_max_norm"]
+def norm_dtype(modules: Any) -> torch.dtype:
+    """What a norm over ``modules`` (every stage, the same list on every rank) is summed in:
+    float64 where any trainable parameter is float64, else float32."""
+    wide = any(p.dtype == torch.float64 for m in modules for p in m.parameters() if p.requires_grad)
+    return torch.float64 if wide else torch.float32
+
+
+__all__ = ["StepEnd", "check_max_norm", "norm_dtype"]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..profiler.timers import NULL_TIMER
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
-from .step_end import StepEnd, check_max_norm
+from .step_end import StepEnd, check_max_norm, norm_dtype
 from .stage import (Message, SendThread, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure,
                     spec_of, wait, wire)
 from .tied import cross_rank_ties, find_ties, norm_parameters, optimizer_groups, parameter_at, unique_parameters
@@ -236,6 +236,15 @@ class PipelineTrainer:
         if sorted(state.get("optimizers", {})) != mine:
             raise ValueError(f"this checkpoint has optimizers for stages {sorted(state.get('optimizers', {}))}, this "
                              f"trainer for {mine}")
+        for s in self.local:  # every stage checked before any is written: a refused load changes nothing
+            have = self.modules[s].state_dict()
+            got_s = state["stages"][s]
+            wrong = sorted(set(have) ^ set(got_s)) or [k for k in have if getattr(have[k], "shape", None)
+                                                         != getattr(got_s[k], "shape", None)]
+            if wrong:
+                raise ValueError(f"rank {self.rank}: the checkpoint's stage {s} does not fit this trainer's stage {s}: "
+                                 f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''} "
+                                 f"(missing, unexpected or of another shape)")
         for s in self.local:
             self.modules[s].load_state_dict(state["stages"][s])
         for s in mine:
@@ -320,7 +329,8 @@ class PipelineTrainer:
             deferred=tuple((s, self.optimizers[s]) for s in self._deferred if self.optimizers[s] is not None),
             max_norm=max_norm,
             counted=tuple(norm_parameters(mods, stages, cross, self.rank)) if max_norm is not None else (),
-            scaled=tuple(unique_parameters(mods)) if max_norm is not None else ())
+            scaled=tuple(unique_parameters(mods)) if max_norm is not None else (),
+            dtype=norm_dtype(stages))
 
     def _group(self, src: int, dst: int) -> Any:
         return self._groups[0] if src < dst else self._groups[1]
