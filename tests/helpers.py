@@ -112,3 +112,19 @@ def eager_stage_grads(mod: torch.nn.Module, xs: Any, gs: Any) -> tuple[list, lis
         outs.append([t.detach() for t in y])
         gins.append([t.grad for t in xr])
     return outs, gins, [p.grad for p in mod.parameters()]
+
+
+def clipped_sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float,
+                max_norm: float) -> list[torch.Tensor]:
+    """The unsplit reference of a pipeline trained with ``max_grad_norm``: ``steps`` SGD steps on
+    the MSE of the whole batch, each clipped by ``clip_grad_norm_``; returns each step's norm
+    (checked to exceed ``max_norm``, so that the clip changes every step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    norms = []
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        opt.step()
+    assert min(float(n) for n in norms) > 2 * max_norm, "the reference's gradients never needed the clip"
+    return norms
