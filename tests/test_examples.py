@@ -1,0 +1,40 @@
+"""The examples run as their docstrings say (torchrun, 2 gloo ranks on the CPU, small sizes)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "pipeline_train.py")
+
+
+def _torchrun(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           EXAMPLE, "--width", "32", "--depth", "2", *args],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _validation(out: str) -> float:
+    found = re.findall(r"validation loss after \d+ steps: ([0-9.]+)", out)
+    assert len(found) == 1, out  # printed once, by the last stage's rank
+    return float(found[0])
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBV"])
+def test_pipeline_train_example_trains_and_resumes_where_it_stopped(tmp_path, schedule):
+    straight = _torchrun("--schedule", schedule, "--steps", "8")
+    first = _torchrun("--schedule", schedule, "--steps", "8", "--stop-after", "4", "--save", str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "rank1.pt"]
+    resumed = _torchrun("--schedule", schedule, "--steps", "8", "--resume", str(tmp_path))
+    assert "step 0:" in first and "step 0:" not in resumed and "step 5:" in resumed and "step 7:" in resumed
+    losses = [float(v) for v in re.findall(r"step \d+: loss ([0-9.]+)", straight)]
+    assert losses[-1] < losses[0]  # it learns
+    assert _validation(resumed) == pytest.approx(_validation(straight), rel=1e-6)
+    assert _validation(first) != pytest.approx(_validation(straight), rel=1e-3)
