@@ -7,7 +7,8 @@ Every rank runs its stages' forwards in stage order, each over every micro-batch
 modules run eagerly under ``torch.no_grad()``: a forward-only pass saves nothing for a backward,
 and the compiled stages' programs, with their per-micro-batch saved values, stay untouched for
 training. Shapes are not fixed: every message is preceded by a small header with its shapes and
-dtypes, so the batch may differ from the training batch. Train/eval mode (dropout, batch
+dtypes (once a stage boundary: the micro-batches are equal parts of the batch), so the batch may
+differ from the training batch. Train/eval mode (dropout, batch
 norm) is the modules' own: call ``module.eval()`` on the stages first if you want it.
 
 >>> from flowexec.pipeline.schedules import v_placement
@@ -66,6 +67,7 @@ def evaluate(trainer: Any, inputs: Any = None, targets: Any = None) -> torch.Ten
     held: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (stage, micro) -> its input, handed over locally
     sends: list[tuple[Any, Any]] = []
     results: list[Any] = []
+    specs: dict[int, Any] = {}  # stage -> its input's spec, sent or received with micro-batch 0
     with torch.no_grad():
         for job in forward_plan(owner, n)[rank]:
             s, m = job.stage, job.micro
@@ -74,7 +76,7 @@ def evaluate(trainer: Any, inputs: Any = None, targets: Any = None) -> torch.Ten
             elif owner[s - 1] == rank:
                 got = held.pop((s, m))
             else:
-                got = _receive(trainer, owner[s - 1], s, m, hdr_dev)
+                got = _receive(trainer, owner[s - 1], s, m, hdr_dev, specs)
             out = trainer.modules[s](*got)
             if s == last:
                 results.append(trainer.loss_fn(out, ys[m]) if ys is not None else _as_tuple(out)[0])
@@ -83,7 +85,7 @@ def evaluate(trainer: Any, inputs: Any = None, targets: Any = None) -> torch.Ten
             if owner[s + 1] == rank:
                 held[s + 1, m] = outs
             else:
-                _send(trainer, outs, owner[s + 1], s + 1, m, hdr_dev, sends)
+                _send(trainer, outs, owner[s + 1], s + 1, m, hdr_dev, sends, specs)
         for w, _ in sends:
             trainer._wait(w, "a forward-only send to finish")
     if not results:
@@ -92,23 +94,31 @@ def evaluate(trainer: Any, inputs: Any = None, targets: Any = None) -> torch.Ten
 
 
 def _send(trainer: Any, outs: tuple[torch.Tensor, ...], dst: int, stage: int, micro: int, hdr_dev: torch.device,
-          sends: list[tuple[Any, Any]]) -> None:
+          sends: list[tuple[Any, Any]], specs: dict[int, Any]) -> None:
     group = trainer._group(trainer.rank, dst)
     spec = spec_of(outs, f"stage {stage - 1}'s output")
-    h = encode_spec(spec).to(hdr_dev)
     tags = _tags(stage, micro, len(outs) + 1)
-    sends.append((dist.isend(h, dst, group=group, tag=tags[0]), h))
+    if micro == 0:
+        specs[stage] = spec
+        h = encode_spec(spec).to(hdr_dev)
+        sends.append((dist.isend(h, dst, group=group, tag=tags[0]), h))
+    elif spec != specs[stage]:
+        raise ValueError(f"stage {stage - 1}'s output for micro-batch {micro} has shapes {spec}, micro-batch 0's "
+                         f"{specs[stage]}: a forward-only pass sends one shape a stage")
     for t, tag in zip(outs, tags[1:]):
         t = wire(t.contiguous())
         sends.append((dist.isend(t, dst, group=group, tag=tag), t))
 
 
-def _receive(trainer: Any, src: int, stage: int, micro: int, hdr_dev: torch.device) -> tuple[torch.Tensor, ...]:
+def _receive(trainer: Any, src: int, stage: int, micro: int, hdr_dev: torch.device,
+             specs: dict[int, Any]) -> tuple[torch.Tensor, ...]:
     group = trainer._group(src, trainer.rank)
     what = f"the input of stage {stage} micro-batch {micro} from rank {src} (forward only)"
-    h = torch.zeros(encode_spec(()).shape, dtype=torch.int64, device=hdr_dev)
-    trainer._wait(dist.irecv(h, src, group=group, tag=_tags(stage, micro, 1)[0]), what)
-    spec = decode_spec(h.cpu())
+    if micro == 0:  # the header (on NCCL, reading it is a host sync: one a stage boundary)
+        h = torch.zeros(encode_spec(()).shape, dtype=torch.int64, device=hdr_dev)
+        trainer._wait(dist.irecv(h, src, group=group, tag=_tags(stage, micro, 1)[0]), what)
+        specs[stage] = decode_spec(h.cpu())
+    spec = specs[stage]
     bufs = [torch.empty(shape, dtype=dt, device=trainer.device) for shape, dt in spec]
     works = [dist.irecv(wire(b), src, group=group, tag=tag) for b, tag in zip(bufs, _tags(stage, micro, len(spec) + 1)[1:])]
     for w in works:
