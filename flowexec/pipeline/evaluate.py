@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .runner import _as_tuple
 from .schedules import Job
-from .stage import decode_spec, encode_spec, spec_of, wire
+from .stage import recv_spec, send_spec, spec_of, wire
 
 # Tags of the forward-only messages (gloo matches on them; NCCL on the order, which is the same
 # on both ends): apart from a step's (below 1 << 20), the set-up's (1 << 20 | stage) and the
@@ -49,19 +49,11 @@ def evaluate(trainer: Any, inputs: Any = None, targets: Any = None) -> torch.Ten
     the mean of ``loss_fn`` over the micro-batches where ``targets`` are given, else the last
     stage's output for the whole batch (its micro-batches' outputs joined on dim 0; the first
     tensor of a tuple); on the last stage's rank, None elsewhere."""
-    from .trainer import split_batch
-
     last = trainer.n_stages - 1
     n = trainer.n_micro
     if n >= 1 << 10 or trainer.n_stages >= 1 << 8:  # the fields of _tags
         raise ValueError(f"evaluate() supports up to 1023 micro-batches and 255 stages, got {n} and {trainer.n_stages}")
-    xs = ys = None
-    if 0 in trainer.modules:
-        if inputs is None:
-            raise ValueError(f"rank {trainer.rank} holds stage 0: evaluate() needs the inputs")
-        xs = [tuple(t.to(trainer.device) for t in _as_tuple(x)) for x in split_batch(inputs, n)]
-    if last in trainer.modules and targets is not None:
-        ys = [y.to(trainer.device) if isinstance(y, torch.Tensor) else y for y in split_batch(targets, n)]
+    xs, ys = trainer._micro_batches(inputs, targets, "evaluate()", targets_needed=False)
     hdr_dev = trainer.device if trainer.nccl else torch.device("cpu")
     owner, rank = trainer.owner, trainer.rank
     held: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (stage, micro) -> its input, handed over locally
@@ -100,8 +92,7 @@ def _send(trainer: Any, outs: tuple[torch.Tensor, ...], dst: int, stage: int, mi
     tags = _tags(stage, micro, len(outs) + 1)
     if micro == 0:
         specs[stage] = spec
-        h = encode_spec(spec).to(hdr_dev)
-        sends.append((dist.isend(h, dst, group=group, tag=tags[0]), h))
+        sends.append(send_spec(spec, dst, group, tags[0], hdr_dev))
     elif spec != specs[stage]:
         raise ValueError(f"stage {stage - 1}'s output for micro-batch {micro} has shapes {spec}, micro-batch 0's "
                          f"{specs[stage]}: a forward-only pass sends one shape a stage")
@@ -115,9 +106,7 @@ def _receive(trainer: Any, src: int, stage: int, micro: int, hdr_dev: torch.devi
     group = trainer._group(src, trainer.rank)
     what = f"the input of stage {stage} micro-batch {micro} from rank {src} (forward only)"
     if micro == 0:  # the header (on NCCL, reading it is a host sync: one a stage boundary)
-        h = torch.zeros(encode_spec(()).shape, dtype=torch.int64, device=hdr_dev)
-        trainer._wait(dist.irecv(h, src, group=group, tag=_tags(stage, micro, 1)[0]), what)
-        specs[stage] = decode_spec(h.cpu())
+        specs[stage] = recv_spec(src, group, _tags(stage, micro, 1)[0], hdr_dev, lambda w: trainer._wait(w, what))
     spec = specs[stage]
     bufs = [torch.empty(shape, dtype=dt, device=trainer.device) for shape, dt in spec]
     works = [dist.irecv(wire(b), src, group=group, tag=tag) for b, tag in zip(bufs, _tags(stage, micro, len(spec) + 1)[1:])]

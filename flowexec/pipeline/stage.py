@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,10 @@ class Message:
     src: int
     dst: int
     pos: int
+
+    def tags(self, n: int) -> tuple[int, ...]:
+        """The tags of its ``n`` tensors (gloo matches on them; NCCL on the order)."""
+        return tuple(self.pos * _MAX_TENSORS + i for i in range(n))
 
 
 def spec_of(tensors: Sequence[torch.Tensor], what: str) -> Spec:
@@ -98,6 +102,21 @@ def decode_spec(h: torch.Tensor) -> Spec:
         ndim = int(h[o + 1])
         out.append((tuple(int(d) for d in h[o + 2:o + 2 + ndim]), DTYPES[int(h[o])]))
     return tuple(out)
+
+
+def send_spec(spec: Spec, dst: int, group: Any, tag: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """Send ``spec`` as a shape header (on ``device``: NCCL sends device tensors); returns the
+    work and the header, which must live until the work is done."""
+    h = encode_spec(spec).to(device)
+    return dist.isend(h, dst, group=group, tag=tag), h
+
+
+def recv_spec(src: int, group: Any, tag: int, device: torch.device, wait_for: Callable[[Any], None]) -> Spec:
+    """Receive a shape header from :func:`send_spec` (``wait_for(work)`` waits, with the
+    caller's timeout and error text) and decode it (on CUDA, a host sync)."""
+    h = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    wait_for(dist.irecv(h, src, group=group, tag=tag))
+    return decode_spec(h.cpu())
 
 
 def grad_spec(spec: Spec) -> Spec:

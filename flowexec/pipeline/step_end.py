@@ -37,7 +37,7 @@ class StepEnd:
     parameters whose gradients this rank counts toward the norm; ``scaled``: those it scales
     (every local trainable parameter once); ``dtype``: what the squares are summed in, decided
     from the whole model's parameters so that every rank's ``all_reduce`` agrees
-    (:func:`norm_dtype`)."""
+    (:func:`norm_dtype`); ``device``: the local stages'."""
 
     synced: tuple[tuple[torch.nn.Parameter, Any, str], ...]
     deferred: tuple[tuple[int, Any], ...]
@@ -45,12 +45,12 @@ class StepEnd:
     counted: tuple[torch.nn.Parameter, ...]
     scaled: tuple[torch.nn.Parameter, ...]
     dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
 
     def __bool__(self) -> bool:
         return bool(self.synced or self.deferred or self.max_norm is not None)
 
-    def run(self, wait: Callable[[Any, str], None], timer: Any, step: int,
-            device: torch.device) -> torch.Tensor | None:
+    def run(self, wait: Callable[[Any, str], None], timer: Any, step: int) -> torch.Tensor | None:
         """Sum the tied gradients, clip, step the deferred optimizers (every rank, in the same
         order, so the collectives cannot cross). Returns the norm before the clip (a 0-d
         tensor of ``dtype`` on ``device``, the same on every rank), or None without a clip."""
@@ -61,7 +61,7 @@ class StepEnd:
         norm = None
         if self.max_norm is not None:
             tok = timer.begin(step=step, stage=None, kind="clip", micro=None)
-            norm = self._clip(wait, device)
+            norm = self._clip(wait)
             timer.end(tok)
         for s, opt in self.deferred:
             tok = timer.begin(step=step, stage=s, kind="OPT", micro=None)
@@ -69,14 +69,14 @@ class StepEnd:
             timer.end(tok)
         return norm
 
-    def _clip(self, wait: Callable[[Any, str], None], device: torch.device) -> torch.Tensor:
+    def _clip(self, wait: Callable[[Any, str], None]) -> torch.Tensor:
         grads = [p.grad for p in self.counted if p.grad is not None]
         # Per tensor in its own dtype, as clip_grad_norm_ does; the squares summed in ``dtype``
         # (float32, float64 where the model has float64 parameters: the same on every rank).
         if grads:
             sq = torch.stack([n.to(self.dtype) for n in torch._foreach_norm(grads)]).square().sum()
         else:
-            sq = torch.zeros((), dtype=self.dtype, device=device)
+            sq = torch.zeros((), dtype=self.dtype, device=self.device)
         wait(dist.all_reduce(sq, async_op=True), "the other ranks' gradient norms")
         norm = sq.sqrt()
         coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)

@@ -35,7 +35,7 @@ from ..profiler.timers import NULL_TIMER
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
 from .step_end import StepEnd, check_max_norm, norm_dtype
-from .stage import (Message, SendThread, Spec, channel_order, decode_spec, encode_spec, grad_spec, post_failure,
+from .stage import (Message, SendThread, Spec, channel_order, grad_spec, post_failure, recv_spec, send_spec,
                     spec_of, wait, wire)
 from .tied import cross_rank_ties, find_ties, norm_parameters, optimizer_groups, parameter_at, unique_parameters
 
@@ -169,7 +169,7 @@ class PipelineTrainer:
         self.nccl = "nccl" in self.backend and self.device.type == "cuda"  # transfers go through NCCL
         self.modules = {s: stages[s].to(self.device) for s in self.local}
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
-        self._tie_setup(stages, optimizer, check_max_norm(max_grad_norm))
+        self._optimizer_setup(stages, optimizer, check_max_norm(max_grad_norm))
         self.grad_norm: torch.Tensor | None = None
         self.timer = timer if timer is not None else NULL_TIMER
         self.spans: list[Any] = []
@@ -293,7 +293,7 @@ class PipelineTrainer:
         simulate(plan)  # a plan that deadlocks fails here, on every rank, naming the stuck jobs
         return plan
 
-    def _tie_setup(self, stages: Sequence[torch.nn.Module], optimizer: Callable[..., Any] | None,
+    def _optimizer_setup(self, stages: Sequence[torch.nn.Module], optimizer: Callable[..., Any] | None,
                    max_norm: float | None) -> None:
         """Optimizers, tied weights (:mod:`.tied`) and the clip: local stages that share a
         parameter get one optimizer, stepped by the last of their ``OPT`` jobs on this rank; a
@@ -314,9 +314,8 @@ class PipelineTrainer:
                 self.optimizers[at] = optimizer(params)
             if max_norm is not None or any(s in t.stages for t in cross for s in group):
                 deferred.append(at)
-        self._deferred = tuple(deferred)
         # the optimizer each OPT job of the run loop steps (None where it waits for the step's end)
-        self._opt_in_loop = {s: None if s in self._deferred else opt for s, opt in self.optimizers.items()}
+        self._opt_in_loop = {s: None if s in deferred else opt for s, opt in self.optimizers.items()}
         self._shares_locally = frozenset(s for g in local_groups if len(g) > 1 for s in g)
         groups: dict[tuple[int, ...], Any] = {}
         for t in cross:  # every rank, in the ties' order: new_group is collective
@@ -326,11 +325,11 @@ class PipelineTrainer:
         self._end = StepEnd(
             synced=tuple((parameter_at(stages, t), groups[t.ranks], f"the gradient of {t.name}, tied across ranks "
                           f"{', '.join(map(str, t.ranks))}") for t in cross if self.rank in t.ranks),
-            deferred=tuple((s, self.optimizers[s]) for s in self._deferred if self.optimizers[s] is not None),
+            deferred=tuple((s, self.optimizers[s]) for s in deferred if self.optimizers[s] is not None),
             max_norm=max_norm,
             counted=tuple(norm_parameters(mods, stages, cross, self.rank)) if max_norm is not None else (),
             scaled=tuple(unique_parameters(mods)) if max_norm is not None else (),
-            dtype=norm_dtype(stages))
+            dtype=norm_dtype(stages), device=self.device)
 
     def _group(self, src: int, dst: int) -> Any:
         return self._groups[0] if src < dst else self._groups[1]
@@ -356,11 +355,9 @@ class PipelineTrainer:
             elif self.owner[s - 1] == self.rank:
                 self.in_spec[s] = self.out_spec[s - 1]
             else:
-                h = torch.zeros(encode_spec(()).shape, dtype=torch.int64, device=hdr_dev)
                 src = self.owner[s - 1]
-                self._wait(dist.irecv(h, src, group=self._group(src, self.rank), tag=1 << 20 | s),
-                           f"stage {s - 1}'s output shapes from rank {src}")
-                self.in_spec[s] = decode_spec(h.cpu())
+                self.in_spec[s] = recv_spec(src, self._group(src, self.rank), 1 << 20 | s, hdr_dev,
+                                            lambda w: self._wait(w, f"stage {s - 1}'s output shapes from rank {src}"))
             example = tuple(torch.zeros(shape, dtype=dt, device=self.device).requires_grad_(s > 0 and dt.is_floating_point)
                             for shape, dt in self.in_spec[s])
             if s == 0:
@@ -374,8 +371,7 @@ class PipelineTrainer:
                                        f"stage {s}'s output")
             dst = self.owner[s + 1]
             if dst != self.rank:
-                h = encode_spec(self.out_spec[s]).to(hdr_dev)
-                sends.append((dist.isend(h, dst, group=self._group(self.rank, dst), tag=1 << 20 | (s + 1)), h))
+                sends.append(send_spec(self.out_spec[s], dst, self._group(self.rank, dst), 1 << 20 | (s + 1), hdr_dev))
         for w, _ in sends:
             self._wait(w, "the shapes sent to the next rank")
         by_key = {(m.kind, m.stage, m.micro): m for m in msgs}
@@ -426,7 +422,7 @@ class PipelineTrainer:
                 spec = self._sent_spec(m_)
                 self._send_info[m_] = _SendInfo(spec, f"send {m_.kind} for stage {m_.stage}",
                                                 f"isend {m_.kind} for stage {m_.stage}", self._group(m_.src, m_.dst),
-                                                tuple(m_.pos * 8 + i for i in range(len(spec))))
+                                                m_.tags(len(spec)))
         self._recv_info = {m_: (f"recv {m_.kind} for stage {m_.stage}",
                                 f"the {'input' if m_.kind == 'act' else 'output gradient'} of stage {m_.stage} "
                                 f"micro-batch {m_.micro} from rank {m_.src}")
@@ -438,7 +434,7 @@ class PipelineTrainer:
         for m_, spec in self._recv_order:
             kept = self._recv_bufs.get(m_)
             self._recv_plan.append((m_, (m_.kind, m_.stage, m_.micro), self._group(m_.src, m_.dst),
-                                    [m_.pos * 8 + i for i in range(len(spec))], kept,
+                                    m_.tags(len(spec)), kept,
                                     [wire(b) for b in kept] if kept else None, spec))
         # A parameter two local stages share (tied weights) gets both stages' gradients: its
         # buffers are not written over, they start from None.
@@ -492,16 +488,7 @@ class PipelineTrainer:
         them, ``targets``: the rank holding the last stage; other ranks may pass None). Returns
         the mean loss over the micro-batches on the last stage's rank, None elsewhere."""
         try:
-            last = self.n_stages - 1
-            xs = ys = None
-            if 0 in self.modules:
-                if inputs is None:
-                    raise ValueError(f"rank {self.rank} holds stage 0: step() needs the inputs")
-                xs = [tuple(t.to(self.device) for t in _as_tuple(x)) for x in split_batch(inputs, self.n_micro)]
-            if last in self.modules:
-                if targets is None:
-                    raise ValueError(f"rank {self.rank} holds the last stage: step() needs the targets")
-                ys = [y.to(self.device) if isinstance(y, torch.Tensor) else y for y in split_batch(targets, self.n_micro)]
+            xs, ys = self._micro_batches(inputs, targets, "step()", targets_needed=True)
             if self._program is None:
                 self._setup(xs[0] if xs is not None else None)
             if xs is not None:
@@ -523,6 +510,23 @@ class PipelineTrainer:
         except BaseException as e:
             post_failure(self.rank, e)
             raise
+
+    def _micro_batches(self, inputs: Any, targets: Any, call: str, targets_needed: bool
+                       ) -> tuple[list[tuple[torch.Tensor, ...]] | None, list[Any] | None]:
+        """The batch cut into micro-batches on this rank's device: the inputs where stage 0 lives
+        (required there), the targets where the last stage lives (required if ``targets_needed``);
+        None elsewhere."""
+        xs = ys = None
+        if 0 in self.modules:
+            if inputs is None:
+                raise ValueError(f"rank {self.rank} holds stage 0: {call} needs the inputs")
+            xs = [tuple(t.to(self.device) for t in _as_tuple(x)) for x in split_batch(inputs, self.n_micro)]
+        if self.n_stages - 1 in self.modules:
+            if targets is None and targets_needed:
+                raise ValueError(f"rank {self.rank} holds the last stage: {call} needs the targets")
+            if targets is not None:
+                ys = [y.to(self.device) if isinstance(y, torch.Tensor) else y for y in split_batch(targets, self.n_micro)]
+        return xs, ys
 
     def _run(self, xs: list[tuple[torch.Tensor, ...]] | None, ys: list[Any] | None) -> torch.Tensor | None:
         timer, k = self.timer, self.step_count
@@ -587,7 +591,7 @@ class PipelineTrainer:
         for w, _ in sends:
             self._wait(w, "a send to finish")
         if self._end:
-            self.grad_norm = self._end.run(self._wait, timer, k, self.device)
+            self.grad_norm = self._end.run(self._wait, timer, k)
         timer.end(t_step)
         self.spans = timer.flush()
         if sender is not None and sender.record:
