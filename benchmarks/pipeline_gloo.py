@@ -6,6 +6,7 @@ trace mode, the I/W split pass, gradients accumulated in place); ``flowexec eage
 
 Schedules (flowexec vs torch): FThenB vs GPipe, 1F1B vs 1F1B, Interleaved1F1B vs
 Interleaved1F1B, ZBH1 vs InterleavedZeroBubble (one stage per rank), ZBV vs ZBVZeroBubble.
+``--schedules`` may add Eager1F1B (against torch's 1F1B, which it varies).
 Default sizes: 2 ranks; an input layer Linear(768, 1024) + tanh, 8 blocks of Linear(1024) + tanh,
 an output head Linear(1024, 512) (one-stage-per-rank schedules: 4 blocks a stage; two-stage ones:
 2; the input layer on the first stage, the head on the last: ``split``'s ``balance``), batch 512 in

@@ -45,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20, help="the run's steps in all (the learning rate's schedule)")
     ap.add_argument("--stop-after", type=int, default=0, help="stop at this step (as if interrupted; 0: at --steps)")
-    ap.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B, Interleaved1F1B, ZBH1 or ZBV")
+    ap.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B, Eager1F1B, Interleaved1F1B, ZBH1 or ZBV")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches a step")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--width", type=int, default=128)

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     pipe = sub.add_parser("pipeline", help="train a small model pipeline-parallel on local gloo ranks (CPU) and "
                                            "save the job timeline")
     pipe.add_argument("--schedule", type=str.lower, default="1f1b",
-                      choices=("gpipe", "fthenb", "1f1b", "interleaved1f1b", "zbh1", "zbv"),
+                      choices=("gpipe", "fthenb", "1f1b", "eager1f1b", "interleaved1f1b", "zbh1", "zbv"),
                       help="schedule (any case; default 1f1b)")
     pipe.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
     pipe.add_argument("--micro", type=int, default=8, help="micro-batches per step (default 8)")

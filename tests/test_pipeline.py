@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowexec.pipeline import (Job, PipelineTrainer, check, format_schedule, get_schedule, gpipe, interleaved_1f1b,
+from flowexec.pipeline import (Job, PipelineTrainer, check, eager_1f1b, format_schedule, get_schedule, gpipe,
+                               interleaved_1f1b,
                                make_runner, one_f_one_b, parse_schedule, placement, simulate, split, split_batch,
                                with_optimizer, zbh1, zbv)
 
@@ -22,6 +23,10 @@ rank 1: 1F0 1F1 1F2 1B0 1B1 1B2""",
 rank 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
 rank 1: 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3
 rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3""",
+    ("eager1f1b", 3, 6, None): """
+rank 0: 0F0 0F1 0F2 0F3 0F4 0B0 0F5 0B1 0B2 0B3 0B4 0B5
+rank 1: 1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1B4 1B5
+rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 2F4 2B4 2F5 2B5""",
     ("interleaved1f1b", 2, 4, 4): """
 rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
 rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3""",
@@ -81,6 +86,21 @@ def test_1f1b_bubble_matches_theory(p, m):
     # unequal costs, and a latency per hop: the formula holds with the hop added to each job's wait
     sim = simulate(one_f_one_b(p, m), costs=(1.0, 1.5, 0.5))
     assert max(sim.idle.values()) == pytest.approx((p - 1) * 3.0)
+
+
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16), (3, 6)])
+def test_eager_1f1b_pays_the_latency_only_to_fill_and_drain(p, m):
+    """Eager1F1B: 1F1B's bubble with no latency; with a latency L a hop, only the fill and the
+    drain wait for messages (2(p-1) L), where 1F1B waits on every micro-batch's round trip; rank
+    r holds 2(p-r)-1 micro-batches' activations (1F1B: p-r)."""
+    assert simulate(eager_1f1b(p, m)).bubble == pytest.approx((p - 1) / (m + p - 1))
+    for lat in (0.1, 0.5):
+        eager, plain = simulate(eager_1f1b(p, m), latency=lat), simulate(one_f_one_b(p, m), latency=lat)
+        assert eager.makespan == pytest.approx(3 * (m + p - 1) + 2 * (p - 1) * lat)
+        assert plain.makespan - eager.makespan >= (m - 2) * lat - 1e-9  # 1F1B: a round trip a micro-batch
+    assert simulate(eager_1f1b(p, m)).peak_activations == {r: min(2 * (p - r) - 1, m) for r in range(p)}
+    assert simulate(one_f_one_b(p, m)).peak_activations == {r: min(p - r, m) for r in range(p)}
+    assert get_schedule("Eager1F1B") is eager_1f1b
 
 
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16), (3, 6)])

@@ -20,7 +20,7 @@ from flowexec.pipeline.demo import Config, eager_reference, stage_modules, train
 from helpers import clipped_sgd
 
 pytestmark = pytest.mark.timeout(300)
-SCHEDULES = ["FThenB", "1F1B", "Interleaved1F1B", "ZBH1", "ZBV"]
+SCHEDULES = ["FThenB", "1F1B", "Eager1F1B", "Interleaved1F1B", "ZBH1", "ZBV"]
 SMALL = Config(width=16, blocks=8, batch=16, n_micro=4, steps=3, lr=0.1, threads=1)
 
 

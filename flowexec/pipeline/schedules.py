@@ -147,6 +147,31 @@ def one_f_one_b(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict
     return {s: _one_f_one_b_rank(s, n_ranks, n_micro, zero_bubble=False) for s in range(n_ranks)}
 
 
+def eager_1f1b(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict[int, tuple[Job, ...]]:
+    """Eager1F1B (PaddlePaddle's ``pipeline_scheduler_Eager1F1B`` pass): 1F1B whose rank ``r``
+    runs ``2(p - r) - 1`` forwards before its first backward (1F1B: ``p - r``), then one
+    backward and one forward, then drains. Every activation leaves a job earlier than in 1F1B,
+    so a slow transfer or a late job on one rank is absorbed by the work queued on the other
+    instead of idling both: with equal stages 1F1B has no such slack (p = 2: each micro-batch
+    waits one message each way). The same bubble as 1F1B in theory; rank ``r`` holds up to
+    ``2(p - r) - 1`` micro-batches' activations instead of ``p - r`` (the last rank is 1F1B's).
+    One stage per rank.
+
+    >>> print(format_schedule(eager_1f1b(2, 4)))
+    rank 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+    rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+    """
+    _check_sizes(n_ranks, n_micro, n_stages, 1, "Eager1F1B")
+    out = {}
+    for r in range(n_ranks):
+        warm = min(2 * (n_ranks - r) - 1, n_micro)
+        jobs = [Job(r, "F", i) for i in range(warm)]
+        for i in range(n_micro - warm):  # a backward, then the next forward
+            jobs += [Job(r, "B", i), Job(r, "F", warm + i)]
+        out[r] = tuple(jobs + [Job(r, "B", i) for i in range(n_micro - warm, n_micro)])
+    return out
+
+
 def zbh1(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict[int, tuple[Job, ...]]:
     """ZB-H1 (Zero Bubble PP, arXiv 2401.10241): 1F1B's order of forwards and input-gradient
     halves (``I``), with rank ``r`` deferring the weight halves (``W``) of its first ``r``
@@ -301,18 +326,19 @@ def zbv(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict[int, tu
 
 
 SCHEDULES: dict[str, Callable[..., dict[int, tuple[Job, ...]]]] = {
-    "gpipe": gpipe, "fthenb": gpipe, "1f1b": one_f_one_b, "interleaved1f1b": interleaved_1f1b,
-    "zbh1": zbh1, "zbv": zbv}
+    "gpipe": gpipe, "fthenb": gpipe, "1f1b": one_f_one_b, "eager1f1b": eager_1f1b,
+    "interleaved1f1b": interleaved_1f1b, "zbh1": zbh1, "zbv": zbv}
 #: Stages per rank each named schedule runs (None: any whole number; Interleaved1F1B's default is 2).
-STAGES_PER_RANK = {"gpipe": 1, "fthenb": 1, "1f1b": 1, "interleaved1f1b": None, "zbh1": 1, "zbv": 2}
+STAGES_PER_RANK = {"gpipe": 1, "fthenb": 1, "1f1b": 1, "eager1f1b": 1, "interleaved1f1b": None, "zbh1": 1,
+                   "zbv": 2}
 
 
 def get_schedule(name: str) -> Callable[..., dict[int, tuple[Job, ...]]]:
     """The schedule function called ``name`` (case-insensitive; ``-`` and ``_`` ignored)."""
     key = name.lower().replace("-", "").replace("_", "")
     if key not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}: choose one of FThenB (GPipe), 1F1B, Interleaved1F1B, ZBH1, "
-                         "ZBV, or pass a function (n_ranks, n_micro, n_stages) -> plan, or a plan")
+        raise ValueError(f"unknown schedule {name!r}: choose one of FThenB (GPipe), 1F1B, Eager1F1B, Interleaved1F1B, "
+                         "ZBH1, ZBV, or pass a function (n_ranks, n_micro, n_stages) -> plan, or a plan")
     return SCHEDULES[key]
 
 

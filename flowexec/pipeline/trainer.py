@@ -115,7 +115,7 @@ class _Ins:
 class PipelineTrainer:
     """Train ``stages`` (every stage's module, the same list on every rank) pipeline-parallel.
 
-    ``schedule``: a name (FThenB/GPipe, 1F1B, Interleaved1F1B, ZBH1, ZBV; any case), a function
+    ``schedule``: a name (FThenB/GPipe, 1F1B, Eager1F1B, Interleaved1F1B, ZBH1, ZBV; any case), a function
     ``(n_ranks, n_micro, n_stages) -> plan``, or a plan (``{rank: [Job, ...]}``). The plan decides
     which stages each rank holds (ZBV: two in a V; Interleaved1F1B: ``r, r+p, ...``).
     ``loss_fn(output, target)``: a mean over the micro-batch; gradients are those of the mean over
