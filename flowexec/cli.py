@@ -30,6 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     pipe.add_argument("--out", default="flowexec-pipeline.json", help="Chrome trace of the jobs")
     pipe.add_argument("--compile", action="store_true",
                       help="run the stages as flowexec programs (CompiledRunner) instead of eager autograd")
+    sch = sub.add_parser("schedules", help="compare pipeline schedules before running one: simulated step, bubble and "
+                                           "activations per rank (your own plan too)")
+    sch.add_argument("--ranks", type=int, default=None, help="pipeline ranks (default 4, or your plan's)")
+    sch.add_argument("--micro", type=int, default=None, help="micro-batches a step (default 8, or your plan's)")
+    sch.add_argument("--costs", default="1,1,1", help="T_F,T_I,T_W of a micro-batch through a rank's layers "
+                     "(default 1,1,1; a full backward costs T_I + T_W)")
+    sch.add_argument("--latency", type=float, default=0.0, help="each message's latency, in the costs' unit")
+    sch.add_argument("--show", action="append", default=[], metavar="NAME",
+                     help="also print this schedule's jobs per rank (repeatable)")
+    sch.add_argument("--plan", action="append", default=[], metavar="FILE",
+                     help="a plan of yours in text form ('rank 0: 0F0 0F1 0B0 ...' a line), checked and compared")
     tl = sub.add_parser("timeline", help="merge profiled records (one JSON-lines file per rank) into a trace and page")
     tl_sub = tl.add_subparsers(dest="timeline_command", required=True)
     tl_merge = tl_sub.add_parser("merge", help="DIR/*.jsonl -> Trace Event Format (Perfetto) and an HTML page")
@@ -44,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
             print(merge_command(args.directory, args.out, args.html))
         except (ValueError, OSError) as e:
             print(f"flowexec timeline: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "schedules":
+        from .pipeline.compare import schedules_command
+
+        try:
+            print(schedules_command(args.ranks, args.micro, args.costs, args.latency, args.show, args.plan))
+        except (ValueError, OSError) as e:
+            print(f"flowexec schedules: {e}", file=sys.stderr)
             return 2
         return 0
     if args.command == "pipeline":
