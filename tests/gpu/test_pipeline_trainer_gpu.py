@@ -18,7 +18,7 @@ os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.timeout(600)]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-SCHEDULES = ["FThenB", "1F1B", "Interleaved1F1B", "ZBH1", "ZBV"]
+SCHEDULES = ["FThenB", "1F1B", "Eager1F1B", "Interleaved1F1B", "ZBH1", "ZBV"]
 
 
 def _worker(rank: int, world: int, cfg_dict: dict, compile: bool) -> dict:
