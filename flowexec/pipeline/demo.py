@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .schedules import STAGES_PER_RANK, get_schedule
+from .schedules import STAGES_PER_RANK, get_schedule, simulate
 from .trainer import PipelineTrainer, split
 
 
@@ -146,8 +146,10 @@ def run_cli(schedule: str, ranks: int, micro: int, steps: int, out: str, compile
             f"rank {r} {res[r]['step_s'][k] * 1e3:.1f} ms" for r in range(ranks)))
     spans = [s for r in range(ranks) for step in res[r]["spans"] for s in step]
     warm = [s for s in spans if s.step > 0] or spans  # the first step also sets up and allocates
+    ideal = simulate(get_schedule(schedule)(ranks, micro, ranks * v)).bubble
     print("bubble (idle share of each rank's steps after the first): "
-          + ", ".join(f"rank {r} {b:.0%}" for r, b in bubble(warm).items()))
+          + ", ".join(f"rank {r} {b:.0%}" for r, b in bubble(warm).items())
+          + f"; the schedule's at equal job costs and no latency: {ideal:.0%} (flowexec schedules compares them)")
     losses, _ = eager_reference(cfg)
     worst = max(abs(a - b) / abs(b) for a, b in zip(res[last]["losses"], losses))
     print(f"losses against one process: largest relative difference {worst:.1e}")
