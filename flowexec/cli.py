@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .pipeline.schedules import SCHEDULES
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flowexec", description="Run PyTorch programs as planned instruction streams.")
@@ -21,8 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--streams", type=int, default=1, help="CUDA streams (default 1)")
     pipe = sub.add_parser("pipeline", help="train a small model pipeline-parallel on local gloo ranks (CPU) and "
                                            "save the job timeline")
-    pipe.add_argument("--schedule", type=str.lower, default="1f1b",
-                      choices=("gpipe", "fthenb", "1f1b", "eager1f1b", "interleaved1f1b", "zbh1", "zbv"),
+    pipe.add_argument("--schedule", type=str.lower, default="1f1b", choices=tuple(SCHEDULES),
                       help="schedule (any case; default 1f1b)")
     pipe.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
     pipe.add_argument("--micro", type=int, default=8, help="micro-batches per step (default 8)")

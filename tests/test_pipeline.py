@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowexec.pipeline import (Job, PipelineTrainer, check, eager_1f1b, format_schedule, get_schedule, gpipe,
-                               interleaved_1f1b,
-                               make_runner, one_f_one_b, parse_schedule, placement, simulate, split, split_batch,
-                               with_optimizer, zbh1, zbv)
+from flowexec.pipeline import (NAMES, SCHEDULES, Job, PipelineTrainer, check, eager_1f1b, format_schedule,
+                               get_schedule, gpipe, interleaved_1f1b, make_runner, one_f_one_b, parse_schedule,
+                               placement, simulate, split, split_batch, with_optimizer, zbh1, zbv)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,19 +87,27 @@ def test_1f1b_bubble_matches_theory(p, m):
     assert max(sim.idle.values()) == pytest.approx((p - 1) * 3.0)
 
 
-@pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16), (3, 6)])
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16), (3, 6), (4, 5), (3, 2), (1, 3)])
 def test_eager_1f1b_pays_the_latency_only_to_fill_and_drain(p, m):
-    """Eager1F1B: 1F1B's bubble with no latency; with a latency L a hop, only the fill and the
-    drain wait for messages (2(p-1) L), where 1F1B waits on every micro-batch's round trip; rank
-    r holds 2(p-r)-1 micro-batches' activations (1F1B: p-r)."""
+    """Eager1F1B: 1F1B's bubble with no latency; rank r holds 2(p-r)-1 micro-batches' activations
+    (1F1B: p-r), all of them where m is smaller. With a latency L a message below half a
+    micro-batch's work and m >= 2p-1, only the fill and the drain wait for messages (2(p-1) L),
+    where 1F1B waits on every micro-batch."""
     assert simulate(eager_1f1b(p, m)).bubble == pytest.approx((p - 1) / (m + p - 1))
-    for lat in (0.1, 0.5):
-        eager, plain = simulate(eager_1f1b(p, m), latency=lat), simulate(one_f_one_b(p, m), latency=lat)
-        assert eager.makespan == pytest.approx(3 * (m + p - 1) + 2 * (p - 1) * lat)
-        assert plain.makespan - eager.makespan >= (m - 2) * lat - 1e-9  # 1F1B: a round trip a micro-batch
     assert simulate(eager_1f1b(p, m)).peak_activations == {r: min(2 * (p - r) - 1, m) for r in range(p)}
     assert simulate(one_f_one_b(p, m)).peak_activations == {r: min(p - r, m) for r in range(p)}
-    assert get_schedule("Eager1F1B") is eager_1f1b
+    if m >= 2 * p - 1 and p > 1:
+        for lat in (0.1, 0.5, 1.5):
+            eager, plain = simulate(eager_1f1b(p, m), latency=lat), simulate(one_f_one_b(p, m), latency=lat)
+            assert eager.makespan == pytest.approx(3 * (m + p - 1) + 2 * (p - 1) * lat)
+            assert plain.makespan - eager.makespan >= (m - 2) * lat - 1e-9
+    for r in range(p):  # a clamped rank runs every forward first
+        assert [j.kind for j in eager_1f1b(p, m)[r]][:min(2 * (p - r) - 1, m)] == ["F"] * min(2 * (p - r) - 1, m)
+
+
+def test_every_schedule_has_one_name():
+    assert {get_schedule(n) for n in NAMES} == set(SCHEDULES.values())
+    assert get_schedule("Eager1F1B") is eager_1f1b and get_schedule("eager-1f1b") is eager_1f1b
 
 
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16), (3, 6)])

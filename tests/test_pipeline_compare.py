@@ -8,6 +8,7 @@ import shlex
 import pytest
 
 from flowexec.cli import main
+from flowexec.pipeline import interleaved_1f1b
 from flowexec.pipeline.compare import compare
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +59,12 @@ def test_a_schedule_that_does_not_fit_says_why(capsys):
     assert main(["schedules", "--ranks", "4", "--micro", "9"]) == 0
     out = capsys.readouterr().out
     assert "Interleaved1F1B  does not fit: " in out and "8 or 10 do" in out
-    assert "ZBH1" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:]}
+    assert rows["ZBH1"][:3] == ["1", "30", "10.0%"]  # the others still compared: idle (p-1)(T_F+T_I-T_W)
+    assert main(["schedules", "--ranks", "4", "--micro", "9", "--show", "interleaved1f1b"]) == 0
+    with pytest.raises(ValueError) as why:
+        interleaved_1f1b(4, 9)
+    assert capsys.readouterr().out.endswith(f"interleaved1f1b:\ndoes not fit: {why.value}\n")  # the table stays
 
 
 def test_a_plan_file_is_checked_and_compared_at_its_sizes(tmp_path, capsys):
@@ -78,7 +84,7 @@ def test_bad_input_is_named(tmp_path, capsys):
     assert main(["schedules", "--plan", str(stuck)]) == 2
     assert f"{stuck}: plan deadlocks: rank 0 waits at 0B0 for 0F0" in capsys.readouterr().err
     assert main(["schedules", "--costs", "1,2"]) == 2
-    assert "--costs takes three numbers" in capsys.readouterr().err
+    assert "--costs takes three finite numbers T_F,T_I,T_W" in capsys.readouterr().err
     ok = tmp_path / "ok.txt"
     ok.write_text("rank 0: 0F0 0B0\nrank 1: 1F0 1B0\n")
     assert main(["schedules", "--plan", str(ok), "--ranks", "3"]) == 2
@@ -89,8 +95,57 @@ def test_bad_input_is_named(tmp_path, capsys):
     assert "unknown schedule 'dualpipe'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--ranks", "0"], "--ranks must be at least 1, got 0"),
+    (["--micro", "0"], "--micro must be at least 1, got 0"),
+    (["--costs", "nan,1,1"], "--costs takes three finite numbers"),
+    (["--costs", "inf,1,1"], "--costs takes three finite numbers"),
+    (["--costs=-1,1,1"], "none negative"),
+    (["--costs", "0,0,1"], "T_F + T_I above 0"),
+    (["--latency", "nan"], "--latency must be a finite number >= 0, got nan"),
+    (["--latency", "-1"], "--latency must be a finite number >= 0, got -1.0"),
+])
+def test_bad_options_are_named(args, says, capsys):
+    assert main(["schedules", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, says", [
+    ("rank 0: 0F0 0B0\nrank 1:\n", "every rank must hold as many stages to compare on a rank's costs, got rank 0: 1, "
+                                    "rank 1: 0"),
+    ("rank 0: 0F0 0B0\nrank 1: 1F0 2F0 2B0 1B0\n", "got rank 0: 1, rank 1: 2"),
+    ("rank 0: 0OPT\n", "the plan has no forward or backward jobs"),
+])
+def test_plans_that_cannot_be_compared_are_named(tmp_path, capsys, text, says):
+    plan = tmp_path / "p.txt"
+    plan.write_text(text)
+    assert main(["schedules", "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "p.txt" in err
+
+
+def test_plan_files_of_other_sizes_or_encodings_and_one_name(tmp_path, capsys):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("rank 0: 0F0 0B0\nrank 1: 1F0 1B0\n")
+    b.write_text("rank 0: 0F0 0F1 0B0 0B1\nrank 1: 1F0 1B0 1F1 1B1\n")
+    assert main(["schedules", "--plan", str(a), "--plan", str(b)]) == 2
+    assert f"{b} has 2 ranks and 2 micro-batches, {a} 2 and 1" in capsys.readouterr().err
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"rank 0: 0F0 0B0 \xe9\n")
+    assert main(["schedules", "--plan", str(latin)]) == 2
+    assert f"{latin}: 'utf-8' codec can't decode" in capsys.readouterr().err
+    (tmp_path / "d1").mkdir(), (tmp_path / "d2").mkdir()
+    same = [tmp_path / "d1" / "x.txt", tmp_path / "d2" / "x.txt"]
+    for f in same:
+        f.write_text(a.read_text())
+    assert main(["schedules", "--plan", str(same[0]), "--plan", str(same[1])]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:10]]
+    assert str(same[0]) in names and str(same[1]) in names  # two rows, by path
+
+
 def test_the_example_in_the_docs_is_what_the_command_prints(capsys):
-    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "pipeline.md")).read()
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "pipeline.md")) as f:
+        doc = f.read()
     block = doc[doc.index("$ flowexec schedules"):]
     block = block[:block.index("```")]
     command, shown = block.split("\n", 1)

@@ -13,12 +13,13 @@ rank 1: 1F0 1B0 1F1 1B1
 from . import split as _split_pass  # noqa: F401
 from .launch import PipelineError, spawn
 from .runner import EagerRunner, StageRunner, make_runner
-from .schedules import (SCHEDULES, Job, Simulation, check, dependencies, eager_1f1b, format_schedule, get_schedule,
-                        gpipe,                         interleaved_1f1b, one_f_one_b, parse_schedule, placement, simulate, with_optimizer, zbh1, zbv)
+from .schedules import (NAMES, SCHEDULES, Job, Simulation, check, dependencies, eager_1f1b, format_schedule,
+                        get_schedule, gpipe, interleaved_1f1b, one_f_one_b, parse_schedule, placement, simulate,
+                        with_optimizer, zbh1, zbv)
 from .timeline import bubble, chrome_trace
 from .trainer import PipelineTrainer, split, split_batch
 
-__all__ = ["EagerRunner", "Job", "PipelineError", "PipelineTrainer", "SCHEDULES", "Simulation", "StageRunner",
+__all__ = ["EagerRunner", "Job", "NAMES", "PipelineError", "PipelineTrainer", "SCHEDULES", "Simulation", "StageRunner",
            "bubble", "check", "chrome_trace", "dependencies", "eager_1f1b", "format_schedule", "get_schedule", "gpipe",
            "interleaved_1f1b", "make_runner", "one_f_one_b", "parse_schedule", "placement", "simulate", "spawn",
            "split", "split_batch", "with_optimizer", "zbh1", "zbv"]

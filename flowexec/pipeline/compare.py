@@ -15,13 +15,12 @@ Costs are per micro-batch of one rank's layers, so that schedules with several s
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .schedules import Plan, Simulation, format_schedule, get_schedule, parse_schedule, placement, simulate
-
-NAMES = ("FThenB", "1F1B", "Eager1F1B", "Interleaved1F1B", "ZBH1", "ZBV")
+from .schedules import NAMES, Plan, format_schedule, get_schedule, most_held, parse_schedule, placement, simulate
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +39,18 @@ class Row:
 def compare(n_ranks: int, n_micro: int, costs: tuple[float, float, float] = (1.0, 1.0, 1.0), latency: float = 0.0,
             names: Sequence[str] = NAMES, plans: Mapping[str, Plan] | None = None) -> list[Row]:
     """A :class:`Row` per schedule in ``names`` (built for ``n_ranks`` and ``n_micro``), then
-    per plan in ``plans`` (as given). ``costs = (T_F, T_B, T_W)`` of a micro-batch through one
-    rank's layers (a full backward costs T_B + T_W); ``latency``: each message's."""
+    per plan in ``plans`` (as given; every rank must hold as many stages). ``costs = (T_F, T_I,
+    T_W)`` of a micro-batch through one rank's layers (a full backward costs T_I + T_W);
+    ``latency``: each message's. Raises ValueError for a bad plan or bad costs.
+
+    >>> [(r.name, r.makespan, r.activations) for r in compare(2, 4, names=["1F1B", "ZBV"])]
+    [('1F1B', 15.0, (2.0, 1.0)), ('ZBV', 12.5, (2.0, 2.0))]
+    """
     rows = []
     for name in names:
+        make = get_schedule(name)
         try:
-            plan = get_schedule(name)(n_ranks, n_micro)
+            plan = make(n_ranks, n_micro)
         except ValueError as e:
             rows.append(Row(name, 0, error=str(e)))
             continue
@@ -57,25 +62,26 @@ def compare(n_ranks: int, n_micro: int, costs: tuple[float, float, float] = (1.0
 
 def _row(name: str, plan: Plan, costs: tuple[float, float, float], latency: float) -> Row:
     owner = placement(plan)
-    v = len(owner) // len(plan)
-    sim = simulate(plan, tuple(c / v for c in costs), latency)  # type: ignore[arg-type]
-    return Row(name, v, sim.makespan, sim.bubble, tuple(_held(plan, sim, r) / v for r in sorted(plan)))
-
-
-def _held(plan: Plan, sim: Simulation, rank: int) -> int:
-    """The most micro-batches' activations rank ``rank`` holds at once over all its stages: from a
-    forward's end to the end of that micro-batch's last backward job there (B, or W)."""
-    events = sorted((sim.end[j], 1 if j.kind == "F" else -1) for j in plan[rank] if j.kind in ("F", "B", "W"))
-    held = best = 0
-    for _, d in events:
-        held += d
-        best = max(best, held)
-    return best
+    held = {r: sum(1 for s in owner if owner[s] == r) for r in plan}
+    v = held[min(plan)]
+    if set(held.values()) != {v} or v == 0:
+        # each stage is charged 1/v of a rank's costs: only sound if every rank holds v stages
+        raise ValueError(f"{name}: every rank must hold as many stages to compare on a rank's costs, got "
+                         + ", ".join(f"rank {r}: {k}" for r, k in sorted(held.items())))
+    sim = simulate(plan, (costs[0] / v, costs[1] / v, costs[2] / v), latency)
+    return Row(name, v, sim.makespan, sim.bubble, tuple(most_held(plan[r], sim.end) / v for r in sorted(plan)))
 
 
 def format_comparison(rows: Sequence[Row], n_ranks: int, n_micro: int, costs: tuple[float, float, float],
                       latency: float) -> str:
-    """The rows as a text table, a heading with the sizes and costs, and one line per error."""
+    """The rows as a text table under a heading with the sizes and costs; a schedule that does
+    not fit gets its reason instead of figures.
+
+    >>> print(format_comparison(compare(2, 4, names=["1F1B"]), 2, 4, (1, 1, 1), 0))
+    2 ranks, 4 micro-batches; a micro-batch through a rank's layers costs F 1, I 1, W 1 (B = I + W); a message 0
+    schedule         stages a rank     step  bubble  activations held, rank 0 1 ...
+    1F1B                         1       15   20.0%  2 1
+    """
     t_f, t_b, t_w = costs
     lines = [f"{n_ranks} ranks, {n_micro} micro-batches; a micro-batch through a rank's layers costs "
              f"F {t_f:g}, I {t_b:g}, W {t_w:g} (B = I + W); a message {latency:g}",
@@ -85,7 +91,7 @@ def format_comparison(rows: Sequence[Row], n_ranks: int, n_micro: int, costs: tu
             lines.append(f"{r.name:<16} does not fit: {r.error}")
             continue
         held = " ".join(f"{a:g}" for a in r.activations)
-        lines.append(f"{r.name:<16} {r.stages_per_rank:>13} {r.makespan:>8.4g} {r.bubble:>7.1%}  {held}")
+        lines.append(f"{r.name:<16} {r.stages_per_rank:>13} {r.makespan:>8.6g} {r.bubble:>7.1%}  {held}")
     return "\n".join(lines)
 
 
@@ -93,40 +99,60 @@ def schedules_command(n_ranks: int | None, n_micro: int | None, costs: str, late
                       plan_files: Sequence[str]) -> str:
     """``flowexec schedules``: the comparison for the sizes given (default 4 ranks, 8
     micro-batches; with ``plan_files``, the plans' own sizes), then each schedule in ``show``
-    and each plan as a job table. Raises ValueError naming a bad option, file or plan."""
+    and each plan as a job table. Raises ValueError naming a bad option, file or plan.
+
+    >>> print(schedules_command(2, 2, "1,1,1", 0.0, ["1F1B"], []).splitlines()[-3:])
+    ['1F1B:', 'rank 0: 0F0 0F1 0B0 0B1', 'rank 1: 1F0 1B0 1F1 1B1']
+    """
+    for flag, value in (("--ranks", n_ranks), ("--micro", n_micro)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     try:
-        parsed = tuple(float(c) for c in costs.split(","))
+        c = tuple(float(x) for x in costs.split(","))
     except ValueError:
-        parsed = ()
-    if len(parsed) != 3:
-        raise ValueError(f"--costs takes three numbers T_F,T_I,T_W, got {costs!r}")
+        c = ()
+    if len(c) != 3 or not all(math.isfinite(x) and x >= 0 for x in c) or c[0] + c[1] <= 0:
+        raise ValueError(f"--costs takes three finite numbers T_F,T_I,T_W, none negative and T_F + T_I above 0, got "
+                         f"{costs!r}")
+    if not math.isfinite(latency) or latency < 0:
+        raise ValueError(f"--latency must be a finite number >= 0, got {latency}")
     plans: dict[str, Plan] = {}
+    sizes: tuple[str, int, int] | None = None  # the first plan's file, ranks and micro-batches
     for path in plan_files:
-        with open(path) as f:
-            text = f.read()
         try:
-            plans[path] = parse_schedule(text)
-            simulate(plans[path])  # a bad or deadlocking plan is named with its file
-        except ValueError as e:
+            with open(path, encoding="utf-8") as f:
+                plan = parse_schedule(f.read())
+            simulate(plan)  # a bad or deadlocking plan is named with its file
+        except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: {e}") from None
-    for path, plan in plans.items():  # the plans set the sizes the named schedules are built for
         p, m = len(plan), 1 + max(j.micro for js in plan.values() for j in js if j.micro is not None)
-        if (n_ranks or p) != p or (n_micro or m) != m:
-            given = " ".join(f"--{k} {v}" for k, v in (("ranks", n_ranks), ("micro", n_micro)) if v)
-            raise ValueError(f"{path} has {p} ranks and {m} micro-batches, but {given} was given: leave it out to "
-                             "compare at the plan's sizes")
-        n_ranks, n_micro = p, m
-    n_ranks, n_micro = n_ranks or 4, n_micro or 8
-    if n_ranks < 1 or n_micro < 1 or latency < 0:
-        raise ValueError("--ranks and --micro must be at least 1 and --latency at least 0")
-    c = (parsed[0], parsed[1], parsed[2])
-    rows = compare(n_ranks, n_micro, c, latency, plans={os.path.basename(k): v for k, v in plans.items()})
-    out = [format_comparison(rows, n_ranks, n_micro, c, latency)]
+        if sizes is None:
+            given = " and ".join(f"--{k} {v}" for k, v, w in (("ranks", n_ranks, p), ("micro", n_micro, m))
+                                 if v is not None and v != w)
+            if given:
+                raise ValueError(f"{path} has {p} ranks and {m} micro-batches, but {given} was given: leave it out "
+                                 "to compare at the plan's sizes")
+            sizes = (path, p, m)
+        elif (p, m) != sizes[1:]:
+            raise ValueError(f"{path} has {p} ranks and {m} micro-batches, {sizes[0]} {sizes[1]} and {sizes[2]}: "
+                             "compare plans of one size at a time")
+        plans[path] = plan
+    n_ranks, n_micro = (sizes[1], sizes[2]) if sizes else (n_ranks or 4, n_micro or 8)
+    t = (c[0], c[1], c[2])
+    names = [os.path.basename(k) for k in plans]  # a row each, by file name unless two share one
+    labels = {k: (os.path.basename(k) if names.count(os.path.basename(k)) == 1 else k) for k in plans}
+    rows = compare(n_ranks, n_micro, t, latency, plans={labels[k]: v for k, v in plans.items()})
+    out = [format_comparison(rows, n_ranks, n_micro, t, latency)]
     for name in show:
-        out += ["", f"{name}:", format_schedule(get_schedule(name)(n_ranks, n_micro))]
+        make = get_schedule(name)  # an unknown name is an error; one that does not fit is said
+        try:
+            table = format_schedule(make(n_ranks, n_micro))
+        except ValueError as e:
+            table = f"does not fit: {e}"
+        out += ["", f"{name}:", table]
     for path, plan in plans.items():
         out += ["", f"{path}:", format_schedule(plan)]
     return "\n".join(out)
 
 
-__all__ = ["NAMES", "Row", "compare", "format_comparison", "schedules_command"]
+__all__ = ["Row", "compare", "format_comparison", "schedules_command"]

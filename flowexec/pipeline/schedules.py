@@ -22,10 +22,11 @@ rank 1: 1F0 1B0 1F1 1B1 1F2 1B2
 """
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 KINDS = ("F", "B", "I", "W", "OPT")
 _JOB_RE = re.compile(r"(\d+)(?:([FBIW])(\d+)|(OPT))")
@@ -150,26 +151,23 @@ def one_f_one_b(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict
 def eager_1f1b(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict[int, tuple[Job, ...]]:
     """Eager1F1B (PaddlePaddle's ``pipeline_scheduler_Eager1F1B`` pass): 1F1B whose rank ``r``
     runs ``2(p - r) - 1`` forwards before its first backward (1F1B: ``p - r``), then one
-    backward and one forward, then drains. Every activation leaves a job earlier than in 1F1B,
-    so a slow transfer or a late job on one rank is absorbed by the work queued on the other
-    instead of idling both: with equal stages 1F1B has no such slack (p = 2: each micro-batch
-    waits one message each way). The same bubble as 1F1B in theory; rank ``r`` holds up to
-    ``2(p - r) - 1`` micro-batches' activations instead of ``p - r`` (the last rank is 1F1B's).
-    One stage per rank.
+    backward and one forward, then drains (where ``n_micro`` is smaller, rank ``r`` runs them
+    all first, as FThenB; Paddle refuses such counts). Every activation leaves a job earlier
+    than in 1F1B, so with stages of equal cost a message's latency is paid only to fill and
+    drain the pipeline, where 1F1B on 2 ranks waits it on every micro-batch. The same bubble as
+    1F1B without latency; rank ``r`` holds up to ``2(p - r) - 1`` micro-batches' activations
+    instead of ``p - r`` (the last rank is 1F1B's). With stages of unequal cost on 3 or more
+    ranks it can be slower than 1F1B (an extra forward queued on a slow middle stage delays the
+    backward the rank before it waits for): ``simulate(..., stage_costs=...)`` tells. One stage
+    per rank.
 
     >>> print(format_schedule(eager_1f1b(2, 4)))
     rank 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
     rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
     """
     _check_sizes(n_ranks, n_micro, n_stages, 1, "Eager1F1B")
-    out = {}
-    for r in range(n_ranks):
-        warm = min(2 * (n_ranks - r) - 1, n_micro)
-        jobs = [Job(r, "F", i) for i in range(warm)]
-        for i in range(n_micro - warm):  # a backward, then the next forward
-            jobs += [Job(r, "B", i), Job(r, "F", warm + i)]
-        out[r] = tuple(jobs + [Job(r, "B", i) for i in range(n_micro - warm, n_micro)])
-    return out
+    return {s: _one_f_one_b_rank(s, n_ranks, n_micro, zero_bubble=False, warm=2 * (n_ranks - 1 - s))
+            for s in range(n_ranks)}
 
 
 def zbh1(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict[int, tuple[Job, ...]]:
@@ -186,8 +184,10 @@ def zbh1(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict[int, t
     return {s: _one_f_one_b_rank(s, n_ranks, n_micro, zero_bubble=True) for s in range(n_ranks)}
 
 
-def _one_f_one_b_rank(r: int, p: int, m: int, zero_bubble: bool) -> tuple[Job, ...]:
-    warm = min(p - 1 - r, m)
+def _one_f_one_b_rank(r: int, p: int, m: int, zero_bubble: bool, warm: int | None = None) -> tuple[Job, ...]:
+    """Rank ``r``'s jobs: ``warm`` forwards (1F1B: ``p - 1 - r``), then pairs of a forward and a
+    backward (I, and W after it but for the first ``r`` with ``zero_bubble``), then the drain."""
+    warm = min(p - 1 - r if warm is None else warm, m)
     back = "I" if zero_bubble else "B"
     jobs = [Job(r, "F", i) for i in range(warm)]
     order = [(Job(r, "F", warm + i), Job(r, back, i)) for i in range(m - warm)]
@@ -328,6 +328,8 @@ def zbv(n_ranks: int, n_micro: int, n_stages: int | None = None) -> dict[int, tu
 SCHEDULES: dict[str, Callable[..., dict[int, tuple[Job, ...]]]] = {
     "gpipe": gpipe, "fthenb": gpipe, "1f1b": one_f_one_b, "eager1f1b": eager_1f1b,
     "interleaved1f1b": interleaved_1f1b, "zbh1": zbh1, "zbv": zbv}
+#: The named schedules, one name each (``SCHEDULES`` also holds aliases), in the order tables list them.
+NAMES = ("FThenB", "1F1B", "Eager1F1B", "Interleaved1F1B", "ZBH1", "ZBV")
 #: Stages per rank each named schedule runs (None: any whole number; Interleaved1F1B's default is 2).
 STAGES_PER_RANK = {"gpipe": 1, "fthenb": 1, "1f1b": 1, "eager1f1b": 1, "interleaved1f1b": None, "zbh1": 1,
                    "zbv": 2}
@@ -337,8 +339,8 @@ def get_schedule(name: str) -> Callable[..., dict[int, tuple[Job, ...]]]:
     """The schedule function called ``name`` (case-insensitive; ``-`` and ``_`` ignored)."""
     key = name.lower().replace("-", "").replace("_", "")
     if key not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}: choose one of FThenB (GPipe), 1F1B, Eager1F1B, Interleaved1F1B, "
-                         "ZBH1, ZBV, or pass a function (n_ranks, n_micro, n_stages) -> plan, or a plan")
+        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(NAMES)} (FThenB is also GPipe), or "
+                         "pass a function (n_ranks, n_micro, n_stages) -> plan, or a plan")
     return SCHEDULES[key]
 
 
@@ -403,7 +405,10 @@ def check(plan: Plan) -> dict[Job, tuple[Job, ...]]:
     stages = sorted(owner)
     if stages != list(range(len(stages))):
         raise ValueError(f"stages must be 0..{len(stages) - 1}, got {stages}")
-    n_micro = 1 + max(j.micro for j in jobs if j.micro is not None)
+    micros = [j.micro for j in jobs if j.micro is not None]
+    if not micros:
+        raise ValueError("the plan has no forward or backward jobs")
+    n_micro = 1 + max(micros)
     missing = []
     for s in stages:
         for m in range(n_micro):
@@ -417,6 +422,23 @@ def check(plan: Plan) -> dict[Job, tuple[Job, ...]]:
     if missing:
         raise ValueError(f"the plan misses {missing[:6]}")
     return dependencies(plan)
+
+
+def most_held(jobs: Iterable[Job], end: Mapping[Job, float]) -> int:
+    """The most micro-batches' activations held at once by ``jobs`` (of one stage, or all of a
+    rank's stages) ending at ``end``: from a forward's end to the end of that micro-batch's last
+    backward job there (B, or W after I). At a tie, releases count first.
+
+    >>> f, b = Job(0, "F", 0), Job(0, "B", 0)
+    >>> most_held([f, b, Job(0, "F", 1), Job(0, "B", 1)], {f: 1, b: 2, Job(0, "F", 1): 2, Job(0, "B", 1): 3})
+    1
+    """
+    events = sorted((end[j], 1 if j.kind == "F" else -1) for j in jobs if j.kind in ("F", "B", "W"))
+    held = best = 0
+    for _, d in events:
+        held += d
+        best = max(best, held)
+    return best
 
 
 def simulate(plan: Plan, costs: tuple[float, float, float] = (1.0, 1.0, 1.0), latency: float = 0.0,
@@ -435,8 +457,9 @@ def simulate(plan: Plan, costs: tuple[float, float, float] = (1.0, 1.0, 1.0), la
     ValueError: plan deadlocks: rank 0 waits at 0B0 for 0F0
     """
     t_f, t_b, t_w = costs
-    if min(costs) < 0 or t_f + t_b <= 0 or latency < 0:
-        raise ValueError(f"costs must be >= 0 with T_F + T_B > 0 and latency >= 0, got {costs}, {latency}")
+    if not all(math.isfinite(c) for c in (*costs, latency)) or min(costs) < 0 or t_f + t_b <= 0 or latency < 0:
+        raise ValueError(f"costs must be finite and >= 0 with T_F + T_B > 0, and latency finite and >= 0, got "
+                         f"{costs}, {latency}")
     needs = check(plan)
     owner = placement(plan)
     cost = {"F": t_f, "B": t_b + t_w, "I": t_b, "W": t_w, "OPT": opt_cost}
@@ -461,16 +484,6 @@ def simulate(plan: Plan, costs: tuple[float, float, float] = (1.0, 1.0, 1.0), la
                 f"rank {r} waits at {j} for {', '.join(str(d) for d in needs[j] if d not in end)}" for r, j in stuck))
     makespan = max(end.values())
     busy = {r: sum(end[j] - start[j] for j in js) for r, js in plan.items()}
-    peak: dict[int, int] = {}
-    for s in sorted(owner):
-        events = []  # +1 at a forward's end, -1 at the micro-batch's last backward job's end
-        for j in plan[owner[s]]:
-            if j.stage == s and j.kind in ("F", "B", "W"):
-                events.append((end[j], 1 if j.kind == "F" else -1))
-        held = best = 0
-        for _, d in sorted(events, key=lambda e: (e[0], e[1])):
-            held += d
-            best = max(best, held)
-        peak[s] = best
+    peak = {s: most_held((j for j in plan[owner[s]] if j.stage == s), end) for s in sorted(owner)}
     return Simulation(start, end, makespan, 1 - sum(busy.values()) / (makespan * len(plan)),
                       {r: makespan - b for r, b in busy.items()}, peak)
