@@ -4,11 +4,13 @@ checkpoint per rank that a later run resumes from.
 
     torchrun --standalone --nproc-per-node 2 examples/pipeline_train.py --steps 40 --stop-after 20 --save ckpt/
     torchrun --standalone --nproc-per-node 2 examples/pipeline_train.py --steps 40 --resume ckpt/
+    torchrun --standalone --nproc-per-node 4 examples/pipeline_train.py --data-parallel 2   # 2 pipelines of 2
     # GPUs (one process a GPU): add --backend nccl; several machines: torchrun --nnodes M ...
 
 The task is synthetic (fit y = sin(x A) B from random x), so the script runs anywhere; swap in
 your model and data loader. Every rank builds the same model (same seed) and calls every method
-of the trainer; the rank holding the last stage prints.
+of the trainer; with --data-parallel each replica trains on its own part of every batch and
+evaluates the whole validation batch; the rank holding replica 0's last stage prints.
 """
 from __future__ import annotations
 
@@ -56,16 +58,21 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo", help="gloo (CPUs) or nccl (GPUs)")
     ap.add_argument("--save", default="", help="a folder for the checkpoint at the end (a file per rank)")
     ap.add_argument("--resume", default="", help="a folder a run saved into: continue from there")
+    ap.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline (they split the ranks)")
     args = ap.parse_args()
 
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same model on every rank
     two_a_rank = args.schedule.lower() in ("interleaved1f1b", "zbv")
-    trainer = PipelineTrainer(split(make_model(args.width, args.depth), world * (2 if two_a_rank else 1)),
+    pipeline_ranks = world // args.data_parallel
+    trainer = PipelineTrainer(split(make_model(args.width, args.depth), pipeline_ranks * (2 if two_a_rank else 1)),
                               schedule=args.schedule, microbatches=args.micro, loss_fn=F.mse_loss,
                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                              max_grad_norm=args.max_grad_norm, compile=not args.eager)
+                              max_grad_norm=args.max_grad_norm, compile=not args.eager,
+                              data_parallel=args.data_parallel)
+    rows = args.batch // args.data_parallel  # this replica's part of every batch
+    part = slice(trainer.replica * rows, (trainer.replica + 1) * rows)
     schedulers = {s: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
                   for s, opt in trainer.optimizers.items() if opt is not None}
     if args.resume:
@@ -75,13 +82,14 @@ def main() -> None:
             sched.load_state_dict(state["schedulers"][s])
     end = min(args.stop_after or args.steps, args.steps)
     for step in range(trainer.step_count, end):
-        loss = trainer.step(*batch(step, args.batch, trainer.device))
+        x, y = batch(step, args.batch, trainer.device)
+        loss = trainer.step(x[part], y[part])
         for sched in schedulers.values():
             sched.step()
-        if loss is not None and (step % 5 == 0 or step == end - 1):
+        if loss is not None and trainer.replica == 0 and (step % 5 == 0 or step == end - 1):
             print(f"step {step}: loss {loss.item():.5f}, gradient norm {trainer.grad_norm.item():.4f}", flush=True)
     val = trainer.evaluate(*batch(-1, args.batch, trainer.device))
-    if val is not None:
+    if val is not None and trainer.replica == 0:
         print(f"validation loss after {end} steps: {val.item():.8f}", flush=True)
     if args.save:
         os.makedirs(args.save, exist_ok=True)

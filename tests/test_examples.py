@@ -11,10 +11,10 @@ import pytest
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "pipeline_train.py")
 
 
-def _torchrun(*args: str) -> str:
+def _torchrun(*args: str, procs: int = 2) -> str:
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
                            EXAMPLE, "--width", "32", "--depth", "2", *args],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,3 +38,11 @@ def test_pipeline_train_example_trains_and_resumes_where_it_stopped(tmp_path, sc
     assert losses[-1] < losses[0]  # it learns
     assert _validation(resumed) == pytest.approx(_validation(straight), rel=1e-6)
     assert _validation(first) != pytest.approx(_validation(straight), rel=1e-3)
+
+
+def test_pipeline_train_example_with_two_replicas_trains_as_one_pipeline():
+    """4 ranks as 2 replicas of a 2-rank pipeline, each on half of every batch: the run of one
+    pipeline on the whole batches (the gradients' average is the whole batch's gradient)."""
+    one = _torchrun("--schedule", "ZBH1", "--steps", "3")
+    two = _torchrun("--schedule", "ZBH1", "--steps", "3", "--data-parallel", "2", procs=4)
+    assert _validation(two) == pytest.approx(_validation(one), rel=1e-5)

@@ -92,13 +92,13 @@ def _send(trainer: Any, outs: tuple[torch.Tensor, ...], dst: int, stage: int, mi
     tags = _tags(stage, micro, len(outs) + 1)
     if micro == 0:
         specs[stage] = spec
-        sends.append(send_spec(spec, dst, group, tags[0], hdr_dev))
+        sends.append(send_spec(spec, trainer._peer[dst], group, tags[0], hdr_dev))
     elif spec != specs[stage]:
         raise ValueError(f"stage {stage - 1}'s output for micro-batch {micro} has shapes {spec}, micro-batch 0's "
                          f"{specs[stage]}: a forward-only pass sends one shape a stage")
     for t, tag in zip(outs, tags[1:]):
         t = wire(t.contiguous())
-        sends.append((dist.isend(t, dst, group=group, tag=tag), t))
+        sends.append((dist.isend(t, trainer._peer[dst], group=group, tag=tag), t))
 
 
 def _receive(trainer: Any, src: int, stage: int, micro: int, hdr_dev: torch.device,
@@ -106,10 +106,12 @@ def _receive(trainer: Any, src: int, stage: int, micro: int, hdr_dev: torch.devi
     group = trainer._group(src, trainer.rank)
     what = f"the input of stage {stage} micro-batch {micro} from rank {src} (forward only)"
     if micro == 0:  # the header (on NCCL, reading it is a host sync: one a stage boundary)
-        specs[stage] = recv_spec(src, group, _tags(stage, micro, 1)[0], hdr_dev, lambda w: trainer._wait(w, what))
+        specs[stage] = recv_spec(trainer._peer[src], group, _tags(stage, micro, 1)[0], hdr_dev,
+                                 lambda w: trainer._wait(w, what))
     spec = specs[stage]
     bufs = [torch.empty(shape, dtype=dt, device=trainer.device) for shape, dt in spec]
-    works = [dist.irecv(wire(b), src, group=group, tag=tag) for b, tag in zip(bufs, _tags(stage, micro, len(spec) + 1)[1:])]
+    works = [dist.irecv(wire(b), trainer._peer[src], group=group, tag=tag)
+             for b, tag in zip(bufs, _tags(stage, micro, len(spec) + 1)[1:])]
     for w in works:
         trainer._wait(w, what)
     return tuple(bufs)

@@ -1,6 +1,6 @@
 """What a pipeline step does after its last job, on every rank: sum the gradients of weights
-tied across ranks (:mod:`.tied`), clip every gradient by the norm over the whole model, then
-step the optimizers that waited for either.
+tied across ranks (:mod:`.tied`), average every gradient over the data-parallel replicas,
+clip every gradient by the norm over the whole model, then step the optimizers that waited.
 
 The norm is the one ``torch.nn.utils.clip_grad_norm_`` would give on the unsplit model: each
 rank sums the squares of its own gradients (a weight tied across ranks counted on the lowest of
@@ -37,7 +37,9 @@ class StepEnd:
     parameters whose gradients this rank counts toward the norm; ``scaled``: those it scales
     (every local trainable parameter once); ``dtype``: what the squares are summed in, decided
     from the whole model's parameters so that every rank's ``all_reduce`` agrees
-    (:func:`norm_dtype`); ``device``: the local stages'."""
+    (:func:`norm_dtype`); ``device``: the local stages'. ``averaged``: with ``dp`` > 1
+    data-parallel replicas, the local parameters whose gradients are averaged over ``dp_group``
+    (this pipeline position's ranks in every replica) before the clip."""
 
     synced: tuple[tuple[torch.nn.Parameter, Any, str], ...]
     deferred: tuple[tuple[int, Any], ...]
@@ -46,9 +48,12 @@ class StepEnd:
     scaled: tuple[torch.nn.Parameter, ...]
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
+    averaged: tuple[torch.nn.Parameter, ...] = ()
+    dp_group: Any = None
+    dp: int = 1
 
     def __bool__(self) -> bool:
-        return bool(self.synced or self.deferred or self.max_norm is not None)
+        return bool(self.synced or self.deferred or self.max_norm is not None or self.averaged)
 
     def run(self, wait: Callable[[Any, str], None], timer: Any, step: int) -> torch.Tensor | None:
         """Sum the tied gradients, clip, step the deferred optimizers (every rank, in the same
@@ -58,6 +63,10 @@ class StepEnd:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             wait(dist.all_reduce(p.grad, group=group, async_op=True), what)
+        if self.averaged:
+            tok = timer.begin(step=step, stage=None, kind="average", micro=None)
+            self._average(wait)
+            timer.end(tok)
         norm = None
         if self.max_norm is not None:
             tok = timer.begin(step=step, stage=None, kind="clip", micro=None)
@@ -69,6 +78,21 @@ class StepEnd:
             timer.end(tok)
         return norm
 
+    def _average(self, wait: Callable[[Any, str], None]) -> None:
+        """Average the gradients over the data-parallel replicas: one ``all_reduce`` of every
+        gradient of a dtype laid end to end. A parameter without a gradient is left out; every
+        replica runs the same jobs, so they leave out the same ones."""
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for p in self.averaged:
+            if p.grad is not None:
+                by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for grads in by_kind.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            wait(dist.all_reduce(flat, group=self.dp_group, async_op=True), "the other replicas' gradients")
+            flat.div_(self.dp)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+
     def _clip(self, wait: Callable[[Any, str], None]) -> torch.Tensor:
         grads = [p.grad for p in self.counted if p.grad is not None]
         # Per tensor in its own dtype, as clip_grad_norm_ does; the squares summed in ``dtype``
@@ -78,6 +102,8 @@ class StepEnd:
         else:
             sq = torch.zeros((), dtype=self.dtype, device=self.device)
         wait(dist.all_reduce(sq, async_op=True), "the other ranks' gradient norms")
+        if self.dp > 1:  # every replica added the same (averaged) squares
+            sq = sq / self.dp
         norm = sq.sqrt()
         coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         scaled = [p.grad for p in self.scaled if p.grad is not None]

@@ -93,13 +93,15 @@ def split_batch(t: Any, n_micro: int) -> list[Any]:
 @dataclass(frozen=True, slots=True)
 class _SendInfo:
     """What sending one message needs, built at set-up: the spec it must match, the ``send``
-    and ``isend`` span names, its process group and a tag per tensor."""
+    and ``isend`` span names, its process group, a tag per tensor and the receiver's global
+    rank."""
 
     spec: Spec
     name: str
     isend_name: str
     group: Any
     tags: tuple[int, ...]
+    dst: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +135,15 @@ class PipelineTrainer:
     wait may last. ``max_grad_norm``: clip the gradients by their norm over the whole model, as
     ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would (one ``all_reduce`` of a
     scalar at the step's end; the optimizers step after it); ``trainer.grad_norm`` then holds
-    the step's norm before the clip (a 0-d tensor, on every rank).
+    the step's norm before the clip (a 0-d tensor, on every rank). ``data_parallel``: train
+    that many replicas of the pipeline side by side, as DDP would (the group's ranks split into
+    replicas of ``world / data_parallel`` ranks; replica ``d`` is global ranks ``d*p ..
+    d*p+p-1``): each replica's first and last ranks take their own part of the data, and the
+    gradients are averaged over the replicas at the step's end (one ``all_reduce`` per pipeline
+    rank), before the clip and the optimizers.
 
     :meth:`step` returns the mean loss (a 0-d tensor) on the rank holding the last stage, None on
-    the others. A rank that raises posts its error; the others stop waiting with a
+    the others (with ``data_parallel``: its replica's mean loss, on each replica's last rank). A rank that raises posts its error; the others stop waiting with a
     :class:`PipelineError` naming it.
     """
 
@@ -145,7 +152,7 @@ class PipelineTrainer:
                  optimizer: Callable[[list[torch.nn.Parameter]], Any] | None = None, compile: bool | str = True,
                  device: torch.device | str | None = None, timer: Any = None, timeout: float = 300.0,
                  profile: Any = None, profile_dir: str = "flowexec-timeline",
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, data_parallel: int = 1) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(NO_GROUP)
         stages = list(stages)
@@ -155,7 +162,16 @@ class PipelineTrainer:
             raise ValueError("PipelineTrainer needs loss_fn(output, target)")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a whole number >= 1, got {microbatches!r}")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+            raise ValueError(f"data_parallel must be a whole number >= 1, got {data_parallel!r}")
+        self.global_rank, world = dist.get_rank(), dist.get_world_size()
+        if world % data_parallel:
+            raise ValueError(f"data_parallel={data_parallel} replicas do not split the group's {world} ranks evenly")
+        # Replica d is the pipeline of global ranks d*p .. d*p+p-1; plans, stages and messages
+        # speak of pipeline ranks 0..p-1 (self.rank), the transfers of global ones (self._peer).
+        self.data_parallel, self.world = data_parallel, world // data_parallel
+        self.replica, self.rank = divmod(self.global_rank, self.world)
+        self._peer = tuple(self.replica * self.world + r for r in range(self.world))
         self.n_stages, self.n_micro = len(stages), microbatches
         plan = self._resolve(schedule)
         self.plan = with_optimizer(plan)
@@ -163,12 +179,13 @@ class PipelineTrainer:
         self.local = [s for s in range(self.n_stages) if self.owner[s] == self.rank]
         self.backend = str(dist.get_backend())  # "gloo", "nccl", or "cpu:gloo,cuda:nccl"
         if device is None:
-            device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
+            device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.global_rank % torch.cuda.device_count())))
                       if "nccl" in self.backend and torch.cuda.is_available() else torch.device("cpu"))
         self.device = torch.device(device)
         self.nccl = "nccl" in self.backend and self.device.type == "cuda"  # transfers go through NCCL
         self.modules = {s: stages[s].to(self.device) for s in self.local}
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
+        self._dp_group, self._replica_group = self._replica_groups()
         self._optimizer_setup(stages, optimizer, check_max_norm(max_grad_norm))
         self.grad_norm: torch.Tensor | None = None
         self.timer = timer if timer is not None else NULL_TIMER
@@ -185,12 +202,27 @@ class PipelineTrainer:
         self._schedule_name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "plan")
         self.profiler = self._profiler(profile_dir, profile) if profile is not None else None
 
+    def _replica_groups(self) -> tuple[Any, Any]:
+        """With ``data_parallel`` > 1: the group of this rank's pipeline position across the
+        replicas (the gradients' average) and this replica's group (its timeline's clocks),
+        made on every rank in one order (``new_group`` is collective); else (None, None)."""
+        if self.data_parallel == 1:
+            return None, None
+        p, dp = self.world, self.data_parallel
+        across = [dist.new_group([d * p + r for d in range(dp)]) for r in range(p)]
+        replicas = [dist.new_group(list(range(d * p, (d + 1) * p))) for d in range(dp)]
+        return across[self.rank], replicas[self.replica]
+
     def _profiler(self, directory: str, steps: Any) -> Any:
         from ..profiler.pipeline_demo import pipeline_meta
         from ..profiler.recording import StepProfiler
 
         meta = pipeline_meta(self.plan, self._schedule_name, self.world, self.n_stages, self.n_micro, self.device)
-        return StepProfiler(directory, steps, device=self.device, meta=meta)
+        if self.data_parallel == 1:
+            return StepProfiler(directory, steps, device=self.device, meta=meta)
+        # a timeline per replica: its pipeline ranks, its clocks
+        return StepProfiler(os.path.join(directory, f"replica{self.replica}"), steps, device=self.device,
+                            rank=self.rank, group=self._replica_group, meta=meta)
 
     def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
         """A forward-only pass over a batch, on every rank (:mod:`.evaluate`): with ``targets``
@@ -202,7 +234,7 @@ class PipelineTrainer:
         try:
             return evaluate(self, inputs, targets)
         except BaseException as e:
-            post_failure(self.rank, e)
+            post_failure(self.global_rank, e)
             raise
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -312,24 +344,27 @@ class PipelineTrainer:
             at = max(group, key=lambda s: opt_at.get(s, -1))
             if optimizer is not None and params:
                 self.optimizers[at] = optimizer(params)
-            if max_norm is not None or any(s in t.stages for t in cross for s in group):
+            if max_norm is not None or self.data_parallel > 1 or any(s in t.stages for t in cross for s in group):
                 deferred.append(at)
         # the optimizer each OPT job of the run loop steps (None where it waits for the step's end)
         self._opt_in_loop = {s: None if s in deferred else opt for s, opt in self.optimizers.items()}
         self._shares_locally = frozenset(s for g in local_groups if len(g) > 1 for s in g)
-        groups: dict[tuple[int, ...], Any] = {}
-        for t in cross:  # every rank, in the ties' order: new_group is collective
-            if t.ranks not in groups:
-                groups[t.ranks] = dist.new_group(list(t.ranks))
+        groups: dict[tuple[int, tuple[int, ...]], Any] = {}
+        for d in range(self.data_parallel):  # every rank, in one order: new_group is collective
+            for t in cross:
+                if (d, t.ranks) not in groups:
+                    groups[d, t.ranks] = dist.new_group([d * self.world + r for r in t.ranks])
         mods = [self.modules[s] for s in self.local]
         self._end = StepEnd(
-            synced=tuple((parameter_at(stages, t), groups[t.ranks], f"the gradient of {t.name}, tied across ranks "
-                          f"{', '.join(map(str, t.ranks))}") for t in cross if self.rank in t.ranks),
+            synced=tuple((parameter_at(stages, t), groups[self.replica, t.ranks], f"the gradient of {t.name}, tied "
+                          f"across ranks {', '.join(map(str, t.ranks))}") for t in cross if self.rank in t.ranks),
             deferred=tuple((s, self.optimizers[s]) for s in deferred if self.optimizers[s] is not None),
             max_norm=max_norm,
             counted=tuple(norm_parameters(mods, stages, cross, self.rank)) if max_norm is not None else (),
             scaled=tuple(unique_parameters(mods)) if max_norm is not None else (),
-            dtype=norm_dtype(stages), device=self.device)
+            dtype=norm_dtype(stages), device=self.device,
+            averaged=tuple(unique_parameters(mods)) if self.data_parallel > 1 else (),
+            dp_group=self._dp_group, dp=self.data_parallel)
 
     def _group(self, src: int, dst: int) -> Any:
         return self._groups[0] if src < dst else self._groups[1]
@@ -338,7 +373,7 @@ class PipelineTrainer:
         if self.nccl:
             work.wait()  # orders the current stream after the transfer; the host goes on
         else:
-            wait(work, what, self.rank, self.timeout)
+            wait(work, what, self.global_rank, self.timeout)
 
     def _setup(self, first_micro: tuple[torch.Tensor, ...] | None) -> None:
         """Agree on shapes (once), build the runners and lower this rank's jobs."""
@@ -356,7 +391,7 @@ class PipelineTrainer:
                 self.in_spec[s] = self.out_spec[s - 1]
             else:
                 src = self.owner[s - 1]
-                self.in_spec[s] = recv_spec(src, self._group(src, self.rank), 1 << 20 | s, hdr_dev,
+                self.in_spec[s] = recv_spec(self._peer[src], self._group(src, self.rank), 1 << 20 | s, hdr_dev,
                                             lambda w: self._wait(w, f"stage {s - 1}'s output shapes from rank {src}"))
             example = tuple(torch.zeros(shape, dtype=dt, device=self.device).requires_grad_(s > 0 and dt.is_floating_point)
                             for shape, dt in self.in_spec[s])
@@ -371,7 +406,8 @@ class PipelineTrainer:
                                        f"stage {s}'s output")
             dst = self.owner[s + 1]
             if dst != self.rank:
-                sends.append(send_spec(self.out_spec[s], dst, self._group(self.rank, dst), 1 << 20 | (s + 1), hdr_dev))
+                sends.append(send_spec(self.out_spec[s], self._peer[dst], self._group(self.rank, dst), 1 << 20 | (s + 1),
+                                       hdr_dev))
         for w, _ in sends:
             self._wait(w, "the shapes sent to the next rank")
         by_key = {(m.kind, m.stage, m.micro): m for m in msgs}
@@ -422,7 +458,7 @@ class PipelineTrainer:
                 spec = self._sent_spec(m_)
                 self._send_info[m_] = _SendInfo(spec, f"send {m_.kind} for stage {m_.stage}",
                                                 f"isend {m_.kind} for stage {m_.stage}", self._group(m_.src, m_.dst),
-                                                m_.tags(len(spec)))
+                                                m_.tags(len(spec)), self._peer[m_.dst])
         self._recv_info = {m_: (f"recv {m_.kind} for stage {m_.stage}",
                                 f"the {'input' if m_.kind == 'act' else 'output gradient'} of stage {m_.stage} "
                                 f"micro-batch {m_.micro} from rank {m_.src}")
@@ -435,12 +471,12 @@ class PipelineTrainer:
             kept = self._recv_bufs.get(m_)
             self._recv_plan.append((m_, (m_.kind, m_.stage, m_.micro), self._group(m_.src, m_.dst),
                                     m_.tags(len(spec)), kept,
-                                    [wire(b) for b in kept] if kept else None, spec))
+                                    [wire(b) for b in kept] if kept else None, spec, self._peer[m_.src]))
         # A parameter two local stages share (tied weights) gets both stages' gradients: its
         # buffers are not written over, they start from None.
         self._resets = [_grad_reset(self.runners[s], keep=s not in self._shares_locally) for s in self.local]
         # gloo: sends are issued by a thread of their own, so that no job waits on one
-        self._sender = None if self.nccl or not self._send_info else SendThread(self.rank, self.timeout)
+        self._sender = None if self.nccl or not self._send_info else SendThread(self.global_rank, self.timeout)
         self._program = program
         # gloo: the step's receives are posted just before the first job that takes one, so
         # that the jobs ahead of it start at once (stage 0's first forwards, which the next rank
@@ -477,7 +513,8 @@ class PipelineTrainer:
                 continue
             t = torch.zeros(1, device=dev)
             g = self._group(src, dst)
-            w = dist.isend(t, dst, group=g, tag=1 << 21) if self.rank == src else dist.irecv(t, src, group=g, tag=1 << 21)
+            w = (dist.isend(t, self._peer[dst], group=g, tag=1 << 21) if self.rank == src
+                 else dist.irecv(t, self._peer[src], group=g, tag=1 << 21))
             self._wait(w, f"rank {src if self.rank == dst else dst} to join the pipeline")
         if self.nccl:
             torch.cuda.synchronize(self.device)
@@ -508,7 +545,7 @@ class PipelineTrainer:
             self.step_count += 1
             return out
         except BaseException as e:
-            post_failure(self.rank, e)
+            post_failure(self.global_rank, e)
             raise
 
     def _micro_batches(self, inputs: Any, targets: Any, call: str, targets_needed: bool
@@ -602,11 +639,11 @@ class PipelineTrainer:
         """Post every receive of the step, in channel order."""
         timer, k, comm = self.timer, self.step_count, self._comm
         with torch.cuda.stream(comm) if comm is not None else _nullcontext():
-            for m, key, group, tags, kept, kept_wire, spec in self._recv_plan:
+            for m, key, group, tags, kept, kept_wire, spec, src in self._recv_plan:
                 bufs = kept or [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in spec]
                 tok = timer.begin(step=k, stage=m.stage, kind="recv", micro=m.micro, stream="comm", peer=m.src,
                                   tag=m.pos)  # ended in _take, once the data is there
-                works = [dist.irecv(b, m.src, group=group, tag=tag)
+                works = [dist.irecv(b, src, group=group, tag=tag)
                          for b, tag in zip(kept_wire or [wire(b) for b in bufs], tags)]
                 recvs[key] = (bufs, works, tok)
 
@@ -652,10 +689,10 @@ class PipelineTrainer:
             with torch.cuda.stream(self._comm):
                 for t, tag in zip(out, tags):
                     t = wire(t.contiguous())
-                    sends.append((dist.isend(t, m.dst, group=g, tag=tag), t))
+                    sends.append((dist.isend(t, info.dst, group=g, tag=tag), t))
         else:
             for t, tag in zip(out, tags):
-                self._sender.send(wire(t.contiguous()), m.dst, g, tag, m)  # type: ignore[union-attr]
+                self._sender.send(wire(t.contiguous()), info.dst, g, tag, m)  # type: ignore[union-attr]
 
 
 def _grad_reset(runner: StageRunner, keep: bool = True) -> Callable[[], None]:
