@@ -166,3 +166,41 @@ def test_one_gpu_every_schedule_and_a_tied_weight_train_as_one_process():
         assert got_norms == pytest.approx(norms, rel=1e-5), compile
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"clipped compile={compile}: {m}")
+
+
+def _replicas(rank: int, world: int, compile: bool) -> dict:
+    """Two replicas of a one-rank pipeline (ZBV's two stages on one GPU each), each on half of
+    the batch, graph-mode or eager stages, with the clip."""
+    from flowexec.pipeline import PipelineTrainer
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    stages = _tied_stages()
+    t = PipelineTrainer(stages, schedule="ZBV", microbatches=2, loss_fn=F.mse_loss, compile=compile,
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), max_grad_norm=0.05, data_parallel=2,
+                        timeout=120)
+    x, y = _tied_data()
+    part = slice(4 * t.replica, 4 * t.replica + 4)
+    norms = []
+    for _ in range(3):
+        t.step(x[part], y[part])
+        norms.append(float(t.grad_norm))
+    return {"params": [p.detach().cpu().clone() for s in stages for p in s.parameters()], "norms": norms}
+
+
+@two_gpus
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_two_gpus_two_replicas_train_as_one_gpu_on_the_whole_batch(compile):
+    from flowexec.pipeline import spawn
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = spawn(_replicas, 2, compile, backend="nccl", timeout=240)
+    stages = _tied_stages()
+    model = torch.nn.Sequential(*stages).cuda()
+    x, y = (t.cuda() for t in _tied_data())
+    norms = [float(n) for n in clipped_sgd(model, x, y, steps=3, lr=0.5, max_norm=0.05)]
+    want = [p.detach().cpu() for s in stages for p in s.parameters()]
+    for r in range(2):
+        assert res[r]["norms"] == pytest.approx(norms, rel=1e-5), r
+        for a, b in zip(res[r]["params"], want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"replica {r}: {m}")
