@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--resume", default="", help="a folder a run saved into: continue from there")
     ap.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline (they split the ranks)")
     args = ap.parse_args()
+    if args.batch % (args.data_parallel * args.micro):
+        ap.error(f"--batch {args.batch} must split into --data-parallel {args.data_parallel} parts of "
+                 f"--micro {args.micro} equal micro-batches")
 
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()

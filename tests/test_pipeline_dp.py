@@ -14,7 +14,8 @@ from helpers import clipped_sgd
 
 pytestmark = pytest.mark.timeout(300)
 
-SCHEDULES = (("1F1B", 1), ("Eager1F1B", 1), ("ZBH1", 1), ("Interleaved1F1B", 2), ("ZBV", 2))  # stages a rank
+SCHEDULES = (("FThenB", 1), ("1F1B", 1), ("Eager1F1B", 1), ("ZBH1", 1), ("Interleaved1F1B", 2),
+             ("ZBV", 2))  # and stages a rank
 
 
 def _model(n_stages: int) -> list[torch.nn.Module]:
@@ -62,7 +63,60 @@ def _replicas(rank: int, world: int, dp: int, out_dir: str) -> dict:
     part = slice(t.replica * 24 // dp, (t.replica + 1) * 24 // dp)
     with t.profiling(out_dir):
         t.step(x[part], y[part])
+    out["routed"] = _routed_run(world, dp)
     return out
+
+
+class _Route(torch.nn.Module):
+    """A micro-batch takes ``a`` or ``b`` by the sign of its first input: the other one gets no
+    gradient (``.grad`` None on eager stages), and which one differs between replicas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.a(x) if x[0, 0] > 0 else self.b(x))
+
+
+def _routed_model(seed: int) -> list[torch.nn.Module]:
+    torch.manual_seed(seed)
+    return [torch.nn.Sequential(_Route()), torch.nn.Sequential(torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8))]
+
+
+def _routed_data() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _data()
+    x[:, 0] = x[:, 0].abs() * torch.tensor([1.0] * 12 + [-1.0] * 12)  # replica 0 takes a, replica 1 b
+    return x, y
+
+
+def _routed_run(world: int, dp: int) -> dict:
+    """Eager stages, no clip, no tie: replicas built from other seeds (replica 0's weights win),
+    a branch that each replica's data takes differently, a BatchNorm."""
+    x, y = _routed_data()
+    replica = torch.distributed.get_rank() // (world // dp)
+    stages = _routed_model(100 + replica)
+    t = PipelineTrainer(stages, schedule="1F1B", microbatches=2, loss_fn=F.mse_loss, compile=False,
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), data_parallel=dp, timeout=90)
+    part = slice(t.replica * 24 // dp, (t.replica + 1) * 24 // dp)
+    for _ in range(3):
+        t.step(x[part], y[part])
+    return {s: {k: v.clone() for k, v in t.modules[s].state_dict().items()} for s in t.local}
+
+
+def _routed_reference() -> list[dict]:
+    """One process: replica 0's model, each step the four micro-batches of the whole batch in
+    turn, each loss over 4 (the pipeline's micro-batch losses, averaged over the replicas)."""
+    stages = _routed_model(100)
+    model = torch.nn.Sequential(*stages)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _routed_data()
+    for _ in range(3):
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(4), y.chunk(4)):
+            (F.mse_loss(model(xm), ym) / 4).backward()
+        opt.step()
+    return [s.state_dict() for s in stages]
 
 
 def _reference(n: int, dp: int) -> tuple[list[torch.Tensor], list[float], float, list[float]]:
@@ -108,6 +162,15 @@ def test_replicas_train_as_one_process_on_the_whole_batch(tmp_path):
         assert sum(x["losses"][0] for x in last) / dp == pytest.approx(first, rel=1e-5), key
         for x in last:  # evaluate: the replica's part through the trained model
             assert float(x["evaluated"]) == pytest.approx(parts[x["replica"]], rel=1e-5), key
+    # replica 0's weights everywhere, a branch only one replica took, BatchNorm's statistics: replica 0's
+    want = _routed_reference()
+    for r in range(world):
+        for s, state in res[r]["routed"].items():
+            for k, v in state.items():
+                if "running" in k or "num_batches" in k:
+                    torch.testing.assert_close(v, res[r % p]["routed"][s][k], msg=lambda m: f"rank {r} {k}: {m}")
+                else:
+                    torch.testing.assert_close(v, want[s][k], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} {k}: {m}")
     # a timeline per replica, its ranks numbered within the pipeline
     for d in range(dp):
         files = sorted(os.listdir(tmp_path / f"replica{d}"))

@@ -104,7 +104,7 @@ def _send(trainer: Any, outs: tuple[torch.Tensor, ...], dst: int, stage: int, mi
 def _receive(trainer: Any, src: int, stage: int, micro: int, hdr_dev: torch.device,
              specs: dict[int, Any]) -> tuple[torch.Tensor, ...]:
     group = trainer._group(src, trainer.rank)
-    what = f"the input of stage {stage} micro-batch {micro} from rank {src} (forward only)"
+    what = f"the input of stage {stage} micro-batch {micro} from rank {trainer._peer[src]} (forward only)"
     if micro == 0:  # the header (on NCCL, reading it is a host sync: one a stage boundary)
         specs[stage] = recv_spec(trainer._peer[src], group, _tags(stage, micro, 1)[0], hdr_dev,
                                  lambda w: trainer._wait(w, what))

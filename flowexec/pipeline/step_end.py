@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,9 @@ class StepEnd:
     from the whole model's parameters so that every rank's ``all_reduce`` agrees
     (:func:`norm_dtype`); ``device``: the local stages'. ``averaged``: with ``dp`` > 1
     data-parallel replicas, the local parameters whose gradients are averaged over ``dp_group``
-    (this pipeline position's ranks in every replica) before the clip."""
+    (this pipeline position's ranks in every replica) before the clip; ``buffers``: the local
+    buffers, given replica 0's values (global rank ``source``) after it, as DDP's
+    ``broadcast_buffers``."""
 
     synced: tuple[tuple[torch.nn.Parameter, Any, str], ...]
     deferred: tuple[tuple[int, Any], ...]
@@ -51,6 +53,8 @@ class StepEnd:
     averaged: tuple[torch.nn.Parameter, ...] = ()
     dp_group: Any = None
     dp: int = 1
+    buffers: tuple[torch.Tensor, ...] = ()
+    source: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.synced or self.deferred or self.max_norm is not None or self.averaged)
@@ -63,9 +67,10 @@ class StepEnd:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             wait(dist.all_reduce(p.grad, group=group, async_op=True), what)
-        if self.averaged:
+        if self.averaged or self.buffers:
             tok = timer.begin(step=step, stage=None, kind="average", micro=None)
             self._average(wait)
+            broadcast_from(self.buffers, self.source, self.dp_group, wait, "replica 0's buffers")
             timer.end(tok)
         norm = None
         if self.max_norm is not None:
@@ -80,12 +85,21 @@ class StepEnd:
 
     def _average(self, wait: Callable[[Any, str], None]) -> None:
         """Average the gradients over the data-parallel replicas: one ``all_reduce`` of every
-        gradient of a dtype laid end to end. A parameter without a gradient is left out; every
-        replica runs the same jobs, so they leave out the same ones."""
+        gradient of a dtype laid end to end. Which parameters have a gradient can differ
+        between replicas (a branch or an expert that one replica's data does not take): a small
+        ``all_reduce`` of who has one comes first (on CUDA, a host sync), a parameter that has
+        one somewhere gets zeros where it has none, and one that has none anywhere stays None,
+        as on one process over the whole batch."""
+        if not self.averaged:
+            return
+        have = torch.tensor([p.grad is not None for p in self.averaged], dtype=torch.int32, device=self.device)
+        wait(dist.all_reduce(have, group=self.dp_group, async_op=True), "the other replicas' gradients")
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in self.averaged:
-            if p.grad is not None:
-                by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for p, n in zip(self.averaged, have.tolist()):
+            if n and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if n:
+                by_kind.setdefault((p.dtype, p.device), []).append(p.grad)  # type: ignore[arg-type]
         for grads in by_kind.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             wait(dist.all_reduce(flat, group=self.dp_group, async_op=True), "the other replicas' gradients")
@@ -112,6 +126,21 @@ class StepEnd:
         return norm
 
 
+def broadcast_from(tensors: Sequence[torch.Tensor], source: int, group: Any, wait: Callable[[Any, str], None],
+                   what: str) -> None:
+    """Give ``tensors`` (the same list on every rank of ``group``) the values they have on the
+    global rank ``source``: one ``broadcast`` a dtype and device, the tensors laid end to end."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for ts in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            wait(dist.broadcast(flat, source, group=group, async_op=True), what)
+            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(part.view_as(t))
+
+
 def check_max_norm(max_norm: Any) -> float | None:
     """``max_grad_norm`` as given to the trainer: None, or a positive finite real number (NumPy's
     too, as ``clip_grad_norm_`` takes them)."""
@@ -130,4 +159,4 @@ def norm_dtype(modules: Any) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-__all__ = ["StepEnd", "check_max_norm", "norm_dtype"]
+__all__ = ["StepEnd", "broadcast_from", "check_max_norm", "norm_dtype"]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..profiler.timers import NULL_TIMER
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
-from .step_end import StepEnd, check_max_norm, norm_dtype
+from .step_end import StepEnd, broadcast_from, check_max_norm, norm_dtype
 from .stage import (Message, SendThread, Spec, channel_order, grad_spec, post_failure, recv_spec, send_spec,
                     spec_of, wait, wire)
 from .tied import cross_rank_ties, find_ties, norm_parameters, optimizer_groups, parameter_at, unique_parameters
@@ -138,9 +138,11 @@ class PipelineTrainer:
     the step's norm before the clip (a 0-d tensor, on every rank). ``data_parallel``: train
     that many replicas of the pipeline side by side, as DDP would (the group's ranks split into
     replicas of ``world / data_parallel`` ranks; replica ``d`` is global ranks ``d*p ..
-    d*p+p-1``): each replica's first and last ranks take their own part of the data, and the
-    gradients are averaged over the replicas at the step's end (one ``all_reduce`` per pipeline
-    rank), before the clip and the optimizers.
+    d*p+p-1``; ``trainer.rank`` and ``trainer.world`` are then the pipeline's): replica 0's
+    weights and buffers are broadcast at construction, each replica's first and last ranks take
+    their own part of the data, and at the step's end the gradients are averaged over the
+    replicas and the buffers take replica 0's values, before the clip and the optimizers;
+    profiles go to ``profile_dir/replica{d}``.
 
     :meth:`step` returns the mean loss (a 0-d tensor) on the rank holding the last stage, None on
     the others (with ``data_parallel``: its replica's mean loss, on each replica's last rank). A rank that raises posts its error; the others stop waiting with a
@@ -186,6 +188,8 @@ class PipelineTrainer:
         self.modules = {s: stages[s].to(self.device) for s in self.local}
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
         self._dp_group, self._replica_group = self._replica_groups()
+        if self.data_parallel > 1:  # as DDP: every replica starts from replica 0's weights and buffers
+            broadcast_from(self._state_tensors(), self.rank, self._dp_group, self._wait, "replica 0's weights")
         self._optimizer_setup(stages, optimizer, check_max_norm(max_grad_norm))
         self.grad_norm: torch.Tensor | None = None
         self.timer = timer if timer is not None else NULL_TIMER
@@ -312,7 +316,9 @@ class PipelineTrainer:
                              f"{self.n_micro} micro-batches: {e}") from None
         plan = {int(r): tuple(js) for r, js in dict(plan).items()}
         if sorted(plan) != list(range(self.world)):
-            raise ValueError(f"{name} has jobs for ranks {sorted(plan)}, but the group has {self.world} ranks")
+            raise ValueError(f"{name} has jobs for ranks {sorted(plan)}, but the pipeline has {self.world} ranks"
+                             + (f" (the group's {self.world * self.data_parallel} in {self.data_parallel} replicas)"
+                                if self.data_parallel > 1 else ""))
         check(plan)
         stages = sorted(placement(plan))
         if len(stages) != self.n_stages:
@@ -364,7 +370,20 @@ class PipelineTrainer:
             scaled=tuple(unique_parameters(mods)) if max_norm is not None else (),
             dtype=norm_dtype(stages), device=self.device,
             averaged=tuple(unique_parameters(mods)) if self.data_parallel > 1 else (),
+            buffers=tuple(t for t in self._state_tensors() if not isinstance(t, torch.nn.Parameter))
+            if self.data_parallel > 1 else (), source=self.rank,
             dp_group=self._dp_group, dp=self.data_parallel)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The local stages' parameters and buffers, each once, in the stages' order."""
+        seen: set[int] = set()
+        out = []
+        for s in self.local:
+            for t in (*self.modules[s].parameters(), *self.modules[s].buffers()):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+        return out
 
     def _group(self, src: int, dst: int) -> Any:
         return self._groups[0] if src < dst else self._groups[1]
@@ -392,7 +411,7 @@ class PipelineTrainer:
             else:
                 src = self.owner[s - 1]
                 self.in_spec[s] = recv_spec(self._peer[src], self._group(src, self.rank), 1 << 20 | s, hdr_dev,
-                                            lambda w: self._wait(w, f"stage {s - 1}'s output shapes from rank {src}"))
+                                            lambda w: self._wait(w, f"stage {s - 1}'s output shapes from rank {self._peer[src]}"))
             example = tuple(torch.zeros(shape, dtype=dt, device=self.device).requires_grad_(s > 0 and dt.is_floating_point)
                             for shape, dt in self.in_spec[s])
             if s == 0:
@@ -461,7 +480,7 @@ class PipelineTrainer:
                                                 m_.tags(len(spec)), self._peer[m_.dst])
         self._recv_info = {m_: (f"recv {m_.kind} for stage {m_.stage}",
                                 f"the {'input' if m_.kind == 'act' else 'output gradient'} of stage {m_.stage} "
-                                f"micro-batch {m_.micro} from rank {m_.src}")
+                                f"micro-batch {m_.micro} from rank {self._peer[m_.src]}")
                            for m_, _ in self._recv_order}
         # What posting a step's receives needs, per message in channel order: its key among
         # the step's receives, its group, its tags, its kept buffers and what gloo receives
@@ -515,7 +534,7 @@ class PipelineTrainer:
             g = self._group(src, dst)
             w = (dist.isend(t, self._peer[dst], group=g, tag=1 << 21) if self.rank == src
                  else dist.irecv(t, self._peer[src], group=g, tag=1 << 21))
-            self._wait(w, f"rank {src if self.rank == dst else dst} to join the pipeline")
+            self._wait(w, f"rank {self._peer[src if self.rank == dst else dst]} to join the pipeline")
         if self.nccl:
             torch.cuda.synchronize(self.device)
 
@@ -556,11 +575,11 @@ class PipelineTrainer:
         xs = ys = None
         if 0 in self.modules:
             if inputs is None:
-                raise ValueError(f"rank {self.rank} holds stage 0: {call} needs the inputs")
+                raise ValueError(f"rank {self.global_rank} holds stage 0: {call} needs the inputs")
             xs = [tuple(t.to(self.device) for t in _as_tuple(x)) for x in split_batch(inputs, self.n_micro)]
         if self.n_stages - 1 in self.modules:
             if targets is None and targets_needed:
-                raise ValueError(f"rank {self.rank} holds the last stage: {call} needs the targets")
+                raise ValueError(f"rank {self.global_rank} holds the last stage: {call} needs the targets")
             if targets is not None:
                 ys = [y.to(self.device) if isinstance(y, torch.Tensor) else y for y in split_batch(targets, self.n_micro)]
         return xs, ys
