@@ -316,9 +316,10 @@ class PipelineTrainer:
                              f"{self.n_micro} micro-batches: {e}") from None
         plan = {int(r): tuple(js) for r, js in dict(plan).items()}
         if sorted(plan) != list(range(self.world)):
-            raise ValueError(f"{name} has jobs for ranks {sorted(plan)}, but the pipeline has {self.world} ranks"
-                             + (f" (the group's {self.world * self.data_parallel} in {self.data_parallel} replicas)"
-                                if self.data_parallel > 1 else ""))
+            raise ValueError(f"{name} has jobs for ranks {sorted(plan)}, but the group has {self.world} ranks"
+                             if self.data_parallel == 1 else
+                             f"{name} has jobs for ranks {sorted(plan)}, but a pipeline has {self.world} ranks (the "
+                             f"group's {self.world * self.data_parallel} in {self.data_parallel} replicas)")
         check(plan)
         stages = sorted(placement(plan))
         if len(stages) != self.n_stages:
