@@ -37,11 +37,12 @@ class StepEnd:
     parameters whose gradients this rank counts toward the norm; ``scaled``: those it scales
     (every local trainable parameter once); ``dtype``: what the squares are summed in, decided
     from the whole model's parameters so that every rank's ``all_reduce`` agrees
-    (:func:`norm_dtype`); ``device``: the local stages'. ``averaged``: with ``dp`` > 1
+    (:func:`norm_dtype`); ``device``: the local stages'; ``norm_group``: the ranks whose squares
+    make the norm (one pipeline's; None: every rank). ``averaged``: with ``dp`` > 1
     data-parallel replicas, the local parameters whose gradients are averaged over ``dp_group``
     (this pipeline position's ranks in every replica) before the clip; ``buffers``: the local
     buffers, given replica 0's values (global rank ``source``) after it, as DDP's
-    ``broadcast_buffers``."""
+    ``broadcast_buffers``; both in groups of one dtype and device (:func:`by_kind`)."""
 
     synced: tuple[tuple[torch.nn.Parameter, Any, str], ...]
     deferred: tuple[tuple[int, Any], ...]
@@ -50,14 +51,15 @@ class StepEnd:
     scaled: tuple[torch.nn.Parameter, ...]
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
-    averaged: tuple[torch.nn.Parameter, ...] = ()
+    norm_group: Any = None
+    averaged: tuple[tuple[torch.nn.Parameter, ...], ...] = ()
     dp_group: Any = None
     dp: int = 1
-    buffers: tuple[torch.Tensor, ...] = ()
+    buffers: tuple[tuple[torch.Tensor, ...], ...] = ()
     source: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.synced or self.deferred or self.max_norm is not None or self.averaged)
+        return bool(self.synced or self.deferred or self.max_norm is not None or self.averaged or self.buffers)
 
     def run(self, wait: Callable[[Any, str], None], timer: Any, step: int) -> torch.Tensor | None:
         """Sum the tied gradients, clip, step the deferred optimizers (every rank, in the same
@@ -84,28 +86,27 @@ class StepEnd:
         return norm
 
     def _average(self, wait: Callable[[Any, str], None]) -> None:
-        """Average the gradients over the data-parallel replicas: one ``all_reduce`` of every
-        gradient of a dtype laid end to end. Which parameters have a gradient can differ
-        between replicas (a branch or an expert that one replica's data does not take): a small
+        """Average the gradients over the data-parallel replicas: one ``all_reduce`` a dtype of
+        the gradients laid end to end. Which parameters have a gradient can differ between
+        replicas (a branch or an expert that one replica's data does not take): a small
         ``all_reduce`` of who has one comes first (on CUDA, a host sync), a parameter that has
         one somewhere gets zeros where it has none, and one that has none anywhere stays None,
         as on one process over the whole batch."""
         if not self.averaged:
             return
-        have = torch.tensor([p.grad is not None for p in self.averaged], dtype=torch.int32, device=self.device)
+        have = torch.tensor([p.grad is not None for ps in self.averaged for p in ps], dtype=torch.int32,
+                            device=self.device)
         wait(dist.all_reduce(have, group=self.dp_group, async_op=True), "the other replicas' gradients")
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p, n in zip(self.averaged, have.tolist()):
-            if n and p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if n:
-                by_kind.setdefault((p.dtype, p.device), []).append(p.grad)  # type: ignore[arg-type]
-        for grads in by_kind.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            wait(dist.all_reduce(flat, group=self.dp_group, async_op=True), "the other replicas' gradients")
-            flat.div_(self.dp)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+        flags = iter(have.tolist())
+        for ps in self.averaged:
+            grads = []
+            for p in ps:
+                if next(flags):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grads.append(p.grad)
+            _through_flat(grads, lambda f: dist.all_reduce(f, group=self.dp_group, async_op=True), wait,
+                          "the other replicas' gradients", divide=self.dp)
 
     def _clip(self, wait: Callable[[Any, str], None]) -> torch.Tensor:
         grads = [p.grad for p in self.counted if p.grad is not None]
@@ -115,9 +116,7 @@ class StepEnd:
             sq = torch.stack([n.to(self.dtype) for n in torch._foreach_norm(grads)]).square().sum()
         else:
             sq = torch.zeros((), dtype=self.dtype, device=self.device)
-        wait(dist.all_reduce(sq, async_op=True), "the other ranks' gradient norms")
-        if self.dp > 1:  # every replica added the same (averaged) squares
-            sq = sq / self.dp
+        wait(dist.all_reduce(sq, group=self.norm_group, async_op=True), "the other ranks' gradient norms")
         norm = sq.sqrt()
         coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         scaled = [p.grad for p in self.scaled if p.grad is not None]
@@ -126,19 +125,40 @@ class StepEnd:
         return norm
 
 
-def broadcast_from(tensors: Sequence[torch.Tensor], source: int, group: Any, wait: Callable[[Any, str], None],
-                   what: str) -> None:
-    """Give ``tensors`` (the same list on every rank of ``group``) the values they have on the
-    global rank ``source``: one ``broadcast`` a dtype and device, the tensors laid end to end."""
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+def by_kind(tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """``tensors`` in groups of one dtype and device, in the order first seen: what one flat
+    collective carries.
+
+    >>> [len(g) for g in by_kind([torch.zeros(2), torch.zeros(1, dtype=torch.int64), torch.ones(3)])]
+    [2, 1]
+    """
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return tuple(tuple(g) for g in groups.values())
+
+
+def _through_flat(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], Any],
+                  wait: Callable[[Any, str], None], what: str, divide: int = 1) -> None:
+    """Lay ``tensors`` (one dtype and device) end to end, run ``collective`` on that buffer, and
+    copy it back into them (divided by ``divide``)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    wait(collective(flat), what)
+    if divide != 1:
+        flat.div_(divide)
     with torch.no_grad():
-        for ts in by_kind.values():
-            flat = torch.cat([t.reshape(-1) for t in ts])
-            wait(dist.broadcast(flat, source, group=group, async_op=True), what)
-            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-                t.copy_(part.view_as(t))
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
+
+
+def broadcast_from(groups: Sequence[Sequence[torch.Tensor]], source: int, group: Any,
+                   wait: Callable[[Any, str], None], what: str) -> None:
+    """Give the tensors of ``groups`` (:func:`by_kind`; the same on every rank of ``group``) the
+    values they have on the global rank ``source``: one ``broadcast`` a group."""
+    for ts in groups:
+        _through_flat(ts, lambda f: dist.broadcast(f, source, group=group, async_op=True), wait, what)
 
 
 def check_max_norm(max_norm: Any) -> float | None:
@@ -159,4 +179,4 @@ def norm_dtype(modules: Any) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-__all__ = ["StepEnd", "broadcast_from", "check_max_norm", "norm_dtype"]
+__all__ = ["StepEnd", "broadcast_from", "by_kind", "check_max_norm", "norm_dtype"]

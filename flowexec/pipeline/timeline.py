@@ -26,10 +26,10 @@ from typing import Any, Iterable
 from ..profiler.records import JOB_KINDS, Span
 
 _COLOURS = {"F": "thread_state_running", "B": "rail_response", "I": "rail_response", "W": "rail_animation",
-            "OPT": "rail_idle", "clip": "rail_idle", "average": "rail_idle", "wait": "thread_state_iowait", "send": "generic_work",
-            "isend": "good"}
+            "OPT": "rail_idle", "clip": "rail_idle", "average": "rail_idle", "wait": "thread_state_iowait",
+            "send": "generic_work", "isend": "good"}
 _LANES = {"wait": 2, "send": 3, "isend": 4}
-_STEP_LEVEL = {"clip", "average"}  # the step end's work on the jobs' lane, no stage: the clip, the replicas' average
+_STEP_LEVEL = {"clip", "average"}  # the step end's work on the jobs' lane, no stage (the clip, the replicas' average)
 
 
 def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:

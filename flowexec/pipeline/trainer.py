@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..profiler.timers import NULL_TIMER
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
-from .step_end import StepEnd, broadcast_from, check_max_norm, norm_dtype
+from .step_end import StepEnd, broadcast_from, by_kind, check_max_norm, norm_dtype
 from .stage import (Message, SendThread, Spec, channel_order, grad_spec, post_failure, recv_spec, send_spec,
                     spec_of, wait, wire)
 from .tied import cross_rank_ties, find_ties, norm_parameters, optimizer_groups, parameter_at, unique_parameters
@@ -145,8 +145,9 @@ class PipelineTrainer:
     profiles go to ``profile_dir/replica{d}``.
 
     :meth:`step` returns the mean loss (a 0-d tensor) on the rank holding the last stage, None on
-    the others (with ``data_parallel``: its replica's mean loss, on each replica's last rank). A rank that raises posts its error; the others stop waiting with a
-    :class:`PipelineError` naming it.
+    the others (with ``data_parallel``: its replica's mean loss, on each replica's last rank). A
+    rank that raises posts its error; the others stop waiting with a :class:`PipelineError`
+    naming it.
     """
 
     def __init__(self, stages: Sequence[torch.nn.Module], schedule: str | Callable[..., Plan] | Plan = "1F1B",
@@ -189,7 +190,7 @@ class PipelineTrainer:
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
         self._dp_group, self._replica_group = self._replica_groups()
         if self.data_parallel > 1:  # as DDP: every replica starts from replica 0's weights and buffers
-            broadcast_from(self._state_tensors(), self.rank, self._dp_group, self._wait, "replica 0's weights")
+            broadcast_from(by_kind(self._state_tensors()), self.rank, self._dp_group, self._wait, "replica 0's weights")
         self._optimizer_setup(stages, optimizer, check_max_norm(max_grad_norm))
         self.grad_norm: torch.Tensor | None = None
         self.timer = timer if timer is not None else NULL_TIMER
@@ -362,18 +363,19 @@ class PipelineTrainer:
                 if (d, t.ranks) not in groups:
                     groups[d, t.ranks] = dist.new_group([d * self.world + r for r in t.ranks])
         mods = [self.modules[s] for s in self.local]
-        self._end = StepEnd(
+        params, replicated = tuple(unique_parameters(mods)), self.data_parallel > 1
+        end = StepEnd(
             synced=tuple((parameter_at(stages, t), groups[self.replica, t.ranks], f"the gradient of {t.name}, tied "
                           f"across ranks {', '.join(map(str, t.ranks))}") for t in cross if self.rank in t.ranks),
             deferred=tuple((s, self.optimizers[s]) for s in deferred if self.optimizers[s] is not None),
             max_norm=max_norm,
             counted=tuple(norm_parameters(mods, stages, cross, self.rank)) if max_norm is not None else (),
-            scaled=tuple(unique_parameters(mods)) if max_norm is not None else (),
-            dtype=norm_dtype(stages), device=self.device,
-            averaged=tuple(unique_parameters(mods)) if self.data_parallel > 1 else (),
-            buffers=tuple(t for t in self._state_tensors() if not isinstance(t, torch.nn.Parameter))
-            if self.data_parallel > 1 else (), source=self.rank,
-            dp_group=self._dp_group, dp=self.data_parallel)
+            scaled=params if max_norm is not None else (),
+            dtype=norm_dtype(stages), device=self.device, norm_group=self._replica_group,
+            averaged=by_kind(params) if replicated else (),
+            buffers=by_kind([t for t in self._state_tensors() if not isinstance(t, torch.nn.Parameter)])
+            if replicated else (), source=self.rank, dp_group=self._dp_group, dp=self.data_parallel)
+        self._end = end if end else None  # None: nothing to do at a step's end, decided here once
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The local stages' parameters and buffers, each once, in the stages' order."""
@@ -411,8 +413,9 @@ class PipelineTrainer:
                 self.in_spec[s] = self.out_spec[s - 1]
             else:
                 src = self.owner[s - 1]
+                what = f"stage {s - 1}'s output shapes from rank {self._peer[src]}"
                 self.in_spec[s] = recv_spec(self._peer[src], self._group(src, self.rank), 1 << 20 | s, hdr_dev,
-                                            lambda w: self._wait(w, f"stage {s - 1}'s output shapes from rank {self._peer[src]}"))
+                                            lambda w: self._wait(w, what))
             example = tuple(torch.zeros(shape, dtype=dt, device=self.device).requires_grad_(s > 0 and dt.is_floating_point)
                             for shape, dt in self.in_spec[s])
             if s == 0:
@@ -647,7 +650,7 @@ class PipelineTrainer:
             sends += sender.drain()
         for w, _ in sends:
             self._wait(w, "a send to finish")
-        if self._end:
+        if self._end is not None:
             self.grad_norm = self._end.run(self._wait, timer, k)
         timer.end(t_step)
         self.spans = timer.flush()
