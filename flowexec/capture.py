@@ -297,13 +297,18 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
     def meta_of(node: fx.Node) -> TensorMeta | None:
         v = node.meta.get("val")
         if isinstance(v, torch.Tensor):
+            shape = tuple(int(s) for s in v.shape)
             try:
-                return TensorMeta(v.dtype, tuple(int(s) for s in v.shape), v.device, v.untyped_storage().nbytes())
+                stride: tuple[int, ...] | None = tuple(int(s) for s in v.stride())
+            except Exception:  # sparse and other layouts without strides
+                stride = None
+            try:
+                return TensorMeta(v.dtype, shape, v.device, v.untyped_storage().nbytes(), stride)
             except Exception:  # fake/symbolic storage sizes
                 numel = 1
                 for s in v.shape:
                     numel *= int(s)
-                return TensorMeta(v.dtype, tuple(int(s) for s in v.shape), v.device, numel * v.element_size())
+                return TensorMeta(v.dtype, shape, v.device, numel * v.element_size(), stride)
         return None
 
     def lookup(a: Any) -> Any:

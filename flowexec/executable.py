@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import time
@@ -28,6 +29,7 @@ import torch
 
 from .capture import capture, storage_groups, storage_key
 from .errors import CaptureError, FlowexecError, InputError, OptionError
+from .fusion import check_fuse, fuse_for
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall
@@ -60,6 +62,10 @@ OPTIONS = {
     "pool": "graph mode: 'private' (default: each CUDA graph keeps a memory pool of its own and holds its outputs) "
             "or 'shared' (every graph of a device in one pool, through PyTorch's CUDA-graph trees; outputs are not "
             "held once dropped; docs/memory.md)",
+    "fuse": "'inductor': regions of fusible ops (pointwise, reductions, norms, softmax, losses, the optimizer's "
+            "elementwise math) become one instruction each, compiled by Inductor (Triton on CUDA, C++ on the CPU), "
+            "beside library ops (matrix products, convolutions, attention); False: the captured ATen ops; None "
+            "(default): Inductor on CUDA, ATen ops on the CPU (exe.explain() lists the regions)",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
@@ -158,6 +164,7 @@ class Executable:
         self.fetch: bool | tuple[int, ...] = fetch if isinstance(fetch, bool) else tuple(int(i) for i in fetch)
         self.fetch_slots = int(options.get("fetch_slots", 64))
         self.fuse_lerp: bool | str | None = options.get("fuse_lerp")
+        self.fuse = check_fuse(options.get("fuse"))
         self.borrow = tuple(options.get("borrow", ()))
         self.pool = options.get("pool", "private")
         self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
@@ -187,8 +194,9 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         cap = capture(_call_with_containers(self.fn, tree, paths), args)
-        plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams, mode=self.mode,
-                          **self.memory_options)
+        prog, fusion = fuse_for(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.fuse)
+        plan = build_plan(prog, self.gc, self.streams, mode=self.mode, **self.memory_options)
+        plan = dataclasses.replace(plan, fusion=fusion)
         run = lower_for(plan, self.mode, *self._worker_opts)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
@@ -529,6 +537,13 @@ class Executable:
     @property
     def plan(self) -> ExecutionPlan:
         return self._captured("plan").plan
+
+    def explain(self) -> str:
+        """The last signature's fused regions (kernel, ATen ops, inputs -> outputs, status: compiled,
+        shared with an equal region, or why it fell back to its ATen ops), then its program."""
+        plan = self._captured("explain").plan
+        head = "no fusion (fuse=False, or None on the CPU)" if plan.fusion is None else plan.fusion.table()
+        return f"{head}\n{plan.program}"
 
     @property
     def build_seconds(self) -> float:

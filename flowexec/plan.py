@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import OptionError, whole_number
 from .passes.dependencies import alias_groups, dependencies, mutated_state
+from .passes.fuse import FusionReport
 from .passes.liveness import Liveness, analyse_liveness, peak_of
 from .passes.memory import MemoryPlan
 from .passes.streams import (add_copy_streams, assign_auto, assign_streams, cross_edges, cuda_devices, data_edges,
@@ -88,6 +89,7 @@ class ExecutionPlan:
     memory: MemoryPlan | None = None  # memory="planned": arena offsets (passes/memory.py)
     gc_backlog_bytes: int = 0  # gc="async": most bytes handed to the worker and not yet dropped
     order: str = "program"
+    fusion: FusionReport | None = None  # fuse="inductor": the regions and what became of each (passes/fuse.py)
 
     def planned_peak_bytes(self) -> int:
         """The planned peak of the whole call: the arenas plus the peak of what still allocates."""
@@ -120,6 +122,7 @@ class ExecutionPlan:
             "waits": self.event_counts[1],
             "naive_waits": self.event_counts[2],
             "naive_events": self.event_counts[3],
+            **(self.fusion.counts() if self.fusion is not None else {}),
         }
 
 

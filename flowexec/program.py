@@ -39,10 +39,13 @@ class TensorMeta:
     shape: tuple[int, ...]
     device: torch.device
     nbytes: int
+    stride: tuple[int, ...] | None = None  # None where unknown (a kernel compiler then assumes contiguous)
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(t.dtype, tuple(t.shape), t.device, t.untyped_storage().nbytes() if t.layout == torch.strided else 0)
+        strided = t.layout == torch.strided
+        return TensorMeta(t.dtype, tuple(t.shape), t.device, t.untyped_storage().nbytes() if strided else 0,
+                          tuple(t.stride()) if strided else None)
 
     def __str__(self) -> str:
         dt = _DTYPE_SHORT.get(self.dtype, str(self.dtype).replace("torch.", ""))
@@ -169,7 +172,8 @@ def format_op(op: Op, prog: Program) -> str:
     lhs = ", ".join(outs) if outs else "_"
     if op.unpack:
         lhs = f"({lhs})"
-    src = f"  # {op.source}" if op.source else ""
+    notes = [n for n in (getattr(op.target, "summary", ""), op.source) if n]  # a fused op: what it runs
+    src = f"  # {'; '.join(notes)}" if notes else ""
     return f"{lhs} = {op.name}({', '.join(args)}){src}"
 
 

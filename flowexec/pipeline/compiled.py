@@ -36,14 +36,16 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import InputError, OptionError
+from ..fusion import check_fuse, fuse_for
 from ..passes.dependencies import alias_groups
-from ..plan import build_plan
+from ..plan import ExecutionPlan, build_plan
 from ..program import Program, Role
 from ..runtime.interpreter import lower_trace
 from .accumulate import accumulate_gradients
@@ -102,7 +104,7 @@ class CompiledRunner:
     def __init__(self, module: torch.nn.Module, *, example_inputs: Sequence[torch.Tensor],
                  loss_fn: Callable[..., torch.Tensor] | None = None, loss_scale: float = 1.0,
                  mode: str | None = None, input_grads: bool | Sequence[bool] | None = None,
-                 warmup: int = 1) -> None:
+                 warmup: int = 1, fuse: str | bool | None = None) -> None:
         if not isinstance(module, torch.nn.Module):
             raise OptionError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(example_inputs, torch.Tensor):
@@ -124,6 +126,7 @@ class CompiledRunner:
         self._sig = [(tuple(x.shape), x.dtype, x.device) for x in example]
         self._input_grads = input_grads
         self._warmup = warmup
+        self._fuse = check_fuse(fuse)
         self._micros: dict[int, _Micro] = {}
         self._slots: list[_Slot] = []
         self._overwrite = False  # the next B/W job writes .grad instead of adding (reset_grads)
@@ -132,19 +135,24 @@ class CompiledRunner:
             self._build(example, None)
 
     # -- building ---------------------------------------------------------------------------
+    def _plan(self, prog: Program) -> ExecutionPlan:
+        fused, report = fuse_for(prog, self._fuse)
+        return dataclasses.replace(build_plan(fused), fusion=report)
+
     def _build(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
         cap = capture_stage(self.module, inputs, loss_fn=self.loss_fn, target=target, input_grads=self._input_grads)
         self.capture = cap
         self._target_sig = None if target is None else (tuple(target.shape), target.dtype, target.device)
         sp = cap.split
         progs = {"F": cap.forward, "B": cap.backward, "I": sp.i_program, "W": sp.w_program}
-        self.plans = {k: build_plan(p) for k, p in progs.items()}
+        # Each job's program is fused after the I/W split (fusion.py): the split reads ATen ops.
+        self.plans = {k: self._plan(p) for k, p in progs.items()}
         self._runs = {k: lower_trace(p) for k, p in self.plans.items()}
         # Trace mode, once .grad exists: B and W adding into it in place ("acc"), or writing
         # over last step's values ("over", the first contribution after reset_grads).
         n_gx = len(cap.input_grad_positions)
         self._acc_runs = {} if self.mode != "trace" else {
-            (job, over): lower_trace(build_plan(accumulate_gradients(prog, first, overwrite=over)))
+            (job, over): lower_trace(self._plan(accumulate_gradients(prog, first, overwrite=over)))
             for job, prog, first in (("B", cap.backward, n_gx), ("W", sp.w_program, 0)) for over in (False, True)}
         # Which gradients may become .grad as they are (trace mode: fresh memory of that call).
         self._fresh = {"B": _fresh_outputs(cap.backward)[len(cap.input_grad_positions):],

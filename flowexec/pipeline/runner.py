@@ -145,10 +145,10 @@ class EagerRunner:
 
 
 def make_runner(module: torch.nn.Module, *, example_inputs: tuple[torch.Tensor, ...], loss_fn: Any = None,
-                loss_scale: float = 1.0, compile: bool | str = True) -> StageRunner:
+                loss_scale: float = 1.0, compile: bool | str = True, fuse: str | bool | None = None) -> StageRunner:
     """The runner for one stage: ``compile=False`` -> :class:`EagerRunner`; ``compile=True`` (or
     a mode string) -> ``CompiledRunner`` (flowexec programs: trace mode on CPU, graph mode on
-    CUDA). ``example_inputs`` are one micro-batch's inputs (``requires_grad`` marks those that
+    CUDA; ``fuse``: the stage programs' fusion, as ``flowexec.compile``'s). ``example_inputs`` are one micro-batch's inputs (``requires_grad`` marks those that
     need gradients); ``loss_fn`` is given for the last stage; its loss is scaled by
     ``loss_scale`` (1 / micro-batches) for the backward."""
     if compile is False:
@@ -163,4 +163,4 @@ def make_runner(module: torch.nn.Module, *, example_inputs: tuple[torch.Tensor, 
                                   input_grads=tuple(bool(getattr(x, "requires_grad", False)) for x in example_inputs))
     if isinstance(compile, str):
         kwargs["mode"] = compile
-    return CompiledRunner(module, **kwargs)
+    return CompiledRunner(module, fuse=fuse, **kwargs)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from ..fusion import check_fuse
 from ..profiler.timers import NULL_TIMER
 from .runner import StageRunner, _as_tuple, make_runner
 from .schedules import Job, Plan, check, get_schedule, placement, simulate, with_optimizer
@@ -125,7 +126,8 @@ class PipelineTrainer:
     ``OPT`` job (None: gradients are left in ``.grad``); local stages that share a weight get one
     optimizer between them, and a weight shared with another rank's stage has its gradient
     summed over those ranks before it is stepped (:mod:`.tied`). ``compile``: False for eager stages, True
-    (or a mode string) for flowexec programs. ``device``: where the local stages run (default
+    (or a mode string) for flowexec programs; ``fuse``: their fusion, as ``flowexec.compile``'s (None:
+    Inductor on CUDA). ``device``: where the local stages run (default
     ``cuda:LOCAL_RANK`` on an NCCL group, else the CPU). ``timer``: a
     :class:`~flowexec.profiler.timers.JobTimer` to record every job and receive wait; the spans that
     the last step's flush returned are in ``trainer.spans`` (on CUDA the completed ones, so some
@@ -155,7 +157,7 @@ class PipelineTrainer:
                  optimizer: Callable[[list[torch.nn.Parameter]], Any] | None = None, compile: bool | str = True,
                  device: torch.device | str | None = None, timer: Any = None, timeout: float = 300.0,
                  profile: Any = None, profile_dir: str = "flowexec-timeline",
-                 max_grad_norm: float | None = None, data_parallel: int = 1) -> None:
+                 max_grad_norm: float | None = None, data_parallel: int = 1, fuse: str | bool | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(NO_GROUP)
         stages = list(stages)
@@ -188,6 +190,7 @@ class PipelineTrainer:
         self.nccl = "nccl" in self.backend and self.device.type == "cuda"  # transfers go through NCCL
         self.modules = {s: stages[s].to(self.device) for s in self.local}
         self.loss_fn, self.compile, self.timeout = loss_fn, compile, timeout
+        self.fuse = check_fuse(fuse)
         self._dp_group, self._replica_group = self._replica_groups()
         if self.data_parallel > 1:  # as DDP: every replica starts from replica 0's weights and buffers
             broadcast_from(by_kind(self._state_tensors()), self.rank, self._dp_group, self._wait, "replica 0's weights")
@@ -422,7 +425,7 @@ class PipelineTrainer:
                 example = tuple(x.detach().to(self.device) for x in first_micro)  # type: ignore[union-attr]
             self.runners[s] = make_runner(self.modules[s], example_inputs=example,
                                           loss_fn=self.loss_fn if s == last else None,
-                                          loss_scale=1.0 / self.n_micro, compile=self.compile)
+                                          loss_scale=1.0 / self.n_micro, compile=self.compile, fuse=self.fuse)
             if s == last:
                 continue
             self.out_spec[s] = spec_of(_as_tuple(_probe(self.modules[s], example, self.device)),

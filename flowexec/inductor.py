@@ -1,0 +1,271 @@
+"""Regions of a program compiled by Inductor, as ops of the program.
+
+:class:`InductorCompiler` turns a :class:`~flowexec.passes.regions.Region` into a
+:class:`FusedKernel`: the region's ATen ops become an FX graph of its inputs, Inductor
+(``torch._inductor.compile_fx.compile_fx``: Triton on CUDA, C++ on CPU) compiles it, and the
+kernel is called like an op: ``fused(*inputs) -> outputs``. Its schema says which inputs it
+writes in place, so every pass after fusion (dependencies, liveness, streams, events, verify)
+reads a fused op as it reads an ATen op; the runtime calls it as it calls any op.
+
+Regions with the same ops, constants, shapes, dtypes, strides and devices (a model's repeated
+blocks) share one compiled kernel: :func:`region_key` is what they share, and the compiler
+keeps one kernel per key for the life of the process. A region Inductor refuses stays ATen
+ops; the reason is kept (``compiler.failures``) for ``plan.stats()`` and ``explain()``.
+
+Example::
+
+    >>> import torch
+    >>> from flowexec.capture import capture
+    >>> from flowexec.passes.regions import find_regions
+    >>> prog = capture(lambda x: (x.sin() * 2).relu(), (torch.randn(8),)).program
+    >>> (region,) = find_regions(prog)
+    >>> kernel = InductorCompiler().compile(prog, region)  # doctest: +SKIP
+    >>> kernel(torch.ones(8))  # doctest: +SKIP
+    [tensor([1.6829, ...])]
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .passes.regions import Region
+from .program import Program, Ref, TensorMeta, op_name
+
+
+class FusedKernel:
+    """A compiled region, called like an op: ``kernel(*inputs) -> list of outputs``.
+
+    ``_schema`` declares every input, the written ones as ``Tensor(aN!)``, and the outputs, those
+    that *are* an input (an in-place op's result) with that input's alias set, so that the
+    program's analyses see the same reads, writes and aliasing as the region's ATen ops had.
+    ``reference`` runs the region's ATen ops (the FX graph Inductor compiled): after
+    :meth:`check_first_call` the next call runs both and, where they differ, keeps the ATen
+    ops for good (``status`` says why).
+    """
+
+    def __init__(self, name: str, compiled: Callable[..., Any], reference: Callable[..., Any], n_inputs: int,
+                 mutated: Sequence[int], aliases: Sequence[int], summary: str, key: str) -> None:
+        self.__name__ = self.__qualname__ = name
+        self.summary, self.key = summary, key
+        self.status = "compiled"
+        self.tags: tuple[Any, ...] = ()
+        self.reference = reference
+        self._mutated = tuple(mutated)
+        self._aliases = tuple(aliases)
+        args = ", ".join(f"Tensor(a{k}!) x{k}" if k in self._mutated else f"Tensor x{k}" for k in range(n_inputs))
+        rets = ", ".join(f"Tensor(a{a}!)" if a >= 0 else "Tensor" for a in aliases)
+        self._schema = torch._C.parse_schema(f"flowexec::{name}({args}) -> ({rets})")
+        self._fast = self._assemble(compiled)
+        self._call = self._fast
+
+    def _assemble(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (which returns the computed outputs) as the op: outputs that are inputs added."""
+        aliases = self._aliases
+        if all(a < 0 for a in aliases):
+            return fn  # the common case: every output computed, handed back as is
+
+        def call(*args: Any) -> list[Any]:
+            it = iter(fn(*args))
+            return [next(it) if a < 0 else args[a] for a in aliases]
+        return call
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+    def check_first_call(self) -> None:
+        """Have the next call compare the kernel with the region's ATen ops (once)."""
+        if self.status == "compiled":
+            self._call = self._checked
+
+    def _checked(self, *args: Any) -> Any:
+        saved = {k: args[k].clone() for k in self._mutated}
+        out = self._fast(*args)
+        ref_args = [saved[k].clone() if k in saved else a for k, a in enumerate(args)]
+        ref = self._assemble(self.reference)(*ref_args)
+        why = _difference(list(out) + [args[k] for k in saved], list(ref) + [ref_args[k] for k in saved])
+        if why is None:
+            self.status = "compiled, checked"
+            self._call = self._fast
+            return out
+        self.status = f"fallback: miscompiled ({why}); runs its ATen ops"
+        self._call = self._assemble(self.reference)
+        with torch.no_grad():
+            for k in saved:
+                args[k].copy_(ref_args[k])
+        return [args[a] if a >= 0 else r for a, r in zip(self._aliases, ref)]
+
+    def __repr__(self) -> str:
+        return f"<FusedKernel {self.__name__}: {self.summary}>"
+
+
+def _difference(got: Sequence[Any], want: Sequence[Any]) -> str | None:
+    """Where ``got`` differs from ``want`` beyond a kernel compiler's rounding, or None."""
+    for k, (a, b) in enumerate(zip(got, want)):
+        if not isinstance(a, torch.Tensor):
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {k}: {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}"
+        if a.is_floating_point():
+            tol = {torch.float64: 1e-7, torch.float32: 1e-4}.get(a.dtype, 2e-2)
+            if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol, equal_nan=True):
+                err = (a.float() - b.float()).abs().max().item()
+                return f"output {k}: max difference {err:.3g}"
+        elif not torch.equal(a, b):
+            return f"output {k}: values differ"
+    return None
+
+
+def _example(meta: TensorMeta) -> torch.Tensor:
+    """A tensor of ``meta``'s dtype, shape, strides and device, with harmless contents."""
+    stride = meta.stride if meta.stride is not None else _contiguous(meta.shape)
+    t = torch.empty_strided(meta.shape, stride, dtype=meta.dtype, device=meta.device)
+    if t.is_floating_point():
+        t.normal_()
+    else:
+        t.zero_()
+    return t
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def region_graph(prog: Program, region: Region) -> fx.GraphModule:
+    """The region's ops as an FX graph: placeholders for its inputs, its computed outputs returned."""
+    g = fx.Graph()
+    env: dict[int, fx.Node] = {}
+    for k, v in enumerate(region.inputs):
+        env[v] = g.placeholder(f"x{k}")
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, Ref):
+            if a.id in env:
+                return env[a.id]
+            if a.id in prog.consts:
+                return prog.consts[a.id]
+            raise KeyError(f"value {prog.values[a.id].label} is not available inside the region")
+        if isinstance(a, list):
+            return [arg(x) for x in a]
+        if isinstance(a, tuple):
+            return tuple(arg(x) for x in a)
+        return a
+
+    for i in region.ops:
+        op = prog.ops[i]
+        node = g.call_function(op.target, tuple(arg(a) for a in op.args), {k: arg(v) for k, v in op.kwargs})
+        if op.unpack:
+            for j, o in enumerate(op.outputs):
+                if o >= 0:
+                    env[o] = g.call_function(operator.getitem, (node, j))
+        elif op.outputs and op.outputs[0] >= 0:
+            env[op.outputs[0]] = node
+    g.output(tuple(env[o] for o in region.computed))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def region_key(prog: Program, region: Region) -> str:
+    """What two regions must share to share a kernel: ops, constants, input metas (dtype,
+    shape, strides, device), written inputs and which values are returned."""
+    local: dict[int, str] = {}
+    for k, v in enumerate(region.inputs):
+        m = prog.values[v].meta
+        local[v] = f"x{k}"
+    lines = [";".join(f"{m.dtype}{list(m.shape)}{list(m.stride or ())}@{m.device}"
+                      for m in (prog.values[v].meta for v in region.inputs))]
+
+    def fmt(a: Any) -> str:
+        if isinstance(a, Ref):
+            return local.get(a.id) or f"c{repr(prog.consts.get(a.id))}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(fmt(x) for x in a) + "]"
+        return repr(a)
+
+    for n, i in enumerate(region.ops):
+        op = prog.ops[i]
+        for j, o in enumerate(op.outputs):
+            if o >= 0:
+                local[o] = f"t{n}_{j}"
+        args = ",".join([fmt(a) for a in op.args] + [f"{k}={fmt(v)}" for k, v in op.kwargs])
+        lines.append(f"{op_name(op.target)}({args})")
+    lines.append("out:" + ",".join(local[o] for o in region.outputs))
+    lines.append(f"alias:{region.aliases} mut:{region.mutated}")
+    return "\n".join(lines)
+
+
+def summarize(prog: Program, region: Region, limit: int = 6) -> str:
+    """A short account of a region's ops: ``12 ops: native_layer_norm, gelu, add, ...``."""
+    names: list[str] = []
+    for i in region.ops:
+        n = getattr(prog.ops[i].target, "_opname", prog.ops[i].name)
+        if n not in names:
+            names.append(n)
+    more = ", ..." if len(names) > limit else ""
+    return f"{len(region.ops)} ops: {', '.join(names[:limit])}{more}"
+
+
+@dataclass
+class InductorCompiler:
+    """Compiles regions with Inductor, one kernel per :func:`region_key` for this process.
+
+    ``failures`` maps a key to why Inductor refused it (the region then stays ATen ops);
+    ``seconds`` is the time spent compiling.
+    """
+
+    kernels: dict[str, FusedKernel] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def compile(self, prog: Program, region: Region, name: str | None = None) -> FusedKernel | str:
+        """The kernel for ``region`` (compiled now, or shared with an equal region), or why
+        Inductor refused it."""
+        key = region_key(prog, region)
+        hit = self.kernels.get(key)
+        if hit is not None:
+            return hit
+        if key in self.failures:
+            return self.failures[key]
+        t0 = time.perf_counter()
+        try:
+            gm = region_graph(prog, region)
+            compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs])
+        except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
+            why = self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            return why
+        finally:
+            self.seconds += time.perf_counter() - t0
+        kernel = FusedKernel(name or f"fused_{len(self.kernels)}", compiled, gm, len(region.inputs), region.mutated,
+                             region.aliases, summarize(prog, region), key)
+        self.kernels[key] = kernel
+        return kernel
+
+
+def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[..., Any]:
+    """Inductor's compiled function for a region's graph whose inputs have ``metas`` (its
+    inference path: no autograd)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    examples = [_example(m) for m in metas]
+    with torch.no_grad(), _quiet():
+        return compile_fx(gm, examples)
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """Inductor warns about things that are not the user's concern here (e.g. a graph that
+    returns no output); the failures that matter come back as exceptions."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+

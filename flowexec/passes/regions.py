@@ -1,0 +1,300 @@
+"""Which ops can be compiled together: fusible ops, and convex regions of them.
+
+A *fusible* op is one a kernel compiler (Inductor) generates code for: pointwise math,
+reductions, norms, softmax and losses, pooling, the optimizer's elementwise ``_foreach_`` math,
+views, copies on one device. Everything else stays a library call: matrix products,
+convolutions, attention, fused optimizers, collectives, host copies, random ops (their
+numbers must be eager's), flowexec's own kernels, ops with data-dependent shapes.
+
+A *region* is a set of fusible ops that can run as one instruction: it is **convex** in the
+program's dependency graph (no path leaves the region and comes back), so the ops outside can
+be ordered entirely before or after it. :func:`find_regions` grows regions greedily in program
+order (an op joins the region of one of its producers when that keeps the region convex) and
+:func:`order_with_regions` gives an order of the program in which each region's ops are
+adjacent. Both are pure functions of the program.
+
+Example::
+
+    >>> import torch
+    >>> from flowexec.capture import capture
+    >>> def f(x, w):
+    ...     h = torch.nn.functional.layer_norm(x, (8,)).relu() + 1
+    ...     return (h @ w).sigmoid() * 2
+    >>> prog = capture(f, (torch.randn(4, 8), torch.randn(8, 8))).program
+    >>> [[prog.ops[i].name.split(".")[1] for i in r.ops] for r in find_regions(prog)]
+    [['native_layer_norm', 'relu', 'add'], ['sigmoid', 'mul']]
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..program import Op, Program, Ref
+from .dependencies import alias_groups, dependencies, read_write_sets
+from .streams import is_view_op
+
+# Fusible ops that carry no `pointwise` or `reduction` tag (by overload packet name).
+_FUSIBLE_NAMES = frozenset({
+    "native_layer_norm", "native_layer_norm_backward", "native_group_norm", "native_group_norm_backward",
+    "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional", "cudnn_batch_norm",
+    "cudnn_batch_norm_backward", "batch_norm_backward",
+    "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
+    "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
+    "max_pool2d_with_indices", "max_pool2d_with_indices_backward", "avg_pool2d", "avg_pool2d_backward",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward",
+    "embedding", "index", "index_select", "gather", "cat", "stack", "constant_pad_nd",
+    "_to_copy", "copy", "clone", "fill", "zero", "zeros_like", "ones_like", "full_like", "empty_like",
+    "new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty", "scalar_tensor",
+    "arange", "_unsafe_view", "lift_fresh_copy", "where", "masked_fill",
+    "sum", "mean", "amax", "amin", "var", "var_mean", "std", "prod", "any", "all", "logsumexp",
+    "cumsum",
+})
+# Never fused, whatever their tags: metadata-changing in-place ops and stream bookkeeping.
+_NEVER = frozenset({"set_", "resize_", "resize_as_", "record_stream", "as_strided_", "_local_scalar_dense"})
+_COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Ops (positions, in program order) that one fused instruction will run.
+
+    ``inputs``: the tensor values it reads and does not make (in first-use order);
+    ``outputs``: the values it makes that anything after it reads, or the program returns;
+    ``aliases``: per output, the position in ``inputs`` of the input it *is* (an in-place op's
+    result: ``x.add_(y)`` returns ``x``), or -1 for a value the region computes;
+    ``mutated``: positions in ``inputs`` of values whose memory it writes in place.
+    """
+
+    ops: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    aliases: tuple[int, ...]
+    mutated: tuple[int, ...]
+
+    @property
+    def computed(self) -> tuple[int, ...]:
+        """The outputs the compiled kernel returns (those that are not an input)."""
+        return tuple(o for o, a in zip(self.outputs, self.aliases) if a < 0)
+
+
+def _functional_name(op: Op) -> str:
+    """The overload packet's name without the trailing ``_`` of an in-place variant."""
+    target = op.target
+    name = getattr(target, "_opname", "") or ""
+    return name[:-1] if name.endswith("_") and not name.startswith("__") else name
+
+
+def fusible(op: Op, prog: Program) -> bool:
+    """Whether a kernel compiler should generate ``op``'s code (see the module's docstring)."""
+    target = op.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    name = target._opname
+    if name in _NEVER:
+        return False
+    tags = target.tags
+    if torch.Tag.nondeterministic_seeded in tags or torch.Tag.inplace_view in tags:
+        return False
+    metas = [prog.values[r].meta for r in op.refs()] + [prog.values[o].meta for o in op.outputs if o >= 0]
+    real = [m for m in metas if m is not None]
+    if not real or len({m.device for m in real}) != 1:
+        return False  # copies between devices, host scalars in device math: library ops
+    if any(m.dtype in _COMPLEX for m in real):
+        return False
+    if is_view_op(target):
+        return True
+    if name == "index" and any(m.dtype == torch.bool for m in real):
+        return False  # a mask's result has a data-dependent shape
+    functional = _functional_name(op)
+    if name.startswith("_foreach_"):
+        return True
+    if torch.Tag.dynamic_output_shape in tags and name != "index":
+        return False
+    if torch.Tag.pointwise in tags or torch.Tag.reduction in tags:
+        return True
+    return name in _FUSIBLE_NAMES or functional in _FUSIBLE_NAMES or _pointwise_functional(target)
+
+
+def _pointwise_functional(target: torch._ops.OpOverload) -> bool:
+    """An in-place op (``add_``) whose functional overload (``add``) is pointwise."""
+    name = target._opname
+    if not name.endswith("_"):
+        return False
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    overload = getattr(packet, target._overloadname, None) if packet is not None else None
+    return overload is not None and torch.Tag.pointwise in overload.tags
+
+
+def edges(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Per op, the ops it must follow: the dependency pass's edges (over alias groups) plus the
+    producer of every value it reads (a view's reader follows the view op itself)."""
+    groups = groups if groups is not None else alias_groups(prog)
+    deps = dependencies(prog, groups)
+    producer = {o: op.index for op in prog.ops for o in op.outputs if o >= 0}
+    return tuple(tuple(sorted(set(deps[op.index]) | {producer[r] for r in op.refs() if r in producer}))
+                 for op in prog.ops)
+
+
+def find_regions(prog: Program, min_ops: int = 2, exclude: frozenset[int] = frozenset()) -> tuple[Region, ...]:
+    """Convex regions of fusible ops, each with at least ``min_ops`` ops that are not views.
+
+    Greedy in program order: a fusible op joins the region of its latest fusible producer when
+    every other producer is either in that region or not downstream of it (so no path leaves
+    the region and comes back); else it starts a region. ``exclude``: op positions to keep out.
+    A region that would write an input which shares memory with another of its inputs is
+    refused its writing ops (the compiler would not see the aliasing): they are retried as
+    library ops.
+    """
+    groups = alias_groups(prog)
+    deps = edges(prog, groups)
+    exclude = set(exclude)
+    while True:
+        regions = _grow(prog, deps, exclude, min_ops)
+        regions = tuple(_with_io(prog, ops, groups) for ops in regions)
+        bad = {i for r in regions for i in _aliased_writes(prog, r, groups)}
+        if not bad:
+            return regions
+        exclude |= bad
+
+
+def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_ops: int) -> list[list[int]]:
+    n = len(prog.ops)
+    region = [-1] * n  # region id per op
+    anc = [0] * n  # bit set of regions upstream of each op
+    members: list[list[int]] = []
+    for op in prog.ops:
+        i = op.index
+        up = 0
+        for p in deps[i]:
+            up |= anc[p] | ((1 << region[p]) if region[p] >= 0 else 0)
+        if i not in exclude and fusible(op, prog):
+            chosen = -1
+            for p in sorted(deps[i], reverse=True):  # the latest producer's region first
+                r = region[p]
+                if r < 0 or r == chosen:
+                    continue
+                bit = 1 << r
+                if all(region[q] == r or not (anc[q] & bit) for q in deps[i]):
+                    chosen = r
+                    break
+            if chosen < 0:
+                chosen = len(members)
+                members.append([])
+            region[i] = chosen
+            members[chosen].append(i)
+        anc[i] = up
+    keep = []
+    for ops in members:
+        work = [i for i in ops if not is_view_op(prog.ops[i].target)]
+        if len(work) >= min_ops:
+            keep.append(ops)
+    return keep
+
+
+def _with_io(prog: Program, ops: Sequence[int], groups: tuple[int, ...]) -> Region:
+    inside = set(ops)
+    made = {o for i in ops for o in prog.ops[i].outputs if o >= 0}
+    inputs: list[int] = []
+    for i in ops:
+        for r in prog.ops[i].refs():
+            if r not in made and r not in inputs and prog.values[r].meta is not None:
+                inputs.append(r)
+    used_after = {r for op in prog.ops if op.index not in inside for r in op.refs()}
+    used_after |= {o.id for o in prog.outputs if isinstance(o, Ref)}
+    outputs = tuple(sorted(v for v in made if v in used_after))
+    rw = read_write_sets(prog, groups)
+    written = set().union(*(rw[i][1] for i in ops)) if ops else set()
+    mutated = tuple(k for k, v in enumerate(inputs) if groups[v] in written)
+    same = _same_as_input(prog, ops, inputs)
+    return Region(tuple(ops), tuple(inputs), outputs, tuple(same.get(o, -1) for o in outputs), mutated)
+
+
+def _same_as_input(prog: Program, ops: Sequence[int], inputs: Sequence[int]) -> dict[int, int]:
+    """Values the region makes that are one of its inputs: the result of an in-place op whose
+    written argument is an input (or such a result), as ``x.add_(y)`` returns ``x``."""
+    pos = {v: k for k, v in enumerate(inputs)}
+    same: dict[int, int] = {}
+    for i in ops:
+        op = prog.ops[i]
+        schema = getattr(op.target, "_schema", None)
+        if schema is None or op.unpack:
+            continue
+        rets = schema.returns
+        if len(rets) != 1 or rets[0].alias_info is None or not rets[0].alias_info.is_write or not op.outputs:
+            continue
+        sets = rets[0].alias_info.before_set
+        for k, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.before_set & sets and k < len(op.args):
+                src = op.args[k]
+                if isinstance(src, Ref):
+                    root = pos.get(src.id, same.get(src.id, -1))
+                    if root >= 0 and op.outputs[0] >= 0:
+                        same[op.outputs[0]] = root
+                break
+    return same
+
+
+def _aliased_writes(prog: Program, r: Region, groups: tuple[int, ...]) -> set[int]:
+    """Ops to keep out of ``r`` because the compiler, which takes each input as a buffer of its
+    own and returns fresh outputs, would not see an aliasing: a written input that shares
+    memory with another input (its writers), and a computed output that views an input or
+    another output (the op that makes it)."""
+    written = {groups[r.inputs[k]] for k in r.mutated}
+    rw = read_write_sets(prog, groups)
+    seen: set[int] = set()
+    clash: set[int] = set()
+    for v in r.inputs:
+        g = groups[v]
+        if g in seen and g in written:
+            clash.add(g)
+        seen.add(g)
+    bad = {i for i in r.ops if rw[i][1] & clash}
+    made_by = {o: i for i in r.ops for o in prog.ops[i].outputs if o >= 0}
+    for o in r.computed:
+        g = groups[o]
+        if g in seen:
+            bad.add(made_by[o])
+        seen.add(g)
+    return bad
+
+
+def order_with_regions(prog: Program, regions: Sequence[Region], deps: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """The program's ops as a list of steps — a region's ops, or one op — in an order that
+    keeps every dependency: regions are convex, so the graph of steps has no cycle. Ties go to
+    the step whose first op comes first in the program."""
+    deps = deps if deps is not None else edges(prog)
+    step_of = list(range(len(prog.ops)))
+    steps: dict[int, list[int]] = {i: [i] for i in range(len(prog.ops))}
+    for r in regions:
+        head = r.ops[0]
+        for i in r.ops:
+            step_of[i] = head
+            steps.pop(i, None)
+        steps[head] = list(r.ops)
+    preds: dict[int, set[int]] = {s: set() for s in steps}
+    for i, d in enumerate(deps):
+        for p in d:
+            if step_of[p] != step_of[i]:
+                preds[step_of[i]].add(step_of[p])
+    succs: dict[int, list[int]] = {s: [] for s in steps}
+    for s, ps in preds.items():
+        for p in ps:
+            succs[p].append(s)
+    waiting = {s: len(ps) for s, ps in preds.items()}
+    ready = [s for s, k in waiting.items() if k == 0]
+    heapq.heapify(ready)
+    out: list[list[int]] = []
+    while ready:
+        s = heapq.heappop(ready)
+        out.append(steps[s])
+        for t in succs[s]:
+            waiting[t] -= 1
+            if waiting[t] == 0:
+                heapq.heappush(ready, t)
+    if len(out) != len(steps):
+        raise ValueError("regions are not convex: their steps form a cycle")
+    return out
