@@ -25,14 +25,14 @@ import torch.fx as fx
 from .capture import program_from_graph
 from .errors import OptionError, count_option
 from .executable import MODES, RecaptureWarning, rewrite_program
-from .fusion import check_fuse, fuse_for
+from .fusion import check_fuse, check_pad, fuse_and_pad
 from .passes.streams import cuda_devices
 from .plan import build_plan, check_gc, check_streams
 from .runtime.graph_trees import backward_static_indices, check_pool
 from .runtime.streams import lower_for
 
 BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams", "memory", "order", "gc_backlog",
-                   "pool", "fuse")
+                   "pool", "fuse", "pad")
 _PLAN_OPTIONS = ("memory", "order", "gc_backlog")  # passed to build_plan as they are (docs/memory.md)
 # Dynamo wraps compiled backward functions in a way that hides our _boxed_call flag; the
 # unboxed call it falls back to is correct, so its advice is noise for our users.
@@ -105,7 +105,8 @@ class GraphProgram:
                  fuse_lerp: bool | str | None = None, forward: GraphProgram | None = None,
                  static_idx: Iterable[int] = (), cache_size: int = 8, saved_from: int | None = None,
                  streams: int = 1, plan_options: dict[str, Any] | None = None, pool: str = "private",
-                 role: str = "forward", tree_static: Iterable[int] = (), fuse: str | bool | None = None) -> None:
+                 role: str = "forward", tree_static: Iterable[int] = (), fuse: str | bool | None = None,
+                 pad: bool | None = None) -> None:
         """``static_idx``: input positions AOTAutograd marks static (:func:`_static_input_indices`,
         a forward's only); ``forward``: the forward GraphProgram of a backward graph;
         ``cache_size``: how many captured graphs (sets of borrowed addresses) to keep;
@@ -114,7 +115,7 @@ class GraphProgram:
         a graph on no CUDA device, or on several, runs on one). ``pool="shared"``: the graph is
         one of its device's CUDA-graph trees (``runtime/graph_trees.py``), as ``role`` (forward,
         backward, inference), with ``tree_static`` among its static inputs."""
-        program, fusion = fuse_for(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), fuse)
+        program, fusion = fuse_and_pad(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), fuse, pad)
         # streams of one device (CUDA streams) or of none (worker threads on the CPU); memory="planned":
         # every graph captured from this program writes its intermediates into the one arena (replays
         # are serial), so they share that memory.
@@ -339,7 +340,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise OptionError(f"mode={mode!r} is not a run mode; valid: {', '.join(MODES)}")
     check_gc(gc, mode, streams)
     pool = check_pool(opts.get("pool", "private"), mode, streams, opts)
-    fuse = check_fuse(opts.get("fuse"))
+    fuse, pad = check_fuse(opts.get("fuse")), check_pad(opts.get("pad"))
     if mode == "graph" and not _cuda_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
@@ -353,7 +354,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         lifted = range(max(0, len(inputs) - len(example_inputs))) if pool == "shared" else ()
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
                             cache_size=cache_size, saved_from=saved_from, streams=streams, plan_options=plan_options,
-                            pool=pool, role=role, tree_static=lifted, fuse=fuse)
+                            pool=pool, role=role, tree_static=lifted, fuse=fuse, pad=pad)
 
     def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
         forwards.append(compiler(g, inputs, _saved_outputs_start(), role="forward"))
@@ -369,7 +370,7 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         tree_static = backward_static_indices(g) if pool == "shared" else ()
         return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None,
                             cache_size=cache_size, streams=streams, plan_options=plan_options, pool=pool,
-                            role="backward", tree_static=tree_static, fuse=fuse)
+                            role="backward", tree_static=tree_static, fuse=fuse, pad=pad)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)
 

@@ -29,7 +29,7 @@ import torch
 
 from .capture import capture, storage_groups, storage_key
 from .errors import CaptureError, FlowexecError, InputError, OptionError
-from .fusion import check_fuse, fuse_for
+from .fusion import check_fuse, check_pad, fuse_and_pad
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall
@@ -66,6 +66,8 @@ OPTIONS = {
             "elementwise math) become one instruction each, compiled by Inductor (Triton on CUDA, C++ on the CPU), "
             "beside library ops (matrix products, convolutions, attention); False: the captured ATen ops; None "
             "(default): Inductor on CUDA, ATen ops on the CPU (exe.explain() lists the regions)",
+    "pad": "None (default): pad a matrix product whose sizes are not multiples of 16 bytes to aligned sizes (and "
+           "slice the result back) on CUDA where that measured faster; True: every such product; False: none",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
@@ -165,6 +167,7 @@ class Executable:
         self.fetch_slots = int(options.get("fetch_slots", 64))
         self.fuse_lerp: bool | str | None = options.get("fuse_lerp")
         self.fuse = check_fuse(options.get("fuse"))
+        self.pad = check_pad(options.get("pad"))
         self.borrow = tuple(options.get("borrow", ()))
         self.pool = options.get("pool", "private")
         self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
@@ -194,7 +197,7 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         cap = capture(_call_with_containers(self.fn, tree, paths), args)
-        prog, fusion = fuse_for(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.fuse)
+        prog, fusion = fuse_and_pad(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.fuse, self.pad)
         plan = build_plan(prog, self.gc, self.streams, mode=self.mode, **self.memory_options)
         plan = dataclasses.replace(plan, fusion=fusion)
         run = lower_for(plan, self.mode, *self._worker_opts)

@@ -1,4 +1,5 @@
-"""The ``fuse=`` option: fused instructions compiled by Inductor, for every front door.
+"""The ``fuse=`` and ``pad=`` options: fused instructions compiled by Inductor and aligned
+matrix products, for every front door.
 
 ``flowexec.compile``, the ``torch.compile`` backend and pipeline stages call
 :func:`fuse_for` on a captured program before planning: with ``fuse="inductor"`` each region
@@ -6,6 +7,10 @@ of fusible ops (:mod:`flowexec.passes.regions`) becomes one op whose kernel Indu
 (:mod:`flowexec.inductor`), with one compiler per process so that equal regions of any program
 share a kernel. ``fuse=None`` (the default) means Inductor where it measured faster — programs
 on a CUDA device (``benchmarks/scale.py``) — and ATen ops on the CPU; ``False`` never fuses.
+
+:func:`pad_for` runs first (``passes/pad.py``): ``pad=None`` (the default) pads a misaligned
+matrix product on a CUDA device where padding measured faster on that device (both forms timed
+once per shape and dtype in the process), ``True`` pads every misaligned product, ``False`` none.
 
 Under ``FLOWEXEC_DEBUG=1`` every kernel checks its first call against the region's ATen ops on
 copies of the same inputs; a kernel that differs is replaced by those ATen ops for good and
@@ -25,13 +30,18 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 from .errors import OptionError
 from .passes.fuse import FusionReport, fuse_program
+from .passes.pad import PadCase, pad_matrix_products
 from .passes.streams import cuda_devices
 from .program import Program
 
 FUSE_CHOICES = ("inductor", False, None)
+PAD_CHOICES = (None, True, False)
 _compiler: Any = None
+_pad_verdicts: dict[PadCase, bool] = {}
 
 
 def check_fuse(fuse: Any) -> str | bool | None:
@@ -117,4 +127,75 @@ def fused_kernels(prog: Program) -> list[Any]:
     from .inductor import FusedKernel
 
     return [op.target for op in prog.ops if isinstance(op.target, FusedKernel)]
+
+
+def check_pad(pad: Any) -> bool | None:
+    """``pad`` checked: None, True or False (an OptionError names the choices)."""
+    if pad not in PAD_CHOICES or not isinstance(pad, (bool, type(None))):
+        raise OptionError(f"pad={pad!r} is not a padding choice; valid: None (default: pad a misaligned matrix product "
+                          "on CUDA where padding measured faster), True (every misaligned one), False (none)")
+    return pad
+
+
+def pad_for(prog: Program, pad: bool | None) -> Program:
+    """``prog`` with its misaligned matrix products padded as ``pad`` asks (module docstring)."""
+    pad = check_pad(pad)
+    if pad is False:
+        return prog
+    if pad is True:
+        return pad_matrix_products(prog, lambda case: True)
+    return pad_matrix_products(prog, _measured_faster)
+
+
+def _measured_faster(case: PadCase) -> bool:
+    """On CUDA: whether the padded product, with its operands' pads, timed at most 0.9 of the
+    misaligned one (once per case in this process); elsewhere never."""
+    if case.device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    hit = _pad_verdicts.get(case)
+    if hit is None:
+        hit = _pad_verdicts[case] = _time_padded(case) <= 0.9 * _time_plain(case)
+    return hit
+
+
+def _operands(case: PadCase, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lead = (case.batch,) if case.batch else ()
+    a = torch.randn(*lead, m, k, dtype=case.dtype, device=case.device)
+    b = torch.randn(*lead, k, n, dtype=case.dtype, device=case.device)
+    return a, b
+
+
+def _time_plain(case: PadCase) -> float:
+    a, b = _operands(case, case.m, case.k, case.n)
+    return _gpu_time(lambda: torch.matmul(a, b))
+
+
+def _time_padded(case: PadCase) -> float:
+    a, b = _operands(case, case.m, case.k, case.n)
+    m2, k2, n2 = case.padded
+    pa = [0, k2 - case.k, 0, m2 - case.m]
+    pb = [0, n2 - case.n, 0, k2 - case.k]
+    pad = torch.nn.functional.pad
+    return _gpu_time(lambda: torch.matmul(pad(a, pa), pad(b, pb)))
+
+
+def _gpu_time(fn: Any, reps: int = 10) -> float:
+    """Median milliseconds of ``fn`` on the current stream (CUDA events), after a warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def fuse_and_pad(prog: Program, fuse: str | bool | None, pad: bool | None) -> tuple[Program, FusionReport | None]:
+    """:func:`pad_for` then :func:`fuse_for`: what every front door applies to a captured
+    program before planning."""
+    return fuse_for(pad_for(prog, pad), fuse)
 

@@ -255,7 +255,10 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[.
     from torch._inductor.compile_fx import compile_fx
 
     examples = [_example(m) for m in metas]
-    with torch.no_grad(), _quiet():
+    # A tracing context of its own: inside the torch.compile backend, Dynamo's context is
+    # active, and Inductor would record this region's output strides there as the strides of
+    # the graph AOTAutograd is compiling (its backward then reads them).
+    with torch.no_grad(), _quiet(), torch._guards.tracing(None):
         return compile_fx(gm, examples)
 
 

@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import InputError, OptionError
-from ..fusion import check_fuse, fuse_for
+from ..fusion import check_fuse, fuse_and_pad
 from ..passes.dependencies import alias_groups
 from ..plan import ExecutionPlan, build_plan
 from ..program import Program, Role
@@ -136,7 +136,7 @@ class CompiledRunner:
 
     # -- building ---------------------------------------------------------------------------
     def _plan(self, prog: Program) -> ExecutionPlan:
-        fused, report = fuse_for(prog, self._fuse)
+        fused, report = fuse_and_pad(prog, self._fuse, None)
         return dataclasses.replace(build_plan(fused), fusion=report)
 
     def _build(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
