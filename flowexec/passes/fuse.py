@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..program import Op, Program, Ref
-from .regions import Region, find_regions, order_with_regions
+from .regions import Region, find_regions, order_with_regions, split_region, work_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,24 +82,32 @@ class FusionReport:
 
 
 def fuse_program(prog: Program, compile_region: Callable[[Program, Region], Any],
-                 regions: Sequence[Region] | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> tuple[Program, FusionReport]:
+                 regions: Sequence[Region] | None = None, progress: Callable[[int, int], None] | None = None,
+                 min_ops: int = 2) -> tuple[Program, FusionReport]:
     """``prog`` with each region whose kernel ``compile_region(prog, region)`` returns replaced
     by one op calling that kernel (a string or None instead: the region keeps its ATen ops, and
-    the string says why); and the report.
+    the string says why); and the report. A refused region of at least ``2 * min_ops`` ops that
+    do work is tried again as two halves (recursively), so that one op the compiler cannot take
+    keeps only itself and its neighbours out.
 
     ``progress(done, total)`` is called after each region.
     """
-    regions = tuple(find_regions(prog) if regions is None else regions)
-    by_head = {r.ops[0]: r for r in regions}
+    pending = list(find_regions(prog) if regions is None else regions)
+    done: list[Region] = []
     kernels: dict[int, Any] = {}
     reports: list[RegionReport] = []
     seen: set[str] = set()
-    for n, r in enumerate(regions):
+    total = len(pending)
+    while pending:
+        r = pending.pop(0)
         kernel = compile_region(prog, r)
         names = tuple(prog.ops[i].name for i in r.ops)
         source = next((prog.ops[i].source for i in r.ops if prog.ops[i].source), "")
         if kernel is None or isinstance(kernel, str):
+            if work_count(prog, r.ops) >= 2 * min_ops:  # refused: the halves may compile
+                pending[:0] = split_region(prog, r)
+                total += 1
+                continue
             why = kernel or "not compiled"
             reports.append(RegionReport("-", names, len(r.inputs), len(r.outputs), f"fallback: {why}", source))
         else:
@@ -108,8 +116,11 @@ def fuse_program(prog: Program, compile_region: Callable[[Program, Region], Any]
                                         "shared" if kname in seen else "compiled", source, kernel))
             seen.add(kname)
             kernels[r.ops[0]] = kernel
+        done.append(r)
         if progress is not None:
-            progress(n + 1, len(regions))
+            progress(len(done), total)
+    regions = tuple(sorted(done, key=lambda r: r.ops[0]))
+    by_head = {r.ops[0]: r for r in regions}
     ops: list[Op] = []
     for step in order_with_regions(prog, regions):
         r = by_head.get(step[0])

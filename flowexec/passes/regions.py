@@ -154,6 +154,7 @@ def find_regions(prog: Program, min_ops: int = 2, exclude: frozenset[int] = froz
     exclude = set(exclude)
     while True:
         regions = _grow(prog, deps, exclude, min_ops)
+        regions = [ops for ops in _without_cycles(regions, deps) if work_count(prog, ops) >= min_ops]
         regions = tuple(_with_io(prog, ops, groups) for ops in regions)
         bad = {i for r in regions for i in _aliased_writes(prog, r, groups)}
         if not bad:
@@ -162,37 +163,131 @@ def find_regions(prog: Program, min_ops: int = 2, exclude: frozenset[int] = froz
 
 
 def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_ops: int) -> list[list[int]]:
+    """Regions grown in program order: a fusible op merges the regions of its fusible producers
+    (the latest first, each one that keeps no path running between them or from them to the op
+    outside them) and joins them, or starts a region.
+
+    Regions count as one node each: ``up(q)`` is the bit set of region ids upstream of op q's
+    node (``ranc[r]`` for a region r, which grows with it; ``mask[r]``: the ids merged into r).
+    A region that grows after a later op read its ancestry can leave a cycle behind, which
+    :func:`_without_cycles` removes."""
     n = len(prog.ops)
-    region = [-1] * n  # region id per op
-    anc = [0] * n  # bit set of regions upstream of each op
-    members: list[list[int]] = []
+    parent: list[int] = []  # union-find over region ids
+    mask: list[int] = []
+    ranc: list[int] = []
+
+    def find(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    region = [-1] * n
+    anc = [0] * n
+
+    def up(q: int) -> int:
+        if region[q] >= 0:
+            r = find(region[q])
+            return ranc[r] | mask[r]
+        return anc[q]
+
     for op in prog.ops:
         i = op.index
-        up = 0
+        a = 0
         for p in deps[i]:
-            up |= anc[p] | ((1 << region[p]) if region[p] >= 0 else 0)
-        if i not in exclude and fusible(op, prog):
-            chosen = -1
-            for p in sorted(deps[i], reverse=True):  # the latest producer's region first
-                r = region[p]
-                if r < 0 or r == chosen:
-                    continue
-                bit = 1 << r
-                if all(region[q] == r or not (anc[q] & bit) for q in deps[i]):
-                    chosen = r
-                    break
-            if chosen < 0:
-                chosen = len(members)
-                members.append([])
-            region[i] = chosen
-            members[chosen].append(i)
-        anc[i] = up
-    keep = []
-    for ops in members:
-        work = [i for i in ops if not is_view_op(prog.ops[i].target)]
-        if len(work) >= min_ops:
-            keep.append(ops)
-    return keep
+            a |= up(p)
+        anc[i] = a
+        if i in exclude or not fusible(op, prog):
+            continue
+        cands: list[int] = []
+        for p in sorted(deps[i], reverse=True):  # the latest producer's region first
+            if region[p] >= 0 and find(region[p]) not in cands:
+                cands.append(find(region[p]))
+
+        def allowed(rs: list[int]) -> bool:
+            bits = 0
+            for r in rs:
+                bits |= mask[r]
+            if any(ranc[r] & (bits & ~mask[r]) for r in rs):  # one candidate reaches another
+                return False
+            return all(region[q] >= 0 and find(region[q]) in rs or not (up(q) & bits) for q in deps[i])
+
+        chosen: list[int] = []
+        for r in cands:  # as many producers' regions as can merge, the latest first
+            if allowed(chosen + [r]):
+                chosen.append(r)
+        if chosen:
+            root = chosen[0]
+            for r in chosen[1:]:
+                parent[r] = root
+                mask[root] |= mask[r]
+                ranc[root] |= ranc[r]
+        else:
+            root = len(parent)
+            parent.append(root)
+            mask.append(1 << root)
+            ranc.append(0)
+        region[i] = root
+        ranc[root] |= a & ~mask[root]
+    members: dict[int, list[int]] = {}
+    for i in range(n):
+        if region[i] >= 0:
+            members.setdefault(find(region[i]), []).append(i)
+    return [ops for _, ops in sorted(members.items(), key=lambda kv: kv[1][0]) if work_count(prog, ops) >= min_ops]
+
+
+def work_count(prog: Program, ops: Sequence[int]) -> int:
+    """How many of ``ops`` do work (are not views)."""
+    return sum(1 for i in ops if not is_view_op(prog.ops[i].target))
+
+
+def _without_cycles(regions: list[list[int]], deps: Sequence[Sequence[int]]) -> list[list[int]]:
+    """``regions`` with members taken out until no two regions reach each other (each one
+    convex is not enough: a reaches b's region and b reaches a's). The member taken out is the
+    latest of the latest region on a cycle: what remains of that region stays convex."""
+    regions = [list(r) for r in regions]
+    while True:
+        cycle = _a_cycle(regions, deps)
+        if cycle is None:
+            return [r for r in regions if r]
+        r = max(cycle, key=lambda k: regions[k][-1])
+        regions[r].pop()
+
+
+def _a_cycle(regions: list[list[int]], deps: Sequence[Sequence[int]]) -> list[int] | None:
+    """The regions on one cycle of the graph whose nodes are regions and single ops, or None."""
+    n = len(deps)
+    node = list(range(n))  # region k is node n + k
+    for k, r in enumerate(regions):
+        for i in r:
+            node[i] = n + k
+    succ: dict[int, set[int]] = {}
+    for i, d in enumerate(deps):
+        for p in d:
+            if node[p] != node[i]:
+                succ.setdefault(node[p], set()).add(node[i])
+    state: dict[int, int] = {}  # 1: on the stack, 2: done
+    for start in sorted(set(node)):
+        if start in state:
+            continue
+        stack = [(start, iter(sorted(succ.get(start, ()))))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            v, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                state[v] = 2
+            elif state.get(nxt) == 1:
+                loop = path[path.index(nxt):]
+                return [x - n for x in loop if x >= n]
+            elif nxt not in state:
+                state[nxt] = 1
+                stack.append((nxt, iter(sorted(succ.get(nxt, ())))))
+                path.append(nxt)
+    return None
 
 
 def _with_io(prog: Program, ops: Sequence[int], groups: tuple[int, ...]) -> Region:
@@ -298,3 +393,12 @@ def order_with_regions(prog: Program, regions: Sequence[Region], deps: Sequence[
     if len(out) != len(steps):
         raise ValueError("regions are not convex: their steps form a cycle")
     return out
+
+
+def split_region(prog: Program, region: Region) -> tuple[Region, Region]:
+    """``region``'s ops in two halves by program order, each a region of its own (a prefix of a
+    convex region is convex, and edges only run forward, so no cycle appears)."""
+    groups = alias_groups(prog)
+    half = len(region.ops) // 2
+    return _with_io(prog, region.ops[:half], groups), _with_io(prog, region.ops[half:], groups)
+

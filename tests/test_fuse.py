@@ -1,0 +1,208 @@
+"""Fused instructions compiled by Inductor (C++ on the CPU): regions, programs and runs against eager."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+
+import flowexec
+from flowexec import inductor
+from flowexec.capture import capture
+from flowexec.errors import OptionError
+from flowexec.models import Block, lm_loss, make_mlp, make_step
+from flowexec.passes.regions import edges, find_regions, order_with_regions
+from flowexec.pipeline.compiled import CompiledRunner
+from helpers import assert_close_rel, assert_same_state, eager_stage_grads, play_jobs
+from test_verify import program_of, recipes
+
+
+def names(prog, region):
+    return " ".join(prog.ops[i].name.split(".")[1] for i in region.ops)
+
+
+def test_regions_of_a_small_training_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prog = capture(make_step(model, opt, F.cross_entropy), (torch.randn(4, 8), torch.randint(0, 4, (4,)))).program
+    got = [names(prog, r) for r in find_regions(prog)]
+    # Library ops (addmm, mm) cut the regions and views ride along; each region writes its
+    # gradient into .grad (add_); the optimizer's one add_ per parameter stays an ATen op.
+    assert got == [
+        "native_layer_norm gelu detach",
+        "_log_softmax nll_loss_forward ones_like detach nll_loss_backward detach _log_softmax_backward_data sum view "
+        "detach add_",
+        "gelu_backward detach detach detach native_layer_norm_backward detach detach t sum view detach add_",
+    ]
+
+
+@settings(max_examples=80, deadline=None)
+@given(recipe=recipes())
+def test_regions_are_convex_and_their_order_keeps_every_dependency(recipe):
+    _, prog = program_of(recipe)
+    regions = find_regions(prog, min_ops=1)
+    deps = edges(prog)
+    succ = {i: set() for i in range(len(prog.ops))}
+    for i, d in enumerate(deps):
+        for p in d:
+            succ[p].add(i)
+    for r in regions:
+        inside = set(r.ops)
+        # No path leaves the region and comes back: walk from every outside successor.
+        stack = [s for i in r.ops for s in succ[i] if s not in inside]
+        seen = set()
+        while stack:
+            j = stack.pop()
+            assert j not in inside, f"region {r.ops} is not convex"
+            if j not in seen:
+                seen.add(j)
+                stack.extend(succ[j])
+    order = [i for step in order_with_regions(prog, regions) for i in step]
+    pos = {i: k for k, i in enumerate(order)}
+    assert sorted(order) == list(range(len(prog.ops)))
+    assert all(pos[p] < pos[i] for i, d in enumerate(deps) for p in d)
+
+
+def mlp_twins(momentum=0.9):
+    torch.manual_seed(0)
+    m1 = make_mlp(32, 3, 5)
+    m2 = copy.deepcopy(m1)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=momentum)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=momentum)
+    s1, s2 = make_step(m1, o1, F.cross_entropy), make_step(m2, o2, F.cross_entropy)
+    data = [(torch.randn(16, 32), torch.randint(0, 5, (16,))) for _ in range(4)]
+    s1(*data[0]), s2(*data[0])  # momentum buffers exist before capture
+    return m1, m2, s1, s2, data
+
+
+@pytest.mark.parametrize("opts", [{}, {"mode": "threaded", "streams": 2}, {"streams": 2},
+                                  {"memory": "planned"}, {"gc": "async"}],
+                         ids=["trace", "threaded", "cpu-streams", "planned", "async-gc"])
+def test_fused_mlp_step_equals_eager(opts):
+    m1, m2, s1, s2, data = mlp_twins()
+    exe = flowexec.compile(s2, *data[0], fuse="inductor", **opts)
+    st = exe.plan.stats()
+    assert st["fused_regions"] >= 3 and st["fusion_fallbacks"] == 0
+    if exe.plan.n_streams > 1:
+        assert flowexec.verify_plan(exe.program, exe.plan) == []
+    for x, y in data:
+        assert_close_rel(exe(x, y), s1(x, y), 1e-5, "loss")
+    assert_same_state(m1, m2, 1e-5)
+
+
+def test_fused_transformer_block_adam_equals_eager():
+    torch.manual_seed(0)
+    m1 = Block()
+    m2 = copy.deepcopy(m1)
+    o1 = torch.optim.Adam(m1.parameters(), lr=1e-3, foreach=True)
+    o2 = torch.optim.Adam(m2.parameters(), lr=1e-3, foreach=True)
+    s1, s2 = make_step(m1, o1, lm_loss), make_step(m2, o2, lm_loss)
+    data = [(torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))) for _ in range(3)]
+    s1(*data[0]), s2(*data[0])
+    exe = flowexec.compile(s2, *data[0], fuse="inductor")
+    assert exe.plan.stats()["fused_regions"] >= 5
+    for x, y in data:
+        assert_close_rel(exe(x, y), s1(x, y), 1e-5, "loss")
+    assert_same_state(m1, m2, 1e-5)
+
+
+def test_equal_regions_share_one_kernel_and_explain_lists_them():
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Tanh())
+                                   for _ in range(4)])
+    x = torch.randn(4, 8)
+    exe = flowexec.compile(lambda x: layers(x) * 2, x, fuse="inductor")
+    st = exe.plan.stats()
+    assert st["fused_regions"] == 4 and st["fused_kernels"] == 2, st  # the last block's region also has the * 2
+    text = exe.explain()
+    assert text.splitlines()[0].startswith("4 fused regions (2 kernels") and text.count("shared") == 2
+    assert "native_layer_norm, tanh" in text  # the program text names what a fused op runs
+    with torch.no_grad():
+        torch.testing.assert_close(exe(x), layers(x) * 2)
+
+
+def test_a_region_inductor_refuses_keeps_its_aten_ops_and_says_why(monkeypatch):
+    real = inductor.compile_graph
+
+    def refuse_norms(gm, metas):
+        if any("layer_norm" in str(n.target) for n in gm.graph.nodes):
+            raise NotImplementedError("no kernel for this region (test)")
+        return real(gm, metas)
+
+    monkeypatch.setattr(inductor, "compile_graph", refuse_norms)
+    monkeypatch.setattr(flowexec.fusion, "_compiler", None)  # a compiler of this test's own
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    exe = flowexec.compile(lambda x: (net(x).relu() * 2).sum(), x, fuse="inductor")
+    st = exe.plan.stats()
+    assert st["fusion_fallbacks"] == 1 and st["fused_regions"] == 1
+    assert "fallback: NotImplementedError: no kernel for this region (test)" in exe.explain()
+    assert "aten.native_layer_norm" in str(exe.program)
+    with torch.no_grad():
+        torch.testing.assert_close(exe(x), (net(x).relu() * 2).sum())
+
+
+def test_debug_flag_checks_a_kernel_against_its_aten_ops(monkeypatch):
+    real = inductor.compile_graph
+
+    def wrong(gm, metas):
+        fn = real(gm, metas)
+        return lambda *a: [o + 1 for o in fn(*a)]  # a miscompiled kernel
+
+    monkeypatch.setattr(inductor, "compile_graph", wrong)
+    monkeypatch.setattr(flowexec.fusion, "_compiler", None)
+    monkeypatch.setenv("FLOWEXEC_DEBUG", "1")
+    x = torch.randn(16)
+    exe = flowexec.compile(lambda x: (x.sin() * 3).exp() - 1, x, fuse="inductor")
+    torch.testing.assert_close(exe(x), (x.sin() * 3).exp() - 1)  # the first call is checked: ATen's answer
+    torch.testing.assert_close(exe(x), (x.sin() * 3).exp() - 1)  # and the ATen ops run from then on
+    assert "fallback: miscompiled (output 0: max difference 1" in exe.explain()
+
+
+def test_bad_fuse_and_pad_values_name_the_choices():
+    with pytest.raises(OptionError, match="'inductor'.*False.*None"):
+        flowexec.compile(lambda x: x + 1, torch.ones(2), fuse="triton")
+    with pytest.raises(OptionError, match="None.*True.*False"):
+        flowexec.compile(lambda x: x + 1, torch.ones(2), pad="yes")
+    with pytest.raises(Exception, match="fusion choice"):  # Dynamo wraps it in BackendCompilerFailed
+        torch.compile(torch.nn.Linear(2, 2), backend="flowexec", options={"fuse": 1})(torch.ones(2))
+
+
+def test_fusion_is_off_on_the_cpu_by_default():
+    exe = flowexec.compile(lambda x: (x.sin() * 2).relu(), torch.randn(8))
+    assert "fused_regions" not in exe.plan.stats()
+    assert exe.explain().startswith("no fusion")
+
+
+def test_backend_with_fusion_gives_eager_gradients():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    net2 = copy.deepcopy(net)
+    fast = torch.compile(net2, backend="flowexec", options={"fuse": "inductor"})
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        net(x).square().mean().backward()
+        fast(x).square().mean().backward()
+    assert_same_state(net, net2, 1e-5)
+
+
+def test_fused_pipeline_stage_jobs_give_eager_gradients():
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.LayerNorm(12), torch.nn.GELU(), torch.nn.Linear(12, 6))
+    ref = copy.deepcopy(stage)
+    xs = [(torch.randn(4, 6),) for _ in range(2)]
+    gs = [(torch.randn(4, 6),) for _ in range(2)]
+    runner = CompiledRunner(stage, example_inputs=xs[0], fuse="inductor")
+    assert all(p.fusion is not None for p in runner.plans.values())
+    assert runner.plans["F"].stats()["fused_regions"] >= 1 and runner.plans["I"].stats()["fused_regions"] >= 1
+    outs, gins = play_jobs(runner, "F0 F1 I1 I0 W0 W1", xs, gs)
+    r_outs, r_gins, r_grads = eager_stage_grads(ref, xs, gs)
+    for m in (0, 1):
+        assert_close_rel(list(outs[m]), list(r_outs[m]), 1e-5, "output")
+        assert_close_rel(list(gins[m]), list(r_gins[m]), 1e-5, "input grad")
+    for p, want in zip(stage.parameters(), r_grads):
+        assert_close_rel(p.grad, want, 1e-5, "weight grad")
