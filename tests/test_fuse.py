@@ -206,3 +206,29 @@ def test_fused_pipeline_stage_jobs_give_eager_gradients():
         assert_close_rel(list(gins[m]), list(r_gins[m]), 1e-5, "input grad")
     for p, want in zip(stage.parameters(), r_grads):
         assert_close_rel(p.grad, want, 1e-5, "weight grad")
+
+
+def test_pad_true_aligns_products_keeps_answers_and_output_strides_and_pads_a_gradient_once():
+    torch.manual_seed(0)
+    w = torch.randn(50, 12)
+
+    def f(x, g):
+        y = (x @ w.t()).view(2, 3, 50).sum()  # N = 50 padded: the row view still fits the padded rows
+        z = F.linear(x, w, torch.ones(50))  # an output: N stays 50, so it keeps eager's strides
+        gx = g @ w  # K = 50 padded on both operands
+        gw = g.t() @ x  # M = 50: g padded once, shared with gx through the transpose
+        return y, z, gx, gw
+
+    x, g = torch.randn(6, 12), torch.randn(6, 50)
+    exe = flowexec.compile(f, x, g, pad=True, fuse=False)
+    prog = exe.program
+    shapes = [[prog.values[r].meta.shape for r in op.refs()] for op in prog.ops
+              if op.name in ("aten.mm.default", "aten.addmm.default")]
+    assert shapes == [[(8, 12), (12, 52)], [(50,), (8, 12), (12, 50)], [(8, 52), (52, 12)], [(52, 8), (8, 12)]]
+    pads_of_g = [op for op in prog.ops if op.name == "aten.constant_pad_nd.default" and op.args[0].id == prog.inputs[1]]
+    assert len(pads_of_g) == 1
+    got, want = exe(x, g), f(x, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+        assert a.stride() == b.stride()
+    assert "constant_pad_nd" not in str(flowexec.compile(f, x, g).program)  # on the CPU nothing is padded by default

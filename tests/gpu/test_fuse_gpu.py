@@ -1,0 +1,105 @@
+"""Fused instructions compiled by Inductor (Triton) and padded matrix products on CUDA, against eager."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from flowexec.models import make_mlp, make_step
+from flowexec.pipeline.compiled import CompiledRunner
+
+from helpers import assert_close_rel, assert_same_state, block_adam_twins, eager_stage_grads, play_jobs, twin
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
+def mlp_twins():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(make_mlp(64, 3).cuda(), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    s1, s2 = make_step(m1, o1, F.cross_entropy), make_step(m2, o2, F.cross_entropy)
+    data = [(torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")) for _ in range(4)]
+    s1(*data[0]), s2(*data[0])  # momentum buffers before capture
+    return m1, m2, s1, s2, data
+
+
+@pytest.mark.parametrize("opts", [{"mode": "trace"}, {"mode": "graph"}, {"mode": "graph", "streams": 2}],
+                         ids=["trace", "graph", "graph-2-streams"])
+def test_fused_mlp_step_matches_eager(opts):
+    m1, m2, s1, s2, data = mlp_twins()
+    exe = flowexec.compile(s2, *data[0], **opts)  # fuse=None: Inductor on CUDA
+    st = exe.plan.stats()
+    assert st["fused_regions"] >= 3 and st["fusion_fallbacks"] == 0, exe.explain()
+    if exe.plan.n_streams > 1:
+        assert flowexec.verify_plan(exe.program, exe.plan) == []
+    for x, y in data[1:]:
+        assert_close_rel(exe(x, y), s1(x, y))
+    assert_same_state(m1, m2)
+
+
+def test_fused_block_adam_graph_matches_eager():
+    m1, m2, s1, s2, data = block_adam_twins(4)
+    exe = flowexec.compile(s2, *data[0], mode="graph")
+    assert exe.plan.stats()["fused_regions"] >= 5, exe.explain()
+    for x, y in data[1:]:
+        assert_close_rel(exe(x, y), s1(x, y))
+    assert_same_state(m1, m2, 1e-5)
+
+
+def test_padded_head_in_bf16_matches_eager():
+    torch.manual_seed(0)
+    vocab = 1001  # not a multiple of 8: the head and its weight-gradient product are padded
+    head = torch.nn.Linear(64, vocab, bias=False).cuda()
+    head2 = copy.deepcopy(head)
+
+    def step(h, x, y):
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = h(x)
+        loss = F.cross_entropy(logits.float(), y)
+        loss.backward()
+        return loss.detach()
+
+    x, y = torch.randn(256, 64, device="cuda"), torch.randint(0, vocab, (256,), device="cuda")
+    exe = flowexec.compile(lambda x, y: step(head2, x, y), x, y, mode="graph", pad=True)
+    products = [op for op in exe.program.ops if op.name in ("aten.mm.default", "aten.addmm.default")]
+    assert len(products) == 2  # the head and its weight gradient (x takes no gradient)
+    for op in products:
+        for r in op.refs():
+            assert all(s % 8 == 0 for s in exe.program.values[r].meta.shape), str(exe.program)
+    torch.testing.assert_close(exe(x, y), step(head, x, y), rtol=2e-2, atol=2e-2)
+    assert head2.weight.grad.stride() == head.weight.grad.stride()
+    torch.testing.assert_close(head2.weight.grad, head.weight.grad, rtol=3e-2, atol=3e-3)
+
+
+def test_backend_graph_mode_with_fusion_gives_eager_gradients():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.GELU(),
+                              torch.nn.Linear(64, 10)).cuda()
+    net2 = copy.deepcopy(net)
+    fast = torch.compile(net2, backend="flowexec", options={"mode": "graph", "fuse": "inductor"})
+    for _ in range(3):
+        x = torch.randn(16, 32, device="cuda")
+        net(x).square().mean().backward()
+        fast(x).square().mean().backward()
+    assert_same_state(net, net2, 1e-5)
+
+
+def test_fused_pipeline_stage_graph_mode_gives_eager_gradients():
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 16)).cuda()
+    ref = copy.deepcopy(stage)
+    xs = [(torch.randn(8, 16, device="cuda"),) for _ in range(2)]
+    gs = [(torch.randn(8, 16, device="cuda"),) for _ in range(2)]
+    runner = CompiledRunner(stage, example_inputs=xs[0], mode="graph")
+    assert runner.plans["F"].stats()["fused_regions"] >= 1
+    outs, gins = play_jobs(runner, "F0 F1 I1 I0 W0 W1", xs, gs)
+    r_outs, r_gins, r_grads = eager_stage_grads(ref, xs, gs)
+    for m in (0, 1):
+        assert_close_rel(list(outs[m]), list(r_outs[m]), 1e-5, "output")
+        assert_close_rel(list(gins[m]), list(r_gins[m]), 1e-5, "input grad")
+    for p, want in zip(stage.parameters(), r_grads):
+        assert_close_rel(p.grad, want, 1e-5, "weight grad")
