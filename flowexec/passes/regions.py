@@ -139,24 +139,43 @@ def edges(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[i
                  for op in prog.ops)
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What every region's inputs and outputs are read from, computed once per program."""
+
+    groups: tuple[int, ...]
+    rw: tuple[tuple[frozenset[int], frozenset[int]], ...]  # per op: alias groups read, written
+    readers: dict[int, tuple[int, ...]]  # value -> the ops that read it
+    returned: frozenset[int]  # values the program returns
+
+    @staticmethod
+    def of(prog: Program) -> _Facts:
+        groups = alias_groups(prog)
+        readers: dict[int, list[int]] = {}
+        for op in prog.ops:
+            for r in op.refs():
+                readers.setdefault(r, []).append(op.index)
+        return _Facts(groups, read_write_sets(prog, groups), {v: tuple(u) for v, u in readers.items()},
+                      frozenset(o.id for o in prog.outputs if isinstance(o, Ref)))
+
+
 def find_regions(prog: Program, min_ops: int = 2, exclude: frozenset[int] = frozenset()) -> tuple[Region, ...]:
     """Convex regions of fusible ops, each with at least ``min_ops`` ops that are not views.
 
-    Greedy in program order: a fusible op joins the region of its latest fusible producer when
-    every other producer is either in that region or not downstream of it (so no path leaves
-    the region and comes back); else it starts a region. ``exclude``: op positions to keep out.
-    A region that would write an input which shares memory with another of its inputs is
-    refused its writing ops (the compiler would not see the aliasing): they are retried as
+    Greedy in program order (:func:`_grow`), then cut where two regions would reach each other
+    (:func:`_without_cycles`). ``exclude``: op positions to keep out. A region that would write
+    an input which shares memory with another of its inputs, or return a view of an input, is
+    refused the ops that do so (the compiler would not see the aliasing): they are retried as
     library ops.
     """
-    groups = alias_groups(prog)
-    deps = edges(prog, groups)
+    facts = _Facts.of(prog)
+    deps = edges(prog, facts.groups)
     exclude = set(exclude)
     while True:
         regions = _grow(prog, deps, exclude, min_ops)
         regions = [ops for ops in _without_cycles(regions, deps) if work_count(prog, ops) >= min_ops]
-        regions = tuple(_with_io(prog, ops, groups) for ops in regions)
-        bad = {i for r in regions for i in _aliased_writes(prog, r, groups)}
+        regions = tuple(_with_io(prog, ops, facts) for ops in regions)
+        bad = {i for r in regions for i in _aliased_writes(prog, r, facts)}
         if not bad:
             return regions
         exclude |= bad
@@ -290,20 +309,20 @@ def _a_cycle(regions: list[list[int]], deps: Sequence[Sequence[int]]) -> list[in
     return None
 
 
-def _with_io(prog: Program, ops: Sequence[int], groups: tuple[int, ...]) -> Region:
+def _with_io(prog: Program, ops: Sequence[int], facts: _Facts) -> Region:
     inside = set(ops)
     made = {o for i in ops for o in prog.ops[i].outputs if o >= 0}
     inputs: list[int] = []
+    seen: set[int] = set()
     for i in ops:
         for r in prog.ops[i].refs():
-            if r not in made and r not in inputs and prog.values[r].meta is not None:
+            if r not in made and r not in seen and prog.values[r].meta is not None:
+                seen.add(r)
                 inputs.append(r)
-    used_after = {r for op in prog.ops if op.index not in inside for r in op.refs()}
-    used_after |= {o.id for o in prog.outputs if isinstance(o, Ref)}
-    outputs = tuple(sorted(v for v in made if v in used_after))
-    rw = read_write_sets(prog, groups)
-    written = set().union(*(rw[i][1] for i in ops)) if ops else set()
-    mutated = tuple(k for k, v in enumerate(inputs) if groups[v] in written)
+    outputs = tuple(sorted(v for v in made if v in facts.returned
+                           or any(u not in inside for u in facts.readers.get(v, ()))))
+    written = set().union(*(facts.rw[i][1] for i in ops)) if ops else set()
+    mutated = tuple(k for k, v in enumerate(inputs) if facts.groups[v] in written)
     same = _same_as_input(prog, ops, inputs)
     return Region(tuple(ops), tuple(inputs), outputs, tuple(same.get(o, -1) for o in outputs), mutated)
 
@@ -333,13 +352,13 @@ def _same_as_input(prog: Program, ops: Sequence[int], inputs: Sequence[int]) -> 
     return same
 
 
-def _aliased_writes(prog: Program, r: Region, groups: tuple[int, ...]) -> set[int]:
+def _aliased_writes(prog: Program, r: Region, facts: _Facts) -> set[int]:
     """Ops to keep out of ``r`` because the compiler, which takes each input as a buffer of its
     own and returns fresh outputs, would not see an aliasing: a written input that shares
     memory with another input (its writers), and a computed output that views an input or
     another output (the op that makes it)."""
+    groups = facts.groups
     written = {groups[r.inputs[k]] for k in r.mutated}
-    rw = read_write_sets(prog, groups)
     seen: set[int] = set()
     clash: set[int] = set()
     for v in r.inputs:
@@ -347,7 +366,7 @@ def _aliased_writes(prog: Program, r: Region, groups: tuple[int, ...]) -> set[in
         if g in seen and g in written:
             clash.add(g)
         seen.add(g)
-    bad = {i for i in r.ops if rw[i][1] & clash}
+    bad = {i for i in r.ops if facts.rw[i][1] & clash}
     made_by = {o: i for i in r.ops for o in prog.ops[i].outputs if o >= 0}
     for o in r.computed:
         g = groups[o]
@@ -398,7 +417,6 @@ def order_with_regions(prog: Program, regions: Sequence[Region], deps: Sequence[
 def split_region(prog: Program, region: Region) -> tuple[Region, Region]:
     """``region``'s ops in two halves by program order, each a region of its own (a prefix of a
     convex region is convex, and edges only run forward, so no cycle appears)."""
-    groups = alias_groups(prog)
+    facts = _Facts.of(prog)
     half = len(region.ops) // 2
-    return _with_io(prog, region.ops[:half], groups), _with_io(prog, region.ops[half:], groups)
-
+    return _with_io(prog, region.ops[:half], facts), _with_io(prog, region.ops[half:], facts)
