@@ -103,3 +103,28 @@ def test_fused_pipeline_stage_graph_mode_gives_eager_gradients():
         assert_close_rel(list(gins[m]), list(r_gins[m]), 1e-5, "input grad")
     for p, want in zip(stage.parameters(), r_grads):
         assert_close_rel(p.grad, want, 1e-5, "weight grad")
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fused_convnet_graph_mode_updates_running_stats_as_eager(channels_last):
+    from flowexec.models import ConvNet
+
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    m1 = ConvNet().cuda().to(memory_format=fmt)
+    m2 = copy.deepcopy(m1)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    s1, s2 = make_step(m1, o1, F.cross_entropy), make_step(m2, o2, F.cross_entropy)
+    data = [(torch.randn(8, 3, 16, 16, device="cuda").to(memory_format=fmt), torch.randint(0, 10, (8,), device="cuda"))
+            for _ in range(3)]
+    s1(*data[0]), s2(*data[0])
+    exe = flowexec.compile(s2, *data[0], mode="graph")
+    names = {n for r in exe.plan.fusion.regions if r.fused for n in r.ops}
+    assert any("batch_norm" in n and "backward" not in n for n in names), exe.explain()
+    for x, y in data[1:]:
+        assert_close_rel(exe(x, y), s1(x, y), 1e-5, "loss")
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert_close_rel(b, a, 1e-5, n)
+    for (n, a), b in zip(m1.named_buffers(), m2.buffers()):
+        assert_close_rel(b, a, 1e-5, n)
