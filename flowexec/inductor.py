@@ -237,7 +237,8 @@ class InductorCompiler:
         t0 = time.perf_counter()
         try:
             gm = region_graph(prog, region)
-            compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs])
+            compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
+                                     [prog.values[v].meta for v in region.computed])
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
             why = self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             return why
@@ -249,9 +250,12 @@ class InductorCompiler:
         return kernel
 
 
-def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[..., Any]:
+def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequence[TensorMeta] = ()) -> Callable[..., Any]:
     """Inductor's compiled function for a region's graph whose inputs have ``metas`` (its
-    inference path: no autograd)."""
+    inference path: no autograd). With ``want`` (the metas the program expects of the returned
+    values), the kernel runs once on the example inputs and a result of another dtype, shape
+    or stride is an error (a decomposition can compute in another dtype than the ATen kernel:
+    CPU batch norm's saved statistics under bf16 autocast came back in bf16, not float32)."""
     from torch._inductor.compile_fx import compile_fx
 
     examples = [_example(m) for m in metas]
@@ -259,7 +263,17 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[.
     # active, and Inductor would record this region's output strides there as the strides of
     # the graph AOTAutograd is compiling (its backward then reads them).
     with torch.no_grad(), _quiet(), torch._guards.tracing(None):
-        return compile_fx(gm, examples)
+        compiled = compile_fx(gm, examples)
+        if want:
+            outs = compiled(*examples)
+            for k, (o, m) in enumerate(zip(outs, want)):
+                got = (o.dtype, tuple(o.shape), tuple(o.stride()) if m.stride is not None and o.numel() > 1 else None)
+                expect = (m.dtype, m.shape, m.stride if m.stride is not None and o.numel() > 1 else None)
+                if got != expect:
+                    raise TypeError(f"output {k} came back as {got[0]} {list(got[1])} stride {got[2]}, the program "
+                                    f"expects {expect[0]} {list(expect[1])} stride {expect[2]}")
+            del outs
+    return compiled
 
 
 @contextlib.contextmanager

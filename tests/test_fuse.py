@@ -127,10 +127,10 @@ def test_equal_regions_share_one_kernel_and_explain_lists_them():
 def test_a_region_inductor_refuses_keeps_its_aten_ops_and_says_why(monkeypatch):
     real = inductor.compile_graph
 
-    def refuse_norms(gm, metas):
+    def refuse_norms(gm, metas, want=()):
         if any("layer_norm" in str(n.target) for n in gm.graph.nodes):
             raise NotImplementedError("no kernel for this region (test)")
-        return real(gm, metas)
+        return real(gm, metas, want)
 
     monkeypatch.setattr(inductor, "compile_graph", refuse_norms)
     monkeypatch.setattr(flowexec.fusion, "_compiler", None)  # a compiler of this test's own
@@ -149,8 +149,8 @@ def test_a_region_inductor_refuses_keeps_its_aten_ops_and_says_why(monkeypatch):
 def test_debug_flag_checks_a_kernel_against_its_aten_ops(monkeypatch):
     real = inductor.compile_graph
 
-    def wrong(gm, metas):
-        fn = real(gm, metas)
+    def wrong(gm, metas, want=()):
+        fn = real(gm, metas)  # (no output check: the wrong values must reach the first-call check)
         return lambda *a: [o + 1 for o in fn(*a)]  # a miscompiled kernel
 
     monkeypatch.setattr(inductor, "compile_graph", wrong)
