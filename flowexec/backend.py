@@ -115,7 +115,7 @@ class GraphProgram:
         a graph on no CUDA device, or on several, runs on one). ``pool="shared"``: the graph is
         one of its device's CUDA-graph trees (``runtime/graph_trees.py``), as ``role`` (forward,
         backward, inference), with ``tree_static`` among its static inputs."""
-        program, fusion = fuse_and_pad(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), fuse, pad)
+        program, fusion = fuse_and_pad(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), fuse, pad, mode)
         # streams of one device (CUDA streams) or of none (worker threads on the CPU); memory="planned":
         # every graph captured from this program writes its intermediates into the one arena (replays
         # are serial), so they share that memory.

@@ -65,7 +65,7 @@ OPTIONS = {
     "fuse": "'inductor': regions of fusible ops (pointwise, reductions, norms, softmax, losses, the optimizer's "
             "elementwise math) become one instruction each, compiled by Inductor (Triton on CUDA, C++ on the CPU), "
             "beside library ops (matrix products, convolutions, attention); False: the captured ATen ops; None "
-            "(default): Inductor on CUDA, ATen ops on the CPU (exe.explain() lists the regions)",
+            "(default): Inductor in graph mode on CUDA, ATen ops elsewhere (exe.explain() lists the regions)",
     "pad": "None (default): pad a matrix product whose sizes are not multiples of 16 bytes to aligned sizes (and "
            "slice the result back) on CUDA where that measured faster; True: every such product; False: none",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
@@ -197,7 +197,8 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         cap = capture(_call_with_containers(self.fn, tree, paths), args)
-        prog, fusion = fuse_and_pad(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.fuse, self.pad)
+        prog, fusion = fuse_and_pad(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.fuse, self.pad,
+                                    self.mode)
         plan = build_plan(prog, self.gc, self.streams, mode=self.mode, **self.memory_options)
         plan = dataclasses.replace(plan, fusion=fusion)
         run = lower_for(plan, self.mode, *self._worker_opts)

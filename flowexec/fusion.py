@@ -6,7 +6,8 @@ matrix products, for every front door.
 of fusible ops (:mod:`flowexec.passes.regions`) becomes one op whose kernel Inductor compiled
 (:mod:`flowexec.inductor`), with one compiler per process so that equal regions of any program
 share a kernel. ``fuse=None`` (the default) means Inductor where it measured faster — programs
-on a CUDA device (``benchmarks/scale.py``) — and ATen ops on the CPU; ``False`` never fuses.
+on a CUDA device in graph mode (``benchmarks/scale.py``) — and ATen ops elsewhere (trace mode,
+the CPU); ``False`` never fuses.
 
 :func:`pad_for` runs first (``passes/pad.py``): ``pad=None`` (the default) pads a misaligned
 matrix product on a CUDA device where padding measured faster on that device (both forms timed
@@ -51,14 +52,16 @@ def check_fuse(fuse: Any) -> str | bool | None:
     if fuse not in FUSE_CHOICES or (fuse is not None and not isinstance(fuse, (str, bool))):
         raise OptionError(f"fuse={fuse!r} is not a fusion choice; valid: 'inductor' (regions of pointwise ops, "
                           "reductions, norms ... compiled by Inductor), False (ATen ops as captured), None (the "
-                          "default: Inductor on CUDA, where it measured faster, ATen ops on the CPU)")
+                          "default: Inductor in graph mode on CUDA, where it measured faster, ATen ops elsewhere)")
     return fuse
 
 
-def wants_fusion(prog: Program, fuse: str | bool | None) -> bool:
-    """Whether ``fuse`` fuses this program: ``None`` decides by device (CUDA: yes)."""
+def wants_fusion(prog: Program, fuse: str | bool | None, mode: str = "graph") -> bool:
+    """Whether ``fuse`` fuses this program: ``None`` fuses a CUDA program in graph mode, where
+    ``benchmarks/scale.py`` measured it faster on every model (in trace mode the host launches
+    each Triton kernel: ResNet-50's fused trace step took 2.3x the unfused one)."""
     if fuse is None:
-        return bool(cuda_devices(prog))
+        return mode == "graph" and bool(cuda_devices(prog))
     return fuse == "inductor"
 
 
@@ -72,10 +75,10 @@ def compiler() -> Any:
     return _compiler
 
 
-def fuse_for(prog: Program, fuse: str | bool | None) -> tuple[Program, FusionReport | None]:
-    """``prog`` with its regions fused when ``fuse`` asks for it (see the module's docstring),
-    and the report (None when nothing was asked)."""
-    if not wants_fusion(prog, check_fuse(fuse)):
+def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tuple[Program, FusionReport | None]:
+    """``prog`` with its regions fused when ``fuse`` asks for it in run mode ``mode`` (see the
+    module's docstring), and the report (None when nothing was asked)."""
+    if not wants_fusion(prog, check_fuse(fuse), mode):
         return prog, None
     comp = compiler()
     before = comp.seconds
@@ -194,8 +197,9 @@ def _gpu_time(fn: Any, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def fuse_and_pad(prog: Program, fuse: str | bool | None, pad: bool | None) -> tuple[Program, FusionReport | None]:
+def fuse_and_pad(prog: Program, fuse: str | bool | None, pad: bool | None,
+                 mode: str = "graph") -> tuple[Program, FusionReport | None]:
     """:func:`pad_for` then :func:`fuse_for`: what every front door applies to a captured
-    program before planning."""
-    return fuse_for(pad_for(prog, pad), fuse)
+    program before planning (``mode``: the run mode it is planned for)."""
+    return fuse_for(pad_for(prog, pad), fuse, mode)
 

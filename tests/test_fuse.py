@@ -172,10 +172,16 @@ def test_bad_fuse_and_pad_values_name_the_choices():
         torch.compile(torch.nn.Linear(2, 2), backend="flowexec", options={"fuse": 1})(torch.ones(2))
 
 
-def test_fusion_is_off_on_the_cpu_by_default():
+def test_fusion_is_off_on_the_cpu_by_default_and_on_for_cuda_graph_mode_only():
+    from flowexec.fusion import wants_fusion
+
     exe = flowexec.compile(lambda x: (x.sin() * 2).relu(), torch.randn(8))
     assert "fused_regions" not in exe.plan.stats()
     assert exe.explain().startswith("no fusion")
+    with torch._subclasses.fake_tensor.FakeTensorMode():  # a CUDA program's metadata, on any machine
+        cuda = capture(lambda x: (x.sin() * 2).relu(), (torch.empty(8, device="cuda"),)).program
+    assert [wants_fusion(cuda, None, m) for m in ("graph", "trace", "threaded")] == [True, False, False]
+    assert wants_fusion(exe.program, "inductor", "trace") and not wants_fusion(cuda, False, "graph")
 
 
 def test_backend_with_fusion_gives_eager_gradients():

@@ -136,7 +136,7 @@ class CompiledRunner:
 
     # -- building ---------------------------------------------------------------------------
     def _plan(self, prog: Program) -> ExecutionPlan:
-        fused, report = fuse_and_pad(prog, self._fuse, None)
+        fused, report = fuse_and_pad(prog, self._fuse, None, self.mode)
         return dataclasses.replace(build_plan(fused), fusion=report)
 
     def _build(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:

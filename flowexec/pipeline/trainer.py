@@ -127,7 +127,7 @@ class PipelineTrainer:
     optimizer between them, and a weight shared with another rank's stage has its gradient
     summed over those ranks before it is stepped (:mod:`.tied`). ``compile``: False for eager stages, True
     (or a mode string) for flowexec programs; ``fuse``: their fusion, as ``flowexec.compile``'s (None:
-    Inductor on CUDA). ``device``: where the local stages run (default
+    Inductor in graph mode on CUDA). ``device``: where the local stages run (default
     ``cuda:LOCAL_RANK`` on an NCCL group, else the CPU). ``timer``: a
     :class:`~flowexec.profiler.timers.JobTimer` to record every job and receive wait; the spans that
     the last step's flush returned are in ``trainer.spans`` (on CUDA the completed ones, so some

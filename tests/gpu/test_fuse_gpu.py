@@ -26,11 +26,12 @@ def mlp_twins():
     return m1, m2, s1, s2, data
 
 
-@pytest.mark.parametrize("opts", [{"mode": "trace"}, {"mode": "graph"}, {"mode": "graph", "streams": 2}],
+@pytest.mark.parametrize("opts", [{"mode": "trace", "fuse": "inductor"}, {"mode": "graph"},
+                                  {"mode": "graph", "streams": 2}],
                          ids=["trace", "graph", "graph-2-streams"])
 def test_fused_mlp_step_matches_eager(opts):
     m1, m2, s1, s2, data = mlp_twins()
-    exe = flowexec.compile(s2, *data[0], **opts)  # fuse=None: Inductor on CUDA
+    exe = flowexec.compile(s2, *data[0], **opts)  # fuse=None: Inductor in graph mode on CUDA
     st = exe.plan.stats()
     assert st["fused_regions"] >= 3 and st["fusion_fallbacks"] == 0, exe.explain()
     if exe.plan.n_streams > 1:
