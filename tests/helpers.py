@@ -128,3 +128,17 @@ def clipped_sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps:
         opt.step()
     assert min(float(n) for n in norms) > 2 * max_norm, "the reference's gradients never needed the clip"
     return norms
+
+
+def assert_stage_jobs_match_eager(runner: Any, stage: torch.nn.Module, ref: torch.nn.Module, order: str,
+                                  xs: Any, gs: Any, tol: float = 1e-5) -> None:
+    """Play ``order`` on a stage runner and check its outputs, input gradients and the
+    parameters' gradients against eager autograd on ``ref`` (an untouched copy of ``stage``)."""
+    outs, gins = play_jobs(runner, order, xs, gs)
+    r_outs, r_gins, r_grads = eager_stage_grads(ref, xs, gs)
+    for m in outs:
+        assert_close_rel(list(outs[m]), list(r_outs[m]), tol, f"output of micro-batch {m}")
+        assert_close_rel(list(gins[m]), list(r_gins[m]), tol, f"input grad of micro-batch {m}")
+    for p, want in zip(stage.parameters(), r_grads):
+        assert_close_rel(p.grad, want, tol, "weight grad")
+

@@ -15,7 +15,7 @@ from flowexec.errors import OptionError
 from flowexec.models import Block, lm_loss, make_mlp, make_step
 from flowexec.passes.regions import edges, find_regions, order_with_regions
 from flowexec.pipeline.compiled import CompiledRunner
-from helpers import assert_close_rel, assert_same_state, eager_stage_grads, play_jobs
+from helpers import assert_close_rel, assert_same_state, assert_stage_jobs_match_eager
 from test_verify import program_of, recipes
 
 
@@ -205,13 +205,7 @@ def test_fused_pipeline_stage_jobs_give_eager_gradients():
     runner = CompiledRunner(stage, example_inputs=xs[0], fuse="inductor")
     assert all(p.fusion is not None for p in runner.plans.values())
     assert runner.plans["F"].stats()["fused_regions"] >= 1 and runner.plans["I"].stats()["fused_regions"] >= 1
-    outs, gins = play_jobs(runner, "F0 F1 I1 I0 W0 W1", xs, gs)
-    r_outs, r_gins, r_grads = eager_stage_grads(ref, xs, gs)
-    for m in (0, 1):
-        assert_close_rel(list(outs[m]), list(r_outs[m]), 1e-5, "output")
-        assert_close_rel(list(gins[m]), list(r_gins[m]), 1e-5, "input grad")
-    for p, want in zip(stage.parameters(), r_grads):
-        assert_close_rel(p.grad, want, 1e-5, "weight grad")
+    assert_stage_jobs_match_eager(runner, stage, ref, "F0 F1 I1 I0 W0 W1", xs, gs)
 
 
 def test_pad_true_aligns_products_keeps_answers_and_output_strides_and_pads_a_gradient_once():

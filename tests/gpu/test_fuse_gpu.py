@@ -11,7 +11,7 @@ import flowexec
 from flowexec.models import make_mlp, make_step
 from flowexec.pipeline.compiled import CompiledRunner
 
-from helpers import assert_close_rel, assert_same_state, block_adam_twins, eager_stage_grads, play_jobs, twin
+from helpers import assert_close_rel, assert_same_state, block_adam_twins, assert_stage_jobs_match_eager, twin
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -97,13 +97,7 @@ def test_fused_pipeline_stage_graph_mode_gives_eager_gradients():
     gs = [(torch.randn(8, 16, device="cuda"),) for _ in range(2)]
     runner = CompiledRunner(stage, example_inputs=xs[0], mode="graph")
     assert runner.plans["F"].stats()["fused_regions"] >= 1
-    outs, gins = play_jobs(runner, "F0 F1 I1 I0 W0 W1", xs, gs)
-    r_outs, r_gins, r_grads = eager_stage_grads(ref, xs, gs)
-    for m in (0, 1):
-        assert_close_rel(list(outs[m]), list(r_outs[m]), 1e-5, "output")
-        assert_close_rel(list(gins[m]), list(r_gins[m]), 1e-5, "input grad")
-    for p, want in zip(stage.parameters(), r_grads):
-        assert_close_rel(p.grad, want, 1e-5, "weight grad")
+    assert_stage_jobs_match_eager(runner, stage, ref, "F0 F1 I1 I0 W0 W1", xs, gs)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
