@@ -255,3 +255,50 @@ def test_fused_convnet_with_batch_norm_updates_running_stats_as_eager():
         assert_close_rel(b, a, 1e-5, n)  # a conv bias before a norm has a gradient of ~1e-8 noise: compare weights
     for (n, a), b in zip(m1.named_buffers(), m2.buffers()):
         assert_close_rel(b, a, 1e-5, n)  # running mean and variance, batch counts
+
+
+def _norm_blocks() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())
+                                 for _ in range(4)])
+
+
+def _fused_pipeline(rank: int, world: int, schedule: str) -> dict:
+    from flowexec.pipeline import PipelineTrainer, split
+
+    torch.set_num_threads(1)
+    trainer = PipelineTrainer(split(_norm_blocks(), 2), schedule=schedule, microbatches=4, loss_fn=F.mse_loss,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), fuse="inductor", timeout=240)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    losses = [trainer.step(x, y) for _ in range(3)]
+    return {"losses": [float(v) for v in losses if v is not None],
+            "params": {s: [p.detach().clone() for p in trainer.modules[s].parameters()] for s in trainer.local},
+            "fused": {s: {k: p.stats().get("fused_regions", 0) for k, p in r.plans.items()}
+                      for s, r in trainer.runners.items()}}
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_of_fused_i_w_split_stages_trains_as_one_process():
+    from flowexec.pipeline import spawn
+
+    res = spawn(_fused_pipeline, 2, "ZBH1", timeout=280)
+    model = _norm_blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    want_losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        want_losses.append(float(loss))
+    fused = [per for r in res for per in r["fused"].values()]
+    assert all(per["F"] and per["B"] and per["I"] + per["W"] for per in fused), fused  # each job's program fused
+    got = {s: ps for r in res for s, ps in r["params"].items()}
+    want = [list(model[:2].parameters()), list(model[2:].parameters())]
+    for s in (0, 1):
+        for a, b in zip(got[s], want[s], strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    assert res[1]["losses"] == pytest.approx(want_losses, rel=1e-5)
