@@ -32,7 +32,7 @@ from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
-from .runtime.streams import lower_for
+from .runtime.lower import lower_for
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
 
 MODES = ("trace", "graph", "threaded")
