@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import capture, storage_groups, storage_key
+from .capture import capture
 from .errors import CaptureError, FlowexecError, InputError, OptionError
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
@@ -34,6 +34,7 @@ from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
 from .runtime.lower import lower_for
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
+from .storage import storage_groups, storage_key
 
 MODES = ("trace", "graph", "threaded")
 OPTIONS = {
