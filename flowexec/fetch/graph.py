@@ -1,9 +1,9 @@
 """``graph+<launcher>``, fast_item's reader: a captured CUDA graph of the copy kernel per
 (address, dtype) read more than once.
 
-On the H200 machine a ``cuLaunchKernel`` call from Python costs 4.3 µs through cupy and 5.9 µs
+On the H200 machine a ``cuLaunchKernel`` call from Python cost 4.2 µs through cupy and 5.8 µs
 through ctypes, while launching a captured graph of the same kernel and spinning for its result
-takes 4.9-5.7 µs in all (docs/fetch.md). So an address read a second time within the last
+took 4.9-5.7 µs in all (``benchmarks/results/item.json`` of 5b6372d, docs/history.md). So an address read a second time within the last
 ``HOT_MAX`` new addresses gets its own graph (a training loop's loss usually comes back at the
 same address: the caching allocator reuses the block); first sightings use the direct launch of
 :class:`~.kernel.KernelSlots` (slot 0, sequence numbers), and a round-robin over more addresses
