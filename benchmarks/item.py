@@ -1,16 +1,16 @@
 """Scalar readback latency on CUDA: flowexec.fetch against Tensor.item(), side by side in one run.
 
     python3 benchmarks/item.py [--out benchmarks/results/item.json] [--n 20000]
-    python3 benchmarks/item.py --emulate [--against OLD_fetch.py]   # CPU only, see emulated()
+    python3 benchmarks/item.py --user-loop     # only the user-loop section -> item_user_loop.json
 
 Sections (each figure is the median of many calls, timed with perf_counter_ns around one call,
 candidates interleaved round by round so that clock drift hits all of them alike):
-  paths       raw ways to bring an idle float32 CUDA scalar to Python, to choose from
-  fast_item   fast_item with every backend, idle scalar, each beside .item()
+  fast_item   fast_item with every back-end, idle scalar, each beside .item()
   dtypes      fast_item (chosen backend) for other element sizes
   after       right after a short kernel: (y*2).sum() then read, beside .item()
   fetch_ring  FetchRing submit+result latency and submit cost
-  training    HOOK for the executor: a training loop that logs its loss every step (not here yet)
+  training    an MLP training loop in graph mode that logs its loss every step through a Fetch
+  user_loop   fast_item as a user's loop calls it: consecutive calls, no interleaving
 Targets: idle fast_item <= 0.75x .item(); after a kernel, no slower than .item().
 """
 
@@ -32,6 +32,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from flowexec import _cuda_native as nat  # noqa: E402
 from flowexec import fetch  # noqa: E402
+from flowexec.fetch import choose, item  # noqa: E402
+from flowexec.fetch import settings as fetch_settings  # noqa: E402
+from flowexec.fetch.slots import SPECS  # noqa: E402
 
 _ns = time.perf_counter_ns
 
@@ -76,194 +79,8 @@ def guarded(out: dict, key: str, fn: Callable[[], object]) -> None:
     print(f"[{key}] {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-# ------------------------------------------------------------------ raw paths
-def _guard(k: int, status: int = 600) -> int:
-    """Spin-loop bound for the raw probes, which have no timeout of their own."""
-    if status not in (0, 600):
-        raise RuntimeError(f"CUDA error {status} while spinning")
-    if k > 50_000_000:
-        raise TimeoutError("a raw probe never completed")
-    return k + 1
-
-
-def raw_paths(x: torch.Tensor, n: int) -> dict:
-    """Every way we know to bring x (an idle float32 CUDA scalar) to Python, minimal code each."""
-    d = nat.driver()
-    lib = d.lib
-    stream = torch._C._cuda_getCurrentRawStream(x.get_device())
-    dp = x.data_ptr()
-    fns = nat.kernels(x.get_device())
-    host, dev = nat.host_alloc(4 * 32)
-    view, gview = fetch._SlotView(host), fetch._SlotView(host + 32)
-    cand: dict[str, Callable[[], object]] = {"item": x.item}
-    errors: dict[str, str] = {}
-
-    pinned = torch.empty((), dtype=x.dtype, pin_memory=True)
-    ev = torch.cuda.Event()
-
-    def torch_pinned_spin():
-        pinned.copy_(x, non_blocking=True)
-        ev.record()
-        k = 0
-        while not ev.query():
-            k = _guard(k)
-        return pinned.item()
-
-    cand["torch copy_(pinned)+event spin"] = torch_pinned_spin
-
-    cev = nat.event_create()
-    memcpy, sync, rec, query = d.cuMemcpyDtoHAsync_v2, d.cuStreamSynchronize, d.cuEventRecord, d.cuEventQuery
-
-    def memcpy_sync():
-        memcpy(host + 64, dp, 4, stream)
-        sync(stream)
-        return gview.f32.value
-
-    def memcpy_spin():
-        memcpy(host + 64, dp, 4, stream)
-        rec(cev, stream)
-        k = 0
-        while (r := query(cev)) != 0:
-            k = _guard(k, r)
-        return gview.f32.value
-
-    cand["driver memcpyAsync+streamSync"] = memcpy_sync
-    cand["driver memcpyAsync+event spin"] = memcpy_spin
-
-    # One slot and one sequence counter shared by every kernel variant (numbers must only grow).
-    p = (ctypes.c_uint64 * 3)()
-    a = ctypes.addressof(p)
-    params = (ctypes.c_void_p * 3)(a, a + 8, a + 16)
-    paddr = ctypes.addressof(params)
-    seq = [0]
-    f4 = fns[4]
-
-    def kernel_spin(launch):
-        def run():
-            s = seq[0] = seq[0] + 1
-            p[0], p[1], p[2] = dp, dev, s
-            launch(f4, stream, paddr)
-            sv = view.seq
-            k = 0
-            while sv.value < s:
-                k = _guard(k)
-            return view.f32.value
-        return run
-
-    def launch_only(launch):
-        def run():
-            s = seq[0] = seq[0] + 1
-            p[0], p[1], p[2] = dp, dev, s
-            launch(f4, stream, paddr)
-        return run
-
-    for kind in ("ctypes", "cupy", "bindings"):
-        try:
-            run = kernel_spin(nat.launcher(kind))
-            assert run() == x.item()
-            cand[f"kernel+{kind} launch, spin on seq"] = run
-            cand[f"kernel+{kind} launch call alone (no wait)"] = launch_only(nat.launcher(kind))
-        except Exception as e:  # noqa: BLE001
-            errors[f"kernel+{kind}"] = f"{type(e).__name__}: {e}"[:300]
-
-    launch_ct = nat.launcher("ctypes")
-
-    def kernel_sync():
-        s = seq[0] = seq[0] + 1
-        p[0], p[1], p[2] = dp, dev, s
-        launch_ct(f4, stream, paddr)
-        sync(stream)
-        return view.f32.value
-
-    cand["kernel+ctypes launch, streamSync"] = kernel_sync
-
-    try:  # the GIL kept across the call (PyDLL) instead of released and re-taken
-        pyf = ctypes.PyDLL(os.environ.get("FLOWEXEC_LIBCUDA", "libcuda.so.1")).cuLaunchKernel
-        pyf.argtypes, pyf.restype = nat._SIGNATURES["cuLaunchKernel"], ctypes.c_int
-        cand["kernel+ctypes(PyDLL, GIL held), spin"] = kernel_spin(
-            lambda fn, st, pa: pyf(fn, 1, 1, 1, 1, 1, 1, 0, st, pa, None))
-    except Exception as e:  # noqa: BLE001
-        errors["pydll"] = repr(e)[:300]
-
-    try:  # a captured CUDA graph of the kernel (constant flag 1; the host clears it first)
-        for name, argt in (("cuStreamCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
-                           ("cuStreamBeginCapture_v2", [ctypes.c_void_p, ctypes.c_int]),
-                           ("cuStreamEndCapture", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
-                           ("cuGraphInstantiateWithFlags",
-                            [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_ulonglong]),
-                           ("cuGraphLaunch", [ctypes.c_void_p, ctypes.c_void_p])):
-            getattr(lib, name).argtypes = argt
-        cap, g, ge = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        nat.check(lib.cuStreamCreate(ctypes.byref(cap), 1), "cuStreamCreate")
-        gp = (ctypes.c_uint64 * 3)(dp, dev + 32, 1)
-        ga = ctypes.addressof(gp)
-        gparams = (ctypes.c_void_p * 3)(ga, ga + 8, ga + 16)
-        nat.check(lib.cuStreamBeginCapture_v2(cap, 2), "cuStreamBeginCapture")
-        nat.check(d.cuLaunchKernel(f4, 1, 1, 1, 1, 1, 1, 0, cap, gparams, None), "capture launch")
-        nat.check(lib.cuStreamEndCapture(cap, ctypes.byref(g)), "cuStreamEndCapture")
-        nat.check(lib.cuGraphInstantiateWithFlags(ctypes.byref(ge), g, 0), "cuGraphInstantiate")
-        glaunch, gexec = lib.cuGraphLaunch, ge.value
-
-        def graph_spin(launch=glaunch):
-            sv = gview.seq
-            sv.value = 0
-            launch(gexec, stream)
-            k = 0
-            while sv.value < 1:
-                k = _guard(k)
-            return gview.f32.value
-
-        assert graph_spin() == x.item()
-        cand["CUDA graph (kernel) launch, spin on flag"] = graph_spin
-
-        # The same graph without the system fence: fx_ll4 writes value and flag in one 8-byte
-        # store (flag at +4 of the slot at host+96), so fenced vs LL isolates the fence's cost.
-        gl, gle = ctypes.c_void_p(), ctypes.c_void_p()
-        lp = (ctypes.c_uint64 * 3)(dp, dev + 96, 1)
-        la = ctypes.addressof(lp)
-        lparams = (ctypes.c_void_p * 3)(la, la + 8, la + 16)
-        nat.check(lib.cuStreamBeginCapture_v2(cap, 2), "cuStreamBeginCapture")
-        nat.check(d.cuLaunchKernel(fns[-4], 1, 1, 1, 1, 1, 1, 0, cap, lparams, None), "capture launch")
-        nat.check(lib.cuStreamEndCapture(cap, ctypes.byref(gl)), "cuStreamEndCapture")
-        nat.check(lib.cuGraphInstantiateWithFlags(ctypes.byref(gle), gl, 0), "cuGraphInstantiate")
-        llexec = gle.value
-        lflag, lval = ctypes.c_uint32.from_address(host + 100), ctypes.c_float.from_address(host + 96)
-
-        def ll_spin(launch=glaunch):
-            lflag.value = 0
-            launch(llexec, stream)
-            k = 0
-            while not lflag.value:
-                k = _guard(k)
-            return lval.value
-
-        assert ll_spin() == x.item()
-        cand["CUDA graph (LL kernel, no fence) launch, spin on flag"] = ll_spin
-        try:  # the graph launch call through cupy's Cython runtime binding instead of ctypes
-            from cupy.cuda import runtime as cupy_rt
-
-            assert graph_spin(cupy_rt.graphLaunch) == ll_spin(cupy_rt.graphLaunch) == x.item()
-            cand["CUDA graph (kernel), cupy runtime.graphLaunch, spin"] = lambda: graph_spin(cupy_rt.graphLaunch)
-            cand["CUDA graph (LL kernel), cupy runtime.graphLaunch, spin"] = (
-                lambda: ll_spin(cupy_rt.graphLaunch))
-        except Exception as e:  # noqa: BLE001
-            errors["graph cupy"] = f"{type(e).__name__}: {e}"[:300]
-    except Exception as e:  # noqa: BLE001
-        errors["graph"] = f"{type(e).__name__}: {e}"[:300]
-
-    for name, fn in cand.items():
-        if "no wait" in name:
-            continue
-        got = fn()
-        if got != x.item():
-            errors[name] = f"wrong value {got!r} != {x.item()!r}"
-    res = with_ratio(side_by_side(cand, n))
-    return {"results": res, "errors": errors}
-
-
-# ------------------------------------------------------------------ fast_item
-BACKENDS = ["graph+cupy", "graph+ctypes", "kernel+cupy", "kernel+bindings", "kernel+ctypes",
-            "memcpy", "torch"]
+# ------------------------------------------------------------------ fast_item per back-end
+BACKENDS = list(choose.NAMES)
 
 
 def fast_item_backends(x: torch.Tensor, n: int, y: torch.Tensor) -> dict:
@@ -275,9 +92,9 @@ def fast_item_backends(x: torch.Tensor, n: int, y: torch.Tensor) -> dict:
             fetch.backend()
             assert fetch.fast_item(x) == fetch.fast_item(x) == x.item()  # twice: graph built
             # The reader without fast_item's checks and dispatch: what those cost in Python.
-            r, spec = fetch._tls.readers[x.get_device()], fetch._SPECS[x.dtype]
+            r, spec = item._tls.readers[x.get_device()], SPECS[x.dtype]
             stream = torch._C._cuda_getCurrentRawStream(x.get_device())
-            e = fetch._tls.hot.get((x.data_ptr(), x.dtype))
+            e = item._tls.hot.get((x.data_ptr(), x.dtype))
             alone = ((lambda: r.graph_item(e, stream, x, None, None)) if e is not None
                      else (lambda: r.item(x, spec, stream, 10.0, 2e-4)))
             idle = with_ratio(side_by_side({
@@ -322,24 +139,14 @@ def _loop(fn: Callable[[], object], n: int) -> dict[str, float]:
             "last_quarter_median_us": statistics.median(v[-q:]) / 1e3, "n": n}
 
 
-def _module_before_fix() -> object:
-    """A module whose ``fast_item`` resolves as ``flowexec.fast_item`` did before the package
-    kept it as an attribute: through a module ``__getattr__`` that imports fetch each time."""
-    import types
-
-    mod = types.ModuleType("flowexec_before")
-    exec("def __getattr__(name):\n    from flowexec import fetch\n    return getattr(fetch, name)\n", mod.__dict__)
-    return mod
-
-
 def user_loop(n: int = 20000) -> dict:
     """fast_item as a user's loop calls it (issue 23: a separate harness read 0.93x where the
     side-by-side rounds read 0.70x). In this process, after other work (matmuls, other
     sections): .item(), fast_item with the backend auto chose, then each backend forced, then
     .item() again, each 20,000 consecutive calls on one idle 0-dim float32 tensor; then the
     loop a training script has, reading a new loss tensor each step."""
-    out: dict = {"backend_auto": fetch.backend(), "backend_failures": list(fetch._backend_failures),
-                 "spin_us": fetch._spin_s * 1e6}
+    out: dict = {"backend_auto": fetch.backend(), "backend_failures": list(choose.failures),
+                 "spin_us": fetch_settings.spin_s * 1e6}
     a = torch.randn(2048, 2048, device="cuda")
     for _ in range(50):  # other work in the same process first
         a = (a @ a).tanh()
@@ -348,14 +155,10 @@ def user_loop(n: int = 20000) -> dict:
     torch.cuda.synchronize()
     import flowexec
 
-    before = _module_before_fix()
     out["item_first"] = _loop(x.item, n)
     out["fast_item_auto"] = _loop(lambda: fetch.fast_item(x), n)
-    # What a user's loop writes: `flowexec.fast_item(x)`, the name looked up on the package each
-    # call. Until this change that lookup ran the package's __getattr__ hook (and an import
-    # statement) every time; `before` is a module with that hook, for the same call then.
+    # What a user's loop writes: `flowexec.fast_item(x)`, the name looked up on the package each call.
     out["fast_item_as_flowexec_attribute"] = _loop(lambda: flowexec.fast_item(x), n)
-    out["fast_item_through_the_old_hook"] = _loop(lambda: before.fast_item(x), n)
     out["fast_item_auto_backend"] = fetch.backend()
     for b in BACKENDS:
         old = fetch.configure(backend=b)
@@ -478,134 +281,15 @@ def training_loop_logging(steps: int = 300, rounds: int = 5) -> dict:
     }
 
 
-# ------------------------------------------------------------------ CPU emulation
-def emulated(n: int, against: str | None = None) -> dict:
-    """fast_item's hot path timed on the CPU, with the driver emulated (no GPU needed).
-
-    The graph launch is a real C call made through ctypes with two pointer arguments, as
-    cuGraphLaunch is: libc ``gettimeofday(flag_address, NULL)``, which writes a non-zero word
-    where the flag is, so the poll ends at once. Tensors are CPU scalars with ``is_cuda``
-    overridden on the class (a plain attribute: ~40 ns cheaper than the real getter), and the
-    current stream comes from ``abs`` (a C builtin) instead of torch's call. So the figures are
-    the Python + ctypes cost of the hot path, not a latency: compare versions with them.
-    ``against``: the path of another fetch.py (e.g. ``git show REV:flowexec/fetch.py``), timed
-    side by side (it must keep its graph entries in ``_tls.hot``; its ctypes launch is taken
-    from ``driver().cuGraphLaunch`` or ``graph_launcher``, whichever it uses).
-    """
-    import importlib.util
-
-    gtod = ctypes.CDLL(None).gettimeofday
-    gtod.argtypes, gtod.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
-
-    class Driver:
-        cuGraphLaunch = gtod
-
-    class FakeNative:
-        CUDA_ERROR_INVALID_CONTEXT = 201
-        LL_SIZES = (1, 2, 4)
-
-        def __init__(self) -> None:
-            self.bufs: list = []
-
-        def driver(self):
-            return Driver
-
-        def ensure_context(self, idx):
-            pass
-
-        def host_alloc(self, nbytes):
-            b = ctypes.create_string_buffer(nbytes)
-            self.bufs.append(b)
-            return ctypes.addressof(b), ctypes.addressof(b)
-
-        def event_create(self):
-            return 1
-
-        def stream_create(self):
-            return 7
-
-        def kernels(self, idx):
-            return {**{k: k for k in (1, 2, 4, 8, 16)}, **{-k: -k for k in self.LL_SIZES}}
-
-        def launcher(self, kind):
-            return None
-
-        def graph_launcher(self, kind):
-            return gtod, int
-
-        def graph_of_launch(self, fn, paddr, stream):
-            ptrs = (ctypes.c_void_p * 3).from_address(paddr)
-            src, dst, _ = (ctypes.c_uint64.from_address(p).value for p in ptrs)
-            ctypes.memmove(dst, src, abs(fn))  # the payload, once; a "launch" only sets the flag
-            return dst + (4 if fn < 0 else 16)  # the exec handle is the flag's address
-
-    mods = {"this tree": fetch}
-    if against:
-        spec = importlib.util.spec_from_file_location("fetch_against", against)
-        mods["against"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mods["against"])
-    x = torch.tensor(3.25)
-    saved = {m: (m._native, m._raw_stream, m._get_device, m._tls) for m in mods.values()}
-    count = torch.cuda.device_count
-    torch.Tensor.is_cuda = True  # type: ignore[misc]
-    torch.cuda.device_count = lambda: 1
-    try:
-        fns: dict[str, Callable[[], object]] = {}
-        for name, m in mods.items():
-            fake = FakeNative()
-            m._native, m._raw_stream, m._get_device = (lambda f=fake: f), abs, (lambda: 0)
-            m._tls = m._Local()
-            r = m._GraphSlots(0, "emulated")
-            m._tls.readers[0] = r
-            e = m._tls.hot[(x.data_ptr(), x.dtype)] = r.entry(x.data_ptr(), m._SPECS[x.dtype])
-            assert m.fast_item(x) == 3.25 and r.graph_item(e, 0, x, None, None) == 3.25
-            fns[f"fast_item [{name}]"] = lambda m=m: m.fast_item(x)
-            fns[f"reader alone (graph_item) [{name}]"] = lambda r=r, e=e: r.graph_item(e, 0, x, None, None)
-        _, h, flag, cell = fetch._tls.hot[(x.data_ptr(), x.dtype)][:4]
-
-        def bare():
-            flag.value = 0
-            gtod(h, 0)
-            while not flag.value:
-                pass
-            return cell.value
-
-        fns["bare launch + poll + decode"] = bare
-        res = side_by_side(fns, n, rounds=20, warm=200)
-    finally:
-        del torch.Tensor.is_cuda
-        torch.cuda.device_count = count
-        for m, v in saved.items():
-            m._native, m._raw_stream, m._get_device, m._tls = v
-    timer = []
-    for _ in range(20000):
-        t0 = _ns()
-        timer.append(_ns() - t0)
-    return {"results": res, "timer_overhead_us": statistics.median(timer) / 1e3,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine()}
-
-
 # ------------------------------------------------------------------ main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--out", default=os.path.join(here, "results", "item.json"))
     ap.add_argument("--n", type=int, default=20000, help="timed calls per candidate")
-    ap.add_argument("--emulate", action="store_true",
-                    help="CPU only: time fast_item's hot path against an emulated driver")
-    ap.add_argument("--against", help="with --emulate: another fetch.py to time beside this one")
     ap.add_argument("--user-loop", action="store_true",
                     help="only the user-loop section (fast_item timed as a user's loop calls it; ~1 min)")
     args = ap.parse_args()
-    if args.emulate:
-        em = emulated(args.n, args.against)
-        print(f"emulated driver, Python {em['python']}, torch {em['torch']}; medians in ns, "
-              f"timer overhead ({em['timer_overhead_us'] * 1e3:.0f} ns) included")
-        for name, r in em["results"].items():
-            print(f"{name:45s} {r['median_us'] * 1e3:7.0f}  (p10 {r['p10_us'] * 1e3:.0f}, "
-                  f"p90 {r['p90_us'] * 1e3:.0f})")
-        return 0
     if not torch.cuda.is_available():
         print("benchmarks/item.py needs CUDA; nothing measured", file=sys.stderr)
         return 2
@@ -621,8 +305,8 @@ def main() -> int:
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "n_per_candidate": args.n, "timer": "perf_counter_ns around each call; median",
-            "backend_auto": fetch.backend(), "backend_failures": list(fetch._backend_failures),
-            "spin_us": fetch._spin_s * 1e6, "timeout_s": fetch._timeout_s,
+            "backend_auto": fetch.backend(), "backend_failures": list(choose.failures),
+            "spin_us": fetch_settings.spin_s * 1e6, "timeout_s": fetch_settings.timeout_s,
             "command": "python3 benchmarks/item.py " + " ".join(sys.argv[1:]),
         }
     }
@@ -634,7 +318,6 @@ def main() -> int:
             json.dump(out, f, indent=1)
         print(json.dumps(out.get("user_loop"), indent=1))
         return 0
-    guarded(out, "paths", lambda: raw_paths(x, args.n))
     guarded(out, "fast_item", lambda: fast_item_backends(x, args.n, y))
     guarded(out, "dtypes", lambda: dtypes(args.n))
     guarded(out, "fetch_ring", lambda: fetch_ring(x, args.n))
@@ -666,9 +349,6 @@ def print_table(out: dict) -> None:
     print(f"\n{out['meta']['device']}  torch {out['meta']['torch']}  auto backend: "
           f"{out['meta']['backend_auto']}")
     rows: list[tuple[str, float, float]] = []
-    paths = out.get("paths", {})
-    for name, r in paths.get("results", {}).items():
-        rows.append((f"path: {name}", r["median_us"], r["vs_item"]))
     for b, r in out.get("fast_item", {}).items():
         if isinstance(r, dict) and "idle" in r:
             rows.append((f"fast_item[{b}] idle", r["idle"]["fast_item"]["median_us"],
@@ -693,7 +373,7 @@ def print_table(out: dict) -> None:
     print(f"{'what':58s} {'median µs':>10s} {'vs item':>8s}")
     for name, us, ratio in rows:
         print(f"{name:58s} {us:10.2f} {ratio:8.3f}")
-    for k in ("paths", "fast_item", "dtypes", "fetch_ring"):
+    for k in ("fast_item", "dtypes", "fetch_ring"):
         v = out.get(k)
         if isinstance(v, dict) and ("error" in v or v.get("errors")):
             print(f"{k} errors: {v.get('error') or v.get('errors')}")

@@ -55,7 +55,7 @@ def paired(on: list[float], off: list[float]) -> float:
 
 def pipeline_overhead(rounds: int, steps: int) -> dict[str, Any]:
     from flowexec.pipeline.launch import spawn
-    from flowexec.profiler.pipeline_demo import Config, profiled_worker
+    from flowexec.pipeline.demo import Config, profiled_worker
 
     cfg = Config(width=256, blocks=4, batch=64, n_micro=4, schedule="1f1b", steps=steps, threads=1)
     med: dict[str, list[float]] = {"off": [], "on": []}

@@ -21,10 +21,9 @@ a 32-bit flag as ONE aligned 8-byte store, and has no fence. An aligned 8-byte s
 memory in one piece (NCCL's LL protocol relies on the same property), so when the host sees the
 flag half it sees the payload half too. That saves the ``membar.sys`` round trip.
 
-Launchers: ``cuLaunchKernel`` is the hot call of the direct path, so three ways to make it are
-offered and the benchmark (``benchmarks/item.py``) measures each: cupy's Cython
-``driver.launchKernel`` (all arguments plain integers), ``cuda.bindings.driver.cuLaunchKernel``,
-and ctypes. ``graph_launcher`` does the same for ``cuGraphLaunch``.
+Launchers: ``cuLaunchKernel`` is the hot call of the direct path, made through cupy's Cython
+``driver.launchKernel`` (all arguments plain integers; measured fastest on the H200 machine) or
+ctypes (no dependency); ``graph_launcher`` does the same for ``cuGraphLaunch``.
 """
 
 from __future__ import annotations
@@ -126,7 +125,6 @@ _SIGNATURES: dict[str, list] = {
     "cuMemHostAlloc": [ctypes.POINTER(_vp), _sz, _u],
     "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(ctypes.c_uint64), _vp, _u],
     "cuLaunchKernel": [_vp, _u, _u, _u, _u, _u, _u, _u, _vp, _vp, _vp],
-    "cuMemcpyDtoHAsync_v2": [_vp, ctypes.c_uint64, _sz, _vp],
     "cuEventCreate": [ctypes.POINTER(_vp), _u],
     "cuEventRecord": [_vp, _vp],
     "cuEventQuery": [_vp],
@@ -134,7 +132,6 @@ _SIGNATURES: dict[str, list] = {
     "cuEventDestroy_v2": [_vp],
     "cuStreamWaitEvent": [_vp, _vp, _u],
     "cuStreamQuery": [_vp],
-    "cuStreamSynchronize": [_vp],
     "cuStreamCreate": [ctypes.POINTER(_vp), _u],
     "cuStreamBeginCapture_v2": [_vp, _i],
     "cuStreamEndCapture": [_vp, ctypes.POINTER(_vp)],
@@ -248,7 +245,7 @@ def host_alloc(nbytes: int) -> tuple[int, int]:
     """Zeroed, pinned, portable, device-mapped host memory: ``(host pointer, device pointer)``.
 
     Never freed: slots are reused for the life of the process, and a slot that a late kernel
-    might still write must not go back to an allocator (see ``fetch._retire``).
+    might still write must not go back to an allocator (see ``flowexec.fetch.item._retire``).
     """
     d = driver()
     p, dp = ctypes.c_void_p(), ctypes.c_uint64()
@@ -305,8 +302,7 @@ Launch = Callable[[int, int, int], int]
 def launcher(kind: str) -> Launch:
     """``launch(function, stream, params_address) -> CUresult`` for a 1×1 grid, 1×1 block.
 
-    ``kind`` is ``"cupy"``, ``"bindings"`` or ``"ctypes"``; raises ImportError where the package
-    is missing.
+    ``kind`` is ``"cupy"`` or ``"ctypes"``; raises ImportError where cupy is missing.
     """
     if kind == "ctypes":
         f = driver().cuLaunchKernel
@@ -327,54 +323,24 @@ def launcher(kind: str) -> Launch:
             return 0
 
         return launch
-    if kind == "bindings":
-        from cuda.bindings import driver as cb
-
-        funcs: dict[int, object] = {}
-        streams: dict[int, object] = {}
-
-        def launch(fn: int, stream: int, params: int, _f=cb.cuLaunchKernel) -> int:
-            # Handle objects are cached: building them per call costs more than the call.
-            f = funcs.get(fn)
-            if f is None:
-                f = funcs[fn] = cb.CUfunction(fn)
-            s = streams.get(stream)
-            if s is None:
-                s = streams[stream] = cb.CUstream(stream)
-            return int(_f(f, 1, 1, 1, 1, 1, 1, 0, s, params, 0)[0])
-
-        return launch
-    raise ValueError(f"unknown launcher {kind!r}: expected 'cupy', 'bindings' or 'ctypes'")
+    raise ValueError(f"unknown launcher {kind!r}: expected 'cupy' or 'ctypes'")
 
 
-GraphLaunch = Callable[[object, int], object]
+GraphLaunch = Callable[[int, int], object]
 
 
-def graph_launcher(kind: str) -> tuple[GraphLaunch, Callable[[int], object]]:
-    """``(launch, handle)`` for ``cuGraphLaunch``: ``launch(handle(exec), stream)`` returns a
-    falsy value on success, and a CUresult or raises on failure.
+def graph_launcher(kind: str) -> GraphLaunch:
+    """``launch(exec, stream)`` for ``cuGraphLaunch``: returns a falsy value on success, and a
+    CUresult or raises on failure.
 
     ``kind`` as for :func:`launcher`. cupy: its Cython ``runtime.graphLaunch`` (two plain
     integers; the runtime's ``cudaGraphExec_t`` is the driver's ``CUgraphExec``; raises
     ``CUDARuntimeError``). ctypes: ``cuGraphLaunch`` with its argument types declared.
-    cuda.bindings: handle objects built once (the exec at capture, streams cached).
     """
     if kind == "ctypes":
-        return driver().cuGraphLaunch, int
+        return driver().cuGraphLaunch
     if kind == "cupy":
         from cupy.cuda import runtime as cupy_runtime
 
-        return cupy_runtime.graphLaunch, int
-    if kind == "bindings":
-        from cuda.bindings import driver as cb
-
-        streams: dict[int, object] = {}
-
-        def launch(h: object, stream: int, _f=cb.cuGraphLaunch) -> int:
-            s = streams.get(stream)
-            if s is None:
-                s = streams[stream] = cb.CUstream(stream)
-            return int(_f(h, s)[0])
-
-        return launch, cb.CUgraphExec
-    raise ValueError(f"unknown launcher {kind!r}: expected 'cupy', 'bindings' or 'ctypes'")
+        return cupy_runtime.graphLaunch
+    raise ValueError(f"unknown launcher {kind!r}: expected 'cupy' or 'ctypes'")

@@ -29,7 +29,7 @@ from .fusion import check_fuse, check_pad, fuse_and_pad
 from .passes.streams import cuda_devices
 from .plan import build_plan, check_gc, check_streams
 from .runtime.graph_trees import backward_static_indices, check_pool
-from .runtime.streams import lower_for
+from .runtime.lower import lower_for
 
 BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams", "memory", "order", "gc_backlog",
                    "pool", "fuse", "pad")

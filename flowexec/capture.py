@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .errors import CaptureError, InputError
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
+from .storage import shared_storage
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -411,33 +412,3 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
     return Program(tuple(values), final_ops, tuple(inputs), tuple(outs), out_spec, state, consts,
                    shared_storage(tensors))
 
-
-def storage_key(t: Any) -> int:
-    """The address of a real tensor's storage (0 for anything else: fake tensors, empty ones)."""
-    if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
-        return 0
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-        return 0
-
-
-def storage_groups(tensors: Sequence[tuple[Any, Any]]) -> list[list[Any]]:
-    """The keys of ``(key, tensor)`` pairs grouped by the storage their tensors use, in the order
-    first seen; a tensor without a real storage is a group of its own.
-
-    >>> b = torch.zeros(4)
-    >>> storage_groups([("x", b), ("y", torch.zeros(2)), ("z", b[1:])])
-    [['x', 'z'], ['y']]
-    """
-    groups: dict[int, list[Any]] = {}
-    for n, (key, t) in enumerate(tensors):
-        groups.setdefault(storage_key(t) or -1 - n, []).append(key)
-    return list(groups.values())
-
-
-def shared_storage(tensors: Sequence[tuple[int, Any]]) -> tuple[tuple[int, int], ...]:
-    """(value, first value on the same storage) for each (value id, tensor) whose storage an
-    earlier one already uses: aliasing the graph cannot see (``x`` and ``x[2:]`` passed as two
-    arguments, an argument that is closure state)."""
-    return tuple((vid, group[0]) for group in storage_groups(tensors) for vid in group[1:])

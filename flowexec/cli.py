@@ -50,10 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     tl_merge.add_argument("--html", default=None, help="also write the self-contained timeline page here")
     args = parser.parse_args(argv)
     if args.command == "timeline":
+        from .pipeline.theory import theory_at_measured_costs
         from .profiler.command import merge_command
 
         try:
-            print(merge_command(args.directory, args.out, args.html))
+            print(merge_command(args.directory, args.out, args.html, theory_at_measured_costs))
         except (ValueError, OSError) as e:
             print(f"flowexec timeline: {e}", file=sys.stderr)
             return 2

@@ -123,7 +123,7 @@ def run_demo(steps: int = 300, device: str | None = None, out: str | None = None
 def _pipeline_timeline(out: str, console: Console) -> list[dict[str, Any]]:
     """``demo --out``'s second part: a profiled 2-rank gloo pipeline, its trace and page in ``out``."""
     from .pipeline.schedules import SCHEDULES
-    from .profiler.pipeline_demo import profile_pipeline
+    from .pipeline.demo import profile_pipeline
 
     schedules = tuple(s for s in ("1f1b", "zbh1") if s in SCHEDULES)
     console.print(f"[bold]pipeline timeline[/]: 2 gloo ranks (CPU), 4 blocks of Linear(1024) + tanh, "

@@ -27,15 +27,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import capture, storage_groups, storage_key
+from .capture import capture
 from .errors import CaptureError, FlowexecError, InputError, OptionError
 from .fusion import check_fuse, check_pad, fuse_and_pad
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
-from .runtime.streams import lower_for
+from .runtime.lower import lower_for
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
+from .storage import storage_groups, storage_key
 
 MODES = ("trace", "graph", "threaded")
 OPTIONS = {

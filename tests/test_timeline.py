@@ -204,12 +204,14 @@ def test_timeline_merge_command_writes_trace_and_page(tmp_path, capsys):
     spans = pipeline_spans(offsets=(0, 123_456))
     for r in (0, 1):
         write_records(rank_file(str(tmp_path), r), Header(r, "h", 1, (0, 123_456)[r], 10,
-                      {"schedule": "1f1b", "n_stages": 2, "n_micro": 4, "theory_bubble": 0.2}),
+                      {"schedule": "1f1b", "n_ranks": 2, "n_stages": 2, "n_micro": 4, "theory_bubble": 0.2}),
                       [s for s in spans if s.rank == r])
     out, html = str(tmp_path / "t.json"), str(tmp_path / "t.html")
     assert main(["timeline", "merge", str(tmp_path), "-o", out, "--html", html]) == 0
     text = capsys.readouterr().out
-    assert "rank  steps  busy  bubble  theory" in text and f"trace: {out}" in text and f"page: {html}" in text
+    # the command line hands the pipeline's simulation to the profiler: the column of the theory at job times
+    assert "rank  steps  busy  bubble  theory  at job times" in text
+    assert f"trace: {out}" in text and f"page: {html}" in text
     assert len([e for e in json.load(open(out))["traceEvents"] if e["ph"] == "X"]) == len(spans) + 4
     assert os.path.getsize(html) > 5000
     empty = tmp_path / "empty"
@@ -229,7 +231,7 @@ def test_a_step_the_trainer_timed_is_the_step_slice():
 
 def test_theory_at_measured_job_times_simulates_the_named_schedule():
     from flowexec.pipeline.schedules import one_f_one_b, simulate
-    from flowexec.profiler.command import theory_at_measured_costs
+    from flowexec.pipeline.theory import theory_at_measured_costs
 
     spans = merge_spans(pipeline_spans())  # F 0.98 ms, B 1.98 ms: the theory at those costs
     got = theory_at_measured_costs({"schedule": "1f1b", "n_ranks": 2, "n_micro": 4}, spans)

@@ -9,7 +9,7 @@ import pytest
 
 from flowexec.profiler.clocks import choose_offset
 from flowexec.profiler.io import read_records
-from flowexec.profiler.pipeline_demo import profile_pipeline
+from flowexec.pipeline.demo import profile_pipeline
 
 
 def test_choose_offset_keeps_the_lowest_round_trip():

@@ -2,10 +2,12 @@
 targets, SGD, through :class:`~.trainer.PipelineTrainer` on local ranks. The set-up of
 ``../shared/reference/torch_pipelining_gloo.py`` by default (4 blocks of 256, batch 64, 8
 micro-batches), so that flowexec and ``torch.distributed.pipelining`` can be timed side by side
-(``benchmarks/pipeline_gloo.py``), and the tests' check against one process (``eager_reference``).
+(``benchmarks/pipeline_gloo.py``), the tests' check against one process (``eager_reference``),
+and the profiled run of ``flowexec demo --out`` (``profile_pipeline``).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -126,6 +128,67 @@ def eager_reference(cfg: Config, device: torch.device | str = "cpu") -> tuple[li
     return losses, model
 
 
+def profiled_worker(rank: int, world: int, cfg_dict: dict[str, Any], directory: str, record: list[int] | None) -> dict:
+    """One rank: train ``cfg.steps`` steps with ``PipelineTrainer(..., profile=record)``,
+    recording the steps in ``record`` into ``directory`` (``None``: no profiler at all).
+    Returns the records' path, the losses and each step's ns."""
+    cfg = Config(**cfg_dict)
+    torch.set_num_threads(max(1, cfg.threads))
+    trainer = PipelineTrainer(stage_modules(cfg, world), schedule=cfg.schedule, microbatches=cfg.n_micro,
+                              loss_fn=F.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=cfg.lr), compile=False,
+                              profile=record, profile_dir=directory)
+    x, y = data(cfg)
+    losses, step_ns = [], []
+    for k in range(cfg.steps):
+        t0 = time.perf_counter_ns()
+        loss = trainer.step(x, y)
+        step_ns.append(time.perf_counter_ns() - t0)
+        if loss is not None:
+            losses.append(float(loss))
+    path = trainer.profiler.close() if trainer.profiler else None
+    return {"records": path, "losses": losses, "step_ns": step_ns}
+
+
+def profile_pipeline(out_dir: str, schedules: tuple[str, ...] = ("1f1b",), steps: int = 5,
+                     record: tuple[int, ...] = (2, 3, 4), n_micro: int = 4, width: int = 256) -> list[dict[str, Any]]:
+    """``flowexec demo --out DIR``'s pipeline part: a 2-rank gloo pipeline of a small model trained
+    with profiling on for a few steps, once per schedule. Each rank records the steps in
+    ``record`` into ``DIR/records/<schedule>/rank<r>.jsonl``; they are merged into
+    ``DIR/trace.json`` and ``DIR/timeline.html`` (``trace-<schedule>.json`` ... after the first).
+    The records' meta carries the schedule's theoretical bubble (:mod:`.theory`), so the page
+    shows it beside the measured one. Returns per schedule its paths and summary."""
+    from ..profiler.command import theory_of
+    from ..profiler.merge import merge_dir
+    from ..profiler.page import write_page
+    from ..profiler.summary import summarize
+    from ..profiler.trace import write_trace
+    from .launch import spawn
+    from .theory import theory_at_measured_costs
+
+    results = []
+    for i, name in enumerate(schedules):
+        cfg = Config(width=width, blocks=4, batch=16 * n_micro, n_micro=n_micro, schedule=name, steps=steps, threads=1)
+        rec_dir = os.path.join(out_dir, "records", name)
+        os.makedirs(rec_dir, exist_ok=True)
+        for old in os.listdir(rec_dir):
+            if old.endswith(".jsonl"):
+                os.remove(os.path.join(rec_dir, old))
+        spawn(profiled_worker, 2, asdict(cfg), rec_dir, list(record), timeout=120)
+        merged = merge_dir(rec_dir)
+        meta = merged.meta()
+        at_costs = theory_at_measured_costs(meta, merged.spans)
+        if at_costs is not None:
+            meta["theory_bubble_measured_costs"] = at_costs
+        stem = "" if i == 0 else f"-{name}"
+        trace = write_trace(merged.spans, os.path.join(out_dir, f"trace{stem}.json"), meta)
+        offsets = {r: (h.clock_offset_ns, h.clock_rtt_ns) for r, h in merged.headers.items()}
+        page = write_page(merged.spans, os.path.join(out_dir, f"timeline{stem}.html"), meta, offsets)
+        results.append({"schedule": name, "trace": trace, "page": page, "records": rec_dir,
+                        "theory_bubble": meta.get("theory_bubble"), "theory_bubble_measured_costs": at_costs,
+                        "summary": [r.to_dict() for r in summarize(merged.spans, theory_of(meta))]})
+    return results
+
+
 def run_cli(schedule: str, ranks: int, micro: int, steps: int, out: str, compile: bool = False) -> None:
     """``flowexec pipeline``: train on ``ranks`` local gloo processes, print each step and the
     bubble per rank, save the job timeline and check the result against one process."""
@@ -157,4 +220,5 @@ def run_cli(schedule: str, ranks: int, micro: int, steps: int, out: str, compile
     print(f"job timeline: {out} (open in https://ui.perfetto.dev)")
 
 
-__all__ = ["Config", "asdict", "blocks", "data", "eager_reference", "layers_per_stage", "stage_modules", "train_worker"]
+__all__ = ["Config", "asdict", "blocks", "data", "eager_reference", "layers_per_stage", "profile_pipeline", "profiled_worker",
+           "stage_modules", "train_worker"]

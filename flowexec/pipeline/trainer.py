@@ -38,6 +38,7 @@ from .schedules import Job, Plan, check, get_schedule, placement, simulate, with
 from .step_end import StepEnd, broadcast_from, by_kind, check_max_norm, norm_dtype
 from .stage import (Message, SendThread, Spec, channel_order, grad_spec, post_failure, recv_spec, send_spec,
                     spec_of, wait, wire)
+from .theory import pipeline_meta
 from .tied import cross_rank_ties, find_ties, norm_parameters, optimizer_groups, parameter_at, unique_parameters
 
 NO_GROUP = ("PipelineTrainer needs a torch.distributed process group: start the script with "
@@ -222,7 +223,6 @@ class PipelineTrainer:
         return across[self.rank], replicas[self.replica]
 
     def _profiler(self, directory: str, steps: Any) -> Any:
-        from ..profiler.pipeline_demo import pipeline_meta
         from ..profiler.recording import StepProfiler
 
         meta = pipeline_meta(self.plan, self._schedule_name, self.world, self.n_stages, self.n_micro, self.device)

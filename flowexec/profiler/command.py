@@ -11,8 +11,11 @@ trace: .../t.json (open in https://ui.perfetto.dev or chrome://tracing)
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from .merge import merge_dir
 from .page import write_page
+from .records import Span
 from .summary import format_summary, summarize
 from .trace import write_trace
 
@@ -23,38 +26,16 @@ def theory_of(meta: dict) -> object:
     return {int(k): v for k, v in th.items()} if isinstance(th, dict) else th
 
 
-def theory_at_measured_costs(meta: dict, spans: list) -> dict[int, float] | None:
-    """Per rank, the bubble ``pipeline.simulate`` predicts for the records' schedule if every job
-    took its kind's measured mean (over all ranks): what the schedule costs at these job times,
-    before host overhead and transfer latency. None when the meta does not name a schedule."""
-    from ..pipeline.schedules import get_schedule, simulate
-    from .records import JOB_KINDS
-
-    try:
-        plan = get_schedule(meta["schedule"])(meta["n_ranks"], meta["n_micro"], meta.get("n_stages"))
-    except (KeyError, ValueError, TypeError):
-        return None
-    durs: dict[str, list[int]] = {}
-    for s in spans:
-        if s.kind in JOB_KINDS:
-            durs.setdefault(s.kind, []).append(s.duration_ns)
-    mean = {k: sum(v) / len(v) for k, v in durs.items()}
-    if "F" not in mean:
-        return None
-    if "I" in mean:  # split backward: (T_F, T_I, T_W)
-        costs = (mean["F"], mean["I"], mean.get("W", 0.0))
-    else:  # whole backwards: T_B + T_W is one B
-        costs = (mean["F"], mean.get("B", mean["F"]), 0.0)
-    sim = simulate(plan, costs=costs)
-    return {r: sim.idle[r] / sim.makespan for r in sim.idle}
-
-
-def merge_command(directory: str, out: str, html: str | None = None) -> str:
+def merge_command(directory: str, out: str, html: str | None = None,
+                  predict: Callable[[dict, list[Span]], dict[int, float] | None] | None = None) -> str:
     """Merge ``directory``'s records, write the trace to ``out`` (and the page to ``html``);
-    returns what to print: the summary table and the paths."""
+    returns what to print: the summary table and the paths. ``predict(meta, spans)``: the
+    schedule's bubble per rank at the measured job costs (``flowexec timeline`` passes
+    :func:`flowexec.pipeline.theory.theory_at_measured_costs`: the profiler reads records and
+    does not know schedules)."""
     merged = merge_dir(directory)
     meta = merged.meta()
-    measured = theory_at_measured_costs(meta, merged.spans)
+    measured = predict(meta, merged.spans) if predict is not None else None
     if measured is not None:
         meta["theory_bubble_measured_costs"] = measured
     offsets = {r: (h.clock_offset_ns, h.clock_rtt_ns) for r, h in merged.headers.items()}

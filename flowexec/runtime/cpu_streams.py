@@ -55,11 +55,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ExecutionError
+from ..errors import ExecutionError, OptionError
 from ..plan import ExecutionPlan
 from ..program import Ref, format_op
 from .arena import bind_arenas, out_call
 from .interpreter import _Renderer, callable_of, explain_failure
+from .streams import side_streams
 
 DEFAULT_SPIN_US = 200.0
 DEFAULT_TIMEOUT_S = 60.0
@@ -340,8 +341,6 @@ def lower_workers(plan: ExecutionPlan, issue: str = "host", spin_us: float = DEF
     devices = {v.meta.device for v in prog.values if v.meta is not None and v.meta.device.type == "cuda"}
     cuda = bool(devices)
     if cuda and len(devices) > 1:
-        from ..errors import OptionError
-
         raise OptionError(f"threaded mode runs on one device; this program has {sorted(map(str, devices))}")
     pool = WorkerPool(n_streams, plan.n_events, spin_us, timeout_s, jitter, cuda)
     describe = _describe_ins(plan)
@@ -522,6 +521,4 @@ def _wait(pool: WorkerPool, e: int, pos: int, s: int, describe: Callable[[int], 
 
 
 def _side(device: torch.device, n: int) -> list[Any]:
-    from .streams import side_streams
-
     return [None] + side_streams(device, n - 1)

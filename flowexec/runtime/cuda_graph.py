@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
 from .staging import StagingNodes, graph_node_count, memcpy_runtime
@@ -93,8 +94,6 @@ def staged_buffers(inputs: Sequence[Any], staged: Sequence[int]) -> tuple[dict[i
     >>> s[1].data_ptr() - s[0].data_ptr(), torch.equal(s[1], b[2:]), spans[0].members
     (8, True, (0, 1))
     """
-    from ..capture import storage_groups
-
     out: dict[int, torch.Tensor] = {}
     spans: list[SharedSpan] = []
     for members in storage_groups([(i, inputs[i]) for i in staged]):

@@ -28,6 +28,7 @@ import torch
 from ..errors import ExecutionError
 from ..plan import ExecutionPlan
 from ..program import Program, Ref, format_op
+from . import streams as cuda_streams
 from .arena import bind_arenas, out_call
 
 _counter = itertools.count()
@@ -114,10 +115,8 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
     outs = bind_arenas(plan.memory, prog, glb)  # memory="planned": planned ops write into arena views
     multi = plan.n_streams > 1
     if multi:
-        if streams is None:
-            from .streams import CudaStreams, device_of
-
-            streams = CudaStreams(plan.n_streams, plan.n_events, device_of(plan))
+        if streams is None:  # looked up on the module at each lowering: tests stand a recorder in
+            streams = cuda_streams.CudaStreams(plan.n_streams, plan.n_events, cuda_streams.device_of(plan))
         glb.update({"_cur": streams.current, "_set": streams.set, "_fork": streams.fork, "_join": streams.join,
                     "_rs": streams.record_stream})
         glb.update({f"S{k}": streams.side[k] for k in range(1, plan.n_streams)})

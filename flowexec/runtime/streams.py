@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..errors import OptionError
+from ..passes.streams import cuda_devices
 
 _SIDE: dict[int, list[torch.cuda.Stream]] = {}
 
@@ -98,26 +100,8 @@ class CudaStreams:
 
 def device_of(plan: Any) -> torch.device:
     """The CUDA device a multi-stream plan runs on (its tensors'); an error where it has none."""
-    from ..passes.streams import cuda_devices
-
     devices = cuda_devices(plan.program)
     if len(devices) != 1:
-        from ..errors import OptionError
-
         found = ", ".join(sorted(map(str, devices))) or "no CUDA tensor"
         raise OptionError(f"streams > 1 runs ops on CUDA streams of one device; this program has {found}")
     return devices.pop()
-
-
-def lower_for(plan: Any, mode: str, spin_us: float | None = None, timeout_s: float | None = None) -> Any:
-    """The runner for ``plan`` in ``mode``: threaded mode and CPU streams run on worker threads
-    (:mod:`flowexec.runtime.cpu_streams`), everything else is the trace runner (CUDA streams
-    where the plan has several)."""
-    from .cpu_streams import DEFAULT_SPIN_US, DEFAULT_TIMEOUT_S, lower_workers
-    from .interpreter import lower_trace
-
-    if not plan.on_workers:
-        return lower_trace(plan)
-    return lower_workers(plan, issue="lists" if mode == "threaded" else "host",
-                         spin_us=DEFAULT_SPIN_US if spin_us is None else spin_us,
-                         timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)

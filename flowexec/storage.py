@@ -1,0 +1,42 @@
+"""Which tensors share a storage: what capture, the executable's staging checks and graph
+mode's staged buffers all ask of the caller's real tensors (aliasing a graph cannot see, such
+as ``x`` and ``x[2:]`` passed as two arguments). A leaf module: capture and the runtime both
+use it without importing each other.
+
+>>> b = torch.zeros(4)
+>>> storage_groups([("x", b), ("y", torch.zeros(2)), ("z", b[1:])])
+[['x', 'z'], ['y']]
+>>> shared_storage([(3, b), (5, b[2:])])
+((5, 3),)
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+def storage_key(t: Any) -> int:
+    """The address of a real tensor's storage (0 for anything else: fake tensors, empty ones)."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return 0
+
+
+def storage_groups(tensors: Sequence[tuple[Any, Any]]) -> list[list[Any]]:
+    """The keys of ``(key, tensor)`` pairs grouped by the storage their tensors use, in the order
+    first seen; a tensor without a real storage is a group of its own."""
+    groups: dict[int, list[Any]] = {}
+    for n, (key, t) in enumerate(tensors):
+        groups.setdefault(storage_key(t) or -1 - n, []).append(key)
+    return list(groups.values())
+
+
+def shared_storage(tensors: Sequence[tuple[int, Any]]) -> tuple[tuple[int, int], ...]:
+    """(value, first value on the same storage) for each (value id, tensor) whose storage an
+    earlier one already uses: aliasing the graph cannot see (``x`` and ``x[2:]`` passed as two
+    arguments, an argument that is closure state)."""
+    return tuple((vid, group[0]) for group in storage_groups(tensors) for vid in group[1:])
