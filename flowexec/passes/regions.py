@@ -8,8 +8,9 @@ numbers must be eager's), flowexec's own kernels, ops with data-dependent shapes
 
 A *region* is a set of fusible ops that can run as one instruction: it is **convex** in the
 program's dependency graph (no path leaves the region and comes back), so the ops outside can
-be ordered entirely before or after it. :func:`find_regions` grows regions greedily in program
-order (an op joins the region of one of its producers when that keeps the region convex) and
+be ordered entirely before or after it, and no two regions reach each other. :func:`find_regions`
+grows regions greedily in program order (an op merges the regions of those of its producers
+that can merge, and joins them), cuts any cycle left between regions, and
 :func:`order_with_regions` gives an order of the program in which each region's ops are
 adjacent. Both are pure functions of the program.
 
