@@ -26,8 +26,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import capture, storage_groups, storage_key
-from .errors import CaptureError, FlowexecError, InputError, OptionError
+from .capture import LazyStateError, capture, storage_groups, storage_key
+from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError
+from .guards import GuardSet
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall
@@ -67,7 +68,9 @@ OPTIONS = {
 
 
 class RecaptureWarning(UserWarning):
-    """A call with a new input signature made flowexec capture fn again."""
+    """A call with a new input signature, or a changed value the capture read (a module's
+    ``training`` flag, say: ``model.encoder.training: True -> False``), made flowexec capture fn
+    again."""
 
 
 def _signature(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -124,6 +127,7 @@ class _Compiled:
     tree: Any = None  # the call's tree (flowexec.signature)
     paths: tuple[str, ...] = ()  # each leaf's path, e.g. "args[0]['opt'][3]"
     variants: GraphVariants | None = None  # graph mode: the runner, for its precomputed checks
+    guards: GuardSet | None = None  # what the capture read (flowexec.guards); None: nothing to check
 
 
 class Executable:
@@ -164,7 +168,15 @@ class Executable:
         if self.borrow and mode != "graph":
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
         self._ring: Any = None
-        self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+        # Per signature, the programs captured for it, most recently used first: they differ in
+        # the values their guards check (a model in training and in eval mode, say).
+        self._cache: OrderedDict[tuple[Any, ...], list[_Compiled]] = OrderedDict()
+        # Lazy state: a capture that finds fn creating state (optimizer moments on a first step)
+        # is discarded and the call runs fn eagerly; True while the last call did that, or
+        # when compile()'s examples found it (the first call then runs eagerly outright).
+        self._ran_eagerly = False
+        self._eager_next = False
+        self._deferred: str | None = None
         # Per structure key (flowexec.signature.flatten): (tensor guard, compiled) pairs, most
         # recent first; a call whose tensors pass a guard skips building its signature.
         self._fast: dict[tuple[Any, ...], list[tuple[Any, _Compiled]]] = {}
@@ -229,9 +241,10 @@ class Executable:
                     continue
                 borrow[k] = True
             runner = GraphVariants(capture_runner, targs, borrow)
+        guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
-                         runner if isinstance(runner, GraphVariants) else None)
+                         runner if isinstance(runner, GraphVariants) else None, guards)
 
     def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
                        fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -337,20 +350,32 @@ class Executable:
                                    - b.storage_offset() * b.element_size()))
         return (*sig, ("shared storage", tuple(shared)))
 
-    def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> _Compiled:
-        """The compiled signature for a call, captured now if it is new (the slow path)."""
+    def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> _Compiled | None:
+        """The compiled signature for a call, captured now if it is new (the slow path); None
+        where fn creates state on its first step and this call must run it eagerly."""
         kwargs = kwargs or {}
         leaves, key = flatten(args, kwargs)
         return self._lookup_leaves(leaves, key, args, kwargs)
 
     def _lookup_leaves(self, leaves: list[Any], key: tuple[Any, ...], args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> _Compiled:
+                       kwargs: dict[str, Any]) -> _Compiled | None:
         sig = (key, self._sig(leaves))
-        hit = self._cache.get(sig)
+        entries = self._cache.get(sig)
+        hit, failed = None, None
+        for c in entries or ():
+            i = c.guards.check() if c.guards is not None else -1
+            if i < 0:
+                hit = c
+                break
+            failed = failed or (c, i)
         if hit is None:
-            hit = self._compile_new(sig, leaves, args, kwargs)
+            hit = self._compile_new(sig, leaves, args, kwargs, failed)
+            if hit is None:
+                return None
             if self._sharing:  # closure state joined _state_keys: the sharing entry may differ now
                 sig = (key, self._sig(leaves))
+        elif entries[0] is not hit:
+            entries.insert(0, entries.pop(entries.index(hit)))
         # The guarded fast path checks that nothing shares storage: only such signatures join it.
         if not self._sharing or sig[1][-1] == _NO_SHARING[0]:
             self._remember(key, hit, leaves)
@@ -371,25 +396,48 @@ class Executable:
             del entries[2 * self.cache_size:]
 
     def _compile_new(self, sig: tuple[Any, ...], leaves: list[Any], args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> _Compiled:
+                     kwargs: dict[str, Any], failed: tuple[_Compiled, int] | None = None) -> _Compiled | None:
+        """Capture for a new signature, or for a known one whose programs' guards all failed
+        (``failed``: the most recent one and what failed). None: fn creates state on its first
+        step, so this call runs it eagerly (or, for compile()'s examples, the next one does)."""
         tree, _, paths = tree_of(args, kwargs)
         first = self._first
-        if first is not None:
+        settled = None
+        n_programs = sum(len(v) for v in self._cache.values())
+        if failed is not None:
+            c, i = failed
+            what = c.guards.describe(i)
+            if c.guards.settles(i):  # the .grad this program made now exists: its successor replaces it
+                settled = c
+            elif n_programs >= self.cache_size:
+                raise GuardError(
+                    f"{what} — {n_programs} program(s) captured already (cache_size={self.cache_size}); a value the "
+                    "compiled function reads changed again. If it changes on every call, keep it in a tensor "
+                    "(read by the program, updated in place) or pass it as an argument.")
+            else:
+                warnings.warn(f"flowexec: {what}; capturing fn again", RecaptureWarning, stacklevel=4)
+        elif first is not None:
             n_args = len(first.tree[2][0])
             if len(args) != n_args and not self._variadic:
                 raise InputError(f"expected {n_args} argument(s), got {len(args)}")
             where, got, want = self._difference(first, tree, paths, leaves, sig)
-            if len(self._cache) >= self.cache_size:
+            if n_programs >= self.cache_size:
                 raise InputError(
                     f"{where}: expected {want}, got {got} — "
-                    f"{len(self._cache)} signature(s) compiled already (cache_size={self.cache_size})"
+                    f"{n_programs} signature(s) compiled already (cache_size={self.cache_size})"
                 )
             warnings.warn(f"flowexec: new input signature ({where}: {got}, compiled for {want}); capturing fn again",
                           RecaptureWarning, stacklevel=4)
         if self.mode == "graph" and self._check_devices:
             tensors = [(a, p) for a, p in zip(leaves, paths) if isinstance(a, torch.Tensor)]
             _check_graph_devices([a for a, _ in tensors], [p for _, p in tensors])
-        compiled = self._build(leaves, tree, paths)
+        try:
+            compiled = self._build(leaves, tree, paths)
+        except LazyStateError as e:
+            if self._ran_eagerly:  # the state is made anew on every call, not once
+                raise CaptureError(str(e)) from None
+            self._deferred = str(e).split(". ", 1)[0]
+            return None
         self._native = None  # closure state may grow: checks built against the old keys go
         self._natives.clear()
         if self._sharing:  # the state is known now
@@ -397,7 +445,12 @@ class Executable:
             sig = (sig[0], self._sig(leaves))
         if first is None:
             self._first, self._first_sig = compiled, sig
-        self._cache[sig] = compiled
+        entries = self._cache.setdefault(sig, [])
+        if settled is not None and settled in entries:
+            entries.remove(settled)
+            for fast in self._fast.values():
+                fast[:] = [(g, e) for g, e in fast if e is not settled]
+        entries.insert(0, compiled)
         return compiled
 
     def _difference(self, first: _Compiled, tree: Any, paths: Sequence[str], leaves: Sequence[Any],
@@ -428,7 +481,10 @@ class Executable:
             targs = fc.check(args)  # every check below in one C++ walk (runtime/fastcall.py)
             if targs is not None:  # (run None: the signature's runner, which a profiler may swap)
                 c = fc.compiled
-                return self._finish(c, fc.run or c.runner, targs)
+                if c.guards is None or fc.guarded or c.guards.check() < 0:
+                    return self._finish(c, fc.run or c.runner, targs)
+        if self._eager_next:  # compile()'s examples found state fn makes on its first step
+            return self._run_eagerly(args, kwargs)
         leaves, key = flatten(args, kwargs)
         c = None
         entries = self._fast.get(key)
@@ -436,7 +492,7 @@ class Executable:
             c0 = entries[0][1]
             targs = leaves if c0.all_tensors else [leaves[i] for i in c0.tensor_pos]
             for guard, comp in entries:
-                if guard.check(*targs):
+                if guard.check(*targs) and (comp.guards is None or comp.guards.check() < 0):
                     c = comp
                     break
             if c is not None and self._sharing:
@@ -456,9 +512,18 @@ class Executable:
                 self._native = self._native_for(c, *native, leaves, targs)
         if c is None:
             c = self._lookup_leaves(leaves, key, args, kwargs)
+            if c is None:
+                return self._run_eagerly(args, kwargs)
             targs = leaves if c.all_tensors else [leaves[i] for i in c.tensor_pos]
             run = c.runner
         return self._finish(c, run, targs)
+
+    def _run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """fn itself, once, so that the state it makes on a first step exists for the capture
+        of the next call (as CUDA-graph tools warm up)."""
+        self._eager_next = False
+        self._ran_eagerly = True
+        return self.fn(*args, **kwargs)
 
     def _native_for(self, c: _Compiled, run: Any, borrowed: Any, forbidden: frozenset[int] | None,
                     leaves: Sequence[Any], targs: Sequence[Any]) -> Any:
@@ -475,7 +540,10 @@ class Executable:
         return hit
 
     def _finish(self, c: _Compiled, run: Callable[[Sequence[Any]], list[Any]], targs: Sequence[Any]) -> Any:
+        self._ran_eagerly = False
         flat = run(targs)
+        if c.guards is not None and c.guards.replays:
+            c.guards.replay()
         for p, idx in c.grad_bindings:
             g = flat[idx]
             if p.grad is not g:
@@ -491,12 +559,18 @@ class Executable:
 
     def compile_for(self, *args: Any, **kwargs: Any) -> Executable:
         """Capture and plan for ``exe(*args, **kwargs)`` now (``flowexec.compile`` does this for
-        its examples); returns the executable."""
-        self._lookup(args, kwargs)
+        its examples); returns the executable. No step is taken: where fn creates state on its
+        first step (optimizer moments), nothing is captured yet, and the first call runs fn
+        eagerly and the second captures."""
+        if self._lookup(args, kwargs) is None:
+            self._eager_next = True
         return self
 
     def _captured(self, what: str) -> _Compiled:
         if self._last is None:
+            if self._deferred is not None:
+                raise NotCapturedError(f"{what}: nothing is captured yet — {self._deferred}; the first call runs fn "
+                                       "eagerly so that this state exists, and a later call captures")
             raise NotCapturedError(f"{what}: nothing is captured yet — this Executable captures fn on its first "
                                    "call (or call exe.compile_for(*example_args) first)")
         return self._last
@@ -536,7 +610,7 @@ class Executable:
         return self._captured("build_seconds").build_seconds
 
     def __repr__(self) -> str:
-        return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)}>"
+        return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)} programs={sum(map(len, self._cache.values()))}>"
 
 
 def borrowed_inputs(targs: Sequence[torch.Tensor], mutated_inputs: Sequence[int]) -> list[bool]:

@@ -138,6 +138,7 @@ class FastCall:
     compiled: Any
     run: Callable[[Sequence[Any]], list[Any]] | None
     alive: list[bool]
+    guarded: bool = False  # the check also ran the compiled program's guards (flowexec.guards)
 
 
 _ALWAYS = [True]
