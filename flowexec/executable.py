@@ -483,6 +483,9 @@ class Executable:
                 c = fc.compiled
                 if c.guards is None or fc.guarded or c.guards.check() < 0:
                     return self._finish(c, fc.run or c.runner, targs)
+            # The Python path decides, and installs the check of the program it picks: this one
+            # may no longer fit (a host read of a hyperparameter now answers otherwise).
+            self._native = None
         if self._eager_next:  # compile()'s examples found state fn makes on its first step
             return self._run_eagerly(args, kwargs)
         leaves, key = flatten(args, kwargs)

@@ -484,31 +484,39 @@ class Recorder:
             torch.nn.Module.__getattribute__ = _recording_getattribute  # type: ignore[method-assign]
             _ORIGINAL["setattr"] = torch.nn.Module.__setattr__
             torch.nn.Module.__setattr__ = _recording_setattr  # type: ignore[method-assign]
-        self._prev_profile = sys.getprofile()
-        sys.setprofile(self._profile)
+        # A global trace function sees each Python frame once, when it starts (returning None
+        # leaves the frame untraced): a profile function would also see every C call and return,
+        # which doubled the capture time of a transformer block. A tracer the user runs (a
+        # debugger, coverage) pauses for the capture: its frames are flowexec's tracing.
+        self._prev_profile = sys.gettrace()
+        sys.settrace(self._tracer())
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self._prev_profile)
+        sys.settrace(self._prev_profile)
         self._active = False
         _ACTIVE.remove(self)
         if not _ACTIVE:
             del torch.nn.Module.__getattribute__
             torch.nn.Module.__setattr__ = _ORIGINAL.pop("setattr")  # type: ignore[method-assign]
 
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and self._active:
+    def _tracer(self) -> Callable[[Any, str, Any], None]:
+        """The global trace function: the first frame of each user code object is scanned (it
+        runs for every Python frame the capture starts, ~0.6M for a transformer block: kept to
+        a set lookup)."""
+        seen = self._seen_code
+
+        def trace(frame: Any, event: str, arg: Any) -> None:
             code = frame.f_code
-            if code not in self._seen_code:
-                self._seen_code.add(code)
-                if user_code(code.co_filename):
+            if code not in seen:
+                seen.add(code)
+                if self._active and user_code(code.co_filename):
                     self._active = False  # the recorder's own reads are not fn's
                     try:
                         self.frame_entered(frame)
                     finally:
                         self._active = True
-        if self._prev_profile is not None:
-            self._prev_profile(frame, event, arg)
+        return trace
 
     # -- after the run --
     def use_leaf(self, t: torch.Tensor) -> None:
@@ -693,8 +701,32 @@ class GuardSet:
     guards: tuple[Guard, ...]
     feeds: Any = None  # flowexec.hyperparams.Feeds
     replays: tuple[Replay, ...] = ()
+    _native: Any = field(default=False, repr=False)
+
+    def native(self) -> Any:
+        """The C++ check of these guards and feeds (``runtime/csrc/guards.cpp``), built once;
+        None without the native extension."""
+        if self._native is False:
+            from .runtime import fastcall
+
+            mod = fastcall.load()
+            checker = None
+            if mod is not None and hasattr(mod, "GuardChecker"):
+                feeds, hosts, devices, predicates = self.feeds.native_spec() if self.feeds is not None else ([], [], [], [])
+                try:
+                    checker = mod.GuardChecker([(g.root, list(g.path), g.expected, g.match) for g in self.guards],
+                                               feeds, hosts, devices, predicates)
+                except (RuntimeError, TypeError, ValueError):  # a guard it cannot take: Python checks
+                    checker = None
+            self._native = checker
+        return self._native
 
     def check(self) -> int:
+        native = self.native()
+        # (a host read the Python path found answering otherwise keeps failing there: the C++
+        # check compares values with the host copies, which that path has already written)
+        if native is not None and not (self.feeds is not None and self.feeds.failing) and native.check() == -1:
+            return -1
         for i, g in enumerate(self.guards):
             if not same(read(g.root, g.path), g.expected, g.match):
                 return i

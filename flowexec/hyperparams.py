@@ -167,27 +167,29 @@ class Feeds:
 
     def refresh(self) -> int:
         """Copy changed values in; -1 when the program fits them, else the index of a slot whose
-        change it cannot take (not a number any more, or a host read now answers otherwise)."""
+        change it cannot take (not a number any more, or a host read now answers otherwise).
+        A value is compared with its host copy (the C++ check does the same, so either path
+        leaves the buffers as the other expects)."""
         dirty: set[torch.device] = set()
         recheck: set[int] = set()
         bad = -1
         for i, s in enumerate(self.slots):
             v = s.current()
-            if v is s.last:
-                continue
             if type(v) not in (float, int):
                 bad = i if bad < 0 else bad
                 continue
-            if v != s.last or type(v) is not type(s.last):
-                self.hosts[s.device][s.position] = v
-                dirty.add(s.device)
-                recheck.update(self.dependents.get(i, ()))
+            host = self.hosts[s.device]
+            if host[s.position] == v:
+                continue
+            host[s.position] = v
             s.last = v
-        for d in dirty:  # the buffers always hold `last`, whatever the verdict
+            dirty.add(s.device)
+            recheck.update(self.dependents.get(i, ()))
+        for d in dirty:  # the buffers always hold the host values, whatever the verdict
             if self.buffers[d] is not self.host_tensors[d]:
                 self.buffers[d].copy_(self.host_tensors[d])
         if recheck:
-            values = [s.last for s in self.slots]
+            values = [float(self.hosts[s.device][s.position]) for s in self.slots]
             for k in recheck:
                 r = self.reads[k]
                 if _answer(r.expr, values) != r.value:
@@ -198,6 +200,23 @@ class Feeds:
             return bad
         return min(self.failing.values()) if self.failing else -1
 
+    def native_spec(self) -> tuple[list[tuple], list[torch.Tensor], list[torch.Tensor], list[tuple]]:
+        """What the C++ check (``csrc/guards.cpp``) takes: per slot (group, key, index, device,
+        position, whether a host read it cannot evaluate depends on it); the host copies and
+        buffers per device; the host reads of the form ``value <op> constant`` it evaluates."""
+        devices = list(self.buffers)
+        simple: dict[int, tuple] = {}
+        for k, r in enumerate(self.reads):
+            p = _predicate(r)
+            if p is not None:
+                simple[k] = p
+        feeds = []
+        for i, s in enumerate(self.slots):
+            other = any(k not in simple for k in self.dependents.get(i, ()))
+            feeds.append((s.group, s.key, s.index, devices.index(s.device), s.position, other))
+        return (feeds, [self.host_tensors[d] for d in devices], [self.buffers[d] for d in devices],
+                list(simple.values()))
+
     def describe(self, i: int) -> str:
         s = self.slots[i]
         v = s.current()
@@ -207,6 +226,25 @@ class Feeds:
                     "program holds it as a constant; with foreach=True the optimizer takes it as a tensor, where "
                     "its code path allows)")
         return f"{s.name}: {s.captured!r} -> {v!r} (no longer a Python number, which is what the program is fed)"
+
+
+_COMPARISONS = {"ne": 0, "eq": 1, "gt": 2, "ge": 3, "lt": 4, "le": 5}
+
+
+def _predicate(r: HostRead) -> tuple[int, int, float, bool] | None:
+    """``(slot, op, constant, answer)`` for a host read of ``slot <op> constant`` (``if
+    weight_decay != 0``), which the C++ check evaluates itself; None for any other."""
+    e = r.expr
+    if not (isinstance(e, Call) and e.func in _HOST_READS and len(e.args) == 1 and isinstance(e.args[0], Call)):
+        return None
+    cmp = e.args[0]
+    name = getattr(cmp.func, "_opname", None)
+    if name not in _COMPARISONS or getattr(cmp.func, "_overloadname", "") != "Scalar" or len(cmp.args) != 2:
+        return None
+    slot, const = cmp.args
+    if not isinstance(slot, Slot) or type(const) not in (int, float) or not isinstance(r.value, bool):
+        return None
+    return (slot.index, _COMPARISONS[name], float(const), r.value)
 
 
 def _answer(expr: Any, values: Sequence[Any]) -> Any:

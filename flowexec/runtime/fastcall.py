@@ -35,9 +35,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fastcall.cpp")
-# One extension, two sources: the call check and the job timer's event clock
-# (profiler/timers.py, NativeEvents).
-_SOURCES = [_SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "eventclock.cpp")]
+# One extension, three sources: the call check, the guards of a captured program
+# (flowexec/guards.py) and the job timer's event clock (profiler/timers.py, NativeEvents).
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = [_SOURCE, os.path.join(_CSRC, "guards.cpp"), os.path.join(_CSRC, "eventclock.cpp")]
+_HEADERS = [os.path.join(_CSRC, "guards.h")]
 _STATE: dict[str, Any] = {}  # "module" once loaded, "error" why not
 
 # Layout codes (as in csrc/fastcall.cpp)
@@ -48,7 +50,7 @@ def _name_and_directory() -> tuple[str, str]:
     from ..kernels._native import build_directory
 
     h = hashlib.sha1()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         with open(src, "rb") as f:
             h.update(f.read())
     digest = h.hexdigest()[:10]
@@ -166,8 +168,12 @@ def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: 
         ptrs, staged, forbidden, alive = spec
     elif forbidden is not None:
         staged = [True] * n
+    guards = getattr(compiled, "guards", None)
+    checker = guards.native() if guards is not None else None
+    if guards is not None and checker is None:
+        return None  # the guards only run in Python here: so does the call
     try:
-        guard = mod.CallGuard(layout, list(tensors), ptrs, staged, sorted(forbidden or ()))
+        guard = mod.CallGuard(layout, list(tensors), ptrs, staged, sorted(forbidden or ()), checker)
     except (RuntimeError, TypeError):  # symbolic shapes, a layout it refuses: the Python path
         return None
-    return FastCall(guard.check, compiled, run, alive)
+    return FastCall(guard.check, compiled, run, alive, checker is not None)

@@ -6,12 +6,16 @@
 // leaves in flattened order, or None whenever anything differs (the caller then takes the
 // Python path, which decides; this check may only ever be stricter than that path).
 //
-// Built by torch.utils.cpp_extension from flowexec/runtime/fastcall.py; no CUDA calls (data
-// pointers and metadata only), so one CPU build serves CPU and CUDA tensors.
+// It also runs the program's guards (guards.cpp: the Python values its capture read, and the fed
+// optimizer hyperparameters). Built by torch.utils.cpp_extension from flowexec/runtime/fastcall.py;
+// no CUDA calls of its own (data pointers and metadata; a changed hyperparameter is one
+// Tensor::copy_ to its device), so one CPU build serves CPU and CUDA tensors.
 
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "guards.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -47,8 +51,8 @@ struct Leaf {
 class CallGuard {
  public:
   CallGuard(std::vector<int> layout, py::list tensors, std::vector<int64_t> ptrs, std::vector<bool> staged,
-            std::vector<int64_t> forbidden)
-      : layout_(std::move(layout)), forbidden_(forbidden.begin(), forbidden.end()) {
+            std::vector<int64_t> forbidden, std::shared_ptr<flowexec::GuardChecker> guards)
+      : layout_(std::move(layout)), forbidden_(forbidden.begin(), forbidden.end()), guards_(std::move(guards)) {
     std::sort(forbidden_.begin(), forbidden_.end());
     const auto n = static_cast<size_t>(py::len(tensors));
     TORCH_CHECK(ptrs.size() == n && staged.size() == n, "fastcall: one address and one staged flag per tensor");
@@ -74,7 +78,8 @@ class CallGuard {
     storages.reserve(n_staged_);
     bool ok = false;
     try {
-      ok = walk(args.ptr(), pos, leaf, out, storages) && distinct(storages);
+      // The program's guards (the values its capture read) after the arguments: -1 is a pass.
+      ok = walk(args.ptr(), pos, leaf, out, storages) && distinct(storages) && (!guards_ || guards_->check() == -1);
     } catch (const c10::Error&) {  // a tensor without storage, say: the Python path decides
       ok = false;
     }
@@ -147,17 +152,24 @@ class CallGuard {
   std::vector<intptr_t> forbidden_;
   std::vector<Leaf> leaves_;
   size_t n_staged_ = 0;
+  std::shared_ptr<flowexec::GuardChecker> guards_;
 };
 
 }  // namespace
 
 void register_event_clock(py::module_& m);  // eventclock.cpp: the job timer's events
+namespace flowexec {
+void register_guards(py::module_& m);  // guards.cpp: a program's guards and fed hyperparameters
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_event_clock(m);
+  flowexec::register_guards(m);
   py::class_<CallGuard>(m, "CallGuard")
-      .def(py::init<std::vector<int>, py::list, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>>(),
-           py::arg("layout"), py::arg("tensors"), py::arg("ptrs"), py::arg("staged"), py::arg("forbidden"))
+      .def(py::init<std::vector<int>, py::list, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>,
+                    std::shared_ptr<flowexec::GuardChecker>>(),
+           py::arg("layout"), py::arg("tensors"), py::arg("ptrs"), py::arg("staged"), py::arg("forbidden"),
+           py::arg("guards") = nullptr)
       .def("check", &CallGuard::check, py::arg("args"))
       .def_property_readonly("n_tensors", &CallGuard::n_tensors);
 }
