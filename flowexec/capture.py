@@ -66,6 +66,9 @@ class Captured:
     # What the capture read that a call must check (flowexec.guards), and the optimizer
     # hyperparameters fed to the program (flowexec.hyperparams).
     guards: GuardSet | None = None
+    # Parameters whose current .grad the caller appends to the call's tensors (the program's
+    # last inputs): gradients that exist when a call starts are read where they are then.
+    grad_inputs: tuple[torch.Tensor, ...] = ()
 
 
 class LazyStateError(CaptureError):
@@ -230,8 +233,13 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
     guard = _CaptureGuard(lifter)
     n_user = [0]
     out_tree: list[Any] = [None]
+    # The .grad each parameter fn reaches has now is an input of the program, read at each call:
+    # gradient accumulation makes a new one per cycle (zero_grad sets None), which a binding to
+    # this tensor object would miss.
+    grad_params = recorder.grad_inputs()
 
     def traced(*tensors: torch.Tensor) -> Any:
+        tensors = tensors[:len(tensor_pos)]  # (the rest: the gradients, reached through p.grad)
         full = list(args)
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
@@ -289,7 +297,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
     torch.compiler._is_compiling_flag = True
     failed = True
     try:
-        gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos])
+        gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos], *[p.grad for p in grad_params])
         failed = False
     except CaptureError:
         raise
@@ -304,7 +312,9 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
         lifter.restore()
         guard.restore()
         _set_rng_states(rng)
-        # Gradients are left as fn found them (fn may have set them to None and made new ones).
+        # Gradients are left as fn found them (fn may have set them to None and made new ones);
+        # those fn leaves None (zero_grad after the step) are cleared after each call too.
+        cleared = tuple(p for p, g0, _ in recorder.grads.values() if g0 is not None and p.grad is None)
         for p, g0, _ in recorder.grads.values():
             if p.grad is not g0:
                 p.grad = g0
@@ -314,25 +324,32 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
         if failed:  # a discarded capture leaves Python state as it found it
             lifter.restore_state()
             recorder.undo_writes()
-    return gm, bindings, n_user[0], guard.sources, out_tree[0], _Reads(recorder, lifter, guard.leaves)
+    return gm, bindings, n_user[0], guard.sources, out_tree[0], _Reads(recorder, lifter, guard.leaves, grad_params,
+                                                                       cleared)
 
 
 @dataclass
 class _Reads:
-    """What a capture run read, for :func:`guards_of`."""
+    """What a capture run read, for :func:`guards_of`; ``grad_params``: the parameters whose
+    ``.grad`` follows the call's tensors among the program's inputs."""
 
     recorder: Recorder
     lifter: Lifter
     leaves: dict[int, weakref.ref]
+    grad_params: tuple[torch.Tensor, ...] = ()
+    cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None
 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any]) -> Captured:
-    """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program."""
+    """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
+    The program's inputs are the tensors of ``args``, then ``p.grad`` for each parameter of
+    ``Captured.grad_inputs``."""
     gm, bindings, n_user, sources, out_tree, reads = trace(fn, args)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     feeds = _bind_feeds(gm, reads.lifter)
-    prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)
-    return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds))
+    grads = [p.grad for p in reads.grad_params]
+    prog = program_from_graph(gm, [args[i] for i in tensor_pos] + grads, sources)
+    return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), reads.grad_params)
 
 
 def _bind_feeds(gm: fx.GraphModule, lifter: Lifter) -> Any:
@@ -370,7 +387,7 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
         for g in optimizer_guards(opt, rec.name_of(opt, type(opt).__name__), lifter.lifted_keys(opt)):
             rec.add(g)
     rec.add(state_guard())
-    return GuardSet(tuple(rec.guards.values()), feeds, rec.replays())
+    return GuardSet(tuple(rec.guards.values()), feeds, rec.replays(), reads.cleared_grads)
 
 
 def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,

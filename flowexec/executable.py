@@ -128,6 +128,19 @@ class _Compiled:
     paths: tuple[str, ...] = ()  # each leaf's path, e.g. "args[0]['opt'][3]"
     variants: GraphVariants | None = None  # graph mode: the runner, for its precomputed checks
     guards: GuardSet | None = None  # what the capture read (flowexec.guards); None: nothing to check
+    # Parameters whose .grad follows the call's tensors among the program's inputs (read per call)
+    grad_inputs: tuple[torch.Tensor, ...] = ()
+
+    def tensors(self, leaves: Sequence[Any]) -> list[Any] | None:
+        """The program's tensor inputs for a call with these leaves; None where a parameter whose
+        gradient it reads has none."""
+        targs = list(leaves) if self.all_tensors else [leaves[i] for i in self.tensor_pos]
+        for p in self.grad_inputs:
+            g = p.grad
+            if g is None:
+                return None
+            targs.append(g)
+        return targs
 
 
 class Executable:
@@ -205,10 +218,11 @@ class Executable:
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
+        all_targs = [args[i] for i in tensor_pos] + [p.grad for p in cap.grad_inputs]
         if self.mode == "graph" and not self._graph_can_stage(args, tensor_pos, plan):
             pass  # trace mode for this signature (said in a warning)
         elif self.mode == "graph" and self.pool == "shared":
-            runner = self._shared_runner(run, plan, [args[i] for i in tensor_pos], cap, fetch, tensor_pos, runner)
+            runner = self._shared_runner(run, plan, all_targs, cap, fetch, tensor_pos, runner)
         elif self.mode == "graph":
             from .runtime.cuda_graph import CudaGraphRunner
 
@@ -216,7 +230,7 @@ class Executable:
             state_mutated = [prog.state[v] for v in plan.mutated if v in prog.state]
             input_index = {vid: k for k, vid in enumerate(prog.inputs)}
             mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
-            targs = [args[i] for i in tensor_pos]
+            targs = all_targs
             bound = {i for _, i in cap.grad_bindings} | set(fetch)
 
             def capture_runner(targs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> CudaGraphRunner:
@@ -244,7 +258,7 @@ class Executable:
         guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
-                         runner if isinstance(runner, GraphVariants) else None, guards)
+                         runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs))
 
     def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
                        fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -289,7 +303,8 @@ class Executable:
         prog = plan.program
         first_of = dict(prog.shared_storage)  # value -> first value on its storage (inputs come first)
         with_state = {f for v, f in prog.shared_storage if v in prog.state}
-        on_state = [tensor_pos[k] for k, v in enumerate(prog.inputs) if v in with_state or first_of.get(v) in with_state]
+        on_state = [tensor_pos[k] for k, v in enumerate(prog.inputs[:len(tensor_pos)])
+                    if v in with_state or first_of.get(v) in with_state]
         if not (on_state and plan.mutated):
             return True
         warnings.warn(
@@ -384,7 +399,9 @@ class Executable:
 
     def _remember(self, key: tuple[Any, ...], c: _Compiled, leaves: Sequence[Any]) -> None:
         """Put ``c`` first among the guarded signatures of structure ``key``."""
-        tensors = [leaves[i] for i in c.tensor_pos]
+        tensors = c.tensors(leaves)
+        if tensors is None:
+            return
         entries = self._fast.setdefault(key, [])
         for k, (g, e) in enumerate(entries):
             if e is c and g.check(*tensors):  # (the fast path was skipped for another reason)
@@ -402,13 +419,12 @@ class Executable:
         step, so this call runs it eagerly (or, for compile()'s examples, the next one does)."""
         tree, _, paths = tree_of(args, kwargs)
         first = self._first
-        settled = None
         n_programs = sum(len(v) for v in self._cache.values())
         if failed is not None:
             c, i = failed
             what = c.guards.describe(i)
-            if c.guards.settles(i):  # the .grad this program made now exists: its successor replaces it
-                settled = c
+            if c.guards.settles(i) and n_programs < self.cache_size:
+                pass  # a .grad now exists that was None: the usual second program (no warning)
             elif n_programs >= self.cache_size:
                 raise GuardError(
                     f"{what} — {n_programs} program(s) captured already (cache_size={self.cache_size}); a value the "
@@ -445,12 +461,7 @@ class Executable:
             sig = (sig[0], self._sig(leaves))
         if first is None:
             self._first, self._first_sig = compiled, sig
-        entries = self._cache.setdefault(sig, [])
-        if settled is not None and settled in entries:
-            entries.remove(settled)
-            for fast in self._fast.values():
-                fast[:] = [(g, e) for g, e in fast if e is not settled]
-        entries.insert(0, compiled)
+        self._cache.setdefault(sig, []).insert(0, compiled)
         return compiled
 
     def _difference(self, first: _Compiled, tree: Any, paths: Sequence[str], leaves: Sequence[Any],
@@ -492,10 +503,9 @@ class Executable:
         c = None
         entries = self._fast.get(key)
         if entries:
-            c0 = entries[0][1]
-            targs = leaves if c0.all_tensors else [leaves[i] for i in c0.tensor_pos]
             for guard, comp in entries:
-                if guard.check(*targs) and (comp.guards is None or comp.guards.check() < 0):
+                targs = comp.tensors(leaves)
+                if targs is not None and guard.check(*targs) and (comp.guards is None or comp.guards.check() < 0):
                     c = comp
                     break
             if c is not None and self._sharing:
@@ -517,7 +527,7 @@ class Executable:
             c = self._lookup_leaves(leaves, key, args, kwargs)
             if c is None:
                 return self._run_eagerly(args, kwargs)
-            targs = leaves if c.all_tensors else [leaves[i] for i in c.tensor_pos]
+            targs = c.tensors(leaves)
             run = c.runner
         return self._finish(c, run, targs)
 
@@ -545,7 +555,7 @@ class Executable:
     def _finish(self, c: _Compiled, run: Callable[[Sequence[Any]], list[Any]], targs: Sequence[Any]) -> Any:
         self._ran_eagerly = False
         flat = run(targs)
-        if c.guards is not None and c.guards.replays:
+        if c.guards is not None and c.guards.after_call:
             c.guards.replay()
         for p, idx in c.grad_bindings:
             g = flat[idx]

@@ -108,8 +108,16 @@ def read(root: Any, path: Sequence[tuple[str, Any]]) -> Any:
     return v
 
 
+def tensor_kind(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a ``.grad`` that is a program input must keep: dtype, device, sizes, strides."""
+    return (t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
+
+
 def same(value: Any, expected: Any, match: str) -> bool:
-    """Whether ``value`` still matches ``expected``."""
+    """Whether ``value`` still matches ``expected`` (``"grad"``: a tensor of the kind
+    :func:`tensor_kind` describes)."""
+    if match == "grad":
+        return isinstance(value, torch.Tensor) and tensor_kind(value) == expected
     if value is expected:
         return True
     if match == "is":
@@ -258,6 +266,8 @@ class Recorder:
     grads: dict[int, tuple[torch.Tensor, Any, bool]] = field(default_factory=dict)
     _used: set = field(default_factory=set)
     _ignored: set = field(default_factory=set)  # ids of module __dict__s that are not fn's
+    _grad_input_ids: set = field(default_factory=set)
+    _grad_inputs: tuple | None = None
     module_tensor_writes: list[str] = field(default_factory=list)
     _seen_code: set = field(default_factory=set)
     _active: bool = False
@@ -334,6 +344,13 @@ class Recorder:
     def _note_param(self, p: torch.Tensor) -> None:
         if id(p) not in self.grads:
             self.grads[id(p)] = (p, p.grad, p.requires_grad)
+
+    def grad_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The parameters fn reaches whose ``.grad`` exists at the start of the capture (the
+        first call of this method, before the run)."""
+        if self._grad_inputs is None:
+            self._grad_inputs = tuple(p for p, g, _ in self.grads.values() if g is not None)
+        return self._grad_inputs
 
     def name_of(self, obj: Any, fallback: str) -> str:
         return self.names.get(id(obj), fallback)
@@ -530,6 +547,7 @@ class Recorder:
         program reads, or still None where it was None; ``stepped``: the parameters of the
         optimizers that stepped (their ``.grad`` decides whether they are stepped)."""
         state_ids = {id(t) for t in state}
+        self._grad_input_ids = {id(p) for p in self.grad_inputs()}
         stepped_ids = set()
         for p in stepped:
             self._note_param(p)
@@ -542,6 +560,8 @@ class Recorder:
                 self.add(Guard(f"{label}.requires_grad", p, (("attr", "requires_grad"),), rg0, "is"))
             if g0 is None:
                 self.add(Guard(f"{label}.grad", p, (("attr", "grad"),), None, "is", settles=True))
+            elif pid in self._grad_input_ids:  # an input: any tensor of its kind, read per call
+                self.add(Guard(f"{label}.grad", p, (("attr", "grad"),), tensor_kind(g0), "grad"))
             elif id(g0) in state_ids:
                 self.add(Guard(f"{label}.grad", p, (("attr", "grad"),), g0, "is"))
 
@@ -701,6 +721,7 @@ class GuardSet:
     guards: tuple[Guard, ...]
     feeds: Any = None  # flowexec.hyperparams.Feeds
     replays: tuple[Replay, ...] = ()
+    cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None (zero_grad)
     _native: Any = field(default=False, repr=False)
 
     def native(self) -> Any:
@@ -746,11 +767,19 @@ class GuardSet:
         """Whether failure ``i`` is lazy state settling (a ``.grad`` the program itself made)."""
         return i < len(self.guards) and self.guards[i].settles
 
+    @property
+    def after_call(self) -> bool:
+        """Whether :meth:`replay` has anything to do."""
+        return bool(self.replays or self.cleared_grads)
+
     def replay(self) -> None:
-        """Set the module attributes fn assigned, as running it would have."""
+        """Set the module attributes fn assigned, and clear the gradients it left None, as
+        running it would have."""
         for r in self.replays:
             if r.where.get(r.key, _MISSING) is not r.value:
                 r.where[r.key] = r.value
+        for p in self.cleared_grads:
+            p.grad = None
 
     def __len__(self) -> int:
         return len(self.guards)

@@ -149,7 +149,7 @@ _ALWAYS = [True]
 def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: Any, leaves: Sequence[Any],
          tensors: Sequence[torch.Tensor], borrowed: Any = None, forbidden: frozenset[int] | None = None) -> FastCall | None:
     """The C++ check for a call that just passed the Python checks with these ``tensors`` (its
-    tensor leaves): with ``borrowed`` (a graph's ``BorrowedAddresses``) it also checks that
+    tensor leaves, then the ``.grad`` of each of ``compiled.grad_inputs``): with ``borrowed`` (a graph's ``BorrowedAddresses``) it also checks that
     graph's addresses and staged storages; with ``forbidden`` alone, that every tensor's storage
     is distinct and apart from those addresses. None without the extension or for a call it
     cannot take."""
@@ -172,8 +172,9 @@ def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: 
     checker = guards.native() if guards is not None else None
     if guards is not None and checker is None:
         return None  # the guards only run in Python here: so does the call
+    grad_params = list(getattr(compiled, "grad_inputs", ()))
     try:
-        guard = mod.CallGuard(layout, list(tensors), ptrs, staged, sorted(forbidden or ()), checker)
+        guard = mod.CallGuard(layout, list(tensors), ptrs, staged, sorted(forbidden or ()), checker, grad_params)
     except (RuntimeError, TypeError):  # symbolic shapes, a layout it refuses: the Python path
         return None
     return FastCall(guard.check, compiled, run, alive, checker is not None)

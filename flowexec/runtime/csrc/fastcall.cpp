@@ -50,9 +50,15 @@ struct Leaf {
 
 class CallGuard {
  public:
+  // grad_params: parameters whose current .grad follows the arguments' tensors (the last
+  // entries of `tensors`): read at each call and checked like an argument.
   CallGuard(std::vector<int> layout, py::list tensors, std::vector<int64_t> ptrs, std::vector<bool> staged,
-            std::vector<int64_t> forbidden, std::shared_ptr<flowexec::GuardChecker> guards)
+            std::vector<int64_t> forbidden, std::shared_ptr<flowexec::GuardChecker> guards, py::list grad_params)
       : layout_(std::move(layout)), forbidden_(forbidden.begin(), forbidden.end()), guards_(std::move(guards)) {
+    for (auto p : grad_params) {
+      TORCH_CHECK(THPVariable_Check(p.ptr()), "fastcall: a grad parameter is not a tensor");
+      grad_params_.push_back(py::reinterpret_borrow<py::object>(p));
+    }
     std::sort(forbidden_.begin(), forbidden_.end());
     const auto n = static_cast<size_t>(py::len(tensors));
     TORCH_CHECK(ptrs.size() == n && staged.size() == n, "fastcall: one address and one staged flag per tensor");
@@ -66,7 +72,9 @@ class CallGuard {
       if (staged[i]) ++n_staged_;
     }
     size_t pos = 0, leaves = 0;
-    TORCH_CHECK(count(pos, leaves) && pos == layout_.size() && leaves == n, "fastcall: layout does not match the tensors");
+    TORCH_CHECK(grad_params_.size() <= n, "fastcall: more grad parameters than tensors");
+    TORCH_CHECK(count(pos, leaves) && pos == layout_.size() && leaves == n - grad_params_.size(),
+                "fastcall: layout does not match the tensors");
   }
 
   // The tensor leaves of `args` (a tuple) when the call fits, else None.
@@ -79,7 +87,8 @@ class CallGuard {
     bool ok = false;
     try {
       // The program's guards (the values its capture read) after the arguments: -1 is a pass.
-      ok = walk(args.ptr(), pos, leaf, out, storages) && distinct(storages) && (!guards_ || guards_->check() == -1);
+      ok = walk(args.ptr(), pos, leaf, out, storages) && grads(leaf, out, storages) && distinct(storages) &&
+           (!guards_ || guards_->check() == -1);
     } catch (const c10::Error&) {  // a tensor without storage, say: the Python path decides
       ok = false;
     }
@@ -122,6 +131,16 @@ class CallGuard {
     return true;
   }
 
+  bool grads(size_t leaf, PyObject* out, std::vector<intptr_t>& storages) const {
+    for (const auto& p : grad_params_) {
+      const at::Tensor& g = THPVariable_Unpack(p.ptr()).grad();
+      if (!g.defined()) return false;
+      auto o = py::reinterpret_steal<py::object>(THPVariable_Wrap(g));
+      if (!o || !tensor(o.ptr(), leaves_[leaf++], out, storages)) return false;
+    }
+    return true;
+  }
+
   bool tensor(PyObject* o, const Leaf& L, PyObject* out, std::vector<intptr_t>& storages) const {
     if (Py_TYPE(o) != L.pytype || !THPVariable_Check(o)) return false;
     const at::Tensor& t = THPVariable_Unpack(o);
@@ -153,6 +172,7 @@ class CallGuard {
   std::vector<Leaf> leaves_;
   size_t n_staged_ = 0;
   std::shared_ptr<flowexec::GuardChecker> guards_;
+  std::vector<py::object> grad_params_;
 };
 
 }  // namespace
@@ -167,9 +187,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   flowexec::register_guards(m);
   py::class_<CallGuard>(m, "CallGuard")
       .def(py::init<std::vector<int>, py::list, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>,
-                    std::shared_ptr<flowexec::GuardChecker>>(),
+                    std::shared_ptr<flowexec::GuardChecker>, py::list>(),
            py::arg("layout"), py::arg("tensors"), py::arg("ptrs"), py::arg("staged"), py::arg("forbidden"),
-           py::arg("guards") = nullptr)
+           py::arg("guards") = nullptr, py::arg("grad_params") = py::list())
       .def("check", &CallGuard::check, py::arg("args"))
       .def_property_readonly("n_tensors", &CallGuard::n_tensors);
 }

@@ -5,6 +5,7 @@
 #include "guards.h"
 
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -13,7 +14,7 @@ namespace flowexec {
 namespace {
 
 constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4;
-constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5;
+constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5, kGradKind = 6;
 
 int64_t dtype_code(PyObject* o) {
   if (!THPDtype_Check(o)) return -1;
@@ -56,8 +57,10 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
       g.steps.push_back(Step{step_kind(st[0].cast<std::string>()), st[1]});
     }
     g.expected = t[2];
-    g.match = t[3].cast<std::string>() == "is" ? kIs : kEq;
+    const auto match = t[3].cast<std::string>();
+    g.match = match == "is" ? kIs : kEq;
     const auto n = g.steps.size();
+    TORCH_CHECK(match == "is" || match == "eq" || match == "grad", "guards: unknown match ", match);
     if (n == 1 && g.steps[0].kind == kState) {
       g.match = kGlobal;
       auto e = g.expected.cast<py::tuple>();
@@ -73,6 +76,14 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
       if (name == "requires_grad") {
         g.match = kRequiresGrad;
         g.flag = g.expected.cast<bool>();
+      } else if (name == "grad" && match == "grad") {  // (dtype, device, sizes, strides) of an input
+        g.match = kGradKind;
+        auto e = g.expected.cast<py::tuple>();
+        TORCH_CHECK(e.size() == 4 && THPDevice_Check(e[1].ptr()), "guards: a grad kind is (dtype, device, sizes, strides)");
+        g.state = {dtype_code(e[0].ptr())};
+        g.device = reinterpret_cast<THPDevice*>(e[1].ptr())->device;
+        g.sizes = e[2].cast<std::vector<int64_t>>();
+        g.strides = e[3].cast<std::vector<int64_t>>();
       } else if (name == "grad" && g.match == kIs) {
         g.match = kGrad;
         if (!g.expected.is_none()) {
@@ -99,6 +110,11 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
 bool GuardChecker::holds(const Guard& g) const {
   if (g.match == kGlobal) return global_state() == g.state;
   if (g.match == kRequiresGrad) return THPVariable_Unpack(g.root.ptr()).requires_grad() == g.flag;
+  if (g.match == kGradKind) {
+    const at::Tensor& grad = THPVariable_Unpack(g.root.ptr()).grad();
+    return grad.defined() && static_cast<int64_t>(grad.scalar_type()) == g.state[0] && grad.device() == g.device &&
+           grad.sizes() == c10::IntArrayRef(g.sizes) && grad.strides() == c10::IntArrayRef(g.strides);
+  }
   if (g.match == kGrad) {
     const at::Tensor& grad = THPVariable_Unpack(g.root.ptr()).grad();
     return g.impl == nullptr ? !grad.defined() : (grad.defined() && grad.unsafeGetTensorImpl() == g.impl);

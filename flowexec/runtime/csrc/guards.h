@@ -32,11 +32,14 @@ class GuardChecker {
     py::object root;
     std::vector<Step> steps;
     py::object expected;
-    int match;  // 0: identity, 1: same type and equal, 2: global state, 3: length, 4: requires_grad, 5: .grad
+    int match;  // 0: identity, 1: same type and equal, 2: global state, 3: length, 4: requires_grad, 5: .grad,
+                // 6: .grad is a tensor of a kind (an input of the program)
     int64_t length = 0;
     bool flag = false;
     c10::TensorImpl* impl = nullptr;  // .grad guards: the expected gradient (nullptr: None)
     std::vector<int64_t> state;      // global state: grad mode, autocast cpu/cuda + dtypes, default dtype
+    c10::Device device = c10::Device(c10::kCPU);  // .grad kind guards: the gradient's device, sizes, strides
+    std::vector<int64_t> sizes, strides;
   };
   struct Feed {
     py::object group;
