@@ -222,15 +222,18 @@ def _host_read_hint(tb: Any) -> str:
             "such values on the device.")
 
 
-def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
-    (:class:`_Reads`: guards, lifted hyperparameters)."""
+    (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
+    lift optimizer hyperparameters and take existing gradients as inputs (what an
+    :class:`~flowexec.Executable` checks and feeds per call); without it the program binds
+    whatever fn reads, as a pipeline stage's capture wants."""
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
-    recorder = Recorder(fn)
-    lifter = Lifter(recorder.name_of)
-    guard = _CaptureGuard(lifter)
+    recorder = Recorder(fn, active=guarded)
+    lifter = Lifter(recorder.name_of, active=guarded)
+    guard = _CaptureGuard(lifter if guarded else None)
     n_user = [0]
     out_tree: list[Any] = [None]
     # The .grad each parameter fn reaches has now is an input of the program, read at each call:
@@ -340,12 +343,14 @@ class _Reads:
     cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None
 
 
-def capture(fn: Callable[..., Any], args: Sequence[Any]) -> Captured:
+def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) -> Captured:
     """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
-    The program's inputs are the tensors of ``args``, then ``p.grad`` for each parameter of
-    ``Captured.grad_inputs``."""
-    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args)
+    The program's inputs are the tensors of ``args``, then (``guarded``) ``p.grad`` for each
+    parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards (:func:`trace`)."""
+    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if not guarded:
+        return Captured(program_from_graph(gm, [args[i] for i in tensor_pos], sources), bindings, n_user, out_tree)
     feeds = _bind_feeds(gm, reads.lifter)
     grads = [p.grad for p in reads.grad_params]
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + grads, sources)

@@ -211,7 +211,7 @@ class Executable:
     def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str]) -> _Compiled:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
-        cap = capture(_call_with_containers(self.fn, tree, paths), args)
+        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True)
         plan = build_plan(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.gc, self.streams, mode=self.mode,
                           **self.memory_options)
         run = lower_for(plan, self.mode, *self._worker_opts)

@@ -91,7 +91,11 @@ def read(root: Any, path: Sequence[tuple[str, Any]]) -> Any:
     v = root
     try:
         for kind, arg in path:
-            if kind == "item":
+            if kind == "item" and isinstance(v, dict):
+                v = dict.get(v, arg, _MISSING)  # (a defaultdict must not grow an entry)
+                if v is _MISSING:
+                    return v
+            elif kind == "item":
                 v = v[arg]
             elif kind == "attr":
                 v = getattr(v, arg)
@@ -256,6 +260,7 @@ class Recorder:
     ``finish(program_state)`` then returns the guards and the writes to replay."""
 
     fn: Callable[..., Any]
+    active: bool = True  # False: records nothing (a capture whose program is not guarded)
     guards: dict[tuple[int, tuple], Guard] = field(default_factory=dict)
     # (id(module dict), key) -> (module __dict__, the value before fn's first write)
     written: dict[tuple[int, str], tuple[dict, Any]] = field(default_factory=dict)
@@ -276,6 +281,8 @@ class Recorder:
 
     # -- set-up: names for the objects fn reaches, and its parameters' grads --
     def __post_init__(self) -> None:
+        if not self.active:
+            return
         self._index_function(self.fn)
         for label, obj in self._roots():
             self._name_tree(label, obj)
@@ -424,6 +431,19 @@ class Recorder:
             label += "".join(f"[{a!r}]" if k == "item" else f".{a}" for k, a in path[1:])
         self.add_chain(label, d, path)
 
+    def member_read(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        """A parameter, buffer or submodule read (``nn.Module.__getattr__``): the program binds
+        it, so it must still be the same object (``model.fc = nn.Linear(...)`` re-captures)."""
+        d = object.__getattribute__(module, "__dict__")
+        if id(d) in self._ignored:
+            return
+        for table in ("_parameters", "_buffers", "_modules"):
+            members = d.get(table)
+            if members is not None and name in members and members[name] is value:
+                label = f"{self.name_of(module, type(module).__name__)}.{name}"
+                self.add(Guard(label, members, (("item", name),), value, "is"))
+                return
+
     def module_write(self, module: torch.nn.Module, name: str, value: Any) -> None:
         """``module.name = value`` inside fn: replayed after each call (refused for tensors).
         Only modules fn reaches count (not those tracing machinery makes, such as make_fx's root)."""
@@ -486,6 +506,8 @@ class Recorder:
 
     # -- the hooks --
     def __enter__(self) -> Recorder:
+        if not self.active:
+            return self
         self._active = True
         try:  # make_fx's own root module (it keeps the graph's constants) is not fn's
             from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -501,6 +523,8 @@ class Recorder:
             torch.nn.Module.__getattribute__ = _recording_getattribute  # type: ignore[method-assign]
             _ORIGINAL["setattr"] = torch.nn.Module.__setattr__
             torch.nn.Module.__setattr__ = _recording_setattr  # type: ignore[method-assign]
+            _ORIGINAL["getattr"] = torch.nn.Module.__getattr__
+            torch.nn.Module.__getattr__ = _recording_getattr  # type: ignore[method-assign]
         # A global trace function sees each Python frame once, when it starts (returning None
         # leaves the frame untraced): a profile function would also see every C call and return,
         # which doubled the capture time of a transformer block. A tracer the user runs (a
@@ -510,12 +534,15 @@ class Recorder:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if not self.active:
+            return
         sys.settrace(self._prev_profile)
         self._active = False
         _ACTIVE.remove(self)
         if not _ACTIVE:
             del torch.nn.Module.__getattribute__
             torch.nn.Module.__setattr__ = _ORIGINAL.pop("setattr")  # type: ignore[method-assign]
+            torch.nn.Module.__getattr__ = _ORIGINAL.pop("getattr")  # type: ignore[method-assign]
 
     def _tracer(self) -> Callable[[Any, str, Any], None]:
         """The global trace function: the first frame of each user code object is scanned (it
@@ -674,6 +701,20 @@ def _recording_getattribute(self: Any, name: str) -> Any:
     return value
 
 
+def _recording_getattr(self: Any, name: str) -> Any:
+    value = _ORIGINAL["getattr"](self, name)
+    if _ACTIVE and _ACTIVE[-1]._active:
+        frame = sys._getframe(1)
+        if not frame.f_code.co_filename.startswith(_FX_DIR):
+            rec = _ACTIVE[-1]
+            rec._active = False
+            try:
+                rec.member_read(self, name, value)
+            finally:
+                rec._active = True
+    return value
+
+
 def _recording_setattr(self: Any, name: str, value: Any) -> None:
     if _ACTIVE and _ACTIVE[-1]._active and not sys._getframe(1).f_code.co_filename.startswith(_FX_DIR):
         _ACTIVE[-1].module_write(self, name, value)
@@ -703,6 +744,12 @@ def optimizer_guards(opt: torch.optim.Optimizer, label: str, lifted: set[tuple[i
             v = group[key]
             match = "eq" if is_scalar(v) and not (v is None or isinstance(v, bool)) else "is"
             out.append(Guard(f"{where}[{key!r}]", group, (("item", key),), v, match))
+        # Each parameter's state (the program binds its tensors): cleared and made again, or
+        # replaced, it is another dict (load_state_dict replaces opt.state itself: guarded above).
+        for k, p in enumerate(group["params"]):
+            st = dict.get(opt.state, p)
+            if st is not None:
+                out.append(Guard(f"{label}.state[{where}['params'][{k}]]", opt.state, (("item", p),), st, "is"))
     return out
 
 

@@ -28,6 +28,7 @@ parameters' device, as ``capturable=True`` keeps them: a CUDA graph cannot count
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -266,8 +267,9 @@ class Lifter:
     """Capture-time state: which optimizers stepped, the tensors lifted for their groups, and
     the provenance of every tensor computed only from those (to recognise host reads)."""
 
-    def __init__(self, names: Callable[[Any, str], str]) -> None:
+    def __init__(self, names: Callable[[Any, str], str], active: bool = True) -> None:
         self._name = names
+        self.active = active  # False: no hooks, nothing lifted
         self.optimizers: list[torch.optim.Optimizer] = []
         self._swapped: dict[int, list[tuple[dict, dict[str, Any]]]] = {}  # id(opt) -> (group, original values)
         self._lifts: dict[tuple[int, int, str, int], _Lift] = {}
@@ -282,6 +284,8 @@ class Lifter:
     def __enter__(self) -> Lifter:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+        if not self.active:
+            return self
         self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
         return self
 
@@ -453,8 +457,9 @@ class Lifter:
                  for r in reads]
         return Feeds.build(slots, buffers, reads), rebind
 
-    def rewrite_mode(self) -> TorchFunctionMode:
-        return _RewriteMode(self)
+    def rewrite_mode(self) -> Any:
+        """The mode that rewrites calls given lifted values (:data:`REWRITES`)."""
+        return _RewriteMode(self) if self.active else contextlib.nullcontext()
 
 
 def _pick(seq: Any, i: int) -> Any:

@@ -125,7 +125,7 @@ bool GuardChecker::holds(const Guard& g) const {
   py::object owned;  // the last new reference, if any
   for (const auto& s : g.steps) {
     PyObject* next = nullptr;
-    if (s.kind == kItem && PyDict_CheckExact(v)) {
+    if (s.kind == kItem && PyDict_Check(v)) {  // (dict semantics: a defaultdict grows no entry)
       next = PyDict_GetItemWithError(v, s.arg.ptr());
       if (next == nullptr) {
         PyErr_Clear();
