@@ -165,7 +165,7 @@ def is_scalar(v: Any) -> bool:
     """Whether ``v`` is a value a guard compares (numbers, strings, dtypes, enums, tuples of them)."""
     if isinstance(v, _SCALAR_TYPES):
         return True
-    return type(v) is tuple and len(v) <= MAX_LEAVES and all(is_scalar(e) for e in v)
+    return type(v) is tuple and all(is_scalar(e) for e in v)  # (compared whole: one guard)
 
 
 def user_code(filename: str) -> bool:
@@ -299,16 +299,19 @@ class Recorder:
                 continue
             seen.add(id(f))
             code = f.__code__
-            found: list[tuple[str, Any]] = []
+            cells: list[tuple[str, Any]] = []
             for name, cell in zip(code.co_freevars, f.__closure__ or ()):
                 try:
-                    found.append((name, cell.cell_contents))
+                    cells.append((name, cell.cell_contents))
                 except ValueError:  # an empty cell
                     pass
-            found += [(name, f.__globals__[name]) for name in _global_names(code) if name in f.__globals__]
-            for _, v in found:
+            # A library function's globals are its module's, not the user's: only its closure
+            # (a wrapper or decorator keeps the user's function there) leads on.
+            found = cells + ([(name, f.__globals__[name]) for name in _global_names(code) if name in f.__globals__]
+                             if user_code(code.co_filename) else [])
+            for k, (_, v) in enumerate(found):
                 for g in _functions_in(v):
-                    if id(g) not in seen and _is_user_function(g):
+                    if id(g) not in seen and (k < len(cells) or _is_user_function(g)):
                         self._index_function(g)
                         todo.append(g)
             out += found

@@ -20,11 +20,12 @@ an input. Step counts that torch keeps on the CPU for CUDA parameters are moved 
 parameters' device, as ``capturable=True`` keeps them: a CUDA graph cannot count on the host.
 
     >>> import torch
+    >>> cpu = torch.device("cpu")
     >>> feeds = Feeds.build([FeedSlot("opt.param_groups[0]['lr']", {"lr": 0.1}, "lr", -1, 0)],
-    ...                     {torch.device("cpu"): torch.tensor([0.1])})
-    >>> feeds.slots[0].group["lr"] = 0.05
-    >>> feeds.refresh(), feeds.buffers[torch.device("cpu")][1]
-    (-1, tensor([0.0500]))
+    ...                     {cpu: torch.tensor([0.1], dtype=torch.float64)})
+    >>> feeds.slots[0].group["lr"] = 0.05  # a scheduler's step
+    >>> feeds.refresh(), feeds.buffers[cpu]  # what the program reads now
+    (-1, tensor([0.0500], dtype=torch.float64))
 """
 from __future__ import annotations
 
