@@ -618,6 +618,13 @@ class Executable:
         return self._captured("plan").plan
 
     @property
+    def guards(self) -> GuardSet | None:
+        """What the most recently used program checks before each call (``.names``) and is fed
+        (``.fed``: optimizer hyperparameters); None where its capture read nothing to check.
+        See docs/training.md."""
+        return self._captured("guards").guards
+
+    @property
     def build_seconds(self) -> float:
         """Seconds the most recent capture + plan + lower (+ graph capture) took."""
         return self._captured("build_seconds").build_seconds

@@ -783,10 +783,11 @@ class GuardSet:
             mod = fastcall.load()
             checker = None
             if mod is not None and hasattr(mod, "GuardChecker"):
-                feeds, hosts, devices, predicates = self.feeds.native_spec() if self.feeds is not None else ([], [], [], [])
+                spec = self.feeds.native_spec() if self.feeds is not None else ([], [], [], [], [])
+                feeds, hosts, devices, predicates, staging = spec
                 try:
                     checker = mod.GuardChecker([(g.root, list(g.path), g.expected, g.match) for g in self.guards],
-                                               feeds, hosts, devices, predicates)
+                                               feeds, hosts, devices, predicates, staging)
                 except (RuntimeError, TypeError, ValueError):  # a guard it cannot take: Python checks
                     checker = None
             self._native = checker
@@ -833,3 +834,13 @@ class GuardSet:
 
     def __len__(self) -> int:
         return len(self.guards)
+
+    @property
+    def fed(self) -> tuple[str, ...]:
+        """The names of the values fed to the program before each call (optimizer hyperparameters)."""
+        return tuple(s.name for s in self.feeds.slots) if self.feeds is not None else ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the guarded values."""
+        return tuple(g.name for g in self.guards)

@@ -149,6 +149,14 @@ class Feeds:
     dependents: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # host reads that answer otherwise for the values now in the buffers -> a slot they read
     failing: dict[int, int] = field(default_factory=dict)
+    # Per device buffer off the CPU: pinned copies the upload goes through, in turn, each reused
+    # once the event recorded after its last copy has passed. (A copy from pageable memory may
+    # wait for the stream: the host would stall on every step whose lr changed.)
+    staging: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
+    _events: dict[torch.device, list[Any]] = field(default_factory=dict)
+    _turn: dict[torch.device, int] = field(default_factory=dict)
+
+    RING = 4
 
     @staticmethod
     def build(slots: Sequence[FeedSlot], buffers: dict[torch.device, torch.Tensor],
@@ -164,8 +172,30 @@ class Feeds:
         for k, r in enumerate(reads):
             for i in r.slots:
                 dependents.setdefault(i, []).append(k)
+        staging = {d: [torch.empty_like(h).pin_memory() for _ in range(Feeds.RING)]
+                   for d, h in host_tensors.items() if buffers[d] is not h and d.type == "cuda"}
         return Feeds(tuple(slots), dict(buffers), hosts, host_tensors, tuple(reads),
-                     {i: tuple(v) for i, v in dependents.items()})
+                     {i: tuple(v) for i, v in dependents.items()}, staging=staging)
+
+    def upload(self, d: torch.device) -> None:
+        """The host copy of device ``d``'s values into the buffer the program reads (stream-ordered
+        before the call that follows)."""
+        buf, host = self.buffers[d], self.host_tensors[d]
+        if buf is host:
+            return
+        ring = self.staging.get(d)
+        if not ring:
+            buf.copy_(host)
+            return
+        k = self._turn.get(d, 0)
+        self._turn[d] = (k + 1) % len(ring)
+        events = self._events.setdefault(d, [None] * len(ring))
+        if events[k] is not None:
+            events[k].synchronize()
+        ring[k].copy_(host)
+        buf.copy_(ring[k], non_blocking=True)
+        events[k] = torch.cuda.Event()
+        events[k].record()
 
     def refresh(self) -> int:
         """Copy changed values in; -1 when the program fits them, else the index of a slot whose
@@ -188,8 +218,7 @@ class Feeds:
             dirty.add(s.device)
             recheck.update(self.dependents.get(i, ()))
         for d in dirty:  # the buffers always hold the host values, whatever the verdict
-            if self.buffers[d] is not self.host_tensors[d]:
-                self.buffers[d].copy_(self.host_tensors[d])
+            self.upload(d)
         if recheck:
             values = [float(self.hosts[s.device][s.position]) for s in self.slots]
             for k in recheck:
@@ -202,10 +231,12 @@ class Feeds:
             return bad
         return min(self.failing.values()) if self.failing else -1
 
-    def native_spec(self) -> tuple[list[tuple], list[torch.Tensor], list[torch.Tensor], list[tuple]]:
+    def native_spec(self) -> tuple[list[tuple], list[torch.Tensor], list[torch.Tensor], list[tuple],
+                                   list[list[torch.Tensor]]]:
         """What the C++ check (``csrc/guards.cpp``) takes: per slot (group, key, index, device,
-        position, whether a host read it cannot evaluate depends on it); the host copies and
-        buffers per device; the host reads of the form ``value <op> constant`` it evaluates."""
+        position, whether a host read it cannot evaluate depends on it); the host copies,
+        buffers and pinned staging copies per device; the host reads of the form ``value <op>
+        constant`` it evaluates."""
         devices = list(self.buffers)
         simple: dict[int, tuple] = {}
         for k, r in enumerate(self.reads):
@@ -217,7 +248,7 @@ class Feeds:
             other = any(k not in simple for k in self.dependents.get(i, ()))
             feeds.append((s.group, s.key, s.index, devices.index(s.device), s.position, other))
         return (feeds, [self.host_tensors[d] for d in devices], [self.buffers[d] for d in devices],
-                list(simple.values()))
+                list(simple.values()), [self.staging.get(d, []) for d in devices])
 
     def describe(self, i: int) -> str:
         s = self.slots[i]

@@ -23,18 +23,19 @@ from helpers import assert_close_rel
 STEPS = 8
 
 
-def _data(n: int = STEPS, d: int = 8, classes: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _data(device: str = "cpu", n: int = STEPS, d: int = 8, classes: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(6, d, generator=g), torch.randint(0, classes, (6,), generator=g)) for _ in range(n)]
+    return [(torch.randn(6, d, generator=g).to(device), torch.randint(0, classes, (6,), generator=g).to(device))
+            for _ in range(n)]
 
 
-def _mlp(dropout: float = 0.0, norm: bool = False) -> torch.nn.Sequential:
+def _mlp(dropout: float = 0.0, norm: bool = False, device: str = "cpu") -> torch.nn.Sequential:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = [torch.nn.Linear(8, 16)]
     if norm:
         layers.append(torch.nn.BatchNorm1d(16))
     layers += [torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 3)]
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers).to(device)
 
 
 def _step_of(model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable = F.cross_entropy,
@@ -56,11 +57,11 @@ class Run:
 
 
 def _run(model: torch.nn.Module, step: Callable, wrap: Callable, between: Callable[[int], None] = lambda i: None,
-         data: list | None = None) -> Run:
+         device: str = "cpu") -> Run:
     fn = wrap(step)
     losses = []
     torch.manual_seed(3)  # dropout draws the same masks in both runs
-    for i, (x, y) in enumerate(data or _data()):
+    for i, (x, y) in enumerate(_data(device)):
         losses.append(float(fn(x, y).detach()))
         between(i)
     return Run(losses, [p.detach().clone() for p in model.parameters()], fn)
@@ -69,16 +70,16 @@ def _run(model: torch.nn.Module, step: Callable, wrap: Callable, between: Callab
 # --- the loops: (wrap, change) -> Run ------------------------------------------------------------
 
 def scheduled(opt_cls: type, sched: Callable, **kw: Any) -> Callable[..., Run]:
-    def loop(wrap: Callable, change: bool = True) -> Run:
-        model = _mlp()
+    def loop(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+        model = _mlp(device=device)
         opt = opt_cls(model.parameters(), **kw)
         s = sched(opt)
-        return _run(model, _step_of(model, opt), wrap, lambda i: s.step() if change else None)
+        return _run(model, _step_of(model, opt), wrap, lambda i: s.step() if change else None, device=device)
     return loop
 
 
-def train_eval(wrap: Callable, change: bool = True) -> Run:
-    model = _mlp(dropout=0.5, norm=True)
+def train_eval(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    model = _mlp(dropout=0.5, norm=True, device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def between(i: int) -> None:
@@ -86,13 +87,14 @@ def train_eval(wrap: Callable, change: bool = True) -> Run:
             model.eval()
         if change and i == 5:
             model.train()
-    return _run(model, _step_of(model, opt), wrap, between)
+    return _run(model, _step_of(model, opt), wrap, between, device=device)
 
 
-def nested_flag(wrap: Callable, change: bool = True) -> Run:
-    model = _mlp(dropout=0.5)
+def nested_flag(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    model = _mlp(dropout=0.5, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return _run(model, _step_of(model, opt), wrap, lambda i: model[2].eval() if change and i == 3 else None)
+    return _run(model, _step_of(model, opt), wrap, lambda i: model[2].eval() if change and i == 3 else None,
+                device=device)
 
 
 class Tempered(torch.nn.Module):
@@ -106,8 +108,8 @@ class Tempered(torch.nn.Module):
         return self.body(x) / self.temperature + self.cfg["shift"]
 
 
-def module_attribute(wrap: Callable, change: bool = True) -> Run:
-    model = Tempered()
+def module_attribute(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    model = Tempered().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def between(i: int) -> None:
@@ -115,7 +117,7 @@ def module_attribute(wrap: Callable, change: bool = True) -> Run:
             model.temperature = 3.0
         if change and i == 4:
             model.cfg["shift"] = 0.5
-    return _run(model, _step_of(model, opt), wrap, between)
+    return _run(model, _step_of(model, opt), wrap, between, device=device)
 
 
 HP = {"loss": {"scale": 1.0}, "label_smoothing": 0.0}
@@ -130,11 +132,11 @@ class Settings:
 SETTINGS = Settings()
 
 
-def python_numbers(wrap: Callable, change: bool = True) -> Run:
+def python_numbers(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
     """Numbers the step reads from a global dict (nested), a global, a global object and a closure."""
     global SCALE
     HP["loss"]["scale"], HP["label_smoothing"], SCALE, SETTINGS.power = 1.0, 0.0, 1.0, 1.0
-    model = _mlp()
+    model = _mlp(device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     extra = [0.0]
 
@@ -160,11 +162,11 @@ def python_numbers(wrap: Callable, change: bool = True) -> Run:
             SETTINGS.power = 2.0
         if i == 5:
             extra[0] = 1.0  # (a constant added to the loss: changes the loss, not the gradients)
-    return _run(model, step, wrap, between)
+    return _run(model, step, wrap, between, device=device)
 
 
-def freeze(wrap: Callable, change: bool = True) -> Run:
-    model = _mlp()
+def freeze(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    model = _mlp(device=device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def between(i: int) -> None:
@@ -172,12 +174,12 @@ def freeze(wrap: Callable, change: bool = True) -> Run:
             model[0].requires_grad_(False)
         if change and i == 5:
             model[0].requires_grad_(True)
-    return _run(model, _step_of(model, opt), wrap, between)
+    return _run(model, _step_of(model, opt), wrap, between, device=device)
 
 
 def weight_decay(opt_cls: type, **kw: Any) -> Callable[..., Run]:
-    def loop(wrap: Callable, change: bool = True) -> Run:
-        model = _mlp()
+    def loop(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+        model = _mlp(device=device)
         opt = opt_cls(model.parameters(), **kw)
 
         def between(i: int) -> None:
@@ -185,23 +187,22 @@ def weight_decay(opt_cls: type, **kw: Any) -> Callable[..., Run]:
                 opt.param_groups[0]["weight_decay"] = 0.5
             if change and i == 4:
                 opt.param_groups[0]["weight_decay"] = 0.0
-        return _run(model, _step_of(model, opt), wrap, between)
+        return _run(model, _step_of(model, opt), wrap, between, device=device)
     return loop
 
 
 def lazy(opt_cls: type, zero: str, **kw: Any) -> Callable[..., Run]:
     """No schedule: the change is the optimizer's own state (made on the first step)."""
-    def loop(wrap: Callable, change: bool = True) -> Run:
-        model = _mlp()
+    def loop(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+        model = _mlp(device=device)
         opt = opt_cls(model.parameters(), **kw)
-        run = _run(model, _step_of(model, opt, zero=zero), wrap)
-        return run
+        return _run(model, _step_of(model, opt, zero=zero), wrap, device=device)
     return loop
 
 
-def accumulation(wrap: Callable, change: bool = True) -> Run:
+def accumulation(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
     """A micro-step (forward, backward into .grad) and an update (clip, step, zero), compiled apart."""
-    model = _mlp()
+    model = _mlp(device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
@@ -217,7 +218,7 @@ def accumulation(wrap: Callable, change: bool = True) -> Run:
 
     micro_fn, update_fn = wrap(micro), wrap(update)
     losses = []
-    for i, (x, y) in enumerate(_data()):
+    for i, (x, y) in enumerate(_data(device)):
         losses.append(float(micro_fn(x, y)))
         if i % 2 == 1:
             update_fn()
@@ -226,8 +227,8 @@ def accumulation(wrap: Callable, change: bool = True) -> Run:
     return Run(losses, [p.detach().clone() for p in model.parameters()], micro_fn)
 
 
-def clipping(wrap: Callable, change: bool = True) -> Run:
-    model = _mlp()
+def clipping(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    model = _mlp(device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     limit = {"max_norm": 0.1}
 
@@ -238,14 +239,15 @@ def clipping(wrap: Callable, change: bool = True) -> Run:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=limit["max_norm"])
         opt.step()
         return loss
-    return _run(model, step, wrap, lambda i: limit.update(max_norm=10.0) if change and i == 3 else None)
+    return _run(model, step, wrap, lambda i: limit.update(max_norm=10.0) if change and i == 3 else None,
+                device=device)
 
 
-def grad_scaler(wrap: Callable, change: bool = True) -> Run:
+def grad_scaler(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
     """Mixed precision's loss scaling with a fused optimizer (the scale and found_inf stay tensors)."""
-    model = _mlp()
+    model = _mlp(device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=2)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 4, growth_interval=2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
 
     def step(x, y):
@@ -255,7 +257,7 @@ def grad_scaler(wrap: Callable, change: bool = True) -> Run:
         scaler.step(opt)
         scaler.update()
         return loss
-    run = _run(model, step, wrap, lambda i: sched.step() if change else None)
+    run = _run(model, step, wrap, lambda i: sched.step() if change else None, device=device)
     run.losses.append(float(scaler.get_scale()))
     return run
 
@@ -310,13 +312,15 @@ def _far(a: Run, b: Run) -> float:
     return max(float((p - q).norm() / q.norm()) for p, q in zip(a.params, b.params))
 
 
-@pytest.mark.parametrize("name", list(LOOPS))
-def test_loop_matches_eager(name: str) -> None:
+def check_loop(name: str, device: str = "cpu", **options: Any) -> Run:
+    """Loop ``name`` compiled (with ``options``) against eager from the same initial state; the
+    schedules and lazy state re-capture nothing; the mid-run change matters."""
     loop = LOOPS[name]
-    eager = loop(lambda f: f)
+    eager = loop(lambda f: f, device=device)
+    compile_ = (lambda f: flowexec.compile(f, **options)) if options else flowexec.compile
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mine = loop(flowexec.compile)
+        mine = loop(compile_, device=device)
     recaptures = [w for w in caught if issubclass(w.category, flowexec.RecaptureWarning)]
     for k, (a, b) in enumerate(zip(mine.losses, eager.losses)):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{name}: loss {k}: {a} vs eager {b}"
@@ -325,8 +329,14 @@ def test_loop_matches_eager(name: str) -> None:
     if name in _NO_RECAPTURE:
         assert not recaptures, f"{name}: re-captured: {[str(w.message) for w in recaptures]}"
     if name not in _NO_CHANGE:  # the change matters: ignoring it would have failed above
-        unchanged = loop(lambda f: f, change=False)
+        unchanged = loop(lambda f: f, change=False, device=device)
         assert _far(unchanged, eager) > 1e-3, f"{name}: the mid-run change does not move the parameters"
+    return mine
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_loop_matches_eager(name: str) -> None:
+    check_loop(name)
 
 
 def test_schedule_is_fed_not_captured_again() -> None:
@@ -335,3 +345,41 @@ def test_schedule_is_fed_not_captured_again() -> None:
     assert sum(map(len, run.exe._cache.values())) == 1
     feeds = run.exe._last.guards.feeds
     assert {s.name for s in feeds.slots} >= {"opt.param_groups[0]['lr']", "opt.param_groups[0]['betas'][0]"}
+
+
+def test_compile_with_examples_defers_lazy_state_to_the_second_call() -> None:
+    """``compile(fn, *examples)`` takes no step: where the step makes optimizer state, nothing is
+    captured yet (``program`` says why), the first call runs eagerly and the second captures."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    twin_model = _mlp()
+    twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=0.01)
+    data = _data()
+    exe = flowexec.compile(_step_of(model, opt), *data[0])
+    with pytest.raises(flowexec.executable.NotCapturedError, match="first call runs fn eagerly"):
+        exe.program
+    assert not opt.state  # no step was taken, no state left behind by the discarded capture
+    eager = _step_of(twin_model, twin_opt)
+    for k, (x, y) in enumerate(data[:4]):
+        a, b = exe(x, y), eager(x, y)
+        assert abs(float(a) - float(b)) <= 1e-5, k
+        assert (exe._cache == {}) == (k == 0)  # the first call ran eagerly; the second captured
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert_close_rel(p, q, what="parameter")
+
+
+def test_grad_scaler_with_an_optimizer_that_is_not_fused_says_what_to_use() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # foreach: GradScaler reads found_inf on the host
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(x, y):
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    exe = flowexec.compile(step)
+    x, y = _data()[0]
+    with pytest.raises(flowexec.CaptureError, match=r"GradScaler reads found_inf on the host .*fused=True"):
+        exe(x, y)

@@ -5,6 +5,7 @@
 #include "guards.h"
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -42,9 +43,21 @@ std::vector<int64_t> global_state() {
 }
 
 GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tensor> hosts,
-                           std::vector<at::Tensor> devices, py::list predicates)
+                           std::vector<at::Tensor> devices, py::list predicates,
+                           std::vector<std::vector<at::Tensor>> staging)
     : hosts_(std::move(hosts)), devices_(std::move(devices)) {
-  TORCH_CHECK(hosts_.size() == devices_.size(), "guards: one host copy per device buffer");
+  TORCH_CHECK(hosts_.size() == devices_.size() && staging.size() == hosts_.size(),
+              "guards: one host copy and one staging list per device buffer");
+  for (size_t d = 0; d < staging.size(); ++d) {
+    Ring r;
+    for (auto& t : staging[d]) {
+      TORCH_CHECK(t.is_pinned() && t.sizes() == hosts_[d].sizes() && t.scalar_type() == at::kDouble,
+                  "guards: staging copies are pinned float64 like their host copy");
+      r.copies.push_back(t);
+      r.events.push_back(std::make_unique<c10::Event>(devices_[d].device().type()));
+    }
+    rings_.push_back(std::move(r));
+  }
   for (auto& h : hosts_)
     TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kDouble && h.is_contiguous(),
                 "guards: host copies are contiguous CPU float64");
@@ -215,8 +228,24 @@ int GuardChecker::feeds() const {
     dirty[f.device] = true;
   }
   for (size_t d = 0; d < hosts_.size(); ++d)
-    if (dirty[d] && !devices_[d].is_same(hosts_[d])) devices_[d].copy_(hosts_[d]);
+    if (dirty[d]) upload(d);
   return -1;
+}
+
+void GuardChecker::upload(size_t d) const {
+  if (devices_[d].is_same(hosts_[d])) return;  // the CPU: the program reads the host copy itself
+  Ring& r = rings_[d];
+  if (r.copies.empty()) {
+    devices_[d].copy_(hosts_[d]);
+    return;
+  }
+  const size_t k = r.next;
+  r.next = (k + 1) % r.copies.size();
+  r.events[k]->synchronize();  // (no wait unless that copy, RING calls ago, is still queued)
+  r.copies[k].copy_(hosts_[d]);
+  devices_[d].copy_(r.copies[k], /*non_blocking=*/true);
+  c10::impl::VirtualGuardImpl impl(devices_[d].device().type());
+  r.events[k]->record(impl.getStream(devices_[d].device()));
 }
 
 int GuardChecker::check() const {
@@ -227,8 +256,10 @@ int GuardChecker::check() const {
 
 void register_guards(py::module_& m) {
   py::class_<GuardChecker, std::shared_ptr<GuardChecker>>(m, "GuardChecker")
-      .def(py::init<py::list, py::list, std::vector<at::Tensor>, std::vector<at::Tensor>, py::list>(),
-           py::arg("guards"), py::arg("feeds"), py::arg("hosts"), py::arg("devices"), py::arg("predicates"))
+      .def(py::init<py::list, py::list, std::vector<at::Tensor>, std::vector<at::Tensor>, py::list,
+                    std::vector<std::vector<at::Tensor>>>(),
+           py::arg("guards"), py::arg("feeds"), py::arg("hosts"), py::arg("devices"), py::arg("predicates"),
+           py::arg("staging"))
       .def("check", &GuardChecker::check)
       .def("__len__", &GuardChecker::size);
   m.def("global_state", &global_state);

@@ -2,8 +2,10 @@
 // flowexec/hyperparams.py), in C++: one dictionary lookup and one identity test per guard.
 #pragma once
 
+#include <c10/core/Event.h>
 #include <torch/extension.h>
 
+#include <memory>
 #include <vector>
 
 namespace flowexec {
@@ -14,8 +16,10 @@ class GuardChecker {
   // position, has_other_reads) each; hosts/devices: per device, the packed host copy (CPU float64)
   // and the buffer the program reads (the same tensor on the CPU); predicates: (feed, op, constant,
   // expected) for host reads of the form `value <op> constant`.
+  // staging: per device, pinned host copies a changed value goes through to a device buffer
+  // (none on the CPU, where the buffer is the host copy).
   GuardChecker(py::list guards, py::list feeds, std::vector<at::Tensor> hosts, std::vector<at::Tensor> devices,
-               py::list predicates);
+               py::list predicates, std::vector<std::vector<at::Tensor>> staging);
 
   // -1: every guard holds and changed hyperparameters are in the program's buffers; >= 0: the
   // index of the first guard that fails; -2: the Python path must decide (a fed value that is no
@@ -56,13 +60,21 @@ class GuardChecker {
     bool expected;
   };
 
+  struct Ring {  // a device's pinned staging copies, used in turn, each after its last copy passed
+    std::vector<at::Tensor> copies;
+    std::vector<std::unique_ptr<c10::Event>> events;
+    size_t next = 0;
+  };
+
   bool holds(const Guard& g) const;
   int feeds() const;
+  void upload(size_t d) const;
 
   std::vector<Guard> guards_;
   std::vector<Feed> feeds_;
   std::vector<at::Tensor> hosts_, devices_;
   std::vector<Predicate> predicates_;
+  mutable std::vector<Ring> rings_;
 };
 
 std::vector<int64_t> global_state();
