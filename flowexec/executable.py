@@ -150,8 +150,13 @@ class Executable:
     scalar, ``None``, or any nesting of lists, tuples, dicts and namedtuples of them; results
     come back in the containers ``fn`` returns. The tree structure, every non-tensor leaf and
     each tensor's shape, dtype, device and strides form the call's signature: a new one
-    captures ``fn`` again (with a :class:`RecaptureWarning`). Attributes ``program`` and
-    ``plan`` show the most recently built signature.
+    captures ``fn`` again (with a :class:`RecaptureWarning`). So does a change of a Python value
+    the capture read (a module's ``training`` flag, ``self.temperature``, a number in a global
+    dict, ``requires_grad``: its guards, ``exe.guards``), while optimizer hyperparameters are
+    fed to the program at each call, so an LR schedule captures nothing again. A first call
+    that makes state (an optimizer's first step) runs ``fn`` eagerly and the next captures
+    (docs/training.md). Attributes ``program`` and ``plan`` show the most recently built
+    signature.
 
     >>> import torch, flowexec
     >>> exe = flowexec.compile(lambda x: x.cumsum(0), torch.ones(3))
@@ -792,7 +797,9 @@ def compile(fn: Callable[..., Any] | None = None, *example_args: Any, mode: str 
 
     Three forms:
 
-    - ``compile(fn, *example_args, example_kwargs={...}, **options)`` captures now, on the examples;
+    - ``compile(fn, *example_args, example_kwargs={...}, **options)`` captures now, on the examples
+      (no step is taken: where ``fn`` makes optimizer state on its first step, the first call runs
+      it eagerly and the second captures);
     - ``compile(fn, **options)`` captures on the first call;
     - ``@compile`` and ``@compile(mode="graph", ...)`` decorate a function (capture on first call).
 

@@ -33,12 +33,13 @@ is built: :mod:`flowexec.runtime.fastcall`).
 """
 from __future__ import annotations
 
-import builtins
 import dis
 import enum
+import functools
 import os
 import sys
 import sysconfig
+import threading
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -271,6 +272,7 @@ class Recorder:
     grads: dict[int, tuple[torch.Tensor, Any, bool]] = field(default_factory=dict)
     _used: set = field(default_factory=set)
     _ignored: set = field(default_factory=set)  # ids of module __dict__s that are not fn's
+    _thread: int = 0
     _grad_input_ids: set = field(default_factory=set)
     _grad_inputs: tuple | None = None
     module_tensor_writes: list[str] = field(default_factory=list)
@@ -512,6 +514,7 @@ class Recorder:
         if not self.active:
             return self
         self._active = True
+        self._thread = threading.get_ident()  # (the hooks are the class's: other threads' reads are not fn's)
         try:  # make_fx's own root module (it keeps the graph's constants) is not fn's
             from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -644,28 +647,20 @@ def _global_names(code: types.CodeType) -> list[str]:
 def _functions_in(v: Any) -> list[types.FunctionType]:
     if isinstance(v, types.MethodType):
         v = v.__func__
-    if isinstance(v, functools_partial):
+    if isinstance(v, functools.partial):
         v = v.func
     return [v] if isinstance(v, types.FunctionType) else []
-
-
-try:
-    from functools import partial as functools_partial
-except ImportError:  # pragma: no cover
-    functools_partial = ()  # type: ignore[assignment]
 
 
 def _chain_at(frame: Any, name: str) -> tuple[tuple[str, Any], ...]:
     """The subscripts and attributes the instruction reading ``name`` in ``frame`` applies next."""
     code = frame.f_code
     ins = _instructions(code)
-    k = ins[1].get(frame.f_lasti)
-    if k is None:
-        return ()
-    i = ins[0][k]
-    if i.opname not in ("LOAD_ATTR", "LOAD_METHOD") or i.argval != name:
-        return ()
-    return chain_after(ins[0], k)
+    for offset in (frame.f_lasti, 2 * frame.f_lasti):  # (bytes; Python 3.10 counts code units)
+        k = ins[1].get(offset)
+        if k is not None and ins[0][k].opname in ("LOAD_ATTR", "LOAD_METHOD") and ins[0][k].argval == name:
+            return chain_after(ins[0], k)
+    return ()
 
 
 _INSTRUCTIONS: "weakref.WeakKeyDictionary[types.CodeType, tuple[list, dict]]" = weakref.WeakKeyDictionary()
@@ -687,15 +682,25 @@ _object_getattribute = object.__getattribute__
 _FX_DIR = os.path.join(_TORCH_DIR, "fx") + os.sep
 
 
+def _recorder() -> Recorder | None:
+    """The recorder of this thread's capture, while it records."""
+    if _ACTIVE:
+        me = threading.get_ident()
+        for rec in reversed(_ACTIVE):  # (captures on two threads at once: each records its own)
+            if rec._thread == me:
+                return rec if rec._active else None
+    return None
+
+
 def _recording_getattribute(self: Any, name: str) -> Any:
     value = _object_getattribute(self, name)
     if _ACTIVE and name[:2] != "__":
         d = _object_getattribute(self, "__dict__")
         if d.get(name, _MISSING) is value:
-            rec = _ACTIVE[-1]
+            rec = _recorder()
             frame = sys._getframe(1)
             # reads by the recorder itself or by the tracer (make_fx's root module) are not fn's
-            if rec._active and not frame.f_code.co_filename.startswith(_FX_DIR):
+            if rec is not None and not frame.f_code.co_filename.startswith(_FX_DIR):
                 rec._active = False
                 try:
                     rec.module_read(self, name, value, frame)
@@ -706,10 +711,10 @@ def _recording_getattribute(self: Any, name: str) -> Any:
 
 def _recording_getattr(self: Any, name: str) -> Any:
     value = _ORIGINAL["getattr"](self, name)
-    if _ACTIVE and _ACTIVE[-1]._active:
+    rec = _recorder()
+    if rec is not None:
         frame = sys._getframe(1)
         if not frame.f_code.co_filename.startswith(_FX_DIR):
-            rec = _ACTIVE[-1]
             rec._active = False
             try:
                 rec.member_read(self, name, value)
@@ -719,8 +724,9 @@ def _recording_getattr(self: Any, name: str) -> Any:
 
 
 def _recording_setattr(self: Any, name: str, value: Any) -> None:
-    if _ACTIVE and _ACTIVE[-1]._active and not sys._getframe(1).f_code.co_filename.startswith(_FX_DIR):
-        _ACTIVE[-1].module_write(self, name, value)
+    rec = _recorder()
+    if rec is not None and not sys._getframe(1).f_code.co_filename.startswith(_FX_DIR):
+        rec.module_write(self, name, value)
     _ORIGINAL["setattr"](self, name, value)
 
 

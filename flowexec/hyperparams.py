@@ -631,8 +631,22 @@ def _rule_method(kind: str, inplace: bool) -> Callable[..., Any]:
     return rule
 
 
+def _rule_fused(fn: Any) -> Callable[..., Any]:
+    """The fused optimizer kernels (``_fused_adamw_(..., lr=t)``) read a tensor lr as float32, the
+    dtype torch's own tensor lrs have: a lifted lr is handed over in it."""
+    def rule(lifted: Callable[[Any], bool], args: tuple, kwargs: dict) -> Any:
+        lr = kwargs.get("lr")
+        if not lifted(lr) or lr.dtype == torch.float32:
+            return NotImplemented
+        return fn(*args, **{**kwargs, "lr": lr.to(torch.float32)})
+    return rule
+
+
 def _rewrites() -> dict[Any, Callable[..., Any]]:
     table: dict[Any, Callable[..., Any]] = {}
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
+        if _foreach(name) is not None:
+            table[_foreach(name)] = _rule_fused(_foreach(name))
     for base in ("add", "sub", "mul", "div"):
         for suffix in ("", "_"):
             name = f"_foreach_{base}{suffix}"
