@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import datetime
+import functools
 import json
 import os
 import platform
@@ -348,25 +348,29 @@ def bench_calling(dev: torch.device, n: int, out: dict[str, Any]) -> None:
     print("calling", json.dumps(r, indent=1), flush=True)
 
 
+def _per_call(f: Callable[[], Any], sync: Callable[[], None], calls: int) -> float:
+    """µs a call of ``f`` takes: the best of 5 rounds of ``calls // 5`` after 200 warm-up calls,
+    one sync per round (on a GPU: the host's time, where the kernels are shorter)."""
+    for _ in range(200):
+        f()
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls // 5):
+            f()
+        sync()
+        best = min(best, (time.perf_counter_ns() - t0) / (calls // 5) / 1e3)
+    return best
+
+
 def call_overhead(dev: torch.device, counts: tuple[int, ...] = (1, 20, 200), calls: int = 4000) -> dict[str, float]:
     """Host µs a call of ``x0 + 1`` takes with 1, 20, 200 tensor arguments (flat, and as one
     list), in trace and (CUDA) graph mode, against eager ``x + 1``: the best of 5 rounds, one
     sync per round, so on a GPU it is the host's time (the kernel is a few µs). The issue's
     figures before this change (CPU, trace): 3.9 µs for 1 argument, 12.3 µs for 21."""
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
-
-    def per_call(f: Callable[[], Any]) -> float:
-        for _ in range(200):
-            f()
-        best = float("inf")
-        for _ in range(5):
-            sync()
-            t0 = time.perf_counter_ns()
-            for _ in range(calls // 5):
-                f()
-            sync()
-            best = min(best, (time.perf_counter_ns() - t0) / (calls // 5) / 1e3)
-        return best
+    per_call = functools.partial(_per_call, sync=sync, calls=calls)
     x = torch.ones(4, device=dev)
     res = {"eager_x_plus_1": per_call(lambda: x + 1)}
     for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
@@ -407,19 +411,7 @@ def guard_overhead(dev: torch.device, counts: tuple[int, ...] = (0, 10, 100), ca
     and (CUDA) graph mode, the guard count of each program, and the cost per 10 guards (the
     slope between the first and the last count): the best of 5 rounds, one sync per round."""
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
-
-    def per_call(f: Callable[[], Any]) -> float:
-        for _ in range(200):
-            f()
-        best = float("inf")
-        for _ in range(5):
-            sync()
-            t0 = time.perf_counter_ns()
-            for _ in range(calls // 5):
-                f()
-            sync()
-            best = min(best, (time.perf_counter_ns() - t0) / (calls // 5) / 1e3)
-        return best
+    per_call = functools.partial(_per_call, sync=sync, calls=calls)
     x = torch.ones(4, device=dev)
     res: dict[str, Any] = {}
     for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):

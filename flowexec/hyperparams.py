@@ -561,27 +561,19 @@ def _rule_binary(name: str) -> Callable[..., Any]:
     return rule
 
 
-def _rule_alpha(name: str) -> Callable[..., Any]:
-    """``_foreach_add_(xs, ys, alpha=t)`` → ``_foreach_add_(xs, ys * t)``."""
+def _rule_scaled(name: str, param: str, position: int) -> Callable[..., Any]:
+    """A number that scales the second list, as a tensor: ``_foreach_add_(xs, ys, alpha=t)`` →
+    ``_foreach_add_(xs, ys * t)``; ``_foreach_addcmul_(xs, a, b, value=t)`` →
+    ``_foreach_addcmul_(xs, a * t, b)`` (``param`` at ``position``; addcdiv too)."""
     fn = _foreach(name)
 
     def rule(lifted: Callable[[Any], bool], args: tuple, kwargs: dict) -> Any:
-        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else None)
-        if not lifted(alpha) or not isinstance(args[1], (list, tuple)):
+        scale = kwargs.get(param, args[position] if len(args) > position else None)
+        if not lifted(scale) or len(args) < position or not isinstance(args[1], (list, tuple)):
             return NotImplemented
-        return fn(args[0], torch._foreach_mul(list(args[1]), _like(alpha, args[1])))
-    return rule
-
-
-def _rule_value(name: str) -> Callable[..., Any]:
-    """``_foreach_addcmul_(xs, a, b, value=t)`` → ``_foreach_addcmul_(xs, a * t, b)`` (addcdiv too)."""
-    fn = _foreach(name)
-
-    def rule(lifted: Callable[[Any], bool], args: tuple, kwargs: dict) -> Any:
-        value = kwargs.get("value", args[3] if len(args) > 3 else None)
-        if not lifted(value) or not isinstance(args[1], (list, tuple)):
-            return NotImplemented
-        return fn(args[0], torch._foreach_mul(list(args[1]), _like(value, args[1])), args[2])
+        new = list(args[:position])
+        new[1] = torch._foreach_mul(list(args[1]), _like(scale, args[1]))
+        return fn(*new)
     return rule
 
 
@@ -654,7 +646,7 @@ def _rewrites() -> dict[Any, Callable[..., Any]]:
             if fn is None:
                 continue
             binary = _rule_binary(name)
-            alpha = _rule_alpha(name) if base in ("add", "sub") else None
+            alpha = _rule_scaled(name, "alpha", 2) if base in ("add", "sub") else None
 
             def rule(lifted: Callable[[Any], bool], args: tuple, kwargs: dict, binary=binary, alpha=alpha) -> Any:
                 if alpha is not None and isinstance(args[1] if len(args) > 1 else None, (list, tuple)):
@@ -663,7 +655,7 @@ def _rewrites() -> dict[Any, Callable[..., Any]]:
             table[fn] = rule
     for name in ("_foreach_addcmul", "_foreach_addcmul_", "_foreach_addcdiv", "_foreach_addcdiv_"):
         if _foreach(name) is not None:
-            table[_foreach(name)] = _rule_value(name)
+            table[_foreach(name)] = _rule_scaled(name, "value", 3)
     for name, inplace in (("_foreach_lerp", False), ("_foreach_lerp_", True)):
         if _foreach(name) is not None:
             table[_foreach(name)] = _rule_lerp(inplace)
