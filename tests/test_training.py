@@ -31,7 +31,9 @@ def _data(device: str = "cpu", n: int = STEPS, d: int = 8, classes: int = 3) -> 
 
 def _mlp(dropout: float = 0.0, norm: bool = False, device: str = "cpu") -> torch.nn.Sequential:
     torch.manual_seed(0)
-    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 16)]
+    # (no bias before batch norm: its gradient is zero up to rounding, which Adam would turn into
+    # full-size steps of random sign, eager and compiled apart)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 16, bias=not norm)]
     if norm:
         layers.append(torch.nn.BatchNorm1d(16))
     layers += [torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 3)]
@@ -79,7 +81,8 @@ def scheduled(opt_cls: type, sched: Callable, **kw: Any) -> Callable[..., Run]:
 
 
 def train_eval(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
-    model = _mlp(dropout=0.5, norm=True, device=device)
+    """Batch norm's training flag: batch statistics and running-stat updates, or the running stats."""
+    model = _mlp(norm=True, device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def between(i: int) -> None:
@@ -91,6 +94,16 @@ def train_eval(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
 
 
 def nested_flag(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """One module deep inside the model switched to eval mode."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_mlp(norm=True), torch.nn.Tanh()).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return _run(model, _step_of(model, opt), wrap, lambda i: model[0][1].eval() if change and i == 3 else None,
+                device=device)
+
+
+def dropout_eval(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """Dropout's training flag (its masks drawn from the same random stream as eager's)."""
     model = _mlp(dropout=0.5, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     return _run(model, _step_of(model, opt), wrap, lambda i: model[2].eval() if change and i == 3 else None,
@@ -287,6 +300,7 @@ LOOPS: dict[str, Callable[..., Run]] = {
         o, step_size=2, gamma=0.3), lr=0.1, momentum=0.9, foreach=False),
     "train_eval": train_eval,
     "nested_module_flag": nested_flag,
+    "dropout_eval": dropout_eval,
     "module_attribute": module_attribute,
     "python_numbers": python_numbers,
     "freeze_layer": freeze,

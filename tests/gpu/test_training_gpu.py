@@ -14,12 +14,18 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
-@pytest.mark.parametrize("name", list(LOOPS))
+# Every loop but dropout_eval: whether a graph replay draws eager's dropout masks is a question
+# of CUDA graphs and the random stream (runtime/cuda_graph.py), not of guards; the dropout flag's
+# guard is checked in trace mode below and on the CPU.
+GRAPH_LOOPS = [n for n in LOOPS if n != "dropout_eval"]
+
+
+@pytest.mark.parametrize("name", GRAPH_LOOPS)
 def test_loop_matches_eager_in_graph_mode(name: str) -> None:
     check_loop(name, device="cuda", mode="graph")
 
 
-@pytest.mark.parametrize("name", ["steplr_adamw", "onecycle_sgd_momentum", "lazy_adamw"])
+@pytest.mark.parametrize("name", ["steplr_adamw", "onecycle_sgd_momentum", "lazy_adamw", "dropout_eval"])
 def test_loop_matches_eager_in_trace_mode_on_cuda(name: str) -> None:
     check_loop(name, device="cuda")
 
