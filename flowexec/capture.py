@@ -373,10 +373,12 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
     ``requires_grad`` and ``.grad``, the stepped optimizers' settings that are not fed, and
     the global state; refuses a run that changed what it read."""
     rec, lifter = reads.recorder, reads.lifter
+    replays = rec.replays()  # (lists tensors fn assigns to globals among module_tensor_writes)
     if rec.module_tensor_writes:
         raise CaptureError(
-            f"fn assigns tensors to module attributes ({', '.join(rec.module_tensor_writes[:3])}): a compiled call "
-            "cannot re-bind Python attributes. Write into the existing tensor in place (copy_) instead.")
+            f"fn assigns tensors to Python names ({', '.join(rec.module_tensor_writes[:3])}): a compiled call "
+            "cannot re-bind Python attributes or variables. Write into the existing tensor in place (copy_), or "
+            "return the tensor from fn.")
     changed = rec.changed_during_run()
     if changed:
         raise CaptureError(
@@ -392,7 +394,7 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
         for g in optimizer_guards(opt, rec.name_of(opt, type(opt).__name__), lifter.lifted_keys(opt)):
             rec.add(g)
     rec.add(state_guard())
-    return GuardSet(tuple(rec.guards.values()), feeds, rec.replays(), reads.cleared_grads)
+    return GuardSet(tuple(rec.guards.values()), feeds, replays, reads.cleared_grads)
 
 
 def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,

@@ -78,13 +78,21 @@ class Guard:
 
 @dataclass(frozen=True)
 class Replay:
-    """A plain attribute ``fn`` assigned on a module during capture (``model.train()``): the
-    compiled call sets it to ``value`` afterwards, as running ``fn`` would have."""
+    """A value ``fn`` assigned during capture — a plain module attribute (``model.train()``), a
+    global, a closure variable: the compiled call sets it to ``value`` afterwards, as running
+    ``fn`` would have."""
 
     name: str
-    where: dict[str, Any]  # the module's __dict__
+    where: Any  # the module's __dict__ or the function's globals (a dict), or a closure cell
     key: str
     value: Any
+
+    def apply(self) -> None:
+        if isinstance(self.where, dict):
+            if self.where.get(self.key, _MISSING) is not self.value:
+                self.where[self.key] = self.value
+        else:
+            self.where.cell_contents = self.value
 
 
 def read(root: Any, path: Sequence[tuple[str, Any]]) -> Any:
@@ -258,7 +266,10 @@ def _is_user_function(v: Any) -> bool:
 @dataclass
 class Recorder:
     """Collects the guards of one capture run. Enter it around the run (``with recorder:``);
-    ``finish(program_state)`` then returns the guards and the writes to replay."""
+    afterwards :meth:`tensor_guards` adds the parameters' guards, ``guards`` holds them all,
+    :meth:`replays` the writes to repeat after each call, and :meth:`changed_during_run` what
+    fn read and then changed (refused); :meth:`undo_writes` puts Python state back for a
+    capture that is discarded."""
 
     fn: Callable[..., Any]
     active: bool = True  # False: records nothing (a capture whose program is not guarded)
@@ -278,7 +289,7 @@ class Recorder:
     module_tensor_writes: list[str] = field(default_factory=list)
     _seen_code: set = field(default_factory=set)
     _active: bool = False
-    _prev_profile: Any = None
+    _prev_trace: Any = None
     _objects: list[Any] = field(default_factory=list)  # keeps ids in `guards` / `names` valid
 
     # -- set-up: names for the objects fn reaches, and its parameters' grads --
@@ -535,14 +546,14 @@ class Recorder:
         # leaves the frame untraced): a profile function would also see every C call and return,
         # which doubled the capture time of a transformer block. A tracer the user runs (a
         # debugger, coverage) pauses for the capture: its frames are flowexec's tracing.
-        self._prev_profile = sys.gettrace()
+        self._prev_trace = sys.gettrace()
         sys.settrace(self._tracer())
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.active:
             return
-        sys.settrace(self._prev_profile)
+        sys.settrace(self._prev_trace)
         self._active = False
         _ACTIVE.remove(self)
         if not _ACTIVE:
@@ -599,10 +610,20 @@ class Recorder:
                 self.add(Guard(f"{label}.grad", p, (("attr", "grad"),), g0, "is"))
 
     def replays(self) -> tuple[Replay, ...]:
+        """The assignments to repeat after each call: module attributes, then globals and
+        closure variables fn stores (tensors among them are refused: ``module_tensor_writes``)."""
         out = []
         for (_, key), (d, _old) in self.written.items():
             if key in d:
                 out.append(Replay(f"{self.names.get(id(d), 'module')}.{key}", d, key, d[key]))
+        for owner, name, _old in self.global_writes.values():
+            value = owner.get(name, _MISSING) if isinstance(owner, dict) else _cell_value(owner)
+            if value is _MISSING:
+                continue
+            if isinstance(value, torch.Tensor):
+                self.module_tensor_writes.append(f"global {name}" if isinstance(owner, dict) else f"closure {name}")
+            else:
+                out.append(Replay(name, owner, name, value))
         return tuple(out)
 
     def changed_during_run(self) -> list[str]:
@@ -634,6 +655,13 @@ class Recorder:
                     owner[name] = old
             elif old is not _MISSING:
                 owner.cell_contents = old
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
 
 
 def _global_names(code: types.CodeType) -> list[str]:
@@ -830,11 +858,10 @@ class GuardSet:
         return bool(self.replays or self.cleared_grads)
 
     def replay(self) -> None:
-        """Set the module attributes fn assigned, and clear the gradients it left None, as
-        running it would have."""
+        """Set the module attributes, globals and closure variables fn assigned, and clear the
+        gradients it left None, as running it would have."""
         for r in self.replays:
-            if r.where.get(r.key, _MISSING) is not r.value:
-                r.where[r.key] = r.value
+            r.apply()
         for p in self.cleared_grads:
             p.grad = None
 

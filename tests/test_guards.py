@@ -328,3 +328,31 @@ def same_holds(g: Guard) -> bool:
     from flowexec.guards import holds
 
     return holds(g)
+
+
+LAST_MODE = {"ran": 0}
+DONE = False
+
+
+def test_python_names_fn_assigns_are_replayed_and_tensors_refused() -> None:
+    def step(x):
+        global DONE
+        DONE = True  # a global fn sets: the compiled call sets it too
+        return x * 2
+
+    exe = flowexec.compile(step, torch.ones(2))
+    global DONE
+    for _ in range(2):
+        DONE = False
+        exe(torch.ones(2))
+        assert DONE is True
+
+    w = torch.ones(2)
+
+    def picks(x):
+        global KEPT
+        KEPT = w  # a tensor bound to a global inside fn: no compiled call can re-bind it
+        return x * w
+
+    with pytest.raises(CaptureError, match="global KEPT"):
+        flowexec.compile(picks, torch.ones(2))
