@@ -261,6 +261,8 @@ class Executable:
                 borrow[k] = True
             runner = GraphVariants(capture_runner, targs, borrow)
         guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
+        if guards is not None:  # checked in C++ where the extension is built (the Python check else)
+            guards.attach(fastcall.guard_checker(guards))
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
                          runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs))

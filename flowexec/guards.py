@@ -806,26 +806,20 @@ class GuardSet:
     feeds: Any = None  # flowexec.hyperparams.Feeds
     replays: tuple[Replay, ...] = ()
     cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None (zero_grad)
-    _native: Any = field(default=False, repr=False)
+    _native: Any = field(default=None, repr=False)
 
     def native(self) -> Any:
-        """The C++ check of these guards and feeds (``runtime/csrc/guards.cpp``), built once;
-        None without the native extension."""
-        if self._native is False:
-            from .runtime import fastcall
+        """The C++ check of these guards and feeds (``runtime/csrc/guards.cpp``), where the
+        executable attached one (:func:`flowexec.runtime.fastcall.guard_checker`); else None."""
+        return self._native or None
 
-            mod = fastcall.load()
-            checker = None
-            if mod is not None and hasattr(mod, "GuardChecker"):
-                spec = self.feeds.native_spec() if self.feeds is not None else ([], [], [], [], [])
-                feeds, hosts, devices, predicates, staging = spec
-                try:
-                    checker = mod.GuardChecker([(g.root, list(g.path), g.expected, g.match) for g in self.guards],
-                                               feeds, hosts, devices, predicates, staging)
-                except (RuntimeError, TypeError, ValueError):  # a guard it cannot take: Python checks
-                    checker = None
-            self._native = checker
-        return self._native
+    def attach(self, checker: Any) -> None:
+        """Use ``checker`` (a ``GuardChecker`` built from this set) for :meth:`check`'s fast answer."""
+        self._native = checker
+
+    def records(self) -> list[tuple[Any, list, Any, str]]:
+        """(root, path, expected, match) per guard: what the C++ check is built from."""
+        return [(g.root, list(g.path), g.expected, g.match) for g in self.guards]
 
     def check(self) -> int:
         native = self.native()

@@ -290,6 +290,7 @@ def test_native_and_python_checks_agree() -> None:
                   Guard("p.requires_grad", p, (("attr", "requires_grad"),), True, "is"),
                   Guard("p.grad", p, (("attr", "grad"),), (torch.float32, torch.device("cpu"), (3,), (1,)), "grad"))
         gs = GuardSet(guards)
+        gs.attach(fastcall.guard_checker(gs))
         assert gs.native().check() == -1
         change = rng.choice(["none", "a", "a_int", "b", "c", "n", "t", "len", "rg", "grad_none", "grad_shape",
                              "grad_dtype", "grad_same_kind"])

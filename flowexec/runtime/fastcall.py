@@ -130,6 +130,21 @@ def layout_of(tree: Any, leaves: Sequence[Any]) -> list[int] | None:
     return codes if all(walk(a) for a in args) else None
 
 
+def guard_checker(guards: Any) -> Any | None:
+    """The C++ check of a captured program's guards and fed hyperparameters
+    (``csrc/guards.cpp``) for a :class:`~flowexec.guards.GuardSet`; None without the extension,
+    or for a guard it cannot take (the Python check then answers alone)."""
+    mod = load()
+    if mod is None or not hasattr(mod, "GuardChecker"):
+        return None
+    spec = guards.feeds.native_spec() if guards.feeds is not None else ([], [], [], [], [])
+    feeds, hosts, devices, predicates, staging = spec
+    try:
+        return mod.GuardChecker(guards.records(), feeds, hosts, devices, predicates, staging)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class FastCall:
     """One signature's call path: ``check(args)`` (C++) gives the tensor leaves or None,
@@ -169,7 +184,7 @@ def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: 
     elif forbidden is not None:
         staged = [True] * n
     guards = getattr(compiled, "guards", None)
-    checker = guards.native() if guards is not None else None
+    checker = guards.native() if guards is not None else None  # (attached by the executable)
     if guards is not None and checker is None:
         return None  # the guards only run in Python here: so does the call
     grad_params = list(getattr(compiled, "grad_inputs", ()))
