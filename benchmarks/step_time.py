@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import datetime
+import functools
 import json
 import os
 import platform
@@ -343,8 +343,25 @@ def bench_calling(dev: torch.device, n: int, out: dict[str, Any]) -> None:
             if r.get(f"{form}_raw_cuda_graph_us"):
                 r[f"{form}_flowexec_over_raw_graph"] = f / r[f"{form}_raw_cuda_graph_us"]
     r["call_overhead_us"] = call_overhead(dev)
+    r["guard_overhead_us"] = guard_overhead(dev)
     out["calling"] = r
     print("calling", json.dumps(r, indent=1), flush=True)
+
+
+def _per_call(f: Callable[[], Any], sync: Callable[[], None], calls: int) -> float:
+    """µs a call of ``f`` takes: the best of 5 rounds of ``calls // 5`` after 200 warm-up calls,
+    one sync per round (on a GPU: the host's time, where the kernels are shorter)."""
+    for _ in range(200):
+        f()
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls // 5):
+            f()
+        sync()
+        best = min(best, (time.perf_counter_ns() - t0) / (calls // 5) / 1e3)
+    return best
 
 
 def call_overhead(dev: torch.device, counts: tuple[int, ...] = (1, 20, 200), calls: int = 4000) -> dict[str, float]:
@@ -353,19 +370,7 @@ def call_overhead(dev: torch.device, counts: tuple[int, ...] = (1, 20, 200), cal
     sync per round, so on a GPU it is the host's time (the kernel is a few µs). The issue's
     figures before this change (CPU, trace): 3.9 µs for 1 argument, 12.3 µs for 21."""
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
-
-    def per_call(f: Callable[[], Any]) -> float:
-        for _ in range(200):
-            f()
-        best = float("inf")
-        for _ in range(5):
-            sync()
-            t0 = time.perf_counter_ns()
-            for _ in range(calls // 5):
-                f()
-            sync()
-            best = min(best, (time.perf_counter_ns() - t0) / (calls // 5) / 1e3)
-        return best
+    per_call = functools.partial(_per_call, sync=sync, calls=calls)
     x = torch.ones(4, device=dev)
     res = {"eager_x_plus_1": per_call(lambda: x + 1)}
     for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
@@ -381,6 +386,46 @@ def call_overhead(dev: torch.device, counts: tuple[int, ...] = (1, 20, 200), cal
                 res[f"{mode}_list_of_{k}"] = per_call(lambda: listed(xs))
             except flowexec.FlowexecError as e:
                 res[f"{mode}_list_of_{k}_error"] = str(e)[:200]
+    return res
+
+
+class _Knobs(torch.nn.Module):
+    """A module whose forward reads ``k`` plain float attributes: a capture guards each one."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.names = tuple(f"knob{i}" for i in range(k))
+        for n in self.names:
+            setattr(self, n, 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = 0.0
+        for n in self.names:
+            total += getattr(self, n)
+        return x + (1.0 + total)
+
+
+def guard_overhead(dev: torch.device, counts: tuple[int, ...] = (0, 10, 100), calls: int = 4000) -> dict[str, Any]:
+    """Host µs a call of ``x + c`` takes when its capture read 0, 10 and 100 module attributes
+    (each a guard checked before the call, in C++ where the native extension is built), in trace
+    and (CUDA) graph mode, the guard count of each program, and the cost per 10 guards (the
+    slope between the first and the last count): the best of 5 rounds, one sync per round."""
+    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    per_call = functools.partial(_per_call, sync=sync, calls=calls)
+    x = torch.ones(4, device=dev)
+    res: dict[str, Any] = {}
+    for mode in ("trace", "graph") if dev.type == "cuda" else ("trace",):
+        for k in counts:
+            knobs = _Knobs(k)
+            exe = flowexec.compile(lambda a: knobs(a), x, mode=mode)
+            res[f"{mode}_{k}_attributes"] = per_call(lambda: exe(x))
+            guards = exe._last.guards
+            res[f"{mode}_{k}_attributes_guards"] = len(guards) if guards is not None else 0
+            res[f"{mode}_{k}_attributes_native"] = bool(exe._native is not None and exe._native.guarded)
+        lo, hi = counts[0], counts[-1]
+        dn = res[f"{mode}_{hi}_attributes_guards"] - res[f"{mode}_{lo}_attributes_guards"]
+        if dn:
+            res[f"{mode}_us_per_10_guards"] = (res[f"{mode}_{hi}_attributes"] - res[f"{mode}_{lo}_attributes"]) / dn * 10
     return res
 
 

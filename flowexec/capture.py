@@ -35,6 +35,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import CaptureError, InputError
+from .guards import GuardSet, Recorder, state_guard, optimizer_guards
+from .hyperparams import Lifter, NO_VALUE
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .storage import shared_storage
@@ -62,6 +64,17 @@ class Captured:
     # The containers fn returned (flowexec.signature's tree); the program's outputs are their
     # leaves, then the extra grads.
     out_tree: Any = None
+    # What the capture read that a call must check (flowexec.guards), and the optimizer
+    # hyperparameters fed to the program (flowexec.hyperparams).
+    guards: GuardSet | None = None
+    # Parameters whose current .grad the caller appends to the call's tensors (the program's
+    # last inputs): gradients that exist when a call starts are read where they are then.
+    grad_inputs: tuple[torch.Tensor, ...] = ()
+
+
+class LazyStateError(CaptureError):
+    """fn created tensors that outlive the call (optimizer state made on the first step): the
+    capture is discarded, fn runs eagerly once, and the next call captures."""
 
 
 def user_frame(tb_or_stack: Any) -> str:
@@ -121,8 +134,9 @@ class _CaptureGuard(TorchDispatchMode):
     remembers which tensors were created by the run (to find the ones that escape).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lifter: Lifter | None = None) -> None:
         super().__init__()
+        self.lifter = lifter
         self.undo: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._saved: set[tuple[int, int, tuple, tuple]] = set()
         self.created: dict[int, weakref.ref] = {}
@@ -135,6 +149,13 @@ class _CaptureGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        lifter = self.lifter
+        if lifter is not None:
+            # A host read of a value computed from lifted hyperparameters: answered, and kept as
+            # a guard (flowexec.hyperparams), instead of failing as data-dependent.
+            value = lifter.host_read(func, args, kwargs)
+            if value is not NO_VALUE:
+                return value
         self.sources.append((func, _caller_line()))
         for t in _written_tensors(func, args, kwargs):
             if self.is_created(t):
@@ -155,6 +176,8 @@ class _CaptureGuard(TorchDispatchMode):
             # In-place ops return their argument: that is not a new tensor.
             if isinstance(o, torch.Tensor) and id(o) not in arg_ids:
                 self.created[id(o)] = weakref.ref(o)
+        if lifter is not None:
+            lifter.propagate(func, args, kwargs, out)
         return out
 
     def restore(self) -> None:
@@ -179,21 +202,48 @@ _DATA_DEPENDENT_HINT = (
     "fn reads a tensor's value on the host (.item(), bool(tensor), `if tensor:`, data-dependent "
     "shapes), which one static program cannot capture. Use torch.compile(fn, backend=\"flowexec\"): "
     "its graph breaks run such Python control flow eagerly and the graphs between them through "
-    "flowexec. For torch.optim optimizers pass foreach=True (or capturable=True on CUDA), which "
-    "keeps their step counts on the device."
+    "flowexec."
 )
 
 
-def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any]:
+def _host_read_hint(tb: Any) -> str:
+    """What to use instead, where a library (not the user) read a tensor on the host."""
+    frames = traceback.extract_tb(tb)
+    lib = [f for f in frames if "/torch/optim/" in f.filename or "/torch/amp/" in f.filename]
+    if not lib:
+        return _DATA_DEPENDENT_HINT
+    f = lib[-1]
+    where = f"torch/{f.filename.rsplit('/torch/', 1)[-1]}:{f.lineno} ({(f.line or '').strip()})"
+    if "grad_scaler" in f.filename:
+        return (f"torch.amp.GradScaler reads found_inf on the host at {where} for an optimizer that is not "
+                "fused: pass fused=True to the optimizer (Adam, AdamW, SGD, Adagrad), whose step takes the scale "
+                "and found_inf as tensors, or leave the scaler out of the compiled function.")
+    return (f"the optimizer reads a value computed from its state on the host at {where}, which one static "
+            "program cannot capture: pass foreach=True (or fused=True) to the optimizer, whose step keeps "
+            "such values on the device.")
+
+
+def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
-    count, op sources and the tree of fn's output containers."""
+    count, op sources, the tree of fn's output containers, and what the run read
+    (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
+    lift optimizer hyperparameters and take existing gradients as inputs (what an
+    :class:`~flowexec.Executable` checks and feeds per call); without it the program binds
+    whatever fn reads, as a pipeline stage's capture wants."""
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
-    guard = _CaptureGuard()
+    recorder = Recorder(fn, active=guarded)
+    lifter = Lifter(recorder.name_of, active=guarded)
+    guard = _CaptureGuard(lifter if guarded else None)
     n_user = [0]
     out_tree: list[Any] = [None]
+    # The .grad each parameter fn reaches has now is an input of the program, read at each call:
+    # gradient accumulation makes a new one per cycle (zero_grad sets None), which a binding to
+    # this tensor object would miss.
+    grad_params = recorder.grad_inputs()
 
     def traced(*tensors: torch.Tensor) -> Any:
+        tensors = tensors[:len(tensor_pos)]  # (the rest: the gradients, reached through p.grad)
         full = list(args)
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
@@ -203,7 +253,8 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
             saved_ids.add(id(t))
             return t
 
-        with guard, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with guard, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder, lifter, \
+                lifter.rewrite_mode():
             out = fn(*full)
         # The graph returns a flat list: fn's containers (dict, namedtuple, ...) are rebuilt
         # around the outputs per call, so the graph never records their constructors.
@@ -233,12 +284,12 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
         escaped = [t for t in escaped if id(t) not in out_bases]
         if escaped:
             desc = ", ".join(str(TensorMeta.of(t)) for t in escaped[:3])
-            raise CaptureError(
+            raise LazyStateError(
                 f"fn left {len(escaped)} tensor(s) it created in Python state outside its return value "
-                f"(first: {desc}). A compiled program recreates them on every call, so that state would "
-                "silently stop updating. Typical cause: optimizer state created lazily on the first step — "
-                "run one eager step (or initialise the state) before compiling, or return the tensor from fn."
-            )
+                f"(first: {desc}). A compiled program would recreate them on every call, so that state would "
+                "silently stop updating. flowexec runs the first call eagerly so that state made on a first step "
+                "(optimizer moments) exists before capture; state made anew on every call cannot be captured: "
+                "keep it in tensors written in place, or return it from fn.")
         return flat + extra
 
     kw: dict[str, Any] = {}
@@ -248,32 +299,103 @@ def trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, 
     prev_flag = torch.compiler._is_compiling_flag
     # Optimizers and other library code check is_compiling() to keep scalars on the device.
     torch.compiler._is_compiling_flag = True
+    failed = True
     try:
-        gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos])
+        gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos], *[p.grad for p in grad_params])
+        failed = False
     except CaptureError:
         raise
     except Exception as e:
         where = user_frame(e.__traceback__)
         msg = str(e).split("\n", 1)[0]
         if "_local_scalar_dense" in msg or "data-dependent" in msg.lower() or "Data dependent" in msg:
-            raise CaptureError(f"cannot capture fn: at {where or '<unknown>'}: {_DATA_DEPENDENT_HINT}") from e
+            raise CaptureError(f"cannot capture fn: at {where or '<unknown>'}: {_host_read_hint(e.__traceback__)}") from e
         raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
     finally:
         torch.compiler._is_compiling_flag = prev_flag
+        lifter.restore()
         guard.restore()
         _set_rng_states(rng)
-        # Grads that fn created were None before the capture run: leave them so.
+        # Gradients are left as fn found them (fn may have set them to None and made new ones);
+        # those fn leaves None (zero_grad after the step) are cleared after each call too.
+        cleared = tuple(p for p, g0, _ in recorder.grads.values() if g0 is not None and p.grad is None)
+        for p, g0, _ in recorder.grads.values():
+            if p.grad is not g0:
+                p.grad = g0
         for p, _ in bindings:
-            p.grad = None
-    return gm, bindings, n_user[0], guard.sources, out_tree[0]
+            if id(p) not in recorder.grads:
+                p.grad = None
+        if failed:  # a discarded capture leaves Python state as it found it
+            lifter.restore_state()
+            recorder.undo_writes()
+    return gm, bindings, n_user[0], guard.sources, out_tree[0], _Reads(recorder, lifter, guard.leaves, grad_params,
+                                                                       cleared)
 
 
-def capture(fn: Callable[..., Any], args: Sequence[Any]) -> Captured:
-    """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program."""
-    gm, bindings, n_user, sources, out_tree = trace(fn, args)
+@dataclass
+class _Reads:
+    """What a capture run read, for :func:`guards_of`; ``grad_params``: the parameters whose
+    ``.grad`` follows the call's tensors among the program's inputs."""
+
+    recorder: Recorder
+    lifter: Lifter
+    leaves: dict[int, weakref.ref]
+    grad_params: tuple[torch.Tensor, ...] = ()
+    cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None
+
+
+def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) -> Captured:
+    """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
+    The program's inputs are the tensors of ``args``, then (``guarded``) ``p.grad`` for each
+    parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards (:func:`trace`)."""
+    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)
-    return Captured(prog, bindings, n_user, out_tree)
+    if not guarded:
+        return Captured(program_from_graph(gm, [args[i] for i in tensor_pos], sources), bindings, n_user, out_tree)
+    feeds = _bind_feeds(gm, reads.lifter)
+    grads = [p.grad for p in reads.grad_params]
+    prog = program_from_graph(gm, [args[i] for i in tensor_pos] + grads, sources)
+    return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), reads.grad_params)
+
+
+def _bind_feeds(gm: fx.GraphModule, lifter: Lifter) -> Any:
+    """The lifted hyperparameters the graph reads, re-bound to views of one packed buffer per
+    device (what :class:`~flowexec.hyperparams.Feeds` refreshes before each call)."""
+    consts = [(n.target, getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"]
+    feeds, rebind = lifter.feeds([t for _, t in consts if isinstance(t, torch.Tensor)])
+    for name, t in consts:
+        if isinstance(t, torch.Tensor) and id(t) in rebind:
+            setattr(gm, name, rebind[id(t)])
+    return feeds
+
+
+def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
+    """The guards of a captured program: what the run read (flowexec.guards), the parameters'
+    ``requires_grad`` and ``.grad``, the stepped optimizers' settings that are not fed, and
+    the global state; refuses a run that changed what it read."""
+    rec, lifter = reads.recorder, reads.lifter
+    replays = rec.replays()  # (lists tensors fn assigns to globals among module_tensor_writes)
+    if rec.module_tensor_writes:
+        raise CaptureError(
+            f"fn assigns tensors to Python names ({', '.join(rec.module_tensor_writes[:3])}): a compiled call "
+            "cannot re-bind Python attributes or variables. Write into the existing tensor in place (copy_), or "
+            "return the tensor from fn.")
+    changed = rec.changed_during_run()
+    if changed:
+        raise CaptureError(
+            f"fn changes a Python value it reads ({'; '.join(changed[:3])}): a compiled call runs no Python, so "
+            "that change would be lost, and the next call would find another value. Keep such state in a tensor "
+            "updated in place, or change it outside the compiled function.")
+    stepped = [p for opt in lifter.optimizers for g in opt.param_groups for p in g["params"]]
+    leaves = [t for r in reads.leaves.values() if (t := r()) is not None]
+    for t in leaves:
+        rec.use_leaf(t)
+    rec.tensor_guards(prog.state.values(), stepped)
+    for opt in lifter.optimizers:
+        for g in optimizer_guards(opt, rec.name_of(opt, type(opt).__name__), lifter.lifted_keys(opt)):
+            rec.add(g)
+    rec.add(state_guard())
+    return GuardSet(tuple(rec.guards.values()), feeds, replays, reads.cleared_grads)
 
 
 def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,

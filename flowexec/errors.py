@@ -14,6 +14,11 @@ class InputError(FlowexecError, TypeError):
     """A call's arguments do not match what the executable was compiled for."""
 
 
+class GuardError(FlowexecError):
+    """A value the compiled function reads changed, and no new capture can follow it (the
+    cache is full: it changes on every call); the message names the value."""
+
+
 class OptionError(FlowexecError, ValueError):
     """An unknown option or an option value that cannot work here."""
 

@@ -27,9 +27,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import capture
-from .errors import CaptureError, FlowexecError, InputError, OptionError
+from .capture import LazyStateError, capture
+from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError
 from .fusion import check_fuse, check_pad, fuse_and_pad
+from .guards import GuardSet
 from .plan import ExecutionPlan, build_plan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall
@@ -76,7 +77,9 @@ OPTIONS = {
 
 
 class RecaptureWarning(UserWarning):
-    """A call with a new input signature made flowexec capture fn again."""
+    """A call with a new input signature, or a changed value the capture read (a module's
+    ``training`` flag, say: ``model.encoder.training: True -> False``), made flowexec capture fn
+    again."""
 
 
 def _signature(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -133,6 +136,20 @@ class _Compiled:
     tree: Any = None  # the call's tree (flowexec.signature)
     paths: tuple[str, ...] = ()  # each leaf's path, e.g. "args[0]['opt'][3]"
     variants: GraphVariants | None = None  # graph mode: the runner, for its precomputed checks
+    guards: GuardSet | None = None  # what the capture read (flowexec.guards); None: nothing to check
+    # Parameters whose .grad follows the call's tensors among the program's inputs (read per call)
+    grad_inputs: tuple[torch.Tensor, ...] = ()
+
+    def tensors(self, leaves: Sequence[Any]) -> list[Any] | None:
+        """The program's tensor inputs for a call with these leaves; None where a parameter whose
+        gradient it reads has none."""
+        targs = list(leaves) if self.all_tensors else [leaves[i] for i in self.tensor_pos]
+        for p in self.grad_inputs:
+            g = p.grad
+            if g is None:
+                return None
+            targs.append(g)
+        return targs
 
 
 class Executable:
@@ -142,8 +159,13 @@ class Executable:
     scalar, ``None``, or any nesting of lists, tuples, dicts and namedtuples of them; results
     come back in the containers ``fn`` returns. The tree structure, every non-tensor leaf and
     each tensor's shape, dtype, device and strides form the call's signature: a new one
-    captures ``fn`` again (with a :class:`RecaptureWarning`). Attributes ``program`` and
-    ``plan`` show the most recently built signature.
+    captures ``fn`` again (with a :class:`RecaptureWarning`). So does a change of a Python value
+    the capture read (a module's ``training`` flag, ``self.temperature``, a number in a global
+    dict, ``requires_grad``: its guards, ``exe.guards``), while optimizer hyperparameters are
+    fed to the program at each call, so an LR schedule captures nothing again. A first call
+    that makes state (an optimizer's first step) runs ``fn`` eagerly and the next captures
+    (docs/training.md). Attributes ``program`` and ``plan`` show the most recently built
+    signature.
 
     >>> import torch, flowexec
     >>> exe = flowexec.compile(lambda x: x.cumsum(0), torch.ones(3))
@@ -175,7 +197,15 @@ class Executable:
         if self.borrow and mode != "graph":
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
         self._ring: Any = None
-        self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+        # Per signature, the programs captured for it, most recently used first: they differ in
+        # the values their guards check (a model in training and in eval mode, say).
+        self._cache: OrderedDict[tuple[Any, ...], list[_Compiled]] = OrderedDict()
+        # Lazy state: a capture that finds fn creating state (optimizer moments on a first step)
+        # is discarded and the call runs fn eagerly; True while the last call did that, or
+        # when compile()'s examples found it (the first call then runs eagerly outright).
+        self._ran_eagerly = False
+        self._eager_next = False
+        self._deferred: str | None = None
         # Per structure key (flowexec.signature.flatten): (tensor guard, compiled) pairs, most
         # recent first; a call whose tensors pass a guard skips building its signature.
         self._fast: dict[tuple[Any, ...], list[tuple[Any, _Compiled]]] = {}
@@ -197,7 +227,7 @@ class Executable:
     def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str]) -> _Compiled:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
-        cap = capture(_call_with_containers(self.fn, tree, paths), args)
+        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True)
         prog, fusion = fuse_and_pad(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.fuse, self.pad,
                                     self.mode)
         plan = build_plan(prog, self.gc, self.streams, mode=self.mode, **self.memory_options)
@@ -206,10 +236,11 @@ class Executable:
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
+        all_targs = [args[i] for i in tensor_pos] + [p.grad for p in cap.grad_inputs]
         if self.mode == "graph" and not self._graph_can_stage(args, tensor_pos, plan):
             pass  # trace mode for this signature (said in a warning)
         elif self.mode == "graph" and self.pool == "shared":
-            runner = self._shared_runner(run, plan, [args[i] for i in tensor_pos], cap, fetch, tensor_pos, runner)
+            runner = self._shared_runner(run, plan, all_targs, cap, fetch, tensor_pos, runner)
         elif self.mode == "graph":
             from .runtime.cuda_graph import CudaGraphRunner
 
@@ -217,7 +248,7 @@ class Executable:
             state_mutated = [prog.state[v] for v in plan.mutated if v in prog.state]
             input_index = {vid: k for k, vid in enumerate(prog.inputs)}
             mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
-            targs = [args[i] for i in tensor_pos]
+            targs = all_targs
             bound = {i for _, i in cap.grad_bindings} | set(fetch)
 
             def capture_runner(targs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> CudaGraphRunner:
@@ -242,9 +273,12 @@ class Executable:
                     continue
                 borrow[k] = True
             runner = GraphVariants(capture_runner, targs, borrow)
+        guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
+        if guards is not None:  # checked in C++ where the extension is built (the Python check else)
+            guards.attach(fastcall.guard_checker(guards))
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
-                         runner if isinstance(runner, GraphVariants) else None)
+                         runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs))
 
     def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
                        fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -289,7 +323,8 @@ class Executable:
         prog = plan.program
         first_of = dict(prog.shared_storage)  # value -> first value on its storage (inputs come first)
         with_state = {f for v, f in prog.shared_storage if v in prog.state}
-        on_state = [tensor_pos[k] for k, v in enumerate(prog.inputs) if v in with_state or first_of.get(v) in with_state]
+        on_state = [tensor_pos[k] for k, v in enumerate(prog.inputs[:len(tensor_pos)])
+                    if v in with_state or first_of.get(v) in with_state]
         if not (on_state and plan.mutated):
             return True
         warnings.warn(
@@ -350,20 +385,32 @@ class Executable:
                                    - b.storage_offset() * b.element_size()))
         return (*sig, ("shared storage", tuple(shared)))
 
-    def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> _Compiled:
-        """The compiled signature for a call, captured now if it is new (the slow path)."""
+    def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> _Compiled | None:
+        """The compiled signature for a call, captured now if it is new (the slow path); None
+        where fn creates state on its first step and this call must run it eagerly."""
         kwargs = kwargs or {}
         leaves, key = flatten(args, kwargs)
         return self._lookup_leaves(leaves, key, args, kwargs)
 
     def _lookup_leaves(self, leaves: list[Any], key: tuple[Any, ...], args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> _Compiled:
+                       kwargs: dict[str, Any]) -> _Compiled | None:
         sig = (key, self._sig(leaves))
-        hit = self._cache.get(sig)
+        entries = self._cache.get(sig)
+        hit, failed = None, None
+        for c in entries or ():
+            i = c.guards.check() if c.guards is not None else -1
+            if i < 0:
+                hit = c
+                break
+            failed = failed or (c, i)
         if hit is None:
-            hit = self._compile_new(sig, leaves, args, kwargs)
+            hit = self._compile_new(sig, leaves, args, kwargs, failed)
+            if hit is None:
+                return None
             if self._sharing:  # closure state joined _state_keys: the sharing entry may differ now
                 sig = (key, self._sig(leaves))
+        elif entries[0] is not hit:
+            entries.insert(0, entries.pop(entries.index(hit)))
         # The guarded fast path checks that nothing shares storage: only such signatures join it.
         if not self._sharing or sig[1][-1] == _NO_SHARING[0]:
             self._remember(key, hit, leaves)
@@ -372,7 +419,9 @@ class Executable:
 
     def _remember(self, key: tuple[Any, ...], c: _Compiled, leaves: Sequence[Any]) -> None:
         """Put ``c`` first among the guarded signatures of structure ``key``."""
-        tensors = [leaves[i] for i in c.tensor_pos]
+        tensors = c.tensors(leaves)
+        if tensors is None:
+            return
         entries = self._fast.setdefault(key, [])
         for k, (g, e) in enumerate(entries):
             if e is c and g.check(*tensors):  # (the fast path was skipped for another reason)
@@ -384,25 +433,47 @@ class Executable:
             del entries[2 * self.cache_size:]
 
     def _compile_new(self, sig: tuple[Any, ...], leaves: list[Any], args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> _Compiled:
+                     kwargs: dict[str, Any], failed: tuple[_Compiled, int] | None = None) -> _Compiled | None:
+        """Capture for a new signature, or for a known one whose programs' guards all failed
+        (``failed``: the most recent one and what failed). None: fn creates state on its first
+        step, so this call runs it eagerly (or, for compile()'s examples, the next one does)."""
         tree, _, paths = tree_of(args, kwargs)
         first = self._first
-        if first is not None:
+        n_programs = sum(len(v) for v in self._cache.values())
+        if failed is not None:
+            c, i = failed
+            what = c.guards.describe(i)
+            if c.guards.settles(i) and n_programs < self.cache_size:
+                pass  # a .grad now exists that was None: the usual second program (no warning)
+            elif n_programs >= self.cache_size:
+                raise GuardError(
+                    f"{what} — {n_programs} program(s) captured already (cache_size={self.cache_size}); a value the "
+                    "compiled function reads changed again. If it changes on every call, keep it in a tensor "
+                    "(read by the program, updated in place) or pass it as an argument.")
+            else:
+                warnings.warn(f"flowexec: {what}; capturing fn again", RecaptureWarning, stacklevel=4)
+        elif first is not None:
             n_args = len(first.tree[2][0])
             if len(args) != n_args and not self._variadic:
                 raise InputError(f"expected {n_args} argument(s), got {len(args)}")
             where, got, want = self._difference(first, tree, paths, leaves, sig)
-            if len(self._cache) >= self.cache_size:
+            if n_programs >= self.cache_size:
                 raise InputError(
                     f"{where}: expected {want}, got {got} — "
-                    f"{len(self._cache)} signature(s) compiled already (cache_size={self.cache_size})"
+                    f"{n_programs} signature(s) compiled already (cache_size={self.cache_size})"
                 )
             warnings.warn(f"flowexec: new input signature ({where}: {got}, compiled for {want}); capturing fn again",
                           RecaptureWarning, stacklevel=4)
         if self.mode == "graph" and self._check_devices:
             tensors = [(a, p) for a, p in zip(leaves, paths) if isinstance(a, torch.Tensor)]
             _check_graph_devices([a for a, _ in tensors], [p for _, p in tensors])
-        compiled = self._build(leaves, tree, paths)
+        try:
+            compiled = self._build(leaves, tree, paths)
+        except LazyStateError as e:
+            if self._ran_eagerly:  # the state is made anew on every call, not once
+                raise CaptureError(str(e)) from None
+            self._deferred = str(e).split(". ", 1)[0]
+            return None
         self._native = None  # closure state may grow: checks built against the old keys go
         self._natives.clear()
         if self._sharing:  # the state is known now
@@ -410,7 +481,7 @@ class Executable:
             sig = (sig[0], self._sig(leaves))
         if first is None:
             self._first, self._first_sig = compiled, sig
-        self._cache[sig] = compiled
+        self._cache.setdefault(sig, []).insert(0, compiled)
         return compiled
 
     def _difference(self, first: _Compiled, tree: Any, paths: Sequence[str], leaves: Sequence[Any],
@@ -441,15 +512,20 @@ class Executable:
             targs = fc.check(args)  # every check below in one C++ walk (runtime/fastcall.py)
             if targs is not None:  # (run None: the signature's runner, which a profiler may swap)
                 c = fc.compiled
-                return self._finish(c, fc.run or c.runner, targs)
+                if c.guards is None or fc.guarded or c.guards.check() < 0:
+                    return self._finish(c, fc.run or c.runner, targs)
+            # The Python path decides, and installs the check of the program it picks: this one
+            # may no longer fit (a host read of a hyperparameter now answers otherwise).
+            self._native = None
+        if self._eager_next:  # compile()'s examples found state fn makes on its first step
+            return self._run_eagerly(args, kwargs)
         leaves, key = flatten(args, kwargs)
         c = None
         entries = self._fast.get(key)
         if entries:
-            c0 = entries[0][1]
-            targs = leaves if c0.all_tensors else [leaves[i] for i in c0.tensor_pos]
             for guard, comp in entries:
-                if guard.check(*targs):
+                targs = comp.tensors(leaves)
+                if targs is not None and guard.check(*targs) and (comp.guards is None or comp.guards.check() < 0):
                     c = comp
                     break
             if c is not None and self._sharing:
@@ -469,9 +545,18 @@ class Executable:
                 self._native = self._native_for(c, *native, leaves, targs)
         if c is None:
             c = self._lookup_leaves(leaves, key, args, kwargs)
-            targs = leaves if c.all_tensors else [leaves[i] for i in c.tensor_pos]
+            if c is None:
+                return self._run_eagerly(args, kwargs)
+            targs = c.tensors(leaves)
             run = c.runner
         return self._finish(c, run, targs)
+
+    def _run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """fn itself, once, so that the state it makes on a first step exists for the capture
+        of the next call (as CUDA-graph tools warm up)."""
+        self._eager_next = False
+        self._ran_eagerly = True
+        return self.fn(*args, **kwargs)
 
     def _native_for(self, c: _Compiled, run: Any, borrowed: Any, forbidden: frozenset[int] | None,
                     leaves: Sequence[Any], targs: Sequence[Any]) -> Any:
@@ -488,7 +573,10 @@ class Executable:
         return hit
 
     def _finish(self, c: _Compiled, run: Callable[[Sequence[Any]], list[Any]], targs: Sequence[Any]) -> Any:
+        self._ran_eagerly = False
         flat = run(targs)
+        if c.guards is not None and c.guards.after_call:
+            c.guards.replay()
         for p, idx in c.grad_bindings:
             g = flat[idx]
             if p.grad is not g:
@@ -504,12 +592,18 @@ class Executable:
 
     def compile_for(self, *args: Any, **kwargs: Any) -> Executable:
         """Capture and plan for ``exe(*args, **kwargs)`` now (``flowexec.compile`` does this for
-        its examples); returns the executable."""
-        self._lookup(args, kwargs)
+        its examples); returns the executable. No step is taken: where fn creates state on its
+        first step (optimizer moments), nothing is captured yet, and the first call runs fn
+        eagerly and the second captures."""
+        if self._lookup(args, kwargs) is None:
+            self._eager_next = True
         return self
 
     def _captured(self, what: str) -> _Compiled:
         if self._last is None:
+            if self._deferred is not None:
+                raise NotCapturedError(f"{what}: nothing is captured yet — {self._deferred}; the first call runs fn "
+                                       "eagerly so that this state exists, and a later call captures")
             raise NotCapturedError(f"{what}: nothing is captured yet — this Executable captures fn on its first "
                                    "call (or call exe.compile_for(*example_args) first)")
         return self._last
@@ -551,12 +645,19 @@ class Executable:
         return f"{head}\n{plan.program}"
 
     @property
+    def guards(self) -> GuardSet | None:
+        """What the most recently used program checks before each call (``.names``) and is fed
+        (``.fed``: optimizer hyperparameters); None where its capture read nothing to check.
+        See docs/training.md."""
+        return self._captured("guards").guards
+
+    @property
     def build_seconds(self) -> float:
         """Seconds the most recent capture + plan + lower (+ graph capture) took."""
         return self._captured("build_seconds").build_seconds
 
     def __repr__(self) -> str:
-        return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)}>"
+        return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)} programs={sum(map(len, self._cache.values()))}>"
 
 
 def borrowed_inputs(targs: Sequence[torch.Tensor], mutated_inputs: Sequence[int]) -> list[bool]:
@@ -718,7 +819,9 @@ def compile(fn: Callable[..., Any] | None = None, *example_args: Any, mode: str 
 
     Three forms:
 
-    - ``compile(fn, *example_args, example_kwargs={...}, **options)`` captures now, on the examples;
+    - ``compile(fn, *example_args, example_kwargs={...}, **options)`` captures now, on the examples
+      (no step is taken: where ``fn`` makes optimizer state on its first step, the first call runs
+      it eagerly and the second captures);
     - ``compile(fn, **options)`` captures on the first call;
     - ``@compile`` and ``@compile(mode="graph", ...)`` decorate a function (capture on first call).
 

@@ -31,6 +31,9 @@ for step in "$@"; do
                  -k "(trace or dropped or threaded) and not graph and not hf and not copy_heavy" ;;
     debug)     FLOWEXEC_DEBUG=1 run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_streams_gpu.py ;;
     calling)   run_step $step 200 python3 benchmarks/step_time.py --calling --out "$R" ;;
+    training)  run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_training_gpu.py \
+                 --junitxml="$R/$step.xml" ;;  # issue 37: the training loops in graph mode
+    schedule)  run_step $step 240 python3 benchmarks/schedule.py --out "$R" ;;  # OneCycleLR, 1,000 graph-mode steps
     item)      run_step $step 120 python3 benchmarks/item.py --user-loop --out "$R/item.json" ;;
     streams)   run_step $step 240 python3 benchmarks/streams.py --out "$R" ;;
     memory)    run_step $step 90 python3 benchmarks/memory.py --out "$R" ;;

@@ -196,7 +196,16 @@ def profile(fn: Callable[..., Any], *args: Any, runs: int = 5, warmup: int = 1, 
     if exe.mode != "trace":
         raise OptionError("profile times trace mode's instructions; a graph-mode call is one CUDA graph replay "
                           "(flowexec.profiler.profile_graph times replays, with kernels=True their kernels)")
+    sync = _synchronizer(args)
+    # The warm-up calls come first: a step's first calls can make state (optimizer moments, the
+    # .grad tensors) that the program of the calls after them reads, which is the one timed.
+    for _ in range(warmup):
+        exe(*args)
+    sync()
     compiled = exe._lookup(args)
+    if compiled is None:  # fn makes state on its first step: this call makes it, eagerly
+        exe(*args)
+        compiled = exe._lookup(args)
     plan = compiled.plan
     if plan.on_workers:
         raise OptionError("profile times trace mode's instructions on the caller's thread; this plan runs on "
@@ -212,25 +221,26 @@ def profile(fn: Callable[..., Any], *args: Any, runs: int = 5, warmup: int = 1, 
     records: list[OpTime] = []
     device: list[OpTime] = []
     whole: list[float] = []
-    sync = _synchronizer(args)
     origin = None
     try:
-        for k in range(warmup + runs):
+        stamps = clock.host if isinstance(clock, _EventClock) else clock
+        for k in range(runs):
+            stamps[0] = -1  # the timed runner stamps it: still -1 after the call, another program ran
             sync()
             t0 = time.perf_counter_ns()
             exe(*args)
             sync()
             t1 = time.perf_counter_ns()
-            if k < warmup:
-                continue
+            if stamps[0] == -1:
+                raise OptionError("profile: a timed call ran another program than the one timed (a value the "
+                                  "capture read changed between calls); profile with more warmup calls")
             origin = clock[0] if origin is None else origin
             whole.append((t1 - t0) / 1e3)
-            records += [OpTime(i, k - warmup, (clock[i] - origin) / 1e3, (clock[i + 1] - clock[i]) / 1e3)
-                        for i in range(n)]
+            records += [OpTime(i, k, (clock[i] - origin) / 1e3, (clock[i + 1] - clock[i]) / 1e3) for i in range(n)]
             if isinstance(clock, _EventClock):
                 ends = clock.device_ns(cuda_dev)
                 starts = device_starts(plan, clock.host[:n], ends[1:], ends[0])
-                device += [OpTime(i, k - warmup, (starts[i] - origin) / 1e3, (ends[i + 1] - starts[i]) / 1e3)
+                device += [OpTime(i, k, (starts[i] - origin) / 1e3, (ends[i + 1] - starts[i]) / 1e3)
                            for i in range(n)]
     finally:
         compiled.runner = kept

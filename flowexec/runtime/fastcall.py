@@ -35,9 +35,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fastcall.cpp")
-# One extension, two sources: the call check and the job timer's event clock
-# (profiler/timers.py, NativeEvents).
-_SOURCES = [_SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "eventclock.cpp")]
+# One extension, three sources: the call check, the guards of a captured program
+# (flowexec/guards.py) and the job timer's event clock (profiler/timers.py, NativeEvents).
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = [_SOURCE, os.path.join(_CSRC, "guards.cpp"), os.path.join(_CSRC, "eventclock.cpp")]
+_HEADERS = [os.path.join(_CSRC, "guards.h")]
 _STATE: dict[str, Any] = {}  # "module" once loaded, "error" why not
 
 # Layout codes (as in csrc/fastcall.cpp)
@@ -48,7 +50,7 @@ def _name_and_directory() -> tuple[str, str]:
     from ..kernels._native import build_directory
 
     h = hashlib.sha1()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         with open(src, "rb") as f:
             h.update(f.read())
     digest = h.hexdigest()[:10]
@@ -128,6 +130,21 @@ def layout_of(tree: Any, leaves: Sequence[Any]) -> list[int] | None:
     return codes if all(walk(a) for a in args) else None
 
 
+def guard_checker(guards: Any) -> Any | None:
+    """The C++ check of a captured program's guards and fed hyperparameters
+    (``csrc/guards.cpp``) for a :class:`~flowexec.guards.GuardSet`; None without the extension,
+    or for a guard it cannot take (the Python check then answers alone)."""
+    mod = load()
+    if mod is None or not hasattr(mod, "GuardChecker"):
+        return None
+    spec = guards.feeds.native_spec() if guards.feeds is not None else ([], [], [], [], [])
+    feeds, hosts, devices, predicates, staging = spec
+    try:
+        return mod.GuardChecker(guards.records(), feeds, hosts, devices, predicates, staging)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class FastCall:
     """One signature's call path: ``check(args)`` (C++) gives the tensor leaves or None,
@@ -138,6 +155,7 @@ class FastCall:
     compiled: Any
     run: Callable[[Sequence[Any]], list[Any]] | None
     alive: list[bool]
+    guarded: bool = False  # the check also ran the compiled program's guards (flowexec.guards)
 
 
 _ALWAYS = [True]
@@ -146,7 +164,7 @@ _ALWAYS = [True]
 def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: Any, leaves: Sequence[Any],
          tensors: Sequence[torch.Tensor], borrowed: Any = None, forbidden: frozenset[int] | None = None) -> FastCall | None:
     """The C++ check for a call that just passed the Python checks with these ``tensors`` (its
-    tensor leaves): with ``borrowed`` (a graph's ``BorrowedAddresses``) it also checks that
+    tensor leaves, then the ``.grad`` of each of ``compiled.grad_inputs``): with ``borrowed`` (a graph's ``BorrowedAddresses``) it also checks that
     graph's addresses and staged storages; with ``forbidden`` alone, that every tensor's storage
     is distinct and apart from those addresses. None without the extension or for a call it
     cannot take."""
@@ -165,8 +183,13 @@ def make(compiled: Any, run: Callable[[Sequence[Any]], list[Any]] | None, tree: 
         ptrs, staged, forbidden, alive = spec
     elif forbidden is not None:
         staged = [True] * n
+    guards = getattr(compiled, "guards", None)
+    checker = guards.native() if guards is not None else None  # (attached by the executable)
+    if guards is not None and checker is None:
+        return None  # the guards only run in Python here: so does the call
+    grad_params = list(getattr(compiled, "grad_inputs", ()))
     try:
-        guard = mod.CallGuard(layout, list(tensors), ptrs, staged, sorted(forbidden or ()))
+        guard = mod.CallGuard(layout, list(tensors), ptrs, staged, sorted(forbidden or ()), checker, grad_params)
     except (RuntimeError, TypeError):  # symbolic shapes, a layout it refuses: the Python path
         return None
-    return FastCall(guard.check, compiled, run, alive)
+    return FastCall(guard.check, compiled, run, alive, checker is not None)

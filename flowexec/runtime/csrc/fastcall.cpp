@@ -6,12 +6,16 @@
 // leaves in flattened order, or None whenever anything differs (the caller then takes the
 // Python path, which decides; this check may only ever be stricter than that path).
 //
-// Built by torch.utils.cpp_extension from flowexec/runtime/fastcall.py; no CUDA calls (data
-// pointers and metadata only), so one CPU build serves CPU and CUDA tensors.
+// It also runs the program's guards (guards.cpp: the Python values its capture read, and the fed
+// optimizer hyperparameters). Built by torch.utils.cpp_extension from flowexec/runtime/fastcall.py;
+// no CUDA calls of its own (data pointers and metadata; a changed hyperparameter is one
+// Tensor::copy_ to its device), so one CPU build serves CPU and CUDA tensors.
 
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "guards.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -46,9 +50,15 @@ struct Leaf {
 
 class CallGuard {
  public:
+  // grad_params: parameters whose current .grad follows the arguments' tensors (the last
+  // entries of `tensors`): read at each call and checked like an argument.
   CallGuard(std::vector<int> layout, py::list tensors, std::vector<int64_t> ptrs, std::vector<bool> staged,
-            std::vector<int64_t> forbidden)
-      : layout_(std::move(layout)), forbidden_(forbidden.begin(), forbidden.end()) {
+            std::vector<int64_t> forbidden, std::shared_ptr<flowexec::GuardChecker> guards, py::list grad_params)
+      : layout_(std::move(layout)), forbidden_(forbidden.begin(), forbidden.end()), guards_(std::move(guards)) {
+    for (auto p : grad_params) {
+      TORCH_CHECK(THPVariable_Check(p.ptr()), "fastcall: a grad parameter is not a tensor");
+      grad_params_.push_back(py::reinterpret_borrow<py::object>(p));
+    }
     std::sort(forbidden_.begin(), forbidden_.end());
     const auto n = static_cast<size_t>(py::len(tensors));
     TORCH_CHECK(ptrs.size() == n && staged.size() == n, "fastcall: one address and one staged flag per tensor");
@@ -62,7 +72,9 @@ class CallGuard {
       if (staged[i]) ++n_staged_;
     }
     size_t pos = 0, leaves = 0;
-    TORCH_CHECK(count(pos, leaves) && pos == layout_.size() && leaves == n, "fastcall: layout does not match the tensors");
+    TORCH_CHECK(grad_params_.size() <= n, "fastcall: more grad parameters than tensors");
+    TORCH_CHECK(count(pos, leaves) && pos == layout_.size() && leaves == n - grad_params_.size(),
+                "fastcall: layout does not match the tensors");
   }
 
   // The tensor leaves of `args` (a tuple) when the call fits, else None.
@@ -74,7 +86,9 @@ class CallGuard {
     storages.reserve(n_staged_);
     bool ok = false;
     try {
-      ok = walk(args.ptr(), pos, leaf, out, storages) && distinct(storages);
+      // The program's guards (the values its capture read) after the arguments: -1 is a pass.
+      ok = walk(args.ptr(), pos, leaf, out, storages) && grads(leaf, out, storages) && distinct(storages) &&
+           (!guards_ || guards_->check() == -1);
     } catch (const c10::Error&) {  // a tensor without storage, say: the Python path decides
       ok = false;
     }
@@ -117,6 +131,16 @@ class CallGuard {
     return true;
   }
 
+  bool grads(size_t leaf, PyObject* out, std::vector<intptr_t>& storages) const {
+    for (const auto& p : grad_params_) {
+      const at::Tensor& g = THPVariable_Unpack(p.ptr()).grad();
+      if (!g.defined()) return false;
+      auto o = py::reinterpret_steal<py::object>(THPVariable_Wrap(g));
+      if (!o || !tensor(o.ptr(), leaves_[leaf++], out, storages)) return false;
+    }
+    return true;
+  }
+
   bool tensor(PyObject* o, const Leaf& L, PyObject* out, std::vector<intptr_t>& storages) const {
     if (Py_TYPE(o) != L.pytype || !THPVariable_Check(o)) return false;
     const at::Tensor& t = THPVariable_Unpack(o);
@@ -147,17 +171,25 @@ class CallGuard {
   std::vector<intptr_t> forbidden_;
   std::vector<Leaf> leaves_;
   size_t n_staged_ = 0;
+  std::shared_ptr<flowexec::GuardChecker> guards_;
+  std::vector<py::object> grad_params_;
 };
 
 }  // namespace
 
 void register_event_clock(py::module_& m);  // eventclock.cpp: the job timer's events
+namespace flowexec {
+void register_guards(py::module_& m);  // guards.cpp: a program's guards and fed hyperparameters
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_event_clock(m);
+  flowexec::register_guards(m);
   py::class_<CallGuard>(m, "CallGuard")
-      .def(py::init<std::vector<int>, py::list, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>>(),
-           py::arg("layout"), py::arg("tensors"), py::arg("ptrs"), py::arg("staged"), py::arg("forbidden"))
+      .def(py::init<std::vector<int>, py::list, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>,
+                    std::shared_ptr<flowexec::GuardChecker>, py::list>(),
+           py::arg("layout"), py::arg("tensors"), py::arg("ptrs"), py::arg("staged"), py::arg("forbidden"),
+           py::arg("guards") = nullptr, py::arg("grad_params") = py::list())
       .def("check", &CallGuard::check, py::arg("args"))
       .def_property_readonly("n_tensors", &CallGuard::n_tensors);
 }

@@ -1,0 +1,873 @@
+"""Guards: the Python values a capture read, checked before each call of its program.
+
+A captured program is straight-line ATen code: whatever Python ``fn`` read while it was traced —
+a module's ``training`` flag, ``self.temperature``, a number in a global dict, a parameter's
+``requires_grad``, whether ``p.grad`` existed — is baked into it. Each such read becomes a
+:class:`Guard` (where the value lives, what it was, how to compare); a call checks them all
+first, and a change re-captures (``RecaptureWarning`` naming it: ``model.encoder.training:
+True -> False``) or, where a new capture cannot help, raises an error naming it. The values
+that change on purpose every step — optimizer hyperparameters under an LR schedule — are not
+guarded but fed (:mod:`flowexec.hyperparams`).
+
+What is read is recorded, as Dynamo's guards are (``torch/_dynamo/guards.py``), not guessed from
+what is reachable:
+
+- module attributes: ``nn.Module.__getattribute__`` is wrapped during capture, so every plain
+  attribute read from a module's ``__dict__`` is seen, with the subscripts and attributes the
+  reading bytecode applies to it next (``self.cfg["scale"]`` guards that entry, not ``cfg``);
+- globals and closure variables: each user frame entered during capture is scanned once for
+  ``LOAD_GLOBAL`` / ``LOAD_DEREF`` chains (``CFG["lr"]``, ``opts.scale``), resolved at entry;
+- module attribute writes (``model.train()`` inside ``fn``) are replayed after each call, and a
+  value ``fn`` reads and then changes (a Python step counter) is refused: no capture can replay it;
+- tensors: ``requires_grad`` of the parameters, whether their ``.grad`` is the tensor the
+  program reads (or None); grad mode, autocast and the default dtype.
+
+Checks cost a dictionary lookup and an identity test per guard (C++ where the native extension
+is built: :mod:`flowexec.runtime.fastcall`).
+
+    >>> import torch
+    >>> m = torch.nn.Dropout(0.5)
+    >>> g = Guard("m.training", vars(m), (("item", "training"),), True, "is")
+    >>> holds(g), m.eval() is m, holds(g), describe(g)
+    (True, True, False, 'm.training: True -> False')
+"""
+from __future__ import annotations
+
+import dis
+import enum
+import functools
+import os
+import sys
+import sysconfig
+import threading
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+_MISSING = object()
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(__file__) + os.sep
+_STDLIB = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib")})
+# A container used whole (passed to a function, iterated) is guarded on up to this many of its
+# scalar leaves (and its length): enough for a dict of hyperparameters, bounded for big tables.
+MAX_LEAVES = 64
+_SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+                 torch.memory_format, enum.Enum)
+
+
+# --- the records ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Guard:
+    """A value the capture read: ``root`` then ``path`` reaches it; it must still ``match``
+    ``expected`` (``"is"``: identity; ``"eq"``: same type and equal; ``"state"``: the global
+    state tuple of :func:`global_state`). ``name`` says where it is, for messages."""
+
+    name: str
+    root: Any
+    path: tuple[tuple[str, Any], ...]
+    expected: Any
+    match: str = "eq"
+    # A None-grad guard that the program's own re-bound gradient fails is lazy state settling,
+    # not a change the user made: the executable re-captures that one silently.
+    settles: bool = False
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A value ``fn`` assigned during capture — a plain module attribute (``model.train()``), a
+    global, a closure variable: the compiled call sets it to ``value`` afterwards, as running
+    ``fn`` would have."""
+
+    name: str
+    where: Any  # the module's __dict__ or the function's globals (a dict), or a closure cell
+    key: str
+    value: Any
+
+    def apply(self) -> None:
+        if isinstance(self.where, dict):
+            if self.where.get(self.key, _MISSING) is not self.value:
+                self.where[self.key] = self.value
+        else:
+            self.where.cell_contents = self.value
+
+
+def read(root: Any, path: Sequence[tuple[str, Any]]) -> Any:
+    """The value at ``path`` from ``root`` now, or ``_MISSING`` where the path is gone."""
+    v = root
+    try:
+        for kind, arg in path:
+            if kind == "item" and isinstance(v, dict):
+                v = dict.get(v, arg, _MISSING)  # (a defaultdict must not grow an entry)
+                if v is _MISSING:
+                    return v
+            elif kind == "item":
+                v = v[arg]
+            elif kind == "attr":
+                v = getattr(v, arg)
+            elif kind == "cell":
+                v = v.cell_contents
+            elif kind == "len":
+                v = len(v)
+            elif kind == "state":
+                v = global_state()
+            else:
+                raise ValueError(f"unknown guard step {kind!r}")
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError):
+        return _MISSING
+    return v
+
+
+def tensor_kind(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a ``.grad`` that is a program input must keep: dtype, device, sizes, strides."""
+    return (t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
+
+
+def same(value: Any, expected: Any, match: str) -> bool:
+    """Whether ``value`` still matches ``expected`` (``"grad"``: a tensor of the kind
+    :func:`tensor_kind` describes)."""
+    if match == "grad":
+        return isinstance(value, torch.Tensor) and tensor_kind(value) == expected
+    if value is expected:
+        return True
+    if match == "is":
+        return False
+    return type(value) is type(expected) and value == expected
+
+
+def holds(g: Guard) -> bool:
+    """Whether guard ``g`` passes now."""
+    return same(read(g.root, g.path), g.expected, g.match)
+
+
+def _short(v: Any) -> str:
+    if v is _MISSING:
+        return "<gone>"
+    if isinstance(v, torch.Tensor):
+        return f"Tensor(shape={list(v.shape)}, dtype={v.dtype}, device={v.device})"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe(g: Guard) -> str:
+    """``name: expected -> current`` for a guard that failed."""
+    return f"{g.name}: {_short(g.expected)} -> {_short(read(g.root, g.path))}"
+
+
+def global_state() -> tuple[Any, ...]:
+    """The global switches a captured program bakes in: grad mode, autocast on CPU and CUDA
+    (enabled, dtype), the default dtype."""
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.get_default_dtype())
+
+
+def state_guard() -> Guard:
+    """The guard on :func:`global_state`."""
+    return Guard("torch global state (grad mode, autocast cpu/cuda and dtypes, default dtype)", None,
+                 (("state", None),), global_state(), "eq")
+
+
+def is_scalar(v: Any) -> bool:
+    """Whether ``v`` is a value a guard compares (numbers, strings, dtypes, enums, tuples of them)."""
+    if isinstance(v, _SCALAR_TYPES):
+        return True
+    return type(v) is tuple and all(is_scalar(e) for e in v)  # (compared whole: one guard)
+
+
+def user_code(filename: str) -> bool:
+    """Whether a code object's file is the user's (not torch's, flowexec's or the standard library's)."""
+    return not filename.startswith((_TORCH_DIR, _OWN_DIR, *_STDLIB)) and not filename.startswith("<frozen")
+
+
+# --- which values a chain of bytecode reads ------------------------------------------------
+
+_SUBSCR = ("BINARY_SUBSCR",)
+_CONSTS = ("LOAD_CONST", "LOAD_SMALL_INT")
+
+
+def chain_after(instructions: Sequence[dis.Instruction], k: int) -> tuple[tuple[str, Any], ...]:
+    """The constant subscripts and attribute loads the bytecode applies to the value that
+    instruction ``k`` pushed (``x["a"].b`` after ``LOAD_GLOBAL x``)."""
+    steps: list[tuple[str, Any]] = []
+    i = k + 1
+    n = len(instructions)
+    while i < n:
+        ins = instructions[i]
+        if ins.opname in ("CACHE", "EXTENDED_ARG", "NOP"):
+            i += 1
+            continue
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            steps.append(("attr", ins.argval))
+            i += 1
+            continue
+        if ins.opname in _CONSTS and i + 1 < n:
+            nxt = instructions[i + 1]
+            if nxt.opname in _SUBSCR or (nxt.opname == "BINARY_OP" and nxt.argrepr == "[]"):
+                try:
+                    hash(ins.argval)
+                except TypeError:
+                    break
+                steps.append(("item", ins.argval))
+                i += 2
+                continue
+        break
+    return tuple(steps)
+
+
+@dataclass(frozen=True)
+class CodeReads:
+    """What one code object reads and writes outside its frame: (kind, name, chain) with kind
+    ``global`` or ``deref``, and the global / free-variable names it stores."""
+
+    reads: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...]
+    writes: tuple[tuple[str, str], ...]
+
+
+_CODE_READS: "weakref.WeakKeyDictionary[types.CodeType, CodeReads]" = weakref.WeakKeyDictionary()
+
+
+def code_reads(code: types.CodeType) -> CodeReads:
+    """:class:`CodeReads` of ``code`` (computed once per code object)."""
+    hit = _CODE_READS.get(code)
+    if hit is not None:
+        return hit
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE",)]
+    reads: dict[tuple[str, str, tuple], None] = {}
+    writes: dict[tuple[str, str], None] = {}
+    free = set(code.co_freevars)
+    for k, i in enumerate(ins):
+        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            reads[("global", i.argval, chain_after(ins, k))] = None
+        elif i.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FROM_DICT_OR_DEREF") and i.argval in free:
+            reads[("deref", i.argval, chain_after(ins, k))] = None
+        elif i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            writes[("global", i.argval)] = None
+        elif i.opname in ("STORE_DEREF", "DELETE_DEREF") and i.argval in free:
+            writes[("deref", i.argval)] = None
+    hit = _CODE_READS[code] = CodeReads(tuple(reads), tuple(writes))
+    return hit
+
+
+def _is_library_object(v: Any) -> bool:
+    return isinstance(v, (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType,
+                          types.MethodWrapperType, types.WrapperDescriptorType, torch.Tensor,
+                          torch.nn.Module, torch.optim.Optimizer))
+
+
+def _is_user_function(v: Any) -> bool:
+    return isinstance(v, types.FunctionType) and user_code(v.__code__.co_filename)
+
+
+# --- recording during capture --------------------------------------------------------------
+
+@dataclass
+class Recorder:
+    """Collects the guards of one capture run. Enter it around the run (``with recorder:``);
+    afterwards :meth:`tensor_guards` adds the parameters' guards, ``guards`` holds them all,
+    :meth:`replays` the writes to repeat after each call, and :meth:`changed_during_run` what
+    fn read and then changed (refused); :meth:`undo_writes` puts Python state back for a
+    capture that is discarded."""
+
+    fn: Callable[..., Any]
+    active: bool = True  # False: records nothing (a capture whose program is not guarded)
+    guards: dict[tuple[int, tuple], Guard] = field(default_factory=dict)
+    # (id(module dict), key) -> (module __dict__, the value before fn's first write)
+    written: dict[tuple[int, str], tuple[dict, Any]] = field(default_factory=dict)
+    global_writes: dict[tuple[int, str], tuple[Any, str, Any]] = field(default_factory=dict)
+    functions: dict[types.CodeType, list[types.FunctionType]] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)
+    # id(param) -> (param, its .grad and requires_grad when first seen: at the start for what fn reaches)
+    grads: dict[int, tuple[torch.Tensor, Any, bool]] = field(default_factory=dict)
+    _used: set = field(default_factory=set)
+    _ignored: set = field(default_factory=set)  # ids of module __dict__s that are not fn's
+    _thread: int = 0
+    _grad_input_ids: set = field(default_factory=set)
+    _grad_inputs: tuple | None = None
+    module_tensor_writes: list[str] = field(default_factory=list)
+    _seen_code: set = field(default_factory=set)
+    _active: bool = False
+    _prev_trace: Any = None
+    _objects: list[Any] = field(default_factory=list)  # keeps ids in `guards` / `names` valid
+
+    # -- set-up: names for the objects fn reaches, and its parameters' grads --
+    def __post_init__(self) -> None:
+        if not self.active:
+            return
+        self._index_function(self.fn)
+        for label, obj in self._roots():
+            self._name_tree(label, obj)
+
+    def _roots(self) -> list[tuple[str, Any]]:
+        """(name, object) for fn's closure variables and the globals its code names, and theirs
+        for the user functions among them (a breadth-first walk, each function once)."""
+        out: list[tuple[str, Any]] = []
+        seen: set[int] = set()
+        todo = [f for fs in self.functions.values() for f in fs]
+        while todo:
+            f = todo.pop(0)
+            if id(f) in seen:
+                continue
+            seen.add(id(f))
+            code = f.__code__
+            cells: list[tuple[str, Any]] = []
+            for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+                try:
+                    cells.append((name, cell.cell_contents))
+                except ValueError:  # an empty cell
+                    pass
+            # A library function's globals are its module's, not the user's: only its closure
+            # (a wrapper or decorator keeps the user's function there) leads on.
+            found = cells + ([(name, f.__globals__[name]) for name in _global_names(code) if name in f.__globals__]
+                             if user_code(code.co_filename) else [])
+            for k, (_, v) in enumerate(found):
+                for g in _functions_in(v):
+                    if id(g) not in seen and (k < len(cells) or _is_user_function(g)):
+                        self._index_function(g)
+                        todo.append(g)
+            out += found
+        return out
+
+    def _index_function(self, f: Any) -> None:
+        for g in _functions_in(f):
+            known = self.functions.setdefault(g.__code__, [])
+            if not any(h is g for h in known):
+                known.append(g)
+
+    def _name_tree(self, label: str, obj: Any) -> None:
+        if id(obj) in self.names:
+            return
+        if isinstance(obj, torch.nn.Module):
+            for qual, m in obj.named_modules(remove_duplicate=False):
+                if id(m) not in self.names:
+                    self.names[id(m)] = f"{label}.{qual}" if qual else label
+                    self._objects.append(m)
+                    self._objects.append(vars(m))
+                    self.names[id(vars(m))] = self.names[id(m)]
+            for qual, p in obj.named_parameters(remove_duplicate=False):
+                self.names.setdefault(id(p), f"{label}.{qual}")
+                self._note_param(p)
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.names[id(obj)] = label
+            self._objects.append(obj)
+            for gi, group in enumerate(obj.param_groups):
+                self.names[id(group)] = f"{label}.param_groups[{gi}]"
+                self._objects.append(group)
+                for p in group["params"]:
+                    self._note_param(p)
+        elif not _is_library_object(obj) and not callable(obj) and hasattr(obj, "__dict__"):
+            self.names[id(obj)] = label  # a trainer or config object: name it, walk its modules
+            self._objects.append(obj)
+            for k, v in list(vars(obj).items())[:MAX_LEAVES]:
+                if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
+                    self._name_tree(f"{label}.{k}", v)
+
+    def _note_param(self, p: torch.Tensor) -> None:
+        if id(p) not in self.grads:
+            self.grads[id(p)] = (p, p.grad, p.requires_grad)
+
+    def grad_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The parameters fn reaches whose ``.grad`` exists at the start of the capture (the
+        first call of this method, before the run)."""
+        if self._grad_inputs is None:
+            self._grad_inputs = tuple(p for p, g, _ in self.grads.values() if g is not None)
+        return self._grad_inputs
+
+    def name_of(self, obj: Any, fallback: str) -> str:
+        return self.names.get(id(obj), fallback)
+
+    # -- recording --
+    def add(self, g: Guard) -> None:
+        key = (id(g.root), g.path)
+        if key not in self.guards:
+            self.guards[key] = g
+            self._objects.append(g.root)
+
+    def add_chain(self, label: str, root: Any, path: tuple[tuple[str, Any], ...]) -> None:
+        """Guard what ``path`` from ``root`` reaches now: a scalar by value, a user function by
+        identity, a container or plain object used whole by its scalar leaves."""
+        v = read(root, path)
+        if v is _MISSING:
+            return
+        if callable(v) and not isinstance(v, (torch.nn.Module, type)) and path and path[-1][0] == "attr" \
+                and len(path) > 1 and not _is_user_function(v):
+            # x.method(...): x is used whole (bound builtin methods such as dict.get)
+            path = path[:-1]
+            label = label.rsplit(".", 1)[0]
+            v = read(root, path)
+        self._guard_value(label, root, path, v, depth=0, budget=[MAX_LEAVES])
+
+    def _guard_value(self, label: str, root: Any, path: tuple, v: Any, depth: int, budget: list[int]) -> None:
+        if budget[0] <= 0:
+            return
+        if is_scalar(v):
+            budget[0] -= 1
+            self.add(Guard(label, root, path, v, "is" if v is None or isinstance(v, (bool, enum.Enum)) else "eq"))
+            return
+        if _is_user_function(v):
+            budget[0] -= 1
+            self.add(Guard(label, root, path, v, "is"))
+            self._index_function(v)
+            return
+        if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
+            self._name_tree(label, v)
+            return
+        if _is_library_object(v) or callable(v) or depth >= 3:
+            return
+        if type(v) in (dict, list, tuple) or isinstance(v, (dict, list)):
+            self.add(Guard(f"len({label})", root, path + (("len", None),), len(v), "eq"))
+            budget[0] -= 1
+            items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+            for k, e in items[:MAX_LEAVES]:
+                try:
+                    hash(k)
+                except TypeError:
+                    continue
+                self._guard_value(f"{label}[{k!r}]", root, path + (("item", k),), e, depth + 1, budget)
+        elif hasattr(v, "__dict__") and not isinstance(v, types.FunctionType):
+            self.names.setdefault(id(v), label)
+            for k, e in list(vars(v).items())[:MAX_LEAVES]:
+                if not k.startswith("__"):
+                    self._guard_value(f"{label}.{k}", root, path + (("attr", k),), e, depth + 1, budget)
+
+    def module_read(self, module: torch.nn.Module, name: str, value: Any, frame: Any) -> None:
+        """``module.name`` was read from its ``__dict__`` (by the wrapped ``__getattribute__``)."""
+        d = object.__getattribute__(module, "__dict__")
+        if (id(d), name) in self.written or isinstance(value, torch.Tensor) or id(d) in self._ignored:
+            return
+        label = f"{self.name_of(module, type(module).__name__)}.{name}"
+        path: tuple[tuple[str, Any], ...] = (("item", name),)
+        if callable(value) and not isinstance(value, torch.nn.Module):  # a function kept on the module
+            self.add(Guard(label, d, path, value, "is"))
+            return
+        if not is_scalar(value) and frame is not None:
+            path += _chain_at(frame, name)
+            label += "".join(f"[{a!r}]" if k == "item" else f".{a}" for k, a in path[1:])
+        self.add_chain(label, d, path)
+
+    def member_read(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        """A parameter, buffer or submodule read (``nn.Module.__getattr__``): the program binds
+        it, so it must still be the same object (``model.fc = nn.Linear(...)`` re-captures)."""
+        d = object.__getattribute__(module, "__dict__")
+        if id(d) in self._ignored:
+            return
+        for table in ("_parameters", "_buffers", "_modules"):
+            members = d.get(table)
+            if members is not None and name in members and members[name] is value:
+                label = f"{self.name_of(module, type(module).__name__)}.{name}"
+                self.add(Guard(label, members, (("item", name),), value, "is"))
+                return
+
+    def module_write(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        """``module.name = value`` inside fn: replayed after each call (refused for tensors).
+        Only modules fn reaches count (not those tracing machinery makes, such as make_fx's root)."""
+        d = object.__getattribute__(module, "__dict__")
+        if id(d) in self._ignored:
+            return
+        if isinstance(value, torch.Tensor) or (name in d.get("_parameters", {}) or name in d.get("_buffers", {})):
+            self.module_tensor_writes.append(f"{self.name_of(module, type(module).__name__)}.{name}")
+            return
+        if isinstance(value, torch.nn.Module):
+            return
+        key = (id(d), name)
+        if key not in self.written:
+            self.written[key] = (d, d.get(name, _MISSING))
+            self._objects.append(d)
+
+    def frame_entered(self, frame: Any) -> None:
+        """A user frame started: guard the globals and closure variables its code reads."""
+        code = frame.f_code
+        info = code_reads(code)
+        cells = None
+        for kind, name, steps in info.reads:
+            label = name + "".join(f"[{a!r}]" if k == "item" else f".{a}" for k, a in steps)
+            if kind == "global":
+                g = frame.f_globals
+                if name not in g:
+                    continue  # a builtin
+                if (id(g), name) in self.global_writes:
+                    continue
+                self.add_chain(label, g, (("item", name),) + steps)
+            else:
+                if cells is None:
+                    cells = self._cells(code)
+                for cell in cells.get(name, ()):
+                    if (id(cell), name) not in self.global_writes:
+                        self.add_chain(label, cell, (("cell", None),) + steps)
+        for kind, name in info.writes:
+            if kind == "global":
+                g = frame.f_globals
+                self.global_writes.setdefault((id(g), name), (g, name, g.get(name, _MISSING)))
+                self._objects.append(g)
+            else:
+                for cell in (self._cells(code) if cells is None else cells).get(name, ()):
+                    try:
+                        old = cell.cell_contents
+                    except ValueError:
+                        old = _MISSING
+                    self.global_writes.setdefault((id(cell), name), (cell, name, old))
+                    self._objects.append(cell)
+
+    def _cells(self, code: types.CodeType) -> dict[str, list[Any]]:
+        """The closure cells of the functions with this code that fn reaches (a function made
+        inside fn reads per-call values, which are no guard's business)."""
+        out: dict[str, list[Any]] = {}
+        for f in self.functions.get(code, ()):
+            for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+                if name != "__class__":
+                    out.setdefault(name, []).append(cell)
+        return out
+
+    # -- the hooks --
+    def __enter__(self) -> Recorder:
+        if not self.active:
+            return self
+        self._active = True
+        self._thread = threading.get_ident()  # (the hooks are the class's: other threads' reads are not fn's)
+        try:  # make_fx's own root module (it keeps the graph's constants) is not fn's
+            from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+            mode = get_proxy_mode()
+            root = getattr(getattr(mode, "tracer", None), "root", None)
+            if root is not None:
+                self._ignored.add(id(vars(root)))
+        except Exception:
+            pass
+        _ACTIVE.append(self)
+        if len(_ACTIVE) == 1:
+            torch.nn.Module.__getattribute__ = _recording_getattribute  # type: ignore[method-assign]
+            _ORIGINAL["setattr"] = torch.nn.Module.__setattr__
+            torch.nn.Module.__setattr__ = _recording_setattr  # type: ignore[method-assign]
+            _ORIGINAL["getattr"] = torch.nn.Module.__getattr__
+            torch.nn.Module.__getattr__ = _recording_getattr  # type: ignore[method-assign]
+        # A global trace function sees each Python frame once, when it starts (returning None
+        # leaves the frame untraced): a profile function would also see every C call and return,
+        # which doubled the capture time of a transformer block. A tracer the user runs (a
+        # debugger, coverage) pauses for the capture: its frames are flowexec's tracing.
+        self._prev_trace = sys.gettrace()
+        sys.settrace(self._tracer())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.active:
+            return
+        sys.settrace(self._prev_trace)
+        self._active = False
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            del torch.nn.Module.__getattribute__
+            torch.nn.Module.__setattr__ = _ORIGINAL.pop("setattr")  # type: ignore[method-assign]
+            torch.nn.Module.__getattr__ = _ORIGINAL.pop("getattr")  # type: ignore[method-assign]
+
+    def _tracer(self) -> Callable[[Any, str, Any], None]:
+        """The global trace function: the first frame of each user code object is scanned (it
+        runs for every Python frame the capture starts, ~0.6M for a transformer block: kept to
+        a set lookup)."""
+        seen = self._seen_code
+
+        def trace(frame: Any, event: str, arg: Any) -> None:
+            code = frame.f_code
+            if code not in seen:
+                seen.add(code)
+                if self._active and user_code(code.co_filename):
+                    self._active = False  # the recorder's own reads are not fn's
+                    try:
+                        self.frame_entered(frame)
+                    finally:
+                        self._active = True
+        return trace
+
+    # -- after the run --
+    def use_leaf(self, t: torch.Tensor) -> None:
+        """A leaf tensor that requires grad was an argument of a traced op."""
+        self._used.add(id(t))
+        self._note_param(t)
+
+    def tensor_guards(self, state: Iterable[torch.Tensor], stepped: Iterable[torch.Tensor]) -> None:
+        """``requires_grad`` of the parameters the program uses (as it was before the run,
+        unless fn itself changed it), and whether each one's ``.grad`` is still the tensor the
+        program reads, or still None where it was None; ``stepped``: the parameters of the
+        optimizers that stepped (their ``.grad`` decides whether they are stepped)."""
+        state_ids = {id(t) for t in state}
+        self._grad_input_ids = {id(p) for p in self.grad_inputs()}
+        stepped_ids = set()
+        for p in stepped:
+            self._note_param(p)
+            stepped_ids.add(id(p))
+        for pid, (p, g0, rg0) in self.grads.items():
+            if not (pid in state_ids or pid in self._used or pid in stepped_ids):
+                continue
+            label = self.names.get(pid) or f"parameter{list(p.shape)}"
+            if p.requires_grad == rg0:
+                self.add(Guard(f"{label}.requires_grad", p, (("attr", "requires_grad"),), rg0, "is"))
+            if g0 is None:
+                self.add(Guard(f"{label}.grad", p, (("attr", "grad"),), None, "is", settles=True))
+            elif pid in self._grad_input_ids:  # an input: any tensor of its kind, read per call
+                self.add(Guard(f"{label}.grad", p, (("attr", "grad"),), tensor_kind(g0), "grad"))
+            elif id(g0) in state_ids:
+                self.add(Guard(f"{label}.grad", p, (("attr", "grad"),), g0, "is"))
+
+    def replays(self) -> tuple[Replay, ...]:
+        """The assignments to repeat after each call: module attributes, then globals and
+        closure variables fn stores (tensors among them are refused: ``module_tensor_writes``)."""
+        out = []
+        for (_, key), (d, _old) in self.written.items():
+            if key in d:
+                out.append(Replay(f"{self.names.get(id(d), 'module')}.{key}", d, key, d[key]))
+        for owner, name, _old in self.global_writes.values():
+            value = owner.get(name, _MISSING) if isinstance(owner, dict) else _cell_value(owner)
+            if value is _MISSING:
+                continue
+            if isinstance(value, torch.Tensor):
+                self.module_tensor_writes.append(f"global {name}" if isinstance(owner, dict) else f"closure {name}")
+            else:
+                out.append(Replay(name, owner, name, value))
+        return tuple(out)
+
+    def changed_during_run(self) -> list[str]:
+        """The guarded values fn itself changed during the run (read, then written): no compiled
+        call can replay that."""
+        bad = []
+        for g in self.guards.values():
+            if g.path and g.path[-1][0] in ("attr",) and isinstance(g.root, torch.Tensor):
+                continue  # requires_grad / grad: fn may (re)create grads; the program re-binds them
+            if g.path and g.path[0][0] == "state":
+                continue
+            if not holds(g):
+                bad.append(describe(g))
+        return bad
+
+    def undo_writes(self) -> None:
+        """Put back the attributes, globals and closure variables fn assigned (a capture that
+        is discarded leaves Python state as it found it)."""
+        for (_, key), (d, old) in self.written.items():
+            if old is _MISSING:
+                d.pop(key, None)
+            else:
+                d[key] = old
+        for owner, name, old in self.global_writes.values():
+            if isinstance(owner, dict):
+                if old is _MISSING:
+                    owner.pop(name, None)
+                else:
+                    owner[name] = old
+            elif old is not _MISSING:
+                owner.cell_contents = old
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names.extend(_global_names(c))
+    return names
+
+
+def _functions_in(v: Any) -> list[types.FunctionType]:
+    if isinstance(v, types.MethodType):
+        v = v.__func__
+    if isinstance(v, functools.partial):
+        v = v.func
+    return [v] if isinstance(v, types.FunctionType) else []
+
+
+def _chain_at(frame: Any, name: str) -> tuple[tuple[str, Any], ...]:
+    """The subscripts and attributes the instruction reading ``name`` in ``frame`` applies next."""
+    code = frame.f_code
+    ins = _instructions(code)
+    for offset in (frame.f_lasti, 2 * frame.f_lasti):  # (bytes; Python 3.10 counts code units)
+        k = ins[1].get(offset)
+        if k is not None and ins[0][k].opname in ("LOAD_ATTR", "LOAD_METHOD") and ins[0][k].argval == name:
+            return chain_after(ins[0], k)
+    return ()
+
+
+_INSTRUCTIONS: "weakref.WeakKeyDictionary[types.CodeType, tuple[list, dict]]" = weakref.WeakKeyDictionary()
+
+
+def _instructions(code: types.CodeType) -> tuple[list[dis.Instruction], dict[int, int]]:
+    hit = _INSTRUCTIONS.get(code)
+    if hit is None:
+        ins = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+        hit = _INSTRUCTIONS[code] = (ins, {i.offset: k for k, i in enumerate(ins)})
+    return hit
+
+
+_ACTIVE: list[Recorder] = []
+_ORIGINAL: dict[str, Any] = {}
+_object_getattribute = object.__getattribute__
+
+
+_FX_DIR = os.path.join(_TORCH_DIR, "fx") + os.sep
+
+
+def _recorder() -> Recorder | None:
+    """The recorder of this thread's capture, while it records."""
+    if _ACTIVE:
+        me = threading.get_ident()
+        for rec in reversed(_ACTIVE):  # (captures on two threads at once: each records its own)
+            if rec._thread == me:
+                return rec if rec._active else None
+    return None
+
+
+def _recording_getattribute(self: Any, name: str) -> Any:
+    value = _object_getattribute(self, name)
+    if _ACTIVE and name[:2] != "__":
+        d = _object_getattribute(self, "__dict__")
+        if d.get(name, _MISSING) is value:
+            rec = _recorder()
+            frame = sys._getframe(1)
+            # reads by the recorder itself or by the tracer (make_fx's root module) are not fn's
+            if rec is not None and not frame.f_code.co_filename.startswith(_FX_DIR):
+                rec._active = False
+                try:
+                    rec.module_read(self, name, value, frame)
+                finally:
+                    rec._active = True
+    return value
+
+
+def _recording_getattr(self: Any, name: str) -> Any:
+    value = _ORIGINAL["getattr"](self, name)
+    rec = _recorder()
+    if rec is not None:
+        frame = sys._getframe(1)
+        if not frame.f_code.co_filename.startswith(_FX_DIR):
+            rec._active = False
+            try:
+                rec.member_read(self, name, value)
+            finally:
+                rec._active = True
+    return value
+
+
+def _recording_setattr(self: Any, name: str, value: Any) -> None:
+    rec = _recorder()
+    if rec is not None and not sys._getframe(1).f_code.co_filename.startswith(_FX_DIR):
+        rec.module_write(self, name, value)
+    _ORIGINAL["setattr"](self, name, value)
+
+
+# --- optimizers ------------------------------------------------------------------------------
+
+def optimizer_guards(opt: torch.optim.Optimizer, label: str, lifted: set[tuple[int, str]]) -> list[Guard]:
+    """Guards on a stepped optimizer's structure (its groups and their parameter lists, its
+    state dict) and on every setting its step reads that is not fed (``lifted``: the
+    ``(group, key)`` pairs fed as tensors): flags such as ``nesterov`` or ``amsgrad``, and
+    values that are not numbers."""
+    out = [Guard(f"len({label}.param_groups)", opt, (("attr", "param_groups"), ("len", None)),
+                 len(opt.param_groups), "eq"),
+           Guard(f"{label}.state", opt, (("attr", "state"),), opt.state, "is"),
+           Guard(f"len({label}.state)", opt, (("attr", "state"), ("len", None)), len(opt.state), "eq")]
+    for gi, group in enumerate(opt.param_groups):
+        where = f"{label}.param_groups[{gi}]"
+        out.append(Guard(where, opt, (("attr", "param_groups"), ("item", gi)), group, "is"))
+        out.append(Guard(f"{where}['params']", group, (("item", "params"),), group["params"], "is"))
+        out.append(Guard(f"len({where}['params'])", group, (("item", "params"), ("len", None)),
+                         len(group["params"]), "eq"))
+        for key in opt.defaults:
+            if (gi, key) in lifted or key not in group:
+                continue
+            v = group[key]
+            match = "eq" if is_scalar(v) and not (v is None or isinstance(v, bool)) else "is"
+            out.append(Guard(f"{where}[{key!r}]", group, (("item", key),), v, match))
+        # Each parameter's state (the program binds its tensors): cleared and made again, or
+        # replaced, it is another dict (load_state_dict replaces opt.state itself: guarded above).
+        for k, p in enumerate(group["params"]):
+            st = dict.get(opt.state, p)
+            if st is not None:
+                out.append(Guard(f"{label}.state[{where}['params'][{k}]]", opt.state, (("item", p),), st, "is"))
+    return out
+
+
+# --- the per-call check ----------------------------------------------------------------------
+
+@dataclass
+class GuardSet:
+    """Everything a call of one captured program checks or feeds before it runs, and the
+    module attributes it sets afterwards.
+
+    ``check()`` returns -1 when the program fits (and has copied changed hyperparameters into
+    its inputs), else the index of what failed: ``i < len(guards)`` a guard, beyond that a fed
+    value (``len(guards) + slot``) that a host read or its type ties to the capture.
+    """
+
+    guards: tuple[Guard, ...]
+    feeds: Any = None  # flowexec.hyperparams.Feeds
+    replays: tuple[Replay, ...] = ()
+    cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None (zero_grad)
+    _native: Any = field(default=None, repr=False)
+
+    def native(self) -> Any:
+        """The C++ check of these guards and feeds (``runtime/csrc/guards.cpp``), where the
+        executable attached one (:func:`flowexec.runtime.fastcall.guard_checker`); else None."""
+        return self._native or None
+
+    def attach(self, checker: Any) -> None:
+        """Use ``checker`` (a ``GuardChecker`` built from this set) for :meth:`check`'s fast answer."""
+        self._native = checker
+
+    def records(self) -> list[tuple[Any, list, Any, str]]:
+        """(root, path, expected, match) per guard: what the C++ check is built from."""
+        return [(g.root, list(g.path), g.expected, g.match) for g in self.guards]
+
+    def check(self) -> int:
+        native = self.native()
+        # (a host read the Python path found answering otherwise keeps failing there: the C++
+        # check compares values with the host copies, which that path has already written)
+        if native is not None and not (self.feeds is not None and self.feeds.failing) and native.check() == -1:
+            return -1
+        for i, g in enumerate(self.guards):
+            if not same(read(g.root, g.path), g.expected, g.match):
+                return i
+        if self.feeds is not None:
+            j = self.feeds.refresh()
+            if j >= 0:
+                return len(self.guards) + j
+        return -1
+
+    def describe(self, i: int) -> str:
+        """What changed, for failure ``i`` of :meth:`check`."""
+        if i < len(self.guards):
+            return describe(self.guards[i])
+        return self.feeds.describe(i - len(self.guards))
+
+    def settles(self, i: int) -> bool:
+        """Whether failure ``i`` is lazy state settling (a ``.grad`` the program itself made)."""
+        return i < len(self.guards) and self.guards[i].settles
+
+    @property
+    def after_call(self) -> bool:
+        """Whether :meth:`replay` has anything to do."""
+        return bool(self.replays or self.cleared_grads)
+
+    def replay(self) -> None:
+        """Set the module attributes, globals and closure variables fn assigned, and clear the
+        gradients it left None, as running it would have."""
+        for r in self.replays:
+            r.apply()
+        for p in self.cleared_grads:
+            p.grad = None
+
+    def __len__(self) -> int:
+        return len(self.guards)
+
+    @property
+    def fed(self) -> tuple[str, ...]:
+        """The names of the values fed to the program before each call (optimizer hyperparameters)."""
+        return tuple(s.name for s in self.feeds.slots) if self.feeds is not None else ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the guarded values."""
+        return tuple(g.name for g in self.guards)

@@ -1,0 +1,268 @@
+// See guards.h. Every failure path is conservative: an exception while reading a value, a type
+// it does not know, anything unexpected reads as "does not hold" (or -2: ask Python), so this
+// check can send a call to the Python path but never let through one the Python path refuses.
+
+#include "guards.h"
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace flowexec {
+
+namespace {
+
+constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4;
+constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5, kGradKind = 6;
+
+int64_t dtype_code(PyObject* o) {
+  if (!THPDtype_Check(o)) return -1;
+  return static_cast<int64_t>(reinterpret_cast<THPDtype*>(o)->scalar_type);
+}
+
+int step_kind(const std::string& s) {
+  if (s == "item") return kItem;
+  if (s == "attr") return kAttr;
+  if (s == "cell") return kCell;
+  if (s == "len") return kLen;
+  if (s == "state") return kState;
+  TORCH_CHECK(false, "guards: unknown step ", s);
+}
+
+}  // namespace
+
+std::vector<int64_t> global_state() {
+  return {static_cast<int64_t>(at::GradMode::is_enabled()),
+          static_cast<int64_t>(at::autocast::is_autocast_enabled(at::kCPU)),
+          static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCPU)),
+          static_cast<int64_t>(at::autocast::is_autocast_enabled(at::kCUDA)),
+          static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCUDA)),
+          static_cast<int64_t>(c10::typeMetaToScalarType(c10::get_default_dtype()))};
+}
+
+GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tensor> hosts,
+                           std::vector<at::Tensor> devices, py::list predicates,
+                           std::vector<std::vector<at::Tensor>> staging)
+    : hosts_(std::move(hosts)), devices_(std::move(devices)) {
+  TORCH_CHECK(hosts_.size() == devices_.size() && staging.size() == hosts_.size(),
+              "guards: one host copy and one staging list per device buffer");
+  for (size_t d = 0; d < staging.size(); ++d) {
+    Ring r;
+    for (auto& t : staging[d]) {
+      TORCH_CHECK(t.is_pinned() && t.sizes() == hosts_[d].sizes() && t.scalar_type() == at::kDouble,
+                  "guards: staging copies are pinned float64 like their host copy");
+      r.copies.push_back(t);
+      r.events.push_back(std::make_unique<c10::Event>(devices_[d].device().type()));
+    }
+    rings_.push_back(std::move(r));
+  }
+  for (auto& h : hosts_)
+    TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kDouble && h.is_contiguous(),
+                "guards: host copies are contiguous CPU float64");
+  for (auto item : guards) {
+    auto t = item.cast<py::tuple>();
+    Guard g;
+    g.root = t[0];
+    for (auto s : t[1].cast<py::list>()) {
+      auto st = s.cast<py::tuple>();
+      g.steps.push_back(Step{step_kind(st[0].cast<std::string>()), st[1]});
+    }
+    g.expected = t[2];
+    const auto match = t[3].cast<std::string>();
+    g.match = match == "is" ? kIs : kEq;
+    const auto n = g.steps.size();
+    TORCH_CHECK(match == "is" || match == "eq" || match == "grad", "guards: unknown match ", match);
+    if (n == 1 && g.steps[0].kind == kState) {
+      g.match = kGlobal;
+      auto e = g.expected.cast<py::tuple>();
+      TORCH_CHECK(e.size() == 6, "guards: the global state has 6 entries");
+      g.state = {e[0].cast<bool>(), e[1].cast<bool>(), dtype_code(e[2].ptr()), e[3].cast<bool>(),
+                 dtype_code(e[4].ptr()), dtype_code(e[5].ptr())};
+    } else if (n >= 1 && g.steps[n - 1].kind == kLen) {
+      g.match = kLength;
+      g.length = g.expected.cast<int64_t>();
+      g.steps.pop_back();
+    } else if (n == 1 && g.steps[0].kind == kAttr && THPVariable_Check(g.root.ptr())) {
+      const auto name = g.steps[0].arg.cast<std::string>();
+      if (name == "requires_grad") {
+        g.match = kRequiresGrad;
+        g.flag = g.expected.cast<bool>();
+      } else if (name == "grad" && match == "grad") {  // (dtype, device, sizes, strides) of an input
+        g.match = kGradKind;
+        auto e = g.expected.cast<py::tuple>();
+        TORCH_CHECK(e.size() == 4 && THPDevice_Check(e[1].ptr()), "guards: a grad kind is (dtype, device, sizes, strides)");
+        g.state = {dtype_code(e[0].ptr())};
+        g.device = reinterpret_cast<THPDevice*>(e[1].ptr())->device;
+        g.sizes = e[2].cast<std::vector<int64_t>>();
+        g.strides = e[3].cast<std::vector<int64_t>>();
+      } else if (name == "grad" && g.match == kIs) {
+        g.match = kGrad;
+        if (!g.expected.is_none()) {
+          TORCH_CHECK(THPVariable_Check(g.expected.ptr()), "guards: a .grad guard expects a tensor or None");
+          g.impl = THPVariable_Unpack(g.expected.ptr()).unsafeGetTensorImpl();
+        }
+      }
+    }
+    guards_.push_back(std::move(g));
+  }
+  for (auto item : feeds) {
+    auto t = item.cast<py::tuple>();
+    Feed f{t[0], t[1], t[2].cast<int>(), t[3].cast<int>(), t[4].cast<int64_t>(), t[5].cast<bool>()};
+    TORCH_CHECK(f.device >= 0 && static_cast<size_t>(f.device) < hosts_.size() &&
+                    f.position < hosts_[f.device].numel(), "guards: a feed outside its buffer");
+    feeds_.push_back(std::move(f));
+  }
+  for (auto item : predicates) {
+    auto t = item.cast<py::tuple>();
+    predicates_.push_back(Predicate{t[0].cast<int>(), t[1].cast<int>(), t[2].cast<double>(), t[3].cast<bool>()});
+  }
+}
+
+bool GuardChecker::holds(const Guard& g) const {
+  if (g.match == kGlobal) return global_state() == g.state;
+  if (g.match == kRequiresGrad) return THPVariable_Unpack(g.root.ptr()).requires_grad() == g.flag;
+  if (g.match == kGradKind) {
+    const at::Tensor& grad = THPVariable_Unpack(g.root.ptr()).grad();
+    return grad.defined() && static_cast<int64_t>(grad.scalar_type()) == g.state[0] && grad.device() == g.device &&
+           grad.sizes() == c10::IntArrayRef(g.sizes) && grad.strides() == c10::IntArrayRef(g.strides);
+  }
+  if (g.match == kGrad) {
+    const at::Tensor& grad = THPVariable_Unpack(g.root.ptr()).grad();
+    return g.impl == nullptr ? !grad.defined() : (grad.defined() && grad.unsafeGetTensorImpl() == g.impl);
+  }
+  // Borrowed references while the chain holds (a dict's item is kept alive by the dict, which is
+  // kept alive by the root or the previous step's owned reference).
+  PyObject* v = g.root.ptr();
+  py::object owned;  // the last new reference, if any
+  for (const auto& s : g.steps) {
+    PyObject* next = nullptr;
+    if (s.kind == kItem && PyDict_Check(v)) {  // (dict semantics: a defaultdict grows no entry)
+      next = PyDict_GetItemWithError(v, s.arg.ptr());
+      if (next == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      Py_INCREF(next);
+    } else if (s.kind == kItem) {
+      next = PyObject_GetItem(v, s.arg.ptr());
+    } else if (s.kind == kAttr) {
+      next = PyObject_GetAttr(v, s.arg.ptr());
+    } else if (s.kind == kCell && PyCell_Check(v)) {
+      next = PyCell_GET(v);
+      if (next == nullptr) return false;  // an empty cell
+      Py_INCREF(next);
+    }
+    if (next == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    owned = py::reinterpret_steal<py::object>(next);
+    v = next;
+  }
+  if (g.match == kLength) {
+    const Py_ssize_t n = PyObject_Length(v);
+    if (n < 0) {
+      PyErr_Clear();
+      return false;
+    }
+    return n == g.length;
+  }
+  PyObject* e = g.expected.ptr();
+  if (v == e) return true;
+  if (g.match == kIs || Py_TYPE(v) != Py_TYPE(e)) return false;
+  const int eq = PyObject_RichCompareBool(v, e, Py_EQ);
+  if (eq < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  return eq == 1;
+}
+
+int GuardChecker::feeds() const {
+  // Two passes: nothing is written unless every change can be taken here.
+  std::vector<std::pair<int, double>> changed;
+  for (size_t i = 0; i < feeds_.size(); ++i) {
+    const Feed& f = feeds_[i];
+    PyObject* v = PyDict_CheckExact(f.group.ptr()) ? PyDict_GetItemWithError(f.group.ptr(), f.key.ptr()) : nullptr;
+    if (v == nullptr) {
+      PyErr_Clear();
+      return -2;
+    }
+    if (f.index >= 0) {
+      if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) <= f.index) return -2;
+      v = PyTuple_GET_ITEM(v, f.index);
+    }
+    if (PyBool_Check(v) || !(PyFloat_CheckExact(v) || PyLong_CheckExact(v))) return -2;
+    const double x = PyFloat_CheckExact(v) ? PyFloat_AS_DOUBLE(v) : PyLong_AsDouble(v);
+    if (x == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return -2;
+    }
+    if (hosts_[f.device].data_ptr<double>()[f.position] == x) continue;
+    if (f.other_reads) return -2;  // a host read this check cannot evaluate depends on it
+    changed.emplace_back(static_cast<int>(i), x);
+  }
+  if (changed.empty()) return -1;
+  for (const auto& p : predicates_) {
+    for (const auto& [i, x] : changed) {
+      if (i != p.feed) continue;
+      bool r = false;
+      switch (p.op) {
+        case 0: r = x != p.constant; break;
+        case 1: r = x == p.constant; break;
+        case 2: r = x > p.constant; break;
+        case 3: r = x >= p.constant; break;
+        case 4: r = x < p.constant; break;
+        case 5: r = x <= p.constant; break;
+        default: return -2;
+      }
+      if (r != p.expected) return -2;  // the program's constant no longer holds: Python says which
+    }
+  }
+  std::vector<bool> dirty(hosts_.size(), false);
+  for (const auto& [i, x] : changed) {
+    const Feed& f = feeds_[i];
+    hosts_[f.device].data_ptr<double>()[f.position] = x;
+    dirty[f.device] = true;
+  }
+  for (size_t d = 0; d < hosts_.size(); ++d)
+    if (dirty[d]) upload(d);
+  return -1;
+}
+
+void GuardChecker::upload(size_t d) const {
+  if (devices_[d].is_same(hosts_[d])) return;  // the CPU: the program reads the host copy itself
+  Ring& r = rings_[d];
+  if (r.copies.empty()) {
+    devices_[d].copy_(hosts_[d]);
+    return;
+  }
+  const size_t k = r.next;
+  r.next = (k + 1) % r.copies.size();
+  r.events[k]->synchronize();  // (no wait unless that copy, RING calls ago, is still queued)
+  r.copies[k].copy_(hosts_[d]);
+  devices_[d].copy_(r.copies[k], /*non_blocking=*/true);
+  c10::impl::VirtualGuardImpl impl(devices_[d].device().type());
+  r.events[k]->record(impl.getStream(devices_[d].device()));
+}
+
+int GuardChecker::check() const {
+  for (size_t i = 0; i < guards_.size(); ++i)
+    if (!holds(guards_[i])) return static_cast<int>(i);
+  return feeds_.empty() ? -1 : feeds();
+}
+
+void register_guards(py::module_& m) {
+  py::class_<GuardChecker, std::shared_ptr<GuardChecker>>(m, "GuardChecker")
+      .def(py::init<py::list, py::list, std::vector<at::Tensor>, std::vector<at::Tensor>, py::list,
+                    std::vector<std::vector<at::Tensor>>>(),
+           py::arg("guards"), py::arg("feeds"), py::arg("hosts"), py::arg("devices"), py::arg("predicates"),
+           py::arg("staging"))
+      .def("check", &GuardChecker::check)
+      .def("__len__", &GuardChecker::size);
+  m.def("global_state", &global_state);
+}
+
+}  // namespace flowexec

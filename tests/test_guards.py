@@ -1,0 +1,359 @@
+"""Nothing passes unnoticed (issue 37): every kind of Python value a capture reads, changed
+between calls, gives eager's answer (a re-capture) or an error naming it.
+
+Each case builds a fresh function and the state it reads, calls it, changes one value, calls it
+again: the compiled function must return what eager returns after the change, and the change
+must alter eager's answer (else the case would prove nothing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from flowexec.errors import CaptureError, GuardError
+from flowexec.guards import Guard, GuardSet, describe
+
+G_SCALE = 1.0
+G_TABLE = {"bias": 0.0, "inner": {"gain": 1.0}}
+
+
+@dataclasses.dataclass
+class Opts:
+    power: float = 1.0
+
+
+G_OPTS = Opts()
+
+
+def g_helper(x: torch.Tensor) -> torch.Tensor:
+    return x * G_TABLE["inner"]["gain"]  # a global read by a function fn calls
+
+
+def g_act(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.5)
+        self.temperature = 1.0
+        self.cfg = {"shift": 0.0}
+        self.act = torch.relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(self.lin(x))) / self.temperature + self.cfg["shift"]
+
+
+def _reset_globals() -> None:
+    global G_SCALE, g_act
+    G_SCALE = 1.0
+    G_TABLE.update(bias=0.0, inner={"gain": 1.0})
+    G_OPTS.power = 1.0
+
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+    g_act = act
+
+
+def _forward_case(change: Callable[[Net], None]) -> Callable[[], tuple]:
+    def make() -> tuple:
+        _reset_globals()
+        net = Net()
+        return (lambda x: net(x)), (lambda: change(net)), net
+    return make
+
+
+def _global_case(change: Callable[[], None]) -> Callable[[], tuple]:
+    def make() -> tuple:
+        _reset_globals()
+        w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+
+        def fn(x):
+            y = g_helper(g_act(x @ w)) * G_SCALE + G_TABLE["bias"]
+            return y ** G_OPTS.power
+        return fn, change, None
+    return make
+
+
+def _closure_case() -> tuple:
+    settings = {"k": 2.0}
+    factor = [1.0]
+
+    def fn(x):
+        return x * settings["k"] + factor[0]
+
+    def change() -> None:
+        settings["k"] = 3.0
+        factor[0] = -1.0
+    return fn, change, None
+
+
+def _set_global(name: str, value: Any) -> Callable[[], None]:
+    def change() -> None:
+        globals()[name] = value
+    return change
+
+
+def _training_case(change: Callable[[torch.nn.Module, torch.optim.Optimizer], None],
+                   opt: Callable[[Any], torch.optim.Optimizer] = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                   zero: bool = True):
+    """A training step; ``zero=False``: gradients accumulate over calls (what fn finds in
+    ``.grad`` then matters)."""
+    def make() -> tuple:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        o = opt(model.parameters())
+
+        def step(x):
+            if zero:
+                o.zero_grad(set_to_none=False)
+            loss = model(x).square().mean()
+            loss.backward()
+            o.step()
+            return torch.cat([p.detach().flatten() for p in model.parameters()])
+        return step, (lambda: change(model, o)), model
+    return make
+
+
+def _add_group(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    bias = model[2].bias  # moved to a group of its own, with another lr
+    opt.param_groups[0]["params"] = [p for p in opt.param_groups[0]["params"] if p is not bias]
+    opt.add_param_group({"params": [bias], "lr": 1.0})
+
+
+CASES: dict[str, Callable[[], tuple]] = {
+    "module training flag": _forward_case(lambda n: n.drop.eval()),
+    "module attribute": _forward_case(lambda n: setattr(n, "temperature", 4.0)),
+    "module container item": _forward_case(lambda n: n.cfg.update(shift=1.5)),
+    "module function attribute": _forward_case(lambda n: setattr(n, "act", torch.sigmoid)),
+    "module forward hook added": _forward_case(lambda n: n.lin.register_forward_hook(lambda m, i, o: o * 2)),
+    "global number": _global_case(_set_global("G_SCALE", 3.0)),
+    "global dict item": _global_case(lambda: G_TABLE.update(bias=2.0)),
+    "global nested dict item read by a helper": _global_case(lambda: G_TABLE["inner"].update(gain=5.0)),
+    "global object attribute": _global_case(lambda: setattr(G_OPTS, "power", 2.0)),
+    "global function replaced": _global_case(_set_global("g_act", torch.sigmoid)),
+    "closure numbers": _closure_case,
+    "requires_grad": _training_case(lambda m, o: m[0].weight.requires_grad_(False)),
+    "grad replaced": _training_case(lambda m, o: setattr(m[0].weight, "grad", torch.ones_like(m[0].weight)),
+                                    zero=False),
+    "grad set to None": _training_case(lambda m, o: setattr(m[0].weight, "grad", None), zero=False),
+    "optimizer flag": _training_case(lambda m, o: o.param_groups[0].update(nesterov=True)),
+    "optimizer number read on the host": _training_case(lambda m, o: o.param_groups[0].update(momentum=0.0)),
+    "optimizer lr becomes a tensor": _training_case(lambda m, o: o.param_groups[0].update(lr=torch.tensor(0.5))),
+    "optimizer param group added": _training_case(_add_group),
+    "optimizer state cleared": _training_case(lambda m, o: o.state.clear()),
+    "parameter replaced": _training_case(lambda m, o: (setattr(m[0], "weight", torch.nn.Parameter(torch.ones(8, 4))),
+                                                       o.param_groups[0]["params"].__setitem__(0, m[0].weight))),
+    "submodule replaced": _forward_case(lambda n: setattr(n, "drop", torch.nn.Identity())),
+}
+
+
+def _calls(make: Callable[[], tuple], wrap: Callable) -> list[torch.Tensor]:
+    fn, change, _ = make()
+    exe = wrap(fn)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3, 4, generator=g) for _ in range(4)]
+    out = []
+    torch.manual_seed(11)
+    for i, x in enumerate(xs):
+        out.append(exe(x).detach().clone())
+        if i == 1:
+            change()
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_changed_value_gives_eager_answer(name: str) -> None:
+    make = CASES[name]
+    eager = _calls(make, lambda f: f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flowexec.RecaptureWarning)
+        mine = _calls(make, flowexec.compile)
+    for k, (a, b) in enumerate(zip(mine, eager)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}, call {k}: {m}")
+    unchanged = _calls(lambda: (make()[0], lambda: None, None), lambda f: f)
+    assert not torch.allclose(unchanged[-1], eager[-1]), f"{name}: the change does not alter eager's answer"
+
+
+def test_recapture_warning_names_the_value() -> None:
+    net = Net()
+    exe = flowexec.compile(lambda x: net(x))
+    exe(torch.ones(2, 4))
+    net.drop.eval()
+    with pytest.warns(flowexec.RecaptureWarning, match=r"net\.drop\.training: True -> False"):
+        exe(torch.ones(2, 4))
+    net.temperature = 2.0
+    with pytest.warns(flowexec.RecaptureWarning, match=r"net\.temperature: 1\.0 -> 2\.0"):
+        exe(torch.ones(2, 4))
+
+
+def test_autocast_and_default_dtype_are_guarded() -> None:
+    w = torch.randn(4, 4)
+    exe = flowexec.compile(lambda x: x @ w)
+    made = flowexec.compile(lambda x: x + torch.ones(4))  # a factory without a dtype: the default's
+    x = torch.randn(2, 4)
+    assert exe(x).dtype == torch.float32 and made(x).dtype == torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flowexec.RecaptureWarning)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = exe(x), x @ w
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want)
+        assert exe(x).dtype == torch.float32  # and back
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert made(x.double()).dtype == (x.double() + torch.ones(4)).dtype == torch.float64
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+
+def test_value_fn_changes_itself_is_refused_naming_it() -> None:
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1  # Python state no compiled call can replay
+            return x * self.calls
+
+    counter = Counter()
+    with pytest.raises(CaptureError, match=r"counter\.calls: 0 -> 1"):
+        flowexec.compile(lambda x: counter(x), torch.ones(2))
+
+
+def test_value_changing_every_call_ends_in_an_error_naming_it() -> None:
+    box = {"step": 0}
+
+    def fn(x):
+        return x + box["step"]
+
+    exe = flowexec.compile(fn, cache_size=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flowexec.RecaptureWarning)
+        for k in range(3):
+            box["step"] = k
+            assert float(exe(torch.zeros(())) ) == k
+        box["step"] = 3
+        with pytest.raises(GuardError, match=r"box\['step'\]: 2 -> 3 .*cache_size=3"):
+            exe(torch.zeros(()))
+
+
+def test_module_attributes_fn_assigns_are_replayed() -> None:
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+
+    def step_for(net):
+        def step(x):
+            net.train()  # fn puts the model in training mode itself
+            return net(x)
+        return step
+
+    eager, mine = step_for(nets[0]), flowexec.compile(step_for(nets[1]))
+    for k in range(3):
+        for n in nets:
+            n.eval()
+        torch.manual_seed(k)
+        a = eager(torch.ones(2, 4))
+        torch.manual_seed(k)
+        b = mine(torch.ones(2, 4))
+        torch.testing.assert_close(b, a)
+        assert nets[1].training and nets[1][1].training  # as running fn leaves them
+
+
+def test_native_and_python_checks_agree() -> None:
+    """The C++ guard check passes exactly where the Python one does, over random changes."""
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    import random
+
+    rng = random.Random(0)
+    for trial in range(200):
+        d = {"a": 1.0, "b": True, "c": "x", "n": None, "t": (1, 2)}
+        p = torch.nn.Parameter(torch.zeros(3))
+        p.grad = torch.zeros(3)
+        guards = (Guard("d.a", d, (("item", "a"),), 1.0, "eq"), Guard("d.b", d, (("item", "b"),), True, "is"),
+                  Guard("d.c", d, (("item", "c"),), "x", "eq"), Guard("d.n", d, (("item", "n"),), None, "is"),
+                  Guard("d.t", d, (("item", "t"),), (1, 2), "eq"), Guard("len(d)", d, (("len", None),), 5, "eq"),
+                  Guard("p.requires_grad", p, (("attr", "requires_grad"),), True, "is"),
+                  Guard("p.grad", p, (("attr", "grad"),), (torch.float32, torch.device("cpu"), (3,), (1,)), "grad"))
+        gs = GuardSet(guards)
+        gs.attach(fastcall.guard_checker(gs))
+        assert gs.native().check() == -1
+        change = rng.choice(["none", "a", "a_int", "b", "c", "n", "t", "len", "rg", "grad_none", "grad_shape",
+                             "grad_dtype", "grad_same_kind"])
+        if change == "a":
+            d["a"] = 2.0
+        elif change == "a_int":
+            d["a"] = 1  # equal but another type: a guard tells them apart
+        elif change == "b":
+            d["b"] = False
+        elif change == "c":
+            d["c"] = "y"
+        elif change == "n":
+            d["n"] = 0
+        elif change == "t":
+            d["t"] = (1, 3)
+        elif change == "len":
+            d["z"] = 0
+        elif change == "rg":
+            p.requires_grad_(False)
+        elif change == "grad_none":
+            p.grad = None
+        elif change == "grad_shape":
+            p.grad = torch.zeros(6)[::2]
+        elif change == "grad_dtype":
+            p.data = p.data.double()
+            p.grad = torch.zeros(3, dtype=torch.float64)
+        elif change == "grad_same_kind":
+            p.grad = torch.ones(3)
+        native = gs.native().check() == -1
+        python = all(same_holds(g) for g in guards)
+        assert native == python, f"{change}: native {native}, python {python} ({[describe(g) for g in guards]})"
+        assert native == (change in ("none", "grad_same_kind")), change
+
+
+def same_holds(g: Guard) -> bool:
+    from flowexec.guards import holds
+
+    return holds(g)
+
+
+LAST_MODE = {"ran": 0}
+DONE = False
+
+
+def test_python_names_fn_assigns_are_replayed_and_tensors_refused() -> None:
+    def step(x):
+        global DONE
+        DONE = True  # a global fn sets: the compiled call sets it too
+        return x * 2
+
+    exe = flowexec.compile(step, torch.ones(2))
+    global DONE
+    for _ in range(2):
+        DONE = False
+        exe(torch.ones(2))
+        assert DONE is True
+
+    w = torch.ones(2)
+
+    def picks(x):
+        global KEPT
+        KEPT = w  # a tensor bound to a global inside fn: no compiled call can re-bind it
+        return x * w
+
+    with pytest.raises(CaptureError, match="global KEPT"):
+        flowexec.compile(picks, torch.ones(2))

@@ -1,0 +1,399 @@
+"""Training loops as people write them (issue 37): each runs eagerly and compiled with
+``@flowexec.compile`` from the same initial state and must give eager's losses and parameters,
+in trace mode on the CPU (tests/gpu/test_training_gpu.py runs them in graph mode).
+
+Each loop changes something mid-run — a schedule's lr and momentum, ``model.eval()``, a module
+attribute, a number in a global dict, ``requires_grad``, the weight decay — and every loop is
+also run eagerly *without* that change, to check that the change matters: a compiled run that
+ignored it would fail the comparison. Optimizer state is never created by hand (lazy state).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from helpers import assert_close_rel
+
+STEPS = 8
+
+
+def _data(device: str = "cpu", n: int = STEPS, d: int = 8, classes: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(6, d, generator=g).to(device), torch.randint(0, classes, (6,), generator=g).to(device))
+            for _ in range(n)]
+
+
+def _mlp(dropout: float = 0.0, norm: bool = False, device: str = "cpu") -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    # (no bias before batch norm: its gradient is zero up to rounding, which Adam would turn into
+    # full-size steps of random sign, eager and compiled apart)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 16, bias=not norm)]
+    if norm:
+        layers.append(torch.nn.BatchNorm1d(16))
+    layers += [torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 3)]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def _step_of(model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable = F.cross_entropy,
+             zero: str = "none") -> Callable:
+    def step(x, y):
+        opt.zero_grad(set_to_none=(zero == "none"))
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+@dataclasses.dataclass
+class Run:
+    losses: list[float]
+    params: list[torch.Tensor]
+    exe: Any = None
+
+
+def _run(model: torch.nn.Module, step: Callable, wrap: Callable, between: Callable[[int], None] = lambda i: None,
+         device: str = "cpu") -> Run:
+    fn = wrap(step)
+    losses = []
+    torch.manual_seed(3)  # dropout draws the same masks in both runs
+    for i, (x, y) in enumerate(_data(device)):
+        losses.append(float(fn(x, y).detach()))
+        between(i)
+    return Run(losses, [p.detach().clone() for p in model.parameters()], fn)
+
+
+# --- the loops: (wrap, change) -> Run ------------------------------------------------------------
+
+def scheduled(opt_cls: type, sched: Callable, **kw: Any) -> Callable[..., Run]:
+    def loop(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+        model = _mlp(device=device)
+        opt = opt_cls(model.parameters(), **kw)
+        s = sched(opt)
+        return _run(model, _step_of(model, opt), wrap, lambda i: s.step() if change else None, device=device)
+    return loop
+
+
+def train_eval(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """Batch norm's training flag: batch statistics and running-stat updates, or the running stats."""
+    model = _mlp(norm=True, device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def between(i: int) -> None:
+        if change and i == 2:
+            model.eval()
+        if change and i == 5:
+            model.train()
+    return _run(model, _step_of(model, opt), wrap, between, device=device)
+
+
+def nested_flag(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """One module deep inside the model switched to eval mode."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_mlp(norm=True), torch.nn.Tanh()).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return _run(model, _step_of(model, opt), wrap, lambda i: model[0][1].eval() if change and i == 3 else None,
+                device=device)
+
+
+def dropout_eval(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """Dropout's training flag (its masks drawn from the same random stream as eager's)."""
+    model = _mlp(dropout=0.5, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return _run(model, _step_of(model, opt), wrap, lambda i: model[2].eval() if change and i == 3 else None,
+                device=device)
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+        self.temperature = 1.0
+        self.cfg = {"shift": 0.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) / self.temperature + self.cfg["shift"]
+
+
+def module_attribute(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    model = Tempered().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def between(i: int) -> None:
+        if change and i == 2:
+            model.temperature = 3.0
+        if change and i == 4:
+            model.cfg["shift"] = 0.5
+    return _run(model, _step_of(model, opt), wrap, between, device=device)
+
+
+HP = {"loss": {"scale": 1.0}, "label_smoothing": 0.0}
+SCALE = 1.0
+
+
+@dataclasses.dataclass
+class Settings:
+    power: float = 1.0
+
+
+SETTINGS = Settings()
+
+
+def python_numbers(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """Numbers the step reads from a global dict (nested), a global, a global object and a closure."""
+    global SCALE
+    HP["loss"]["scale"], HP["label_smoothing"], SCALE, SETTINGS.power = 1.0, 0.0, 1.0, 1.0
+    model = _mlp(device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = [0.0]
+
+    def step(x, y):
+        opt.zero_grad()
+        ce = F.cross_entropy(model(x), y, label_smoothing=HP["label_smoothing"])
+        loss = (ce * HP["loss"]["scale"] * SCALE) ** SETTINGS.power + extra[0]
+        loss.backward()
+        opt.step()
+        return loss
+
+    def between(i: int) -> None:
+        global SCALE
+        if not change:
+            return
+        if i == 1:
+            HP["loss"]["scale"] = 2.0
+        if i == 2:
+            HP["label_smoothing"] = 0.1
+        if i == 3:
+            SCALE = 0.5
+        if i == 4:
+            SETTINGS.power = 2.0
+        if i == 5:
+            extra[0] = 1.0  # (a constant added to the loss: changes the loss, not the gradients)
+    return _run(model, step, wrap, between, device=device)
+
+
+def freeze(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    model = _mlp(device=device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def between(i: int) -> None:
+        if change and i == 2:
+            model[0].requires_grad_(False)
+        if change and i == 5:
+            model[0].requires_grad_(True)
+    return _run(model, _step_of(model, opt), wrap, between, device=device)
+
+
+def weight_decay(opt_cls: type, **kw: Any) -> Callable[..., Run]:
+    def loop(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+        model = _mlp(device=device)
+        opt = opt_cls(model.parameters(), **kw)
+
+        def between(i: int) -> None:
+            if change and i == 2:
+                opt.param_groups[0]["weight_decay"] = 0.5
+            if change and i == 4:
+                opt.param_groups[0]["weight_decay"] = 0.0
+        return _run(model, _step_of(model, opt), wrap, between, device=device)
+    return loop
+
+
+def lazy(opt_cls: type, zero: str, **kw: Any) -> Callable[..., Run]:
+    """No schedule: the change is the optimizer's own state (made on the first step)."""
+    def loop(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+        model = _mlp(device=device)
+        opt = opt_cls(model.parameters(), **kw)
+        return _run(model, _step_of(model, opt, zero=zero), wrap, device=device)
+    return loop
+
+
+def accumulation(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """A micro-step (forward, backward into .grad) and an update (clip, step, zero), compiled apart."""
+    model = _mlp(device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def micro(x, y):
+        loss = F.cross_entropy(model(x), y) / 2
+        loss.backward()
+        return loss.detach()
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+
+    micro_fn, update_fn = wrap(micro), wrap(update)
+    losses = []
+    for i, (x, y) in enumerate(_data(device)):
+        losses.append(float(micro_fn(x, y)))
+        if i % 2 == 1:
+            update_fn()
+            if change:
+                sched.step()
+    return Run(losses, [p.detach().clone() for p in model.parameters()], micro_fn)
+
+
+def clipping(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    model = _mlp(device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    limit = {"max_norm": 0.1}
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=limit["max_norm"])
+        opt.step()
+        return loss
+    return _run(model, step, wrap, lambda i: limit.update(max_norm=10.0) if change and i == 3 else None,
+                device=device)
+
+
+def grad_scaler(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """Mixed precision's loss scaling with a fused optimizer (the scale and found_inf stay tensors)."""
+    model = _mlp(device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 4, growth_interval=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+    run = _run(model, step, wrap, lambda i: sched.step() if change else None, device=device)
+    run.losses.append(float(scaler.get_scale()))
+    return run
+
+
+LOOPS: dict[str, Callable[..., Run]] = {
+    "steplr_adamw": scheduled(torch.optim.AdamW, lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.3),
+                              lr=0.05),
+    "onecycle_adamw": scheduled(torch.optim.AdamW, lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.05, total_steps=STEPS), lr=0.01),
+    "onecycle_sgd_momentum": scheduled(torch.optim.SGD, lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.5, total_steps=STEPS), lr=0.1, momentum=0.9),
+    "cyclic_sgd_nesterov": scheduled(torch.optim.SGD, lambda o: torch.optim.lr_scheduler.CyclicLR(
+        o, 0.01, 0.3, step_size_up=2), lr=0.1, momentum=0.9, nesterov=True),
+    "cosine_adam": scheduled(torch.optim.Adam, lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=3),
+                             lr=0.05),
+    "exponential_rmsprop": scheduled(torch.optim.RMSprop, lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.5),
+                                     lr=0.01, momentum=0.5),
+    "lambda_adagrad": scheduled(torch.optim.Adagrad, lambda o: torch.optim.lr_scheduler.LambdaLR(
+        o, lambda k: 1.0 / (1 + k)), lr=0.5),
+    "multistep_nadam": scheduled(torch.optim.NAdam, lambda o: torch.optim.lr_scheduler.MultiStepLR(
+        o, milestones=[2, 4], gamma=0.2), lr=0.05),
+    "linear_radam": scheduled(torch.optim.RAdam, lambda o: torch.optim.lr_scheduler.LinearLR(
+        o, start_factor=1.0, end_factor=0.1, total_iters=4), lr=0.05),
+    "steplr_fused_adamw": scheduled(torch.optim.AdamW, lambda o: torch.optim.lr_scheduler.StepLR(
+        o, step_size=2, gamma=0.3), lr=0.05, fused=True),
+    "steplr_single_tensor_sgd": scheduled(torch.optim.SGD, lambda o: torch.optim.lr_scheduler.StepLR(
+        o, step_size=2, gamma=0.3), lr=0.1, momentum=0.9, foreach=False),
+    "train_eval": train_eval,
+    "nested_module_flag": nested_flag,
+    "dropout_eval": dropout_eval,
+    "module_attribute": module_attribute,
+    "python_numbers": python_numbers,
+    "freeze_layer": freeze,
+    "weight_decay_adamw": weight_decay(torch.optim.AdamW, lr=0.01, weight_decay=0.01),
+    "weight_decay_sgd": weight_decay(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "lazy_adamw": lazy(torch.optim.AdamW, "none", lr=0.01),
+    "lazy_adam_zero_in_place": lazy(torch.optim.Adam, "zero", lr=0.01),
+    "lazy_sgd_momentum": lazy(torch.optim.SGD, "none", lr=0.1, momentum=0.9),
+    "accumulation_clip_schedule": accumulation,
+    "clipping": clipping,
+    "grad_scaler_fused": grad_scaler,
+}
+# Loops whose change is the optimizer's own lazy state: there is no "without" run to compare.
+_NO_CHANGE = {"lazy_adamw", "lazy_adam_zero_in_place", "lazy_sgd_momentum"}
+# Loops that must not re-capture at all (the schedule is fed, not guarded).
+_NO_RECAPTURE = {"steplr_adamw", "onecycle_adamw", "onecycle_sgd_momentum", "cyclic_sgd_nesterov", "cosine_adam",
+                 "exponential_rmsprop", "lambda_adagrad", "multistep_nadam", "linear_radam", "steplr_fused_adamw",
+                 "steplr_single_tensor_sgd", "lazy_adamw", "lazy_adam_zero_in_place", "lazy_sgd_momentum",
+                 "accumulation_clip_schedule", "grad_scaler_fused"}
+
+
+def _far(a: Run, b: Run) -> float:
+    return max(float((p - q).norm() / q.norm()) for p, q in zip(a.params, b.params))
+
+
+def check_loop(name: str, device: str = "cpu", **options: Any) -> Run:
+    """Loop ``name`` compiled (with ``options``) against eager from the same initial state; the
+    schedules and lazy state re-capture nothing; the mid-run change matters."""
+    loop = LOOPS[name]
+    eager = loop(lambda f: f, device=device)
+    compile_ = (lambda f: flowexec.compile(f, **options)) if options else flowexec.compile
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mine = loop(compile_, device=device)
+    recaptures = [w for w in caught if issubclass(w.category, flowexec.RecaptureWarning)]
+    for k, (a, b) in enumerate(zip(mine.losses, eager.losses)):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{name}: loss {k}: {a} vs eager {b}"
+    for k, (p, q) in enumerate(zip(mine.params, eager.params)):
+        assert_close_rel(p, q, tol=1e-5, what=f"{name}: parameter {k}")
+    if name in _NO_RECAPTURE:
+        assert not recaptures, f"{name}: re-captured: {[str(w.message) for w in recaptures]}"
+    if name not in _NO_CHANGE:  # the change matters: ignoring it would have failed above
+        unchanged = loop(lambda f: f, change=False, device=device)
+        assert _far(unchanged, eager) > 1e-3, f"{name}: the mid-run change does not move the parameters"
+    return mine
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_loop_matches_eager(name: str) -> None:
+    check_loop(name)
+
+
+def test_schedule_is_fed_not_captured_again() -> None:
+    """One program for a whole OneCycleLR run (lr and betas change every step), fed before each call."""
+    run = LOOPS["onecycle_adamw"](flowexec.compile)
+    assert sum(map(len, run.exe._cache.values())) == 1
+    feeds = run.exe._last.guards.feeds
+    assert {s.name for s in feeds.slots} >= {"opt.param_groups[0]['lr']", "opt.param_groups[0]['betas'][0]"}
+
+
+def test_compile_with_examples_defers_lazy_state_to_the_second_call() -> None:
+    """``compile(fn, *examples)`` takes no step: where the step makes optimizer state, nothing is
+    captured yet (``program`` says why), the first call runs eagerly and the second captures."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    twin_model = _mlp()
+    twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=0.01)
+    data = _data()
+    exe = flowexec.compile(_step_of(model, opt), *data[0])
+    with pytest.raises(flowexec.executable.NotCapturedError, match="first call runs fn eagerly"):
+        exe.program
+    assert not opt.state  # no step was taken, no state left behind by the discarded capture
+    eager = _step_of(twin_model, twin_opt)
+    for k, (x, y) in enumerate(data[:4]):
+        a, b = exe(x, y), eager(x, y)
+        assert abs(float(a.detach()) - float(b.detach())) <= 1e-5, k
+        assert (exe._cache == {}) == (k == 0)  # the first call ran eagerly; the second captured
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert_close_rel(p, q, what="parameter")
+
+
+def test_grad_scaler_with_an_optimizer_that_is_not_fused_says_what_to_use() -> None:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # foreach: GradScaler reads found_inf on the host
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(x, y):
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    exe = flowexec.compile(step)
+    x, y = _data()[0]
+    with pytest.raises(flowexec.CaptureError, match=r"GradScaler reads found_inf on the host .*fused=True"):
+        exe(x, y)
