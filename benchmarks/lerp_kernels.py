@@ -47,7 +47,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tile ×2": {"tile": {2: 8192, 4: 4096, 8: 2048}},
     "8 programs / SM": {"programs_per_sm": 8},
     "backward 8 warps": {"bwd_warps": 8},
-    "last-block final": {"fused_final_max": 1 << 30, "atomic_max": 0},
     "three full operands: 2048-element tiles (before)": {"flat3_tile": {}},
     "three full operands: no evict-first loads (before)": {"flat3_evict": {}},
     "plane tile ÷2": {"plane_tile": {2: 1024, 4: 512, 8: 256}},

@@ -73,7 +73,6 @@ EXTRA = [
 ]
 SWEEP = {  # kernel configs tried on the reference cases with --sweep
     "default": {},  # LerpConfig() as shipped (a separate final-reduction kernel)
-    "last-block": dict(fused_final_max=4096),  # small partial sums reduced by the last program
     "tile-x2-w8": dict(tile={2: 8192, 4: 4096, 8: 2048}, fwd_warps=8, bwd_warps=8),
     "tile-x2-w4": dict(tile={2: 8192, 4: 4096, 8: 2048}),
     "tile-/2": dict(tile={2: 2048, 4: 1024, 8: 512}),
