@@ -617,9 +617,11 @@ def test_native_takes_unusual_tensors_back_to_python():
 
 @pytest.mark.skipif(L.interpreter_active() or not L.HAS_TRITON or torch.cuda.is_available(),
                     reason="the Triton-kernel tests ran in this process")
+@pytest.mark.skipif(L.interpreter_active() or not L.HAS_TRITON, reason="the kernel tests ran in this process")
 def test_triton_kernels_in_a_fresh_interpreter_process():
-    # Triton fixes its interpreter mode when first imported; in a full test run something imports
-    # it (compiled) before this file, so the kernel tests above skip here and run in a fresh process.
+    # Triton fixes its interpreter mode when first imported. tests/conftest.py sets it for CPU-only
+    # runs; where something imported Triton compiled before this file, the kernel tests above skip
+    # here and run in a fresh process.
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", os.path.abspath(__file__)],
