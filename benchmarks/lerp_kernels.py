@@ -10,6 +10,11 @@ kernel with the forward's streams (read each output-sized input, write the outpu
 achieve against the memory floor at these sizes.
 
     PYTHONPATH=. python3 benchmarks/lerp_kernels.py --out benchmarks/results/lerp_kernels.json
+
+``--inplace``: ``torch.ops.flowexec.lerp_`` against ATen's ``lerp_``, and a graph-mode step with
+and without ``fuse_lerp`` (``benchmarks/results/lerp_inplace.json``, what the pass's default rests on).
+
+    PYTHONPATH=. python3 benchmarks/lerp_kernels.py --inplace
 """
 from __future__ import annotations
 
@@ -47,7 +52,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tile ×2": {"tile": {2: 8192, 4: 4096, 8: 2048}},
     "8 programs / SM": {"programs_per_sm": 8},
     "backward 8 warps": {"bwd_warps": 8},
-    "last-block final": {"fused_final_max": 1 << 30, "atomic_max": 0},
     "three full operands: 2048-element tiles (before)": {"flat3_tile": {}},
     "three full operands: no evict-first loads (before)": {"flat3_evict": {}},
     "plane tile ÷2": {"plane_tile": {2: 1024, 4: 512, 8: 256}},
@@ -100,12 +104,84 @@ def measure(case: Case, bw: float) -> dict[str, Any]:
     return row
 
 
+INPLACE_SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype, Any]] = {  # self's shape, dtype, weight
+    "[16,102400] f32 w=0.1": ((16, 102400), torch.float32, 0.1),
+    "[16,102400] f32 w[1]": ((16, 102400), torch.float32, (1,)),
+    "[16,102400] f32 w full": ((16, 102400), torch.float32, "full"),
+    "[16,204800] f64 w=0.1": ((16, 204800), torch.float64, 0.1),
+    "[16,102400] f16 w=0.1": ((16, 102400), torch.float16, 0.1),
+    "[16,102400] bf16 w=0.1": ((16, 102400), torch.bfloat16, 0.1),
+    "[16,3,244,244] f32 w[3,1,244]": ((16, 3, 244, 244), torch.float32, (3, 1, 244)),
+    "[4096,4096] f32 w[4096]": ((4096, 4096), torch.float32, (4096,)),
+    "[256,256] f32 w[256]": ((256, 256), torch.float32, (256,)),
+    "[64,256] f32 w=0.1": ((64, 256), torch.float32, 0.1),
+}
+
+
+def inplace() -> dict[str, Any]:
+    """``torch.ops.flowexec.lerp_`` against ATen's ``lerp_`` (kernel time in two alternating rounds,
+    and wall) on Adam/EMA-like shapes and weights, and a graph-mode step of two in-place lerps with
+    ``fuse_lerp=False``, the default and ``"all"``: what ``passes/fuse_lerp.py``'s default rests on."""
+    import flowexec
+    from ops import bench
+
+    res: dict[str, Any] = {}
+    for name, (shape, dt, wk) in INPLACE_SHAPES.items():
+        a = torch.randn(shape, device="cuda", dtype=dt)
+        b = torch.randn(shape, device="cuda", dtype=dt)
+        wt = None if isinstance(wk, float) else torch.rand(shape if wk == "full" else wk, device="cuda", dtype=dt)
+        wv = wk if isinstance(wk, float) else 0.0
+        aw = wv if wt is None else wt
+        want = a.clone().lerp_(b, aw)
+        got = a.clone()
+        torch.ops.flowexec.lerp_(got, b, wt, wv)
+        row = res[name] = {"max_abs_diff": (want.double() - got.double()).abs().max().item()}
+        for rnd in range(2):  # two alternating rounds
+            row[f"torch kernels {rnd}"] = per_kernel(lambda: a.lerp_(b, aw))["total"]
+            row[f"flowexec kernels {rnd}"] = per_kernel(lambda: torch.ops.flowexec.lerp_(a, b, wt, wv))["total"]
+        row["torch wall"] = bench(lambda: a.lerp_(b, aw))
+        row["flowexec wall"] = bench(lambda: torch.ops.flowexec.lerp_(a, b, wt, wv))
+        print(name, row, flush=True)
+
+    def step(p: Any, g: Any, m: Any, w: Any, ema: Any) -> Any:
+        m.lerp_(g, w)        # a moment update with a per-column weight (broadcast)
+        ema.lerp_(p, 0.01)   # an EMA with a float weight (all operands full-size)
+        return (m * ema).sum()
+
+    steps: dict[str, Any] = {}
+    for shape in ((16, 102400), (4096, 4096)):
+        ts = [torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda"),
+              torch.rand(shape[-1], device="cuda"), torch.randn(shape, device="cuda")]
+        r: dict[str, Any] = {}
+        for opt in (False, None, "all"):
+            exe = flowexec.compile(step, *[t.clone() for t in ts], mode="graph", fuse_lerp=opt)
+            args = [t.clone() for t in ts]
+            exe(*args)
+            r[str(opt)] = {"lerp ops": [op.name for op in exe.program.ops if "lerp" in op.name],
+                           "kernels": per_kernel(lambda: exe(*args))["total"], "wall": bench(lambda: exe(*args))}
+        steps[str(shape)] = r
+        print("graph step", shape, r, flush=True)
+    res["graph-mode step"] = steps
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "lerp_kernels.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/lerp_kernels.json "
+                    "(lerp_inplace.json with --inplace)")
+    ap.add_argument("--inplace", action="store_true", help="the in-place op against ATen's instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/lerp_kernels.py needs a CUDA device")
+    here = os.path.join(os.path.dirname(__file__), "results")
+    if args.inplace:
+        out = args.out or os.path.join(here, "lerp_inplace.json")
+        res = {**run_meta("PYTHONPATH=. python3 benchmarks/lerp_kernels.py --inplace"), "us": inplace()}
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    args.out = args.out or os.path.join(here, "lerp_kernels.json")
     bw = copy_bandwidth("cuda")
     res: dict[str, Any] = {**run_meta("PYTHONPATH=. python3 benchmarks/lerp_kernels.py"),
                            "copy_bandwidth_TBps": bw / 1e12, "cases": {}}

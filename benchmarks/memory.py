@@ -6,8 +6,8 @@
 * graph mode (CUDA): peak during a replay and memory held between calls;
 * GPT-2 (transformers) through the torch.compile backend: eager, trace and graph peaks;
 * GPipe-order micro-batches through the backend's graph mode: memory held and reserved between
-  steps, and time per step, against eager (the 348 / 69 MiB case of
-  benchmarks/results/microbatch_b4096.json), also with memory="planned" (the micro-batches'
+  steps, and time per step, against eager (the 348 / 69 MiB case of the former microbatch.py,
+  docs/history.md), also with memory="planned" (the micro-batches'
   graphs of one program share its arena) and with pool="shared" (every graph in one pool, through
   PyTorch's CUDA-graph trees), next to the stock cudagraphs backend (trees too);
 * main-thread time per step, gc="async" against "fast", on a model of many small intermediates.

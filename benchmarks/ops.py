@@ -2,26 +2,20 @@
 
 Per case and implementation: forward, backward and forward+backward wall time as a user calls
 them (``triton.testing.do_bench``, median, autograd included; forward and forward+backward in
-five rounds (``--rounds``) alternating PyTorch, flowexec and two floor ops, median of the rounds;
-and, with ``--turns N``, do_bench's per-call samples with the four taking turns call by call), GPU
-time of forward and of
-forward+backward (one CUDA graph replayed; backward = the difference) and the sum of the
+five rounds (``--rounds``) alternating PyTorch, flowexec and two floor ops, median of the rounds),
+GPU time of forward and of forward+backward (one CUDA graph replayed; backward = the difference) and the sum of the
 forward+backward kernels' own durations (profiler), the bytes the case must move against the
 device-to-device copy bandwidth measured in the same run (memory floor), and speed-ups.
 Every case is first checked against float64. Prints a table and writes JSON.
 
     PYTHONPATH=. python3 benchmarks/ops.py                  # all cases -> benchmarks/results/ops.json
-    PYTHONPATH=. python3 benchmarks/ops.py --sweep          # also kernel configs on the 4 reference cases
-    PYTHONPATH=. python3 benchmarks/ops.py --host           # host cost of the front doors, CPU only
-    PYTHONPATH=. python3 benchmarks/ops.py --cases case1 case3 --rounds 15   # steadier wall medians
-    PYTHONPATH=. python3 benchmarks/ops.py --cases case1 case3 --turns 3000   # also calls alternating
+    PYTHONPATH=. python3 benchmarks/ops.py --rounds 15 --cases case1 case2 case3 case4   # steadier wall medians
 
 Ratios are what to compare: absolute times drift between machines.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -35,9 +29,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-if "--host" in sys.argv:  # the Triton path on CPU tensors runs in Triton's interpreter, chosen at import
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -45,7 +36,6 @@ from flowexec.kernels import lerp  # noqa: E402
 from flowexec.runtime.cuda_graph import capture_graph  # noqa: E402
 
 L = importlib.import_module("flowexec.kernels.lerp")
-launch = importlib.import_module("flowexec.kernels._launch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,17 +61,6 @@ EXTRA = [
     Case("case4-bf16", (16, 102400), (16, 102400), (16, 102400), torch.bfloat16),
     Case("float-weight", (16, 102400), (16, 102400), 0.3, torch.float32),
 ]
-SWEEP = {  # kernel configs tried on the reference cases with --sweep
-    "default": {},  # LerpConfig() as shipped (a separate final-reduction kernel)
-    "last-block": dict(fused_final_max=4096),  # small partial sums reduced by the last program
-    "tile-x2-w8": dict(tile={2: 8192, 4: 4096, 8: 2048}, fwd_warps=8, bwd_warps=8),
-    "tile-x2-w4": dict(tile={2: 8192, 4: 4096, 8: 2048}),
-    "tile-/2": dict(tile={2: 2048, 4: 1024, 8: 512}),
-    "pps-8": dict(programs_per_sm=8),
-    "pps-2": dict(programs_per_sm=2),
-}
-
-
 def make_inputs(case: Case, dev: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float, torch.Tensor]:
     x = torch.randn(case.x, device=dev, dtype=case.dtype, requires_grad=True)
     y = torch.randn(case.y, device=dev, dtype=case.dtype, requires_grad=True)
@@ -269,7 +248,7 @@ def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5
     drift). Per round: each implementation's forward + backward once, then the forwards twice,
     in the round's order and mirrored (A B C D D C B A). A do_bench call of a 12 µs forward reads
     on one of two levels ~0.6 µs apart, set by its place in the sequence of calls, not by the
-    implementation (``lerp_probes.py flushbuf``: strictly high, low, high, low...), so a forward
+    implementation (a probe at bd42043, docs/history.md: strictly high, low, high, low...), so a forward
     timed once per round could draw the high level against the other's low one; the mirrored
     pass gives each forward one draw at each place. A forward's figure for the round
     (``wall_fwd_us``) is the mean of its two medians (each also kept: ``wall_fwd_a_us``,
@@ -303,102 +282,6 @@ def interleaved_walls(case: Case, dev: str, row: dict[str, Any], rounds: int = 5
         impl, key = name.split(":")
         row.setdefault(impl, {})[key] = sorted(vals)[len(vals) // 2]
     return got
-
-
-def bench_alternating(fns: dict[str, Callable[[], Any]], calls: int = 1000, warmup: int = 20,
-                      timer: Any = None, host: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
-    """``triton.testing.do_bench``'s per-call samples (µs), the functions taking turns call by call.
-
-    Each sample is what do_bench times for one call: the L2 flushed (do_bench's own 256 MiB
-    memset), a start event, the call, an end event; all are read after one synchronize at the end,
-    as do_bench does. Here the calls of all ``fns`` alternate and the order rotates every turn, so
-    each function follows each other one equally often and all of them sample the host in the same
-    states (the host of the lent machines drifts by 2× within seconds, ``wall_rounds``). It is not
-    do_bench's figure with less drift: in ``lerp_probes.py alternation`` every implementation read
-    slower taking turns than alone, on both H200 machines, for reasons those runs did not settle
-    (docs/kernels.md).
-    ``timer`` replaces (event class, flush, synchronize) in tests. ``host``, when given, receives
-    each call's host time (µs, ``perf_counter`` around the call, inside the timed span).
-
-    >>> s = bench_alternating({"a": lambda: None, "b": lambda: None}, calls=3, timer=host_timer())
-    >>> sorted(s), len(s["a"])
-    (['a', 'b'], 3)
-    """
-    if timer is None:
-        from triton import runtime
-
-        drv = runtime.driver.active
-        di = drv.get_device_interface()
-        cache = drv.get_empty_cache_for_benchmark()
-        timer = (lambda: di.Event(enable_timing=True), lambda: drv.clear_cache(cache), di.synchronize)
-    event, flush, sync = timer
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    sync()
-    marks = {name: [(event(), event()) for _ in range(calls)] for name in names}
-    for i in range(calls):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            start, end = marks[name][i]
-            flush()
-            start.record()
-            if host is None:
-                fns[name]()
-            else:
-                t0 = time.perf_counter()
-                fns[name]()
-                host.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
-            end.record()
-    sync()
-    return {name: [s.elapsed_time(e) * 1e3 for s, e in pairs] for name, pairs in marks.items()}
-
-
-class _HostEvent:
-    """A CUDA event's two calls on the host clock."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def record(self) -> None:
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end: _HostEvent) -> float:  # ms, as CUDA events give
-        return (end.t - self.t) * 1e3
-
-
-def host_timer() -> tuple[Callable[[], Any], Callable[[], None], Callable[[], None]]:
-    """(event class, flush, synchronize) on the host clock: runs ``bench_alternating`` without a GPU."""
-    return _HostEvent, lambda: None, lambda: None
-
-
-def alternating_walls(case: Case, dev: str, row: dict[str, Any], turns: int = 1000,
-                      segments: int = 5, timer: Any = None) -> dict[str, Any]:
-    """PyTorch, flowexec and the two floor ops by ``bench_alternating``: forward + ``autograd.grad``
-    in one alternation, the forward in another. Returns per implementation and key the median and
-    quartiles over all calls and the medians of ``segments`` consecutive stretches of the run (how
-    far the host drifted while it ran); the speed-ups are PyTorch's median over flowexec's.
-    ``timer``: as for ``bench_alternating``."""
-    made = {impl: calls(case, impl, dev) for impl in WALL_IMPLS}
-    out: dict[str, Any] = {"turns": turns}
-    for key, pick in (("wall_fwd_bwd_us", 1), ("wall_fwd_us", 0)):
-        got = bench_alternating({impl: made[impl][pick] for impl in WALL_IMPLS}, turns, timer=timer)
-        for impl, vals in got.items():
-            q = statistics.quantiles(vals, n=4)
-            seg = max(1, len(vals) // segments)
-            out.setdefault(impl, {})[key] = {
-                "median": statistics.median(vals), "q1": q[0], "q3": q[2],
-                "segment_medians": [statistics.median(vals[j:j + seg]) for j in range(0, seg * segments, seg)
-                                    if vals[j:j + seg]]}
-    t, f = out["torch"], out["flowexec"]
-    out["speedup"] = {k: t[k]["median"] / f[k]["median"] for k in t}
-    out["segment_speedups"] = [a / b for a, b in zip(t["wall_fwd_bwd_us"]["segment_medians"],
-                                                     f["wall_fwd_bwd_us"]["segment_medians"])]
-    out["bound"] = t["wall_fwd_bwd_us"]["median"] / out["floor"]["wall_fwd_bwd_us"]["median"]
-    out["bound3"] = t["wall_fwd_bwd_us"]["median"] / out["floor3"]["wall_fwd_bwd_us"]["median"]
-    row["alternating"] = out
-    return out
 
 
 def loop_us(fn: Callable[[], Any], n: int = 200) -> float:
@@ -438,7 +321,7 @@ def copy_bandwidth(dev: str) -> float:
 
 
 def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None],
-              res: dict[str, Any], save: Callable[[], None], rounds: int = 5, turns: int = 0) -> dict[str, Any]:
+              res: dict[str, Any], save: Callable[[], None], rounds: int = 5) -> dict[str, Any]:
     for case in cases:
         fb, bb = floor_bytes(case)
         row: dict[str, Any] = {
@@ -451,8 +334,6 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
             for impl in ("torch", "flowexec"):
                 row[impl] = measure(case, impl, dev, walls=False)
             row["wall_rounds"] = interleaved_walls(case, dev, row, rounds)
-            if turns:
-                alternating_walls(case, dev, row, turns)
         except Exception:  # keep going: the other cases still tell something
             row["error"] = traceback.format_exc(limit=4)
             res[case.name] = row
@@ -472,11 +353,7 @@ def run_cases(cases: list[Case], dev: str, bw: float, log: Callable[[str], None]
             f"(floor {row['floor_fwd_bwd_us']:.1f}, kernels {fx['kernels_fwd_bwd_us']:.1f}), wall fb "
             f"{t['wall_fwd_bwd_us']:.1f} vs {fx['wall_fwd_bwd_us']:.1f}, loop fb {t['loop_fwd_bwd_us']:.1f} vs "
             f"{fx['loop_fwd_bwd_us']:.1f}, wall bound {row['wall_speedup_bound']:.2f} (three gradients "
-            f"{row['wall_speedup_bound3']:.2f}), err {row['max_rel_err']:.1e}"
-            + (f"; calls alternating: wall fb {row['alternating']['speedup']['wall_fwd_bwd_us']:.2f}× "
-               f"(bound3 {row['alternating']['bound3']:.2f}, stretches "
-               + " ".join(f"{v:.2f}" for v in row['alternating']['segment_speedups'])
-               + f"), fwd {row['alternating']['speedup']['wall_fwd_us']:.2f}×" if "alternating" in row else ""))
+            f"{row['wall_speedup_bound3']:.2f}), err {row['max_rel_err']:.1e}")
         save()
     return res
 
@@ -505,44 +382,6 @@ def precompile(jobs: list[tuple[dict[str, Any], Case]], log: Callable[[str], Non
 
 def direct_launch_active() -> bool:
     return any(getattr(p, "fwd", None) is not None and p.fwd._direct is not None for p in L._PLANS.values())
-
-
-def choose(sweep: dict[str, Any]) -> str:
-    """The config with the smallest geometric mean GPU forward+backward time over the reference cases."""
-    import math
-
-    def score(v: dict[str, Any]) -> float:
-        if "error" in v or any(v[c.name]["max_rel_err"] > (1e-4 if c.dtype == torch.float32 else 1e-10)
-                               for c in REFERENCE):
-            return math.inf
-        return math.exp(sum(math.log(v[c.name]["gpu_fwd_bwd_us"]) for c in REFERENCE) / len(REFERENCE))
-
-    return min(SWEEP, key=lambda name: score(sweep[name]))
-
-
-def run_sweep(dev: str, bw: float, log: Callable[[str], None]) -> dict[str, Any]:
-    out: dict[str, Any] = {"torch": {c.name: measure(c, "torch", dev, full=False) for c in REFERENCE}}
-    # "no-direct-launch": the Python front door launching through kernel[grid] every call (the
-    # native front door, which never uses Triton's launcher, is off for it)
-    variants = [(name, cfg, True) for name, cfg in SWEEP.items()] + [("no-direct-launch", {}, False)]
-    native = importlib.import_module("flowexec.kernels._native")
-    for name, cfg, direct in variants:
-        launch.DIRECT_LAUNCH = direct
-        try:
-            with L.configured(**cfg), (contextlib.nullcontext() if direct else native.python_path()):
-                out[name] = {}
-                for c in REFERENCE:
-                    err = check_case(c, dev)
-                    out[name][c.name] = {"max_rel_err": err, **measure(c, "flowexec", dev, full=False)}
-                log(f"sweep {name}: " + ", ".join(
-                    f"{c}: {v['gpu_fwd_bwd_us']:.1f}/{v['gpu_fwd_us']:.1f}/{v['wall_fwd_bwd_us']:.1f}/"
-                    f"{v['loop_fwd_bwd_us']:.1f} err {v['max_rel_err']:.0e}" for c, v in out[name].items()))
-        except Exception:  # a config that fails to compile or run is reported, not fatal
-            out[name] = {"error": traceback.format_exc(limit=3)}
-            log(f"sweep {name}: FAILED\n{out[name]['error']}")
-        finally:
-            launch.DIRECT_LAUNCH = True
-    return out
 
 
 def table(res: dict[str, Any]) -> str:
@@ -582,85 +421,15 @@ def table(res: dict[str, Any]) -> str:
         "\n\nWall time (do_bench median, autograd included):\n\n" + "\n".join(wall)
 
 
-def sweep_table(sw: dict[str, Any]) -> str:
-    lines = ["| config | " + " | ".join(f"{c.name} GPU fb / fwd / wall fb" for c in REFERENCE) + " |",
-             "|---" * (len(REFERENCE) + 1) + "|"]
-    for name, v in sw.items():
-        if "error" in v:
-            lines.append(f"| {name} | failed |")
-            continue
-        cells = [f"{v[c.name]['gpu_fwd_bwd_us']:.1f} / {v[c.name]['gpu_fwd_us']:.1f} / "
-                 f"{v[c.name]['wall_fwd_bwd_us']:.1f}" for c in REFERENCE]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def host_overhead() -> dict[str, float]:
-    """Host time of forward+backward through each front door, launches stubbed (runs on the CPU).
-
-    Compared with an empty autograd.Function and torch.lerp on tiny CPU tensors: what the
-    Python front door costs by itself, apart from the kernels and their launches.
-    """
-    class Empty(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: float) -> torch.Tensor:
-            ctx.save_for_backward(a, b, c)
-            return a.new_empty(a.shape)
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> tuple:
-            return g, g, g, None
-
-    def per_call(fn: Callable[[], Any], n: int = 5000) -> float:
-        for _ in range(200):
-            fn()
-        runs = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            runs.append((time.perf_counter() - t0) / n * 1e6)
-        return sorted(runs)[2]
-
-    x, y = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
-    w, go = torch.rand(1, requires_grad=True), torch.randn(4, 8)
-    grad = lambda f: (lambda: torch.autograd.grad(f(), (x, y, w), go))  # noqa: E731
-    r = {"torch.lerp fwd+bwd (CPU kernels)": per_call(grad(lambda: torch.lerp(x, y, w))),
-         "empty autograd.Function fwd+bwd": per_call(grad(lambda: Empty.apply(x, y, w, 0.0)))}
-    real_call = launch.Launcher.__call__
-    launch.Launcher.__call__ = lambda self, args, aligned, ptrs=(): None  # plans, allocations, arguments: all but the launch
-    try:
-        with L.triton_on_cpu():
-            if not L._plan(x, y, w).use_triton:
-                raise RuntimeError("--host measures the Triton path: run it with TRITON_INTERPRET=1")
-            r["flowexec lerp fwd+bwd, launches stubbed"] = per_call(grad(lambda: lerp(x, y, w)))
-            r["torch.ops.flowexec.lerp fwd+bwd, launches stubbed"] = per_call(
-                grad(lambda: torch.ops.flowexec.lerp(x, y, w, 0.0)), 2000)
-    finally:
-        launch.Launcher.__call__ = real_call
-    return r
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ops.json"))
-    ap.add_argument("--sweep", action="store_true", help="also time kernel configs on the reference cases")
     ap.add_argument("--cases", nargs="*", help="names of the cases to run (default: all)")
-    ap.add_argument("--host", action="store_true", help="only the front doors' host cost (CPU), printed")
     ap.add_argument("--rounds", type=int, default=5,
                     help="alternating rounds of wall times per case (their median is the figure; default 5)")
-    ap.add_argument("--turns", type=int, default=0,
-                    help="calls per implementation of the call-by-call alternating wall times (default 0: none; "
-                         "they are not do_bench's figure with less drift, see docs/kernels.md)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    if args.turns < 0 or args.turns == 1:
-        ap.error("--turns must be 0 (none) or at least 2")
-    if args.host:
-        for k, v in host_overhead().items():
-            print(f"{v:7.1f} µs  {k}")
-        return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/ops.py needs a CUDA device")
 
@@ -669,9 +438,7 @@ def main() -> None:
     log = lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
     bw = copy_bandwidth(dev)
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    command = ("PYTHONPATH=. python3 benchmarks/ops.py" + (" --sweep" if args.sweep else "")
-               + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
-               + (f" --turns {args.turns}" if args.turns else "")
+    command = ("PYTHONPATH=. python3 benchmarks/ops.py" + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
                + (f" --cases {' '.join(args.cases)}" if args.cases else ""))
     result: dict[str, Any] = {**run_meta(command),
                               "copy_bandwidth_TBps": bw / 1e12}
@@ -682,26 +449,16 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    cfg: dict[str, Any] = {}
-    if args.sweep:
-        precompile([(c, case) for c in SWEEP.values() for case in REFERENCE], log)
-        result["sweep"] = run_sweep(dev, bw, log)
-        result["sweep_choice"] = choose(result["sweep"])
-        cfg = SWEEP[result["sweep_choice"]]
-        log(f"sweep choice: {result['sweep_choice']} {cfg}")
-        save()
-    precompile([(cfg, case) for case in cases], log)
-    with L.configured(**cfg) as used:
+    precompile([({}, case) for case in cases], log)
+    with L.configured() as used:
         result["config"] = dataclasses.asdict(used)
         result["cases"] = {}
-        run_cases(cases, dev, bw, log, result["cases"], save, args.rounds, args.turns)
+        run_cases(cases, dev, bw, log, result["cases"], save, args.rounds)
         result["direct_launch_active"] = direct_launch_active()
         result["native_front_door_active"] = importlib.import_module("flowexec.kernels._native").front_door is not None
     save()
-    if args.sweep:
-        print("\nsweep (µs):\n" + sweep_table(result["sweep"]))
     print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']}, copy {bw / 1e12:.2f} TB/s, "
-          f"direct launch {'on' if result['direct_launch_active'] else 'OFF'}, config {cfg or 'default'}\n")
+          f"direct launch {'on' if result['direct_launch_active'] else 'OFF'}\n")
     print(table(result["cases"]))
 
 

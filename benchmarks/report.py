@@ -2,7 +2,7 @@
 
     python3 benchmarks/report.py            # print
     python3 benchmarks/report.py --readme   # rewrite the block between the report markers in docs/results.md
-    python3 benchmarks/report.py --pool benchmarks/results/ops_ef035a6*.json   # lerp rounds of several runs pooled
+    python3 benchmarks/report.py --pool benchmarks/results/ops_*_r15_*.json   # lerp rounds of several runs pooled
 
 Every figure comes from a results file written by a benchmark script; nothing here measures.
 """
@@ -81,24 +81,19 @@ def lerp() -> None:
     print(f"Fused lerp forward+backward — {d['device']}, {d['date'][:10]}, commit {d.get('commit', '?')} "
           f"(`{d['command']}`):\n")
     names = [n for n in ("case1", "case2", "case3", "case4") if n in d["cases"]]
-    alternating = any("alternating" in d["cases"][n] for n in names)
     print("| case | GPU fwd+bwd PyTorch → flowexec | ÷ memory floor (graph / kernels) "
           "| wall fwd+bwd (do_bench) PyTorch → flowexec | wall bound: one / three gradients "
-          + ("| wall fwd+bwd, calls alternating (bound3) " if alternating else "") + "| wall fwd PyTorch → flowexec |")
-    print("|---|---|---|---|---|" + ("---|" if alternating else "") + "---|")
+          "| wall fwd PyTorch → flowexec |")
+    print("|---|---|---|---|---|---|")
     for name in names:
         c = d["cases"][name]
         t, f = c["torch"], c["flowexec"]
         bound = " / ".join(f"{c[k]:.2f}×" if k in c else "–" for k in ("wall_speedup_bound", "wall_speedup_bound3"))
-        a = c.get("alternating")
-        alt = "" if not alternating else "| – " if not a else (
-            f"| {a['torch']['wall_fwd_bwd_us']['median']:.0f} → {a['flowexec']['wall_fwd_bwd_us']['median']:.0f} µs "
-            f"({a['speedup']['wall_fwd_bwd_us']:.2f}×; {a['bound3']:.2f}×) ")
         print(f"| {name}: x {c['x']} y {c['y']} w {c['w']} {c['dtype']} "
               f"| {t['gpu_fwd_bwd_us']:.1f} → {f['gpu_fwd_bwd_us']:.1f} µs ({t['gpu_fwd_bwd_us'] / f['gpu_fwd_bwd_us']:.2f}×) "
               f"| {c['flowexec_gpu_over_floor']:.2f} / {c['flowexec_kernels_over_floor']:.2f} "
               f"| {t['wall_fwd_bwd_us']:.0f} → {f['wall_fwd_bwd_us']:.0f} µs ({t['wall_fwd_bwd_us'] / f['wall_fwd_bwd_us']:.2f}×) "
-              f"| {bound} {alt}| {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
+              f"| {bound} | {t['wall_fwd_us']:.1f} → {f['wall_fwd_us']:.1f} µs |")
     print("\nWall bound: PyTorch's median wall time over that of a floor op, measured in the same alternating "
           "rounds. One gradient: `t * 2` and its backward on one output-sized tensor (one launch each way). Three "
           "gradients: `torch.cat` of three leaves (together the output's size: one of all but two elements, two of "
@@ -106,11 +101,7 @@ def lerp() -> None:
           "backward of views only. Every gradient that reaches a leaf is a task of its own for autograd's engine, "
           "and lerp returns three, so the three-gradient bound is about the most any implementation of it could gain "
           "by wall time on that host (each bound is a ratio of medians over rounds that vary by tens of percent, so "
-          "one run can land on either side of it)."
-          + (" Calls alternating (`--turns`): do_bench's per-call samples with PyTorch, flowexec and both floor ops "
-             "taking turns call by call; in the alternation probe every implementation read slower taking turns "
-             "than alone, so it is not do_bench's figure with less drift (docs/kernels.md)." if alternating else "")
-          + "\n")
+          "one run can land on either side of it).\n")
     lerp_variants()
 
 

@@ -52,7 +52,6 @@ CASES = {  # name: (x, y, w or None, dtype, config changes)
     "case3 forward in tiles": ((16, 1, 1, 1), (16, 3, 244, 244), (3, 1, 244), torch.float32, {"fwd_plane": False}),
     "joint flush, column weight": ((1, 1), (7, 333), (333,), torch.float64, {}),
     "float weight": ((7, 333), (333,), None, torch.float32, {}),
-    "last-block final": ((16, 1, 1, 1), (16, 3, 24, 24), (3, 1, 24), torch.float32, {"fused_final_max": 1 << 30}),
     "big flat": ((2**31 + 8,), (2**31 + 8,), None, torch.float16, {}),
     "big planes": ((2, 3, 2**29 + 1, 3), (2, 3, 2**29 + 1, 3), (3, 1, 3), torch.float16, {"fwd_plane": True}),
 }

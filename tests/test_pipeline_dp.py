@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowexec.pipeline import PipelineTrainer, spawn
+from flowexec.pipeline import PipelineTrainer
 from helpers import clipped_sgd
 
 pytestmark = pytest.mark.timeout(300)
@@ -135,10 +135,10 @@ def _reference(n: int, dp: int) -> tuple[list[torch.Tensor], list[float], float,
     return [p for s in stages for p in s.parameters()], norms, first, parts
 
 
-def test_replicas_train_as_one_process_on_the_whole_batch(tmp_path):
+def test_replicas_train_as_one_process_on_the_whole_batch(tmp_path, ranks):
     """2 replicas of a 2-rank pipeline on 4 gloo ranks."""
     world, dp = 4, 2
-    res = spawn(_replicas, world, dp, str(tmp_path), timeout=280)
+    res = ranks(world).run(_replicas, dp, str(tmp_path), timeout=280)
     p = world // dp
     assert res[0].pop("refused") == ["data_parallel=3 replicas do not split the group's 4 ranks evenly",
                                       "data_parallel must be a whole number >= 1, got 0",

@@ -51,8 +51,8 @@ def _check_against_one_process(res: list[dict], world: int) -> None:
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_schedule_trains_as_one_process(world, compile):
-    res = spawn(_every_schedule, world, asdict(SMALL), compile, timeout=120)
+def test_every_schedule_trains_as_one_process(world, compile, ranks):
+    res = ranks(world).run(_every_schedule, asdict(SMALL), compile, timeout=120)
     _check_against_one_process(res, world)
     spans = res[0]["ZBH1"]["spans"][-1]
     kinds = {s.kind for s in spans}
@@ -64,14 +64,14 @@ def _with_input_layer_and_head(rank: int, world: int, cfg_dict: dict) -> dict:
             for name in ("1F1B", "Interleaved1F1B", "ZBV")}
 
 
-def test_an_input_layer_and_a_head_go_to_the_first_and_last_stages_and_train_as_one_process():
+def test_an_input_layer_and_a_head_go_to_the_first_and_last_stages_and_train_as_one_process(ranks):
     # The benchmark's model: stage 0 also holds the input layer, the last stage the head
     # (split's balance), so that the stages cost the same.
     cfg = Config(width=16, blocks=4, in_width=12, out_width=8, batch=16, n_micro=4, steps=3, lr=0.1, threads=1,
                  compile=True)
     assert [len(s) for s in stage_modules(cfg, 2)] == [3, 3]
     assert [len(s) for s in stage_modules(Config(**{**asdict(cfg), "schedule": "zbv"}), 2)] == [2, 1, 1, 2]
-    res = spawn(_with_input_layer_and_head, 2, asdict(cfg), timeout=120)
+    res = ranks(2).run(_with_input_layer_and_head, asdict(cfg), timeout=120)
     want = list(eager_reference(cfg)[1].parameters())
     for name in ("1F1B", "Interleaved1F1B", "ZBV"):
         got = {s: ps for r in range(2) for s, ps in res[r][name]["params"].items()}
@@ -163,8 +163,8 @@ def _low_precision(rank: int, world: int) -> dict:
     return out
 
 
-def test_float_dtypes_travel_between_stages_with_their_gradients():
-    res = spawn(_low_precision, 2, timeout=120)
+def test_float_dtypes_travel_between_stages_with_their_gradients(ranks):
+    res = ranks(2).run(_low_precision, timeout=120)
     torch.manual_seed(0)
     first, second = _LowPrecisionOut(), _LowPrecisionIn()
     opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.5)
@@ -386,6 +386,23 @@ def test_spawn_reports_the_failing_rank():
         spawn(_exits_quietly, 2, timeout=60)
 
 
+def _pid(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+def test_kept_ranks_run_again_in_the_same_processes_until_a_run_fails():
+    from flowexec.pipeline.launch import Ranks
+
+    with Ranks(2, timeout=30) as kept:
+        first = kept.run(_pid)
+        assert kept.run(_pid) == first and len(set(first)) == 2 and os.getpid() not in first
+        with pytest.raises(PipelineError, match="rank 1 failed: ValueError: bad batch on rank 1"):
+            kept.run(_fails_on_rank_1)
+        assert kept.closed
+        with pytest.raises(PipelineError, match="closed"):
+            kept.run(_pid)
+
+
 def _tied(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     tied = torch.nn.Linear(8, 8)
@@ -400,8 +417,8 @@ def _tied(rank: int, world: int) -> dict:
     return {s: [p.grad.clone() for p in trainer.modules[s].parameters()] for s in trainer.local}
 
 
-def test_weight_tied_between_two_stages_of_a_rank_gets_both_gradients():
-    res = spawn(_tied, 2, timeout=120)  # rank 0 holds stages 0 and 2, both the tied Linear
+def test_weight_tied_between_two_stages_of_a_rank_gets_both_gradients(ranks):
+    res = ranks(2).run(_tied, timeout=120)  # rank 0 holds stages 0 and 2, both the tied Linear
     torch.manual_seed(0)
     tied = torch.nn.Linear(8, 8)
     model = torch.nn.Sequential(tied, torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), tied, torch.nn.Tanh(),
@@ -437,8 +454,8 @@ def _tied_trained(rank: int, world: int) -> dict:
     return out
 
 
-def test_a_tied_weight_is_stepped_once_with_its_whole_gradient_on_one_rank_or_across_ranks():
-    res = spawn(_tied_trained, 2, timeout=120)
+def test_a_tied_weight_is_stepped_once_with_its_whole_gradient_on_one_rank_or_across_ranks(ranks):
+    res = ranks(2).run(_tied_trained, timeout=120)
     stages = _tied_model()
     model = torch.nn.Sequential(*stages)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)  # the tied weight once: one state, one step
@@ -483,8 +500,8 @@ def _clipped(rank: int, world: int) -> dict:
     return out
 
 
-def test_max_grad_norm_clips_by_the_whole_models_norm_as_clip_grad_norm_does():
-    res = spawn(_clipped, 2, timeout=180)
+def test_max_grad_norm_clips_by_the_whole_models_norm_as_clip_grad_norm_does(ranks):
+    res = ranks(2).run(_clipped, timeout=180)
     stages = _tied_model()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
@@ -567,8 +584,8 @@ def _resumed(rank: int, world: int, path: str) -> dict:
     return out
 
 
-def test_a_checkpoint_resumes_training_where_it_stopped(tmp_path):
-    res = spawn(_resumed, 2, str(tmp_path / "ckpt"), timeout=180)
+def test_a_checkpoint_resumes_training_where_it_stopped(tmp_path, ranks):
+    res = ranks(2).run(_resumed, str(tmp_path / "ckpt"), timeout=180)
     for r in range(2):
         for schedule in [k for k in res[r] if k.endswith(" bad")]:
             msg, unchanged, stage, key = res[r].pop(schedule)
@@ -605,8 +622,8 @@ def _evaluated(rank: int, world: int) -> dict:
     return out
 
 
-def test_evaluate_gives_the_models_loss_or_outputs_without_touching_training():
-    res = spawn(_evaluated, 2, timeout=180)
+def test_evaluate_gives_the_models_loss_or_outputs_without_touching_training(ranks):
+    res = ranks(2).run(_evaluated, timeout=180)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     xv, yv = torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)
@@ -679,10 +696,10 @@ def _four_ranks(rank: int, world: int) -> dict:
     return out
 
 
-def test_four_ranks_clip_and_evaluate_a_float64_model_with_ties_as_one_process():
+def test_four_ranks_clip_and_evaluate_a_float64_model_with_ties_as_one_process(ranks):
     # Every placement on 4 ranks (one stage a rank, r and r+p, the V), weights tied across ranks and
     # on one rank, a parameter without a gradient, float64: the norm is summed in float64.
-    res = spawn(_four_ranks, 4, timeout=240)
+    res = ranks(4).run(_four_ranks, timeout=240)
     x, y, xv, yv = _four_data()
     for schedule, n in _FOUR:
         stages = _four_rank_model(n)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowexec.pipeline import PipelineTrainer, spawn
+from flowexec.pipeline import PipelineTrainer
 from flowexec.profiler.timers import JobTimer
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,8 +80,8 @@ def _train(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained() -> list[dict]:
-    return spawn(_train, 2, timeout=120)
+def trained(ranks) -> list[dict]:
+    return ranks(2).run(_train, timeout=120)
 
 
 def test_reused_receive_buffers_train_as_one_process(trained):
@@ -131,6 +131,6 @@ def _untimed(rank: int, world: int) -> list:
     return [t.spans, t._sender.issued()]
 
 
-def test_untimed_steps_record_no_isend_calls():
-    for spans, stamps in spawn(_untimed, 2, timeout=60):
+def test_untimed_steps_record_no_isend_calls(ranks):
+    for spans, stamps in ranks(2).run(_untimed, timeout=60):
         assert spans == [] and stamps == []

@@ -66,11 +66,10 @@ def _context_worker(rank: int, world: int, directory: str) -> list[int]:
 
 
 @pytest.mark.timeout(400)
-def test_trainer_profiling_context_records_the_steps_inside_it(tmp_path):
-    from flowexec.pipeline import spawn
+def test_trainer_profiling_context_records_the_steps_inside_it(tmp_path, ranks):
     from flowexec.profiler.merge import merge_dir
 
-    assert spawn(_context_worker, 2, str(tmp_path), timeout=120) == [4, 4]
+    assert ranks(2).run(_context_worker, str(tmp_path), timeout=120) == [4, 4]
     merged = merge_dir(str(tmp_path))
     assert {s.step for s in merged.spans} == {1, 2}
     assert merged.meta()["schedule"] == "1F1B" and merged.meta()["theory_bubble"] == pytest.approx(1 / 3)

@@ -11,8 +11,8 @@ A program owns one output block: ``(i0, i1)``, a split ``s`` of the rows of d2 (
 each gradient over the tile axes its operand broadcasts and writes one partial per
 ``(r, k)``: ``k`` is the operand's own element, ``r`` numbers the program coordinates along
 the dims it broadcasts. Every ``(r, k)`` is written exactly once, so no zero-fill and no
-atomics on data are needed and the result is deterministic. A small final reduction over
-``r`` is run either by the last program to finish (``FUSED_FINAL``) or by a separate kernel.
+atomics on data are needed and the result is deterministic. A small final kernel reduces
+over ``r``.
 With ``ATOMIC`` the backward instead adds each program's reduced sums into a buffer that the
 forward zeroed (``ZERO``, ``_zero_fill``): no partials and no final pass, but the order of the
 additions, and so the last bits, vary from run to run.
@@ -462,14 +462,14 @@ def _partial_row(M: tl.constexpr, i0, i1, s, jn, n0, n1, S, NB3):
 
 @triton.jit
 def _lerp_bwd_kernel(
-    g_ptr, x_ptr, y_ptr, w_ptr, dx_ptr, dy_ptr, dw_ptr, part_ptr, counter_ptr, w_hi, w_lo,
+    g_ptr, x_ptr, y_ptr, w_ptr, dx_ptr, dy_ptr, dw_ptr, part_ptr, w_hi, w_lo,
     n0, n1, n2, n3, S, NB3, rows_per_split, m_nb3, l_nb3, m_s, l_s, m_n1, l_n1,
-    off_px, off_py, off_pw, p_x, p_y, p_w,
+    off_px, off_py, off_pw,
     MX: tl.constexpr, MY: tl.constexpr, MW: tl.constexpr, W_SCALAR: tl.constexpr,
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_W: tl.constexpr,
-    RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr, FUSED_FINAL: tl.constexpr,
+    RED_X: tl.constexpr, RED_Y: tl.constexpr, RED_W: tl.constexpr,
     ACC_F64: tl.constexpr, BIG: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    FBR: tl.constexpr, FBK: tl.constexpr, FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
+    FULL: tl.constexpr, REV: tl.constexpr, FLAT: tl.constexpr,
     EVEN: tl.constexpr, LOADS_FIRST: tl.constexpr, STREAM: tl.constexpr, JOINT: tl.constexpr,
     ATOMIC: tl.constexpr = False, FASTDIV: tl.constexpr = 0,
 ):
@@ -526,22 +526,6 @@ def _lerp_bwd_kernel(
             _grad_flush(acc_w, dw_ptr, part_ptr, off_pw + rw, MW, RED_W, bw, cols, cm, VEC, ATOMIC)
     if NEED_Y:
         _grad_flush(acc_y, dy_ptr, part_ptr, off_py + ry, MY, RED_Y, by, cols, cm, VEC, ATOMIC)
-    if FUSED_FINAL:
-        # The last program to finish sums the partials: one launch fewer than a separate pass.
-        # The barrier orders every thread's partial stores before the (acq_rel, gpu-scope) count.
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr, 1)
-        if done == tl.num_programs(0) - 1:
-            if RED_X:
-                for kb in range(0, tl.cdiv(kx, FBK)):
-                    _reduce_rows(part_ptr + off_px, dx_ptr, p_x, kx, kb, FBR, FBK, ACC_F64)
-            if RED_Y:
-                for kb in range(0, tl.cdiv(ky, FBK)):
-                    _reduce_rows(part_ptr + off_py, dy_ptr, p_y, ky, kb, FBR, FBK, ACC_F64)
-            if RED_W:
-                for kb in range(0, tl.cdiv(kw, FBK)):
-                    _reduce_rows(part_ptr + off_pw, dw_ptr, p_w, kw, kb, FBR, FBK, ACC_F64)
-            tl.store(counter_ptr, 0)  # ready for the next launch on this stream
 
 
 @triton.jit

@@ -3,8 +3,8 @@
 ``out = x + w * (y - x)`` with full broadcasting between ``x``, ``y`` and ``w`` (a tensor or a
 Python float). On CUDA the forward is one Triton kernel and the backward one pass over the
 output gradient that writes ``dx = g(1-w)``, ``dy = g w`` and ``dw = g(y-x)`` with the sums
-over broadcast dims fused in (block partials, then a tiny final reduction done by the last
-block or by one small kernel). Only the gradients autograd asks for are computed, and ``x`` and
+over broadcast dims fused in (atomic sums into a buffer the forward zeroed, or block partials
+and one small final kernel). Only the gradients autograd asks for are computed, and ``x`` and
 ``y`` are read only when ``w`` needs a gradient. On the CPU a PyTorch implementation is used.
 
 Front doors, one implementation:
@@ -60,8 +60,6 @@ class LerpConfig:
       output's size, by element size); ``fwd_warps``, ``bwd_warps``: warps per program.
     * ``programs_per_sm``: target programs per multiprocessor when the backward splits a reduced dim
       (3 measured 0.1 µs faster on case 3 but 1 µs slower when only dx and dy are wanted).
-    * ``fused_final_max``: partial sums up to this many elements are reduced by the kernel's last
-      block instead of a second launch (0: always a separate final kernel, which measured faster).
     * ``full_tile_loads``: load operands that keep only rows or only columns as whole tiles (no
       layout conversions).
     * ``fwd_stream_store``: store the forward's output with the streaming hint.
@@ -103,7 +101,6 @@ class LerpConfig:
     fwd_warps: int = 4
     bwd_warps: int = 4
     programs_per_sm: int = 4
-    fused_final_max: int = 0
     full_tile_loads: bool = True
     fwd_tile: dict[int, int] | None = None
     fwd_stream_store: bool = True
@@ -145,7 +142,6 @@ force_triton_on_cpu = os.environ.get("FLOWEXEC_LERP_TRITON_CPU", "0") == "1"
 # a test asks (``triton_on_cpu(native=True)``): building the CPU flavour takes ~30 s.
 native_on_cpu = False
 _PLANS: dict[tuple, _Plan] = {}
-_COUNTERS: dict[tuple[int, int], Tensor] = {}
 _DEVICE_PROPS: dict[tuple[int, str], int] = {}
 
 
@@ -155,7 +151,7 @@ def configured(**changes: Any) -> Iterator[LerpConfig]:
 
     Example::
 
-        >>> with configured(fused_final_max=0):   # always use the separate final pass
+        >>> with configured(atomic_max=0):   # partial sums and a final pass, never atomics
         ...     pass
     """
     global config
@@ -298,7 +294,7 @@ class _Grad:
 class _Backward:
     """The planned backward for one set of required gradients."""
 
-    __slots__ = ("needs", "atomic", "acc_views", "main", "final", "args_tail", "grads", "part_numel", "fused",
+    __slots__ = ("needs", "atomic", "acc_views", "main", "final", "args_tail", "grads", "part_numel",
                  "final_args_tail")
 
     def __init__(self, plan: _Plan, needs: tuple[bool, bool, bool], atomic: bool = False) -> None:
@@ -335,7 +331,6 @@ class _Backward:
                 off += p * k
         self.grads = grads
         self.part_numel = 0 if atomic else off
-        self.fused = not atomic and 0 < off <= config.fused_final_max
         red = [g for g in grads if g is not None and g.red]
         # Narrow column blocks: more programs share the final sums, each in one or two steps.
         fbk = min(_pow2(max((g.k for g in red), default=1)), config.final_cols)
@@ -346,25 +341,25 @@ class _Backward:
         gx, gy, gw = (g or zero for g in grads)
         magic, fastdiv = _division_args(nb3, s, n1)
         self.args_tail = (
-            n0, n1, n2, n3, s, nb3, rows_per_split, *magic, gx.off, gy.off, gw.off, gx.p, gy.p, gw.p,
+            n0, n1, n2, n3, s, nb3, rows_per_split, *magic, gx.off, gy.off, gw.off,
             masks[0], masks[1], masks[2], plan.w_scalar, needs[0], needs[1], needs[2], gx.red, gy.red, gw.red,
-            self.fused, plan.acc_f64, plan.big, plan.vec, bm, bn, fbr, fbk, config.full_tile_loads,
+            plan.acc_f64, plan.big, plan.vec, bm, bn, config.full_tile_loads,
             plan.reverse_backward, plan.flat, plan.flat and config.even_tiles and n3 % bn == 0,
             config.bwd_loads_first, config.bwd_stream, config.bwd_joint_flush, atomic, fastdiv,
         )
         self.final = None
         self.final_args_tail = ()
-        if red and not self.fused and not atomic:
+        if red and not atomic:
             fgrid = sum(_cdiv(g.k, fbk) for g in red)
             self.final = plan.launcher(plan.kernels._lerp_final_kernel, fgrid, 4)
             self.final_args_tail = (gx.off, gy.off, gw.off, gx.p, gy.p, gw.p, gx.k, gy.k, gw.k,
                                     gx.red, gy.red, gw.red, plan.acc_f64, fbr, fbk)
 
-    def main_args(self, g: Any, x: Any, y: Any, wt: Any, dx: Any, dy: Any, dw: Any, part: Any, counter: Any,
+    def main_args(self, g: Any, x: Any, y: Any, wt: Any, dx: Any, dy: Any, dw: Any, part: Any,
                   hi: float, lo: float) -> tuple:
         """The main backward kernel's arguments (tensors, or placeholders where only the layout
         matters); the native path's parameter slots follow this order (``install_native_backward``)."""
-        return (g, x, y, wt, dx, dy, dw, part, counter, hi, lo, *self.args_tail)
+        return (g, x, y, wt, dx, dy, dw, part, hi, lo, *self.args_tail)
 
     def final_args(self, part: Any, dx: Any, dy: Any, dw: Any) -> tuple:
         """The final pass's arguments (only when ``final`` is planned)."""
@@ -539,10 +534,10 @@ class _Plan:
         """Hand a backward to the C++ side after its first launch. Buffers: 0-3 g, x, y, w;
         4-6 the gradients (allocated, or with ``bw.atomic`` views of the forward's zeroed buffer
         for broadcast operands); 7 the partial sums."""
-        if self.native is None or bw.fused:  # the last-block counter is not planned natively
+        if self.native is None:
             return
-        weight = (9, 10) if self.w_scalar else None
-        launches = [_native.native_launch(bw.main, main_args, {i: i for i in range(9)}, weight)]
+        weight = (8, 9) if self.w_scalar else None
+        launches = [_native.native_launch(bw.main, main_args, {i: i for i in range(8)}, weight)]
         if bw.final is not None:
             launches.append(_native.native_launch(bw.final, final_args, {0: 7, 1: 4, 2: 5, 3: 6}, None))
         if any(la is None for la in launches):
@@ -556,7 +551,7 @@ class _Plan:
         if bw.part_numel:
             allocs.append((7, [bw.part_numel], self.part_dtype))
         mask = sum(1 << i for i in range(3) if bw.needs[i])
-        self.native.install(mask + (8 if bw.atomic else 0), 9, allocs, launches, views)
+        self.native.install(mask + (8 if bw.atomic else 0), 8, allocs, launches, views)
 
 def interpreter_active() -> bool:
     """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1`` set before Triton was imported)."""
@@ -612,20 +607,6 @@ def _split_weight(wv: float, acc_f64: bool) -> tuple[float, float]:
 
     hi = float(np.float32(wv))
     return hi, wv - hi
-
-
-def _counter(device_index: int | None) -> Tensor:
-    """A zeroed int32 the last-block finalisation counts on; it resets it to 0 itself."""
-    if device_index is None:
-        return torch.zeros(1, dtype=torch.int32)
-    if torch._C._cuda_isCurrentStreamCapturing():
-        # Inside a CUDA graph: a counter of this graph's own (zeroed by a memset node).
-        return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
-    key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
-    c = _COUNTERS.get(key)
-    if c is None:  # one per stream: launches on one stream never overlap
-        c = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
-    return c
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -686,12 +667,11 @@ def _backward_impl(g: Tensor, x: Tensor, y: Tensor, w: Tensor | None, wv: float,
     dx, dy, dw = (g if not need else torch.empty_like(like) if v is None else acc[v[0]:v[0] + v[1]].view(shape)
                   for need, v, like, shape in zip(needs, bw.acc_views, (x, y, wt), plan.shapes))
     part = g.new_empty(bw.part_numel, dtype=plan.part_dtype) if bw.part_numel else g
-    counter = _counter(plan.device_index) if bw.fused else g
     hi, lo = _split_weight(wv, plan.acc_f64)
     ptrs = (g.data_ptr(), x.data_ptr(), y.data_ptr(), wt.data_ptr(), dx.data_ptr(), dy.data_ptr(), dw.data_ptr(),
-            part.data_ptr(), counter.data_ptr())
+            part.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15)
-    main_args = bw.main_args(g, x, y, wt, dx, dy, dw, part, counter, hi, lo)
+    main_args = bw.main_args(g, x, y, wt, dx, dy, dw, part, hi, lo)
     bw.main(main_args, aligned, ptrs)
     final_args: tuple = ()
     if bw.final is not None:

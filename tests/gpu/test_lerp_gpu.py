@@ -52,11 +52,11 @@ def assert_matches(x, y, w, out, grads, g):
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * (1 + b.abs().max().item()))
 
 
-@pytest.mark.parametrize("fused_max", [0, 1 << 30], ids=["final-pass", "last-block"])
+@pytest.mark.parametrize("scheme", [0, 1 << 16], ids=["final-pass", "atomic"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("shapes", SHAPES, ids=lambda s: "x".join(map(str, s[1])))
-def test_matches_float64(shapes, dtype, fused_max):
-    with L.configured(fused_final_max=fused_max):
+def test_matches_float64(shapes, dtype, scheme):
+    with L.configured(atomic_max=scheme):
         for _ in range(2):  # the first call compiles and launches normally, the second launches directly
             x, y, w = inputs(*shapes, dtype)
             out = lerp(x, y, w)
@@ -85,43 +85,41 @@ def test_misaligned_views_take_the_normal_launch():
         assert_matches(xx, y, w, out, torch.autograd.grad(out, (xx, y, w), g), g)
 
 
-@pytest.mark.parametrize("fused_max", [0, 1 << 30], ids=["final-pass", "last-block"])
-def test_cuda_graph_replay(fused_max):
-    with L.configured(fused_final_max=fused_max):
-        x, y, w = inputs((16, 1, 1, 1), (16, 3, 24, 24), (3, 1, 24), torch.float32)
-        g = torch.randn(16, 3, 24, 24, device="cuda")
+def test_cuda_graph_replay():
+    x, y, w = inputs((16, 1, 1, 1), (16, 3, 24, 24), (3, 1, 24), torch.float32)
+    g = torch.randn(16, 3, 24, 24, device="cuda")
 
-        def step():
-            out = lerp(x, y, w)
-            return (out, *torch.autograd.grad(out, (x, y, w), g))
+    def step():
+        out = lerp(x, y, w)
+        return (out, *torch.autograd.grad(out, (x, y, w), g))
 
-        # Detached: a live eager graph would keep AccumulateGrad nodes bound to the default
-        # stream, and autograd would then sync with that stream during capture (an error).
-        # Capture takes the partial sums (a graph could replay a backward without the forward
-        # that zeroes the atomic buffer): the eager reference and the warm-up use them too, in
-        # deterministic mode, so that the graph must give the same bits.
-        torch.use_deterministic_algorithms(True)
-        try:
-            eager = [t.detach() for t in step()]
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):  # by the third call a call is native both ways (final-pass plans)
-                    step()
-        finally:
-            torch.use_deterministic_algorithms(False)
-        torch.cuda.current_stream().wait_stream(s)
-        native = L._plan(x, y, w).native
-        if fused_max == 0 and _native.ENABLED:  # so the capture below records native launches
-            assert native is not None and native.has_backward(7)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = step()
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        for a, b in zip(static, eager):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # Detached: a live eager graph would keep AccumulateGrad nodes bound to the default
+    # stream, and autograd would then sync with that stream during capture (an error).
+    # Capture takes the partial sums (a graph could replay a backward without the forward
+    # that zeroes the atomic buffer): the eager reference and the warm-up use them too, in
+    # deterministic mode, so that the graph must give the same bits.
+    torch.use_deterministic_algorithms(True)
+    try:
+        eager = [t.detach() for t in step()]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):  # by the third call a call is native both ways (final-pass plans)
+                step()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.cuda.current_stream().wait_stream(s)
+    native = L._plan(x, y, w).native
+    if _native.ENABLED:  # so the capture below records native launches
+        assert native is not None and native.has_backward(7)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_cuda_graph_capture_after_a_warm_up_with_atomic_sums():

@@ -26,7 +26,6 @@
 
 #include <array>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -158,8 +157,7 @@ struct Launch {
 // Allocations go straight to the caching allocator: at::empty_like is two dispatcher round trips
 // (empty_like, then empty_strided) per buffer, and at::detail::empty_cuda, which ATen's own kernels
 // allocate their outputs with, adds a device guard (two runtime calls) that a plan, which only runs
-// on its own current device, does not need. `dispatch_alloc` restores at::empty, for comparisons.
-std::atomic<bool> dispatch_alloc{false};  // read on autograd's worker threads too
+// on its own current device, does not need.
 
 // `bytes` from the caching allocator (CUDA build: on the current device) as a bare storage;
 // tensors are made over it (Region::make). Resizable as ATen's outputs are, except a block that
@@ -190,26 +188,6 @@ int64_t current_stream(int device) {
   (void)device;
   return 0;
 #endif
-}
-
-// Host timestamps (steady clock = CLOCK_MONOTONIC, ns, as Python's time.monotonic_ns) at the
-// native path's stages, and launches left out, for benchmarks/lerp_probes.py hosttime: where an
-// eager forward + autograd.grad spends its host time. Both off unless a probe turns them on.
-// Per direction: entry, plan found, views of the atomic buffer made, allocations made, launched,
-// exit (the node's entry is on the engine's worker thread).
-enum Stamp {
-  kFwdIn, kFwdPlanned, kFwdViews, kFwdAllocs, kFwdLaunched, kFwdOut,
-  kBwdIn, kBwdPlanned, kBwdViews, kBwdAllocs, kBwdLaunched, kBwdOut, kStamps
-};
-std::atomic<bool> stamping{false};
-std::array<std::atomic<int64_t>, kStamps> stamps{};
-std::atomic<int> skip_launches{0};  // bit 0: forward programs, bit 1: backward programs
-
-inline void stamp(Stamp i) {
-  if (stamping.load(std::memory_order_relaxed))
-    stamps[i].store(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now().time_since_epoch()).count(),
-                    std::memory_order_relaxed);
 }
 
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
@@ -310,25 +288,15 @@ struct Program {
   std::vector<Region> views;  // of `acc`: the gradients a backward adds into with atomics
   std::vector<Launch> launches;
 
-  // kind: 1 forward, 2 backward (as skip_launches counts them)
   // `stream`: the current stream of `device` (current_stream), fetched once per call.
-  void run(int kind, std::vector<at::Tensor>& bufs, float hi, float lo, int device, int64_t stream,
+  void run(std::vector<at::Tensor>& bufs, float hi, float lo, int device, int64_t stream,
            const at::Tensor& acc = {}) const {
-    const int at = kind == 1 ? kFwdIn : kBwdIn;
     for (const auto& v : views) bufs[v.buffer] = v.whole ? acc : v.in(acc.storage(), acc.scalar_type(), acc.storage_offset());
-    stamp(Stamp(at + 2));
-    const bool dispatched = dispatch_alloc.load(std::memory_order_relaxed);  // comparisons: one at::empty each
-    c10::Storage block = block_bytes > 0 && !dispatched ? allocate_storage(block_bytes, false) : c10::Storage();
-    for (const auto& a : allocs)
-      bufs[a.buffer] = dispatched ? at::empty(a.shape, bufs[0].options().dtype(a.dtype))
-                       : a.in_block ? a.in(block, a.dtype)
-                                    : a.alone();
+    c10::Storage block = block_bytes > 0 ? allocate_storage(block_bytes, false) : c10::Storage();
+    for (const auto& a : allocs) bufs[a.buffer] = a.in_block ? a.in(block, a.dtype) : a.alone();
     for (auto& t : bufs)
       if (!t.defined()) t = bufs[0];
-    stamp(Stamp(at + 3));
-    if ((skip_launches.load(std::memory_order_relaxed) & kind) == 0)
-      for (const auto& l : launches) l.run(bufs, hi, lo, device, stream);
-    stamp(Stamp(at + 4));
+    for (const auto& l : launches) l.run(bufs, hi, lo, device, stream);
   }
 };
 
@@ -448,7 +416,6 @@ struct LerpBackward : public Node {
   }
 
   variable_list apply(variable_list&& grads) override {
-    stamp(kBwdIn);
     variable_list out(3);
     at::Tensor acc = std::move(acc_);  // moved out: a second backward (retain_graph) sums partials
     const at::Tensor& g = grads[0];
@@ -470,7 +437,6 @@ struct LerpBackward : public Node {
     const int mask = int(nx) | (int(ny) << 1) | (int(nw) << 2);
     if (acc.defined() && !atomics_allowed()) acc = at::Tensor();
     Program* p = plan->bwd[mask + (acc.defined() ? 8 : 0)].load();
-    stamp(kBwdPlanned);
     if (p != nullptr && plan->on_device(g)) {
       std::vector<at::Tensor> bufs(p->n_buffers);
       bufs[0] = contiguous(g);
@@ -479,11 +445,10 @@ struct LerpBackward : public Node {
       bufs[3] = plan->w_scalar ? bufs[1] : contiguous(w);
       if (aligned(bufs[0]) && aligned(bufs[1]) && aligned(bufs[2]) && aligned(bufs[3])) {
         const auto [hi, lo] = plan->split(wv);
-        p->run(2, bufs, hi, lo, plan->device, current_stream(plan->device), acc);
+        p->run(bufs, hi, lo, plan->device, current_stream(plan->device), acc);
         if (nx) out[0] = bufs[4];
         if (ny) out[1] = bufs[5];
         if (nw) out[2] = bufs[6];
-        stamp(kBwdOut);
         return out;
       }
     }
@@ -508,7 +473,6 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
   const bool with_acc = requires_grad && plan->acc_numel > 0 && atomics_allowed();
   Program* p = plan->fwd[with_acc].load();
   if (p == nullptr || !plan->on_device(x)) return {};
-  stamp(kFwdPlanned);
   std::vector<at::Tensor> bufs(p->n_buffers);
   {
     at::NoGradGuard no_grad;  // contiguous() copies must not enter the autograd graph
@@ -520,7 +484,7 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
     if (with_acc)
       bufs[4] = slabs().take(plan->device, stream, plan->dtype, plan->acc_shape, plan->acc_strides, plan->acc_bytes);
     const auto [hi, lo] = plan->split(wv);
-    p->run(1, bufs, hi, lo, plan->device, stream);
+    p->run(bufs, hi, lo, plan->device, stream);
   }
   at::Tensor out = bufs[3];
   if (requires_grad) {
@@ -534,7 +498,6 @@ at::Tensor forward(std::shared_ptr<LerpPlan> plan, const at::Tensor& x, const at
     if (with_acc) node->acc_ = bufs[4];
     torch::autograd::set_history(out, node);
   }
-  stamp(kFwdOut);
   return out;
 }
 
@@ -590,7 +553,6 @@ void register_plan(const std::shared_ptr<LerpPlan>& plan, const at::Tensor& x, c
 // An undefined result (None) sends the call down the Python path, which plans it or reports
 // what is wrong with it.
 at::Tensor lerp(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& w_opt, double wv) {
-  stamp(kFwdIn);
   // Dispatch modes (make_fx, fake tensors) and functorch transforms (which include their front
   // key in the thread-local set while any transform is active) need the registered op.
   if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
@@ -738,14 +700,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     flowexec::registry().clear();
     flowexec::slabs().clear();
   });
-  m.def("set_dispatch_alloc", [](bool on) { flowexec::dispatch_alloc.store(on, std::memory_order_relaxed); });
-  m.def("set_stamping", [](bool on) { flowexec::stamping.store(on, std::memory_order_relaxed); });
-  m.def("stamps", [] {
-    std::vector<int64_t> v;
-    for (const auto& s : flowexec::stamps) v.push_back(s.load(std::memory_order_relaxed));
-    return v;
-  });
-  m.def("set_skip_launches", [](int bits) { flowexec::skip_launches.store(bits, std::memory_order_relaxed); });
   m.attr("lerp") = py::reinterpret_steal<py::object>(PyCFunction_New(&flowexec::lerp_def, nullptr));
 #ifdef FLOWEXEC_WITH_CUDA
   m.attr("with_cuda") = true;
