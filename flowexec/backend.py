@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.abc
 import importlib.util
 import sys
@@ -28,10 +27,11 @@ import torch.fx as fx
 
 from .capture import program_from_graph
 from .errors import OptionError, count_option
-from .executable import MODES, RecaptureWarning, rewrite_program
-from .fusion import check_fuse, check_pad, fuse_and_pad
+from .build import plan_for
+from .executable import MODES, RecaptureWarning
+from .fusion import check_fuse, check_pad
 from .passes.streams import cuda_devices
-from .plan import build_plan, check_gc, check_streams
+from .plan import check_gc, check_streams
 from .runtime.graph_trees import backward_static_indices, check_pool
 from .runtime.lower import lower_for
 
@@ -119,12 +119,12 @@ class GraphProgram:
         a graph on no CUDA device, or on several, runs on one). ``pool="shared"``: the graph is
         one of its device's CUDA-graph trees (``runtime/graph_trees.py``), as ``role`` (forward,
         backward, inference), with ``tree_static`` among its static inputs."""
-        program, fusion = fuse_and_pad(rewrite_program(program_from_graph(gm, example_inputs), mode, fuse_lerp), fuse, pad, mode)
+        program = program_from_graph(gm, example_inputs)
         # streams of one device (CUDA streams) or of none (worker threads on the CPU); memory="planned":
         # every graph captured from this program writes its intermediates into the one arena (replays
         # are serial), so they share that memory.
-        self.plan = dataclasses.replace(build_plan(program, gc, streams if len(cuda_devices(program)) <= 1 else 1,
-                                                   mode=mode, **(plan_options or {})), fusion=fusion)
+        self.plan = plan_for(program, mode, gc=gc, streams=streams if len(cuda_devices(program)) <= 1 else 1,
+                             fuse=fuse, pad=pad, fuse_lerp=fuse_lerp, **(plan_options or {}))
         self.run = lower_for(self.plan, mode)
         self.mode = mode
         self.warmup = warmup

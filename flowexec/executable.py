@@ -16,7 +16,6 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import time
@@ -29,9 +28,10 @@ import torch
 
 from .capture import LazyStateError, capture
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError
-from .fusion import check_fuse, check_pad, fuse_and_pad
+from .build import plan_for
+from .fusion import check_fuse, check_pad
 from .guards import GuardSet
-from .plan import ExecutionPlan, build_plan, check_gc, check_streams
+from .plan import ExecutionPlan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
@@ -228,10 +228,8 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True)
-        prog, fusion = fuse_and_pad(rewrite_program(cap.program, self.mode, self.fuse_lerp), self.fuse, self.pad,
-                                    self.mode)
-        plan = build_plan(prog, self.gc, self.streams, mode=self.mode, **self.memory_options)
-        plan = dataclasses.replace(plan, fusion=fusion)
+        plan = plan_for(cap.program, self.mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
+                        fuse_lerp=self.fuse_lerp, **self.memory_options)
         run = lower_for(plan, self.mode, *self._worker_opts)
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
@@ -746,19 +744,6 @@ class GraphVariants:
                 RecaptureWarning, stacklevel=3)
             self._staged = self._capture(targs, [False] * len(targs))
         return self._staged(targs)
-
-
-def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> Program:
-    """The program-to-program passes an executable applies before planning."""
-    if fuse_lerp not in (None, True, False, "all"):
-        raise ValueError(f"fuse_lerp must be None, True, False or 'all', not {fuse_lerp!r}")
-    if fuse_lerp or (fuse_lerp is None and mode == "graph"):
-        from .passes.fuse_lerp import substitute_lerp
-
-        # None and True: lerp and lerp_ where the fused kernel measured faster than ATen's
-        # (True also outside graph mode); "all": every eligible one.
-        prog = substitute_lerp(prog, inplace=True, only_faster=fuse_lerp != "all")
-    return prog
 
 
 def _numel(shape: tuple[int, ...]) -> int:

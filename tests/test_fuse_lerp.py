@@ -74,13 +74,13 @@ def test_only_faster_keeps_full_size_and_small_lerps_on_aten():
     (True, "trace", {"inplace": True, "only_faster": True}), ("all", "trace", {"inplace": True, "only_faster": False}),
     (False, "graph", None)])
 def test_fuse_lerp_option_chooses_what_the_pass_rewrites(option, mode, want, monkeypatch):
-    from flowexec import executable
+    from flowexec import build
     from flowexec.passes import fuse_lerp
 
     seen = []
     monkeypatch.setattr(fuse_lerp, "substitute_lerp", lambda prog, **kw: seen.append(kw) or prog)
     prog = capture(ema_step, (torch.randn(4, 8), torch.randn(4, 8))).program
-    assert executable.rewrite_program(prog, mode, option) is prog
+    assert build.rewrite_program(prog, mode, option) is prog
     assert seen == ([want] if want else [])
 
 

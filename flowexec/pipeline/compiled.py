@@ -36,16 +36,16 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import InputError, OptionError
-from ..fusion import check_fuse, fuse_and_pad
+from ..build import plan_for
+from ..fusion import check_fuse
 from ..passes.dependencies import alias_groups
-from ..plan import ExecutionPlan, build_plan
+from ..plan import ExecutionPlan
 from ..program import Program, Role
 from ..runtime.interpreter import lower_trace
 from .accumulate import accumulate_gradients
@@ -136,8 +136,7 @@ class CompiledRunner:
 
     # -- building ---------------------------------------------------------------------------
     def _plan(self, prog: Program) -> ExecutionPlan:
-        fused, report = fuse_and_pad(prog, self._fuse, None, self.mode)
-        return dataclasses.replace(build_plan(fused), fusion=report)
+        return plan_for(prog, self.mode, fuse=self._fuse)
 
     def _build(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
         cap = capture_stage(self.module, inputs, loss_fn=self.loss_fn, target=target, input_grads=self._input_grads)

@@ -1,0 +1,46 @@
+"""From a captured program to its plan: the one builder every front door uses.
+
+``flowexec.compile`` (executable.py), the ``torch.compile`` backend (backend.py) and pipeline
+stages (pipeline/compiled.py) hand :func:`plan_for` the program they captured; it applies the
+program rewrites — the fused lerp where it measured faster (:func:`rewrite_program`), padded
+matrix products and fused regions (``fusion.fuse_and_pad``) — and plans the result
+(``plan.build_plan``), keeping the fusion report on the plan. A new rewrite or pass goes here
+once and reaches all three.
+
+Example::
+
+    >>> import torch
+    >>> from flowexec.capture import capture
+    >>> plan = plan_for(capture(lambda x: (x * 2).relu(), (torch.randn(4),)).program, "trace")
+    >>> plan.stats()["ops"], plan.fusion is None  # on the CPU fusion is asked for, not default
+    (2, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .fusion import fuse_and_pad
+from .plan import ExecutionPlan, build_plan
+from .program import Program
+
+
+def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> Program:
+    """The fused lerp for ``aten.lerp`` / ``lerp_`` where ``fuse_lerp`` asks for it: None and
+    True where the fused kernel measured faster than ATen's (None in graph mode only), "all"
+    every eligible one, False none (passes/fuse_lerp.py)."""
+    if fuse_lerp not in (None, True, False, "all"):
+        raise ValueError(f"fuse_lerp must be None, True, False or 'all', not {fuse_lerp!r}")
+    if fuse_lerp or (fuse_lerp is None and mode == "graph"):
+        from .passes.fuse_lerp import substitute_lerp
+
+        prog = substitute_lerp(prog, inplace=True, only_faster=fuse_lerp != "all")
+    return prog
+
+
+def plan_for(prog: Program, mode: str, *, gc: str = "fast", streams: int | str = 1, fuse: str | bool | None = None,
+             pad: bool | None = None, fuse_lerp: bool | str | None = None, **plan_options: Any) -> ExecutionPlan:
+    """``prog`` rewritten (lerp, padding, fusion) and planned for run mode ``mode``;
+    ``plan_options`` go to :func:`~flowexec.plan.build_plan` (memory, order, gc_backlog, ...)."""
+    prog, fusion = fuse_and_pad(rewrite_program(prog, mode, fuse_lerp), fuse, pad, mode)
+    return dataclasses.replace(build_plan(prog, gc, streams, mode=mode, **plan_options), fusion=fusion)
