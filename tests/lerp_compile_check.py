@@ -132,8 +132,8 @@ def main() -> int:
             needs = (True, True, ws is not None)
             bw = plan.backward_plan(needs)
             part = PTR[plan.part_dtype]
-            ok &= compile_one(f"{name}: backward", bw.main, bw.main_args(*(0,) * 9, 0.25, 0.0), dtype, 9,
-                              {7: part, 8: "*i32"})
+            ok &= compile_one(f"{name}: backward", bw.main, bw.main_args(*(0,) * 8, 0.25, 0.0), dtype, 8,
+                              {7: part})
             if bw.final is not None:
                 ok &= compile_one(f"{name}: final pass", bw.final, bw.final_args(0, 0, 0, 0), dtype, 4, {0: part})
             layout = plan.acc_layout()
@@ -142,8 +142,8 @@ def main() -> int:
                                   plan.forward_args(0, 0, 0, 0, 0.25, 0.0, torch.empty(layout[0])), dtype, 4,
                                   {acc_arg: PTR[dtype]})
                 bwa = plan.backward_plan(needs, atomic=True)
-                ok &= compile_one(f"{name}: atomic backward", bwa.main, bwa.main_args(*(0,) * 9, 0.25, 0.0), dtype, 9,
-                                  {7: PTR[dtype], 8: "*i32"})
+                ok &= compile_one(f"{name}: atomic backward", bwa.main, bwa.main_args(*(0,) * 8, 0.25, 0.0), dtype, 8,
+                                  {7: PTR[dtype]})
     for name in ("case1", "case2", "case3"):  # the atomic scheme applies where a final pass is saved
         xs, ys, ws, dtype, changes = CASES[name]
         plan = L._Plan(torch.Size(xs), torch.Size(ys), torch.Size(ws), dtype, torch.device("cuda", 0))
