@@ -17,8 +17,10 @@ pytestmark = pytest.mark.skipif(_VERSION < (3, 6), reason="the check builds sign
 
 
 def test_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # this checkout's flowexec, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(here), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, os.path.join(here, "lerp_compile_check.py")], env=env,
                           cwd=os.path.dirname(here), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
