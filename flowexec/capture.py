@@ -19,6 +19,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import os
@@ -26,11 +27,12 @@ import sys
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.optim import optimizer as _optimizer
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -206,13 +208,17 @@ _DATA_DEPENDENT_HINT = (
 )
 
 
+def _optimizer_frame(tb: Any) -> traceback.FrameSummary | None:
+    """The innermost frame of torch's optimizers or AMP in a traceback, if any."""
+    lib = [f for f in traceback.extract_tb(tb) if "/torch/optim/" in f.filename or "/torch/amp/" in f.filename]
+    return lib[-1] if lib else None
+
+
 def _host_read_hint(tb: Any) -> str:
     """What to use instead, where a library (not the user) read a tensor on the host."""
-    frames = traceback.extract_tb(tb)
-    lib = [f for f in frames if "/torch/optim/" in f.filename or "/torch/amp/" in f.filename]
-    if not lib:
+    f = _optimizer_frame(tb)
+    if f is None:
         return _DATA_DEPENDENT_HINT
-    f = lib[-1]
     where = f"torch/{f.filename.rsplit('/torch/', 1)[-1]}:{f.lineno} ({(f.line or '').strip()})"
     if "grad_scaler" in f.filename:
         return (f"torch.amp.GradScaler reads found_inf on the host at {where} for an optimizer that is not "
@@ -223,13 +229,73 @@ def _host_read_hint(tb: Any) -> str:
             "such values on the device.")
 
 
+class HostReadError(CaptureError):
+    """fn (or a library it calls) read a tensor's value on the host during capture;
+    ``by_optimizer``: the read was in torch's optimizers or GradScaler, which the compiling
+    flag does not spare it."""
+
+    by_optimizer = False
+
+
+@contextlib.contextmanager
+def _library_compiling(everywhere: bool) -> Iterator[None]:
+    """Tell library code it is being compiled (``torch.compiler.is_compiling()``), inside every
+    optimizer step, or (``everywhere``) for the whole capture run.
+
+    Optimizers read that flag to keep step counts and bias corrections on the device instead of
+    the host, which one static program needs. Elsewhere the flag changes what libraries run: a
+    Hugging Face model builds an explicit causal mask and repeats GQA's keys and values where
+    eager passes ``is_causal`` to one attention kernel, work and memory eager does not spend. So
+    the capture sets it only inside ``Optimizer.step`` first; :func:`trace` sets it everywhere
+    only when that capture read a tensor on the host (the compiled path of such a library avoids
+    the read)."""
+    prev = torch.compiler._is_compiling_flag
+    if everywhere:
+        torch.compiler._is_compiling_flag = True
+        try:
+            yield
+        finally:
+            torch.compiler._is_compiling_flag = prev
+        return
+    outer: list[bool] = []  # the flag as each (possibly nested) step found it
+
+    def enter(*_: Any) -> None:
+        outer.append(torch.compiler._is_compiling_flag)
+        torch.compiler._is_compiling_flag = True
+
+    def leave(*_: Any) -> None:
+        torch.compiler._is_compiling_flag = outer.pop() if outer else prev
+
+    hooks = (_optimizer.register_optimizer_step_pre_hook(enter),
+             _optimizer.register_optimizer_step_post_hook(leave))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        torch.compiler._is_compiling_flag = prev  # a step that raised skipped its post hook
+
+
 def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
     (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
     lift optimizer hyperparameters and take existing gradients as inputs (what an
     :class:`~flowexec.Executable` checks and feeds per call); without it the program binds
-    whatever fn reads, as a pipeline stage's capture wants."""
+    whatever fn reads, as a pipeline stage's capture wants.
+
+    Library code sees ``torch.compiler.is_compiling()`` inside optimizer steps only, so the
+    model runs what eager runs; a run that reads a tensor on the host is traced again with the
+    flag set throughout (:func:`_library_compiling`)."""
+    try:
+        return _trace(fn, args, guarded, everywhere=False)
+    except HostReadError as e:
+        if e.by_optimizer:
+            raise
+    return _trace(fn, args, guarded, everywhere=True)
+
+
+def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool, everywhere: bool) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
     recorder = Recorder(fn, active=guarded)
@@ -296,12 +362,10 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) ->
     if "record_stack_traces" in inspect.signature(make_fx).parameters:
         kw["record_stack_traces"] = True
     rng = _rng_states()
-    prev_flag = torch.compiler._is_compiling_flag
-    # Optimizers and other library code check is_compiling() to keep scalars on the device.
-    torch.compiler._is_compiling_flag = True
     failed = True
     try:
-        gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos], *[p.grad for p in grad_params])
+        with _library_compiling(everywhere):
+            gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos], *[p.grad for p in grad_params])
         failed = False
     except CaptureError:
         raise
@@ -309,10 +373,11 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) ->
         where = user_frame(e.__traceback__)
         msg = str(e).split("\n", 1)[0]
         if "_local_scalar_dense" in msg or "data-dependent" in msg.lower() or "Data dependent" in msg:
-            raise CaptureError(f"cannot capture fn: at {where or '<unknown>'}: {_host_read_hint(e.__traceback__)}") from e
+            err = HostReadError(f"cannot capture fn: at {where or '<unknown>'}: {_host_read_hint(e.__traceback__)}")
+            err.by_optimizer = _optimizer_frame(e.__traceback__) is not None
+            raise err from e
         raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
     finally:
-        torch.compiler._is_compiling_flag = prev_flag
         lifter.restore()
         guard.restore()
         _set_rng_states(rng)

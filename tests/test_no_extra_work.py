@@ -1,0 +1,110 @@
+"""A captured step runs what eager runs (issue 36, "no extra work").
+
+Library code branches on ``torch.compiler.is_compiling()``: optimizers need it to keep step
+counts on the device, while a model library (Hugging Face's masking, GQA) takes a different,
+costlier path under it — an explicit mask and repeated keys where eager passes ``is_causal`` to
+one attention kernel. Capture tells libraries they are compiled only inside optimizer steps,
+and everywhere only when the model reads a tensor on the host without it.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flowexec
+from flowexec.capture import capture
+
+# Ops that launch no kernel, or that make_fx writes in place of eager's (a constant is copied
+# where eager lifts a fresh tensor).
+_NOT_WORK = {"aten.detach.default", "<built-in function getitem>", "aten.lift_fresh_copy.default",
+             "aten.lift_fresh.default"}
+
+
+class _LibraryAttention(torch.nn.Module):
+    """Causal attention written as Hugging Face's sdpa path is: an explicit boolean mask when
+    compiling, ``is_causal`` otherwise; and (``host_read``) a padding mask dropped after a host
+    check ``torch.all(mask)`` that only the compiled path skips."""
+
+    def __init__(self, host_read: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 16)
+        self.host_read = host_read
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        if self.host_read and pad is not None and not torch.compiler.is_compiling() and bool(pad.all()):
+            pad = None  # nothing padded: the mask can go (a host read, as HF's _ignore_causal_mask_sdpa)
+        if torch.compiler.is_compiling() or pad is not None:
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            if pad is not None:
+                mask = mask & pad[:, None, None, :]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, 16))
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _work(ops: collections.Counter[str]) -> dict[str, int]:
+    return {k: n for k, n in sorted(ops.items()) if k not in _NOT_WORK}
+
+
+def test_a_captured_forward_and_backward_runs_the_ops_eager_runs() -> None:
+    model = _LibraryAttention()
+    x = torch.randn(2, 6, 16)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    step(x)  # gradients exist, as on every step after the first
+    with _Count() as eager:
+        step(x)
+    prog = capture(step, (x,)).program
+    captured = collections.Counter(op.name for op in prog.ops)
+    assert _work(captured) == _work(eager.ops)
+    assert not any("tril" in name or "logical_and" in name for name in captured)
+
+
+def test_a_model_that_reads_a_mask_on_the_host_is_captured_on_the_compiled_path_and_matches_eager() -> None:
+    model, ref = _LibraryAttention(host_read=True), _LibraryAttention(host_read=True)
+    # (SGD: the keys' bias gets a zero gradient up to rounding, which Adam would turn into full steps)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(2, 6, 16, generator=g), torch.ones(2, 6, dtype=torch.bool)) for _ in range(4)]
+
+    def make(m: torch.nn.Module, o: torch.optim.Optimizer):
+        def step(x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+            o.zero_grad()
+            loss = m(x, pad).square().mean()
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    exe = flowexec.compile(make(model, opt))
+    eager = make(ref, ref_opt)
+    for x, pad in data:
+        torch.testing.assert_close(exe(x, pad), eager(x, pad), rtol=1e-5, atol=1e-6)
+    names = [op.name for op in exe.program.ops]  # the program captured (after the eager first call)
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in names or any("attention" in n for n in names)
+    assert any("tril" in n for n in names), "captured on the compiled path: the explicit mask"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
