@@ -4,6 +4,7 @@ checkpoint per rank that a later run resumes from.
 
     torchrun --standalone --nproc-per-node 2 examples/pipeline_train.py --steps 40 --stop-after 20 --save ckpt/
     torchrun --standalone --nproc-per-node 2 examples/pipeline_train.py --steps 40 --resume ckpt/
+    torchrun --standalone --nproc-per-node 2 examples/pipeline_train.py --save ckpt/ --save-every 10  # ckpt/step10/ ...
     torchrun --standalone --nproc-per-node 4 examples/pipeline_train.py --data-parallel 2   # 2 pipelines of 2
     # GPUs (one process a GPU): add --backend nccl; several machines: torchrun --nnodes M ...
 
@@ -57,9 +58,13 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="eager stages (compile=False)")
     ap.add_argument("--backend", default="gloo", help="gloo (CPUs) or nccl (GPUs)")
     ap.add_argument("--save", default="", help="a folder for the checkpoint at the end (a file per rank)")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="also save every this many steps, into <--save>/step<N>/ (0: only at the end)")
     ap.add_argument("--resume", default="", help="a folder a run saved into: continue from there")
     ap.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline (they split the ranks)")
     args = ap.parse_args()
+    if args.save_every and not args.save:
+        ap.error("--save-every needs --save (the folder the checkpoints go into)")
     if args.batch % (args.data_parallel * args.micro):
         ap.error(f"--batch {args.batch} must split into --data-parallel {args.data_parallel} parts of "
                  f"--micro {args.micro} equal micro-batches")
@@ -83,6 +88,13 @@ def main() -> None:
         trainer.load_state_dict(state["trainer"])
         for s, sched in schedulers.items():
             sched.load_state_dict(state["schedulers"][s])
+
+    def save(folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"trainer": trainer.state_dict(),
+                    "schedulers": {s: sched.state_dict() for s, sched in schedulers.items()}},
+                   os.path.join(folder, f"rank{rank}.pt"))
+
     end = min(args.stop_after or args.steps, args.steps)
     for step in range(trainer.step_count, end):
         x, y = batch(step, args.batch, trainer.device)
@@ -91,14 +103,13 @@ def main() -> None:
             sched.step()
         if loss is not None and trainer.replica == 0 and (step % 5 == 0 or step == end - 1):
             print(f"step {step}: loss {loss.item():.5f}, gradient norm {trainer.grad_norm.item():.4f}", flush=True)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < end:
+            save(os.path.join(args.save, f"step{step + 1}"))
     val = trainer.evaluate(*batch(-1, args.batch, trainer.device))
     if val is not None and trainer.replica == 0:
         print(f"validation loss after {end} steps: {val.item():.8f}", flush=True)
     if args.save:
-        os.makedirs(args.save, exist_ok=True)
-        torch.save({"trainer": trainer.state_dict(),
-                    "schedulers": {s: sched.state_dict() for s, sched in schedulers.items()}},
-                   os.path.join(args.save, f"rank{rank}.pt"))
+        save(args.save)
     dist.destroy_process_group()
 
 

@@ -27,17 +27,26 @@ def _validation(out: str) -> float:
     return float(found[0])
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "ZBV"])
-def test_pipeline_train_example_trains_and_resumes_where_it_stopped(tmp_path, schedule):
-    straight = _torchrun("--schedule", schedule, "--steps", "8")
-    first = _torchrun("--schedule", schedule, "--steps", "8", "--stop-after", "4", "--save", str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "rank1.pt"]
-    resumed = _torchrun("--schedule", schedule, "--steps", "8", "--resume", str(tmp_path))
-    assert "step 0:" in first and "step 0:" not in resumed and "step 5:" in resumed and "step 7:" in resumed
+def test_pipeline_train_example_trains_and_resumes_where_it_stopped(tmp_path):
+    """A ZBV run saving every 4 steps; a run resumed from its step-4 checkpoint ends where it
+    ended. A 1F1B run stopped after 4 steps and resumed ends there too (the schedules train the
+    same model: one reference run serves both)."""
+    straight = _torchrun("--schedule", "ZBV", "--steps", "8", "--save", str(tmp_path / "zbv"), "--save-every", "4")
+    assert sorted(os.listdir(tmp_path / "zbv")) == ["rank0.pt", "rank1.pt", "step4"]
+    assert sorted(os.listdir(tmp_path / "zbv" / "step4")) == ["rank0.pt", "rank1.pt"]
     losses = [float(v) for v in re.findall(r"step \d+: loss ([0-9.]+)", straight)]
     assert losses[-1] < losses[0]  # it learns
+    resumed = _torchrun("--schedule", "ZBV", "--steps", "8", "--resume", str(tmp_path / "zbv" / "step4"))
+    assert "step 0:" not in resumed and "step 5:" in resumed and "step 7:" in resumed
     assert _validation(resumed) == pytest.approx(_validation(straight), rel=1e-6)
+
+    first = _torchrun("--schedule", "1F1B", "--steps", "8", "--stop-after", "4", "--save", str(tmp_path / "1f1b"))
+    assert sorted(os.listdir(tmp_path / "1f1b")) == ["rank0.pt", "rank1.pt"]
+    assert "step 0:" in first and "step 5:" not in first
     assert _validation(first) != pytest.approx(_validation(straight), rel=1e-3)
+    resumed = _torchrun("--schedule", "1F1B", "--steps", "8", "--resume", str(tmp_path / "1f1b"))
+    assert "step 0:" not in resumed and "step 7:" in resumed
+    assert _validation(resumed) == pytest.approx(_validation(straight), rel=1e-5)
 
 
 def test_pipeline_train_example_with_two_replicas_trains_as_one_pipeline():
