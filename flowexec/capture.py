@@ -27,7 +27,7 @@ import sys
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -42,6 +42,11 @@ from .hyperparams import Lifter, NO_VALUE
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .storage import shared_storage
+
+# What a capture records for its calls to check: nothing (False), guards and fed hyperparameters
+# with gradients as inputs (True, an Executable's), or only the guards of what it read ("reads",
+# a pipeline stage's).
+Guarding = Union[bool, Literal["reads"]]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -276,13 +281,14 @@ def _library_compiling(everywhere: bool) -> Iterator[None]:
         torch.compiler._is_compiling_flag = prev  # a step that raised skipped its post hook
 
 
-def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
     (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
     lift optimizer hyperparameters and take existing gradients as inputs (what an
     :class:`~flowexec.Executable` checks and feeds per call); without it the program binds
-    whatever fn reads, as a pipeline stage's capture wants.
+    whatever fn reads, as a pipeline stage's capture wants; ``"reads"``: that, and also record
+    what the run reads (a stage's guards: :func:`read_guards`).
 
     Library code sees ``torch.compiler.is_compiling()`` inside optimizer steps only, so the
     model runs what eager runs; a run that reads a tensor on the host is traced again with the
@@ -295,18 +301,19 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) ->
     return _trace(fn, args, guarded, everywhere=True)
 
 
-def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: bool, everywhere: bool) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
-    recorder = Recorder(fn, active=guarded)
-    lifter = Lifter(recorder.name_of, active=guarded)
-    guard = _CaptureGuard(lifter if guarded else None)
+    fed = guarded is True  # hyperparameters lifted, gradients as inputs
+    recorder = Recorder(fn, active=bool(guarded))
+    lifter = Lifter(recorder.name_of, active=fed)
+    guard = _CaptureGuard(lifter if fed else None)
     n_user = [0]
     out_tree: list[Any] = [None]
     # The .grad each parameter fn reaches has now is an input of the program, read at each call:
     # gradient accumulation makes a new one per cycle (zero_grad sets None), which a binding to
     # this tensor object would miss.
-    grad_params = recorder.grad_inputs()
+    grad_params = recorder.grad_inputs() if fed else ()
 
     def traced(*tensors: torch.Tensor) -> Any:
         tensors = tensors[:len(tensor_pos)]  # (the rest: the gradients, reached through p.grad)
@@ -409,14 +416,16 @@ class _Reads:
     cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None
 
 
-def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: bool = False) -> Captured:
+def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False) -> Captured:
     """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
-    The program's inputs are the tensors of ``args``, then (``guarded``) ``p.grad`` for each
-    parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards (:func:`trace`)."""
+    The program's inputs are the tensors of ``args``, then (``guarded=True``) ``p.grad`` for
+    each parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards
+    (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`)."""
     gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    if not guarded:
-        return Captured(program_from_graph(gm, [args[i] for i in tensor_pos], sources), bindings, n_user, out_tree)
+    if guarded is not True:
+        prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)
+        return Captured(prog, bindings, n_user, out_tree, read_guards(reads, prog) if guarded == "reads" else None)
     feeds = _bind_feeds(gm, reads.lifter)
     grads = [p.grad for p in reads.grad_params]
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + grads, sources)
@@ -440,6 +449,40 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
     the global state; refuses a run that changed what it read."""
     rec, lifter = reads.recorder, reads.lifter
     replays = rec.replays()  # (lists tensors fn assigns to globals among module_tensor_writes)
+    _refuse_lost_writes(rec)
+    stepped = [p for opt in lifter.optimizers for g in opt.param_groups for p in g["params"]]
+    _use_leaves(reads)
+    rec.tensor_guards(prog.state.values(), stepped)
+    for opt in lifter.optimizers:
+        for g in optimizer_guards(opt, rec.name_of(opt, type(opt).__name__), lifter.lifted_keys(opt)):
+            rec.add(g)
+    rec.add(state_guard())
+    return GuardSet(tuple(rec.guards.values()), feeds, replays, reads.cleared_grads)
+
+
+def read_guards(reads: _Reads, prog: Program) -> GuardSet:
+    """The guards of a program that binds what fn reads (a pipeline stage's: its caller writes
+    the gradients and steps the optimizers): the Python values the run read (``training``
+    flags, module attributes, numbers in closures and globals), the ``requires_grad`` of the
+    parameters it used, and the global state; and the Python assignments the run made, for the
+    caller to repeat after each call (:meth:`~flowexec.guards.GuardSet.replay`). Nothing is fed;
+    refuses what :func:`guards_of` refuses."""
+    rec = reads.recorder
+    replays = rec.replays()
+    _refuse_lost_writes(rec)
+    _use_leaves(reads)
+    rec.tensor_guards(prog.state.values(), (), grads=False)
+    rec.add(state_guard())
+    return GuardSet(tuple(rec.guards.values()), None, replays)
+
+
+def _use_leaves(reads: _Reads) -> None:
+    for t in [t for r in reads.leaves.values() if (t := r()) is not None]:
+        reads.recorder.use_leaf(t)
+
+
+def _refuse_lost_writes(rec: Recorder) -> None:
+    """A capture error where fn changed Python state that a compiled call cannot change."""
     if rec.module_tensor_writes:
         raise CaptureError(
             f"fn assigns tensors to Python names ({', '.join(rec.module_tensor_writes[:3])}): a compiled call "
@@ -451,16 +494,6 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
             f"fn changes a Python value it reads ({'; '.join(changed[:3])}): a compiled call runs no Python, so "
             "that change would be lost, and the next call would find another value. Keep such state in a tensor "
             "updated in place, or change it outside the compiled function.")
-    stepped = [p for opt in lifter.optimizers for g in opt.param_groups for p in g["params"]]
-    leaves = [t for r in reads.leaves.values() if (t := r()) is not None]
-    for t in leaves:
-        rec.use_leaf(t)
-    rec.tensor_guards(prog.state.values(), stepped)
-    for opt in lifter.optimizers:
-        for g in optimizer_guards(opt, rec.name_of(opt, type(opt).__name__), lifter.lifted_keys(opt)):
-            rec.add(g)
-    rec.add(state_guard())
-    return GuardSet(tuple(rec.guards.values()), feeds, replays, reads.cleared_grads)
 
 
 def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None,

@@ -27,6 +27,12 @@ class ExecutionError(FlowexecError):
     """An op failed while running; the message names the op and its source line."""
 
 
+class RecaptureWarning(UserWarning):
+    """A call with a new input signature, or a changed value the capture read (a module's
+    ``training`` flag, say: ``model.encoder.training: True -> False``), made flowexec capture fn
+    (or a pipeline stage) again."""
+
+
 def whole_number(name: str, value: object, least: int) -> int:
     """``value`` checked to be a whole number of at least ``least`` (an ``OptionError`` naming
     ``name`` otherwise)."""

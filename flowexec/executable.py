@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .capture import LazyStateError, capture
-from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError
+from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
 from .build import plan_for
 from .fusion import check_fuse, check_pad
 from .guards import GuardSet
@@ -74,12 +74,6 @@ OPTIONS = {
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
 }
-
-
-class RecaptureWarning(UserWarning):
-    """A call with a new input signature, or a changed value the capture read (a module's
-    ``training`` flag, say: ``model.encoder.training: True -> False``), made flowexec capture fn
-    again."""
 
 
 def _signature(args: Sequence[Any]) -> tuple[Any, ...]:

@@ -585,11 +585,11 @@ class Recorder:
         self._used.add(id(t))
         self._note_param(t)
 
-    def tensor_guards(self, state: Iterable[torch.Tensor], stepped: Iterable[torch.Tensor]) -> None:
+    def tensor_guards(self, state: Iterable[torch.Tensor], stepped: Iterable[torch.Tensor], grads: bool = True) -> None:
         """``requires_grad`` of the parameters the program uses (as it was before the run,
-        unless fn itself changed it), and whether each one's ``.grad`` is still the tensor the
-        program reads, or still None where it was None; ``stepped``: the parameters of the
-        optimizers that stepped (their ``.grad`` decides whether they are stepped)."""
+        unless fn itself changed it), and (``grads``) whether each one's ``.grad`` is still the
+        tensor the program reads, or still None where it was None; ``stepped``: the parameters
+        of the optimizers that stepped (their ``.grad`` decides whether they are stepped)."""
         state_ids = {id(t) for t in state}
         self._grad_input_ids = {id(p) for p in self.grad_inputs()}
         stepped_ids = set()
@@ -602,6 +602,8 @@ class Recorder:
             label = self.names.get(pid) or f"parameter{list(p.shape)}"
             if p.requires_grad == rg0:
                 self.add(Guard(f"{label}.requires_grad", p, (("attr", "requires_grad"),), rg0, "is"))
+            if not grads:
+                continue
             if g0 is None:
                 self.add(Guard(f"{label}.grad", p, (("attr", "grad"),), None, "is", settles=True))
             elif pid in self._grad_input_ids:  # an input: any tensor of its kind, read per call

@@ -120,6 +120,20 @@ def eager_stage_grads(mod: torch.nn.Module, xs: Any, gs: Any) -> tuple[list, lis
     return outs, gins, [p.grad for p in mod.parameters()]
 
 
+def sgd_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float = 0.1) -> list[float]:
+    """The unsplit reference of a pipeline: ``steps`` SGD steps on the MSE of the whole batch;
+    returns each step's loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def clipped_sgd(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float,
                 max_norm: float) -> list[torch.Tensor]:
     """The unsplit reference of a pipeline trained with ``max_grad_norm``: ``steps`` SGD steps on

@@ -1,12 +1,14 @@
 """CompiledRunner (trace mode on CPU) against eager autograd, in arbitrary job orders."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
 
-from flowexec.errors import CaptureError, InputError, OptionError
+from flowexec.errors import CaptureError, InputError, OptionError, RecaptureWarning
 from flowexec.pipeline.compiled import CompiledRunner
 from helpers import eager_stage_grads, play_jobs as play
 
@@ -226,3 +228,63 @@ def test_graph_mode_slots_keep_micro_batches_apart(monkeypatch, order, slots):
         for p, want in zip(mod.parameters(), r_grads):
             assert rel_err(p.grad, want) <= 1e-5
     assert runner.graph_slots == slots
+
+
+class _Scaled(torch.nn.Module):
+    """Batch norm (train/eval) and a plain attribute the forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6, bias=False)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(x)) / self.temperature)
+
+
+@pytest.mark.parametrize("change", ["eval", "attribute", "frozen", "autocast"])
+def test_a_stage_captures_again_when_a_value_it_read_changes(change):
+    """Between steps, each kind of Python value a stage reads changes; the stage's jobs must
+    give eager's outputs and gradients after it (with a RecaptureWarning naming the value), not
+    replay the program of the old value."""
+    torch.manual_seed(0)
+    mod = _Scaled()
+    ref = copy.deepcopy(mod)
+    runner = CompiledRunner(mod, example_inputs=(torch.randn(8, 6),))
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, gy = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+        if step == 1:
+            for m in (mod, ref):
+                if change == "eval":
+                    m.eval()
+                elif change == "attribute":
+                    m.temperature = 3.0
+                elif change == "frozen":
+                    m.lin.weight.requires_grad_(False)
+        for m in (mod, ref):
+            for p in m.parameters():
+                p.grad = None
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if change == "autocast" and step >= 1 else contextlib.nullcontext()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ctx:
+                (y,) = runner.forward(0, (x,))
+                gy = gy.to(y.dtype)  # (bfloat16 under autocast)
+                runner.backward(0, (gy,))
+                want = ref(x)
+            want.backward(gy)
+        recaptured = [str(w.message) for w in caught if issubclass(w.category, RecaptureWarning)]
+        if step == 1:
+            named = {"eval": "training: True -> False", "attribute": "temperature: 1.0 -> 3.0",
+                     "frozen": "requires_grad: True -> False", "autocast": "global state"}[change]
+            assert len(recaptured) == 1 and named in recaptured[0], recaptured
+        else:
+            assert not recaptured, recaptured
+        torch.testing.assert_close(y, want.detach(), rtol=1e-5, atol=1e-6)
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mod.norm.running_mean, ref.norm.running_mean)

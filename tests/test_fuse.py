@@ -15,7 +15,7 @@ from flowexec.errors import OptionError
 from flowexec.models import Block, lm_loss, make_mlp, make_step
 from flowexec.passes.regions import edges, find_regions, order_with_regions
 from flowexec.pipeline.compiled import CompiledRunner
-from helpers import assert_close_rel, assert_same_state, assert_stage_jobs_match_eager
+from helpers import assert_close_rel, assert_same_state, assert_stage_jobs_match_eager, sgd_losses
 from test_verify import program_of, recipes
 
 
@@ -284,16 +284,9 @@ def test_a_pipeline_of_fused_i_w_split_stages_trains_as_one_process():
 
     res = spawn(_fused_pipeline, 2, "ZBH1", timeout=280)
     model = _norm_blocks()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
-    want_losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        want_losses.append(float(loss))
+    want_losses = sgd_losses(model, x, y, 3)
     fused = [per for r in res for per in r["fused"].values()]
     assert all(per["F"] and per["B"] and per["I"] + per["W"] for per in fused), fused  # each job's program fused
     got = {s: ps for r in res for s, ps in r["params"].items()}

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from flowexec.pipeline import PipelineError, PipelineTrainer, parse_schedule, spawn
 from flowexec.pipeline.demo import Config, eager_reference, stage_modules, train_worker
-from helpers import clipped_sgd
+from helpers import clipped_sgd, sgd_losses
 
 pytestmark = pytest.mark.timeout(300)
 SCHEDULES = ["FThenB", "1F1B", "Eager1F1B", "Interleaved1F1B", "ZBH1", "ZBV"]
@@ -300,16 +300,9 @@ def test_torchrun_two_processes(tmp_path):
     assert res[0]["stages"] == [0, 2] and res[1]["stages"] == [1, 3]
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = sgd_losses(model, x, y, 3)
     assert res[1]["losses"] == pytest.approx(losses, rel=1e-5)
     for r in res:
         for s, ps in r["params"].items():

@@ -36,17 +36,19 @@ Example::
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import InputError, OptionError
+from ..errors import InputError, OptionError, RecaptureWarning
 from ..build import plan_for
 from ..fusion import check_fuse
 from ..passes.dependencies import alias_groups
 from ..plan import ExecutionPlan
 from ..program import Program, Role
+from ..runtime import fastcall
 from ..runtime.interpreter import lower_trace
 from .accumulate import accumulate_gradients
 from .split import StageCapture, capture_stage
@@ -140,6 +142,8 @@ class CompiledRunner:
 
     def _build(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
         cap = capture_stage(self.module, inputs, loss_fn=self.loss_fn, target=target, input_grads=self._input_grads)
+        if cap.guards is not None:  # checked in C++ where the extension is built (the Python check else)
+            cap.guards.attach(fastcall.guard_checker(cap.guards))
         self.capture = cap
         self._target_sig = None if target is None else (tuple(target.shape), target.dtype, target.device)
         sp = cap.split
@@ -191,6 +195,9 @@ class CompiledRunner:
         inputs = self._check(micro, inputs, target)
         if self.capture is None:
             self._build(inputs, target)
+        elif not self._micros and self._changed():  # (between steps: no micro-batch in flight)
+            self._slots.clear()
+            self._build(inputs, target)
         elif target is not None and (tuple(target.shape), target.dtype, target.device) != self._target_sig:
             raise InputError(f"micro-batch {micro}: target is {target.dtype} {list(target.shape)} on {target.device}; "
                              f"the stage was compiled for {self._target_sig}")
@@ -205,7 +212,20 @@ class CompiledRunner:
             flat = self._runs["F"](*args)
         n = cap.n_outputs
         self._micros[micro] = _Micro(dict(zip(cap.saved, flat[n:])), "F", slot)
+        if cap.guards is not None and cap.guards.after_call:
+            cap.guards.replay()  # the Python assignments the forward made, as running it would
         return tuple(flat[:n])
+
+    def _changed(self) -> bool:
+        """Whether a value the capture read changed (``model.eval()``, a module attribute,
+        ``requires_grad``, autocast): said in a warning; the caller captures the stage again."""
+        guards = self.capture.guards if self.capture is not None else None
+        i = -1 if guards is None else guards.check()
+        if i < 0:
+            return False
+        warnings.warn(f"flowexec: pipeline stage: {guards.describe(i)}; capturing the stage again", RecaptureWarning,
+                      stacklevel=4)
+        return True
 
     def backward(self, micro: int, grad_outputs: Sequence[torch.Tensor | None] | None) -> tuple[torch.Tensor | None, ...]:
         """B job: accumulates every parameter gradient and returns the input gradients."""

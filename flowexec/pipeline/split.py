@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import capture
 from ..errors import CaptureError
+from ..guards import GuardSet
 from ..passes.dependencies import alias_groups, dependencies, read_write_sets
 from ..program import Program, Ref, Role, TensorMeta, lint
 
@@ -100,6 +101,9 @@ class StageCapture:
     params: tuple[torch.nn.Parameter, ...]
     out_spec: Any  # pytree spec of the module's output (None on the last stage: the loss)
     backward_inputs: tuple[int, ...]  # = saved + seed value ids
+    # What the capture read (training flags, module attributes, requires_grad, global state):
+    # the runner checks it before a step and captures the stage again where it changed.
+    guards: GuardSet | None = None
 
 
 # -- program slicing ---------------------------------------------------------------------------
@@ -507,7 +511,7 @@ def capture_stage(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor
         return [o.detach() for o in outs], gx, gp
 
     args = [*inputs, *([target] if loss_fn is not None else []), *seed_examples]
-    cap = capture(joint, args)
+    cap = capture(joint, args, guarded="reads")
     joint_prog = _name_inputs(cap.program, n_in, n_extra)
     rand = _random_ops(joint_prog)
     if rand:
@@ -530,4 +534,4 @@ def capture_stage(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor
     used_params = tuple(p for k, p in enumerate(params) if k not in set(unused_params))
     return StageCapture(joint_prog, forward, backward, split, saved, n_in, n_out, diff,
                         tuple(TensorMeta.of(s) for s in seed_examples), tuple(k for k, n in enumerate(needs) if n),
-                        used_params, None if loss_fn is not None else out_spec, tuple(backward.inputs))
+                        used_params, None if loss_fn is not None else out_spec, tuple(backward.inputs), cap.guards)
