@@ -176,10 +176,7 @@ def region_graph(prog: Program, region: Region) -> fx.GraphModule:
 def region_key(prog: Program, region: Region) -> str:
     """What two regions must share to share a kernel: ops, constants, input metas (dtype,
     shape, strides, device), written inputs and which values are returned."""
-    local: dict[int, str] = {}
-    for k, v in enumerate(region.inputs):
-        m = prog.values[v].meta
-        local[v] = f"x{k}"
+    local: dict[int, str] = {v: f"x{k}" for k, v in enumerate(region.inputs)}
     lines = [";".join(f"{m.dtype}{list(m.shape)}{list(m.stride or ())}@{m.device}"
                       for m in (prog.values[v].meta for v in region.inputs))]
 
@@ -257,13 +254,19 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     or stride is an error (a decomposition can compute in another dtype than the ATen kernel:
     CPU batch norm's saved statistics under bf16 autocast came back in bf16, not float32)."""
     from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     examples = [_example(m) for m in metas]
     # A tracing context of its own: inside the torch.compile backend, Dynamo's context is
     # active, and Inductor would record this region's output strides there as the strides of
-    # the graph AOTAutograd is compiling (its backward then reads them).
-    with torch.no_grad(), _quiet(), torch._guards.tracing(None):
-        compiled = compile_fx(gm, examples)
+    # the graph AOTAutograd is compiling (its backward then reads them). Its fake mode has a
+    # shape environment, without which Inductor bypasses its FX graph cache (every build would
+    # generate every kernel again); the inputs are faked with static shapes, so the kernels
+    # are specialised to the region's sizes as before.
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):
+        compiled = compile_fx(gm, [fake.from_tensor(x, static_shapes=True) for x in examples])
         if want:
             outs = compiled(*examples)
             for k, (o, m) in enumerate(zip(outs, want)):

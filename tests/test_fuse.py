@@ -295,3 +295,22 @@ def test_a_pipeline_of_fused_i_w_split_stages_trains_as_one_process():
         for a, b in zip(got[s], want[s], strict=True):
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
     assert res[1]["losses"] == pytest.approx(want_losses, rel=1e-5)
+
+
+def test_region_kernels_go_through_inductors_cache():
+    """A region's compile has a key in Inductor's FX graph cache (no bypass), so a second build
+    of the same region (a later process: a warm cache) loads the kernel instead of generating it."""
+    from torch._dynamo.utils import counters
+
+    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
+    (r,) = find_regions(prog)
+    metas = [prog.values[v].meta for v in r.inputs]
+    want = [prog.values[v].meta for v in r.computed]
+    before = dict(counters["inductor"])
+    kernels = [inductor.compile_graph(inductor.region_graph(prog, r), metas, want) for _ in range(2)]
+    after = counters["inductor"]
+    assert after["fxgraph_cache_bypass"] == before.get("fxgraph_cache_bypass", 0), dict(after)
+    assert after["fxgraph_cache_hit"] > before.get("fxgraph_cache_hit", 0), dict(after)
+    x = torch.randn(4, 8)
+    for k in kernels:
+        torch.testing.assert_close(k(x)[0], (torch.tanh(x) * 3).relu() + 1)
