@@ -17,10 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flowexec
 from flowexec.capture import capture
 
-# Ops that launch no kernel, or that make_fx writes in place of eager's (a constant is copied
-# where eager lifts a fresh tensor).
+# Ops that launch no kernel (profiler markers, which capture drops, among them), or that make_fx
+# writes in place of eager's (a constant is copied where eager lifts a fresh tensor).
 _NOT_WORK = {"aten.detach.default", "<built-in function getitem>", "aten.lift_fresh_copy.default",
-             "aten.lift_fresh.default"}
+             "aten.lift_fresh.default", "profiler._record_function_enter_new.default",
+             "profiler._record_function_exit._RecordFunction"}
 
 
 class _LibraryAttention(torch.nn.Module):
@@ -108,3 +109,30 @@ def test_a_model_that_reads_a_mask_on_the_host_is_captured_on_the_compiled_path_
     assert any("tril" in n for n in names), "captured on the compiled path: the explicit mask"
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_whole_step_with_fused_adamw_runs_eagers_ops_and_one_cast_of_the_fed_lr() -> None:
+    """The benchmarks' step (fused AdamW) as flowexec.compile captures it: eager's ops, except
+    that the lr is a fed tensor (a schedule changes it without a new capture), which the fused
+    kernel takes as float32 — one 1-element cast a step."""
+    model = _LibraryAttention()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    x = torch.randn(2, 6, 16)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    exe = flowexec.compile(step)
+    exe(x)  # eager (the optimizer's state is made), then captured
+    exe(x)
+    with _Count() as eager:
+        step(x)
+    captured = collections.Counter(op.name for op in exe.program.ops)
+    want = _work(eager.ops)
+    want["aten._fused_adamw_.tensor_lr"] = want.pop("aten._fused_adamw_.default")
+    want["aten._to_copy.default"] = want.get("aten._to_copy.default", 0) + 1
+    assert _work(captured) == want
