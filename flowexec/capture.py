@@ -214,9 +214,21 @@ _DATA_DEPENDENT_HINT = (
 
 
 def _optimizer_frame(tb: Any) -> traceback.FrameSummary | None:
-    """The innermost frame of torch's optimizers or AMP in a traceback, if any."""
-    lib = [f for f in traceback.extract_tb(tb) if "/torch/optim/" in f.filename or "/torch/amp/" in f.filename]
-    return lib[-1] if lib else None
+    """The frame of torch's optimizers or GradScaler that read a tensor on the host, if the
+    read was theirs: their innermost frame, where no user frame lies deeper in the traceback.
+    (A user's read under them is the user's: a model forward decorated with ``torch.autocast``
+    or ``torch.amp.custom_fwd`` runs below a frame of torch/amp/autocast_mode.py, and an LBFGS
+    closure below torch/optim/lbfgs.py.)"""
+    frames = traceback.extract_tb(tb)
+    lib = [k for k, f in enumerate(frames)
+           if "/torch/optim/" in f.filename or "/torch/amp/grad_scaler" in f.filename]
+    if not lib:
+        return None
+    user = [k for k, f in enumerate(frames)
+            if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and not f.filename.startswith(("<frozen", "<string>"))]
+    if user and user[-1] > lib[-1]:
+        return None
+    return frames[lib[-1]]
 
 
 def _host_read_hint(tb: Any) -> str:

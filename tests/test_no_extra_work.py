@@ -136,3 +136,34 @@ def test_a_whole_step_with_fused_adamw_runs_eagers_ops_and_one_cast_of_the_fed_l
     want["aten._fused_adamw_.tensor_lr"] = want.pop("aten._fused_adamw_.default")
     want["aten._to_copy.default"] = want.get("aten._to_copy.default", 0) + 1
     assert _work(captured) == want
+
+
+def test_a_host_read_under_an_autocast_decorated_forward_is_the_models_and_is_captured_again() -> None:
+    """A forward decorated with ``torch.autocast`` (or ``torch.amp.custom_fwd``) runs below a
+    frame of torch/amp: its host read is still the model's, so the capture is traced again with
+    the flag set (not refused as an optimizer's or GradScaler's read)."""
+
+    class Decorated(_LibraryAttention):
+        @torch.autocast("cpu", enabled=False)
+        def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+            return super().forward(x, pad)
+
+    model, ref = Decorated(host_read=True), Decorated(host_read=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def make(m: torch.nn.Module, o: torch.optim.Optimizer):
+        def step(x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+            o.zero_grad()
+            loss = m(x, pad).square().mean()
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    exe, eager = flowexec.compile(make(model, opt)), make(ref, ref_opt)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x, pad = torch.randn(2, 6, 16, generator=g), torch.ones(2, 6, dtype=torch.bool)
+        torch.testing.assert_close(exe(x, pad), eager(x, pad), rtol=1e-5, atol=1e-6)
+    assert any("tril" in op.name for op in exe.program.ops)
