@@ -288,3 +288,31 @@ def test_a_stage_captures_again_when_a_value_it_read_changes(change):
             if q.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(mod.norm.running_mean, ref.norm.running_mean)
+
+
+@pytest.mark.parametrize("where", ["jobs", "construction"])
+def test_grad_mode_does_not_change_a_stages_programs(where):
+    """A stage's programs compute their gradients themselves: jobs run under torch.no_grad()
+    (or a runner built under it) give eager's gradients, with no capture again."""
+    torch.manual_seed(0)
+    mod = _Scaled()
+    ref = copy.deepcopy(mod)
+    with torch.no_grad() if where == "construction" else contextlib.nullcontext():
+        runner = CompiledRunner(mod, example_inputs=(torch.randn(8, 6),))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, gy = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+        for m in (mod, ref):
+            for p in m.parameters():
+                p.grad = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RecaptureWarning)
+            with torch.no_grad() if where == "jobs" else contextlib.nullcontext():
+                (y,) = runner.forward(0, (x,))
+                runner.backward(0, (gy,))
+        want = ref(x)
+        want.backward(gy)
+        torch.testing.assert_close(y, want.detach(), rtol=1e-5, atol=1e-6)
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            assert p.grad is not None
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

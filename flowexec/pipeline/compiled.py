@@ -141,6 +141,13 @@ class CompiledRunner:
         return plan_for(prog, self.mode, fuse=self._fuse)
 
     def _build(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
+        # A stage's programs compute their gradients themselves: the capture needs autograd
+        # whatever the caller's grad mode, and its guards then record grad mode on (_changed
+        # checks under the same mode, so jobs run under torch.no_grad() keep their program).
+        with torch.enable_grad():
+            self._build_enabled(inputs, target)
+
+    def _build_enabled(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
         cap = capture_stage(self.module, inputs, loss_fn=self.loss_fn, target=target, input_grads=self._input_grads)
         if cap.guards is not None:  # checked in C++ where the extension is built (the Python check else)
             cap.guards.attach(fastcall.guard_checker(cap.guards))
@@ -220,7 +227,8 @@ class CompiledRunner:
         """Whether a value the capture read changed (``model.eval()``, a module attribute,
         ``requires_grad``, autocast): said in a warning; the caller captures the stage again."""
         guards = self.capture.guards if self.capture is not None else None
-        i = -1 if guards is None else guards.check()
+        with torch.enable_grad():  # (grad mode does not change a stage's programs: _build)
+            i = -1 if guards is None else guards.check()
         if i < 0:
             return False
         warnings.warn(f"flowexec: pipeline stage: {guards.describe(i)}; capturing the stage again", RecaptureWarning,
