@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .errors import CaptureError, InputError
 from .guards import GuardSet, Recorder, state_guard, optimizer_guards
-from .hyperparams import Lifter, NO_VALUE
+from .hyperparams import _HOST_READS, Lifter, NO_VALUE
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .storage import shared_storage
@@ -149,9 +149,17 @@ class _CaptureGuard(TorchDispatchMode):
         self.created: dict[int, weakref.ref] = {}
         self.leaves: dict[int, weakref.ref] = {}
         self.sources: list[tuple[Any, str]] = []  # (op, "file:line") in dispatch order
+        # Tensors the run made from constants alone (factories, then ops on such tensors): the
+        # only ones whose host read has the same answer on every call.
+        self.constant: dict[int, weakref.ref] = {}
+        self.read_under_flag = False  # torch.compiler.is_compiling() at the last host read
 
     def is_created(self, t: torch.Tensor) -> bool:
         ref = self.created.get(id(t))
+        return ref is not None and ref() is t
+
+    def is_constant(self, t: torch.Tensor) -> bool:
+        ref = self.constant.get(id(t))
         return ref is not None and ref() is t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -163,8 +171,16 @@ class _CaptureGuard(TorchDispatchMode):
             value = lifter.host_read(func, args, kwargs)
             if value is not NO_VALUE:
                 return value
+        if func in _HOST_READS:
+            self.read_under_flag = bool(torch.compiler._is_compiling_flag)
+            t = args[0] if args else None
+            if isinstance(t, torch.Tensor) and not self.is_constant(t):
+                # make_fx would answer a read of state fn did not make (a step count written in
+                # place) with its value now, and the program would keep that value for good.
+                raise RuntimeError(f"{func}: a host read of a tensor whose value can change between calls")
         self.sources.append((func, _caller_line()))
-        for t in _written_tensors(func, args, kwargs):
+        written = _written_tensors(func, args, kwargs)
+        for t in written:
             if self.is_created(t):
                 continue
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
@@ -173,9 +189,11 @@ class _CaptureGuard(TorchDispatchMode):
                 with _disable_current_modes():  # the snapshot must not be traced
                     self.undo.append((t, t.detach().clone()))
         arg_ids = set()
+        from_constants = True
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Tensor):
                 arg_ids.add(id(a))
+                from_constants = from_constants and self.is_constant(a)
                 if a.requires_grad and a.is_leaf and not self.is_created(a):
                     self.leaves[id(a)] = weakref.ref(a)
         out = func(*args, **kwargs)
@@ -183,6 +201,11 @@ class _CaptureGuard(TorchDispatchMode):
             # In-place ops return their argument: that is not a new tensor.
             if isinstance(o, torch.Tensor) and id(o) not in arg_ids:
                 self.created[id(o)] = weakref.ref(o)
+                if from_constants:
+                    self.constant[id(o)] = weakref.ref(o)
+        if not from_constants:
+            for t in written:
+                self.constant.pop(id(t), None)
         if lifter is not None:
             lifter.propagate(func, args, kwargs, out)
         return out
@@ -248,10 +271,11 @@ def _host_read_hint(tb: Any) -> str:
 
 class HostReadError(CaptureError):
     """fn (or a library it calls) read a tensor's value on the host during capture;
-    ``by_optimizer``: the read was in torch's optimizers or GradScaler, which the compiling
-    flag does not spare it."""
+    ``retry_with_flag``: the read happened with ``torch.compiler.is_compiling()`` false, outside
+    GradScaler (which reads whatever the flag says), so a capture with the flag set throughout
+    may take a path without it."""
 
-    by_optimizer = False
+    retry_with_flag = False
 
 
 @contextlib.contextmanager
@@ -308,7 +332,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     try:
         return _trace(fn, args, guarded, everywhere=False)
     except HostReadError as e:
-        if e.by_optimizer:
+        if not e.retry_with_flag:
             raise
     return _trace(fn, args, guarded, everywhere=True)
 
@@ -397,7 +421,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         msg = str(e).split("\n", 1)[0]
         if "_local_scalar_dense" in msg or "data-dependent" in msg.lower() or "Data dependent" in msg:
             err = HostReadError(f"cannot capture fn: at {where or '<unknown>'}: {_host_read_hint(e.__traceback__)}")
-            err.by_optimizer = _optimizer_frame(e.__traceback__) is not None
+            reader = _optimizer_frame(e.__traceback__)
+            err.retry_with_flag = not guard.read_under_flag and not (reader and "grad_scaler" in reader.filename)
             raise err from e
         raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
     finally:

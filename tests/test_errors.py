@@ -119,6 +119,19 @@ def test_optimizer_host_read_of_its_state_names_the_line_and_the_way_out():
         flowexec.compile(step, torch.randn(3, 4))
 
 
+def test_a_host_read_of_state_the_step_changes_is_refused_not_kept():
+    # make_fx answers .item() of a tensor fn did not make with its value now: the program would
+    # keep that value for good while eager reads the new one on every call.
+    count = torch.zeros(())
+
+    def step(x):
+        count.add_(torch.tensor(1.0))
+        return x * (0.9 ** count.item())
+
+    with pytest.raises(CaptureError, match=r"test_errors.py:\d+ .*count.item\(\).*reads a tensor's value on the host"):
+        flowexec.compile(step, torch.ones(2))
+
+
 def test_execution_error_names_op_and_line():
     idx = torch.tensor([0, 1])
     exe = flowexec.compile(lambda x, i: x[i] * 2, torch.randn(4), idx)

@@ -167,3 +167,35 @@ def test_a_host_read_under_an_autocast_decorated_forward_is_the_models_and_is_ca
         x, pad = torch.randn(2, 6, 16, generator=g), torch.ones(2, 6, dtype=torch.bool)
         torch.testing.assert_close(exe(x, pad), eager(x, pad), rtol=1e-5, atol=1e-6)
     assert any("tril" in op.name for op in exe.program.ops)
+
+
+def test_torch_optims_functional_api_outside_optimizer_step_matches_eager() -> None:
+    """torch.optim.adam.adam called directly (as torch.distributed's functional optimizers do):
+    no Optimizer.step hook sets the compiling flag, so its step counts are read on the host; the
+    capture is traced again with the flag set throughout and keeps them on the device."""
+    from torch.optim.adam import adam
+
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 4)
+        params = list(m.parameters())
+        moments = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+        steps = [torch.zeros(()) for _ in params]
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            for p in params:
+                p.grad = None
+            loss = m(x).square().mean()
+            loss.backward()
+            with torch.no_grad():
+                adam(params, [p.grad for p in params], *moments, [], steps, foreach=True, amsgrad=False,
+                     beta1=0.9, beta2=0.999, lr=1e-2, weight_decay=0.0, eps=1e-8, maximize=False)
+            return loss.detach()
+        return m, step
+
+    (model, step), (ref, ref_step) = make(), make()
+    exe = flowexec.compile(step)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    for _ in range(4):
+        torch.testing.assert_close(exe(x), ref_step(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.weight, ref.weight, rtol=1e-5, atol=1e-6)
