@@ -220,10 +220,12 @@ def chain_after(instructions: Sequence[dis.Instruction], k: int) -> tuple[tuple[
 @dataclass(frozen=True)
 class CodeReads:
     """What one code object reads and writes outside its frame: (kind, name, chain) with kind
-    ``global`` or ``deref``, and the global / free-variable names it stores."""
+    ``global`` or ``deref``, the global / free-variable names it stores, and whether it uses
+    its first argument (a method's ``self``)."""
 
     reads: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...]
     writes: tuple[tuple[str, str], ...]
+    uses_arg0: bool = False  # the code reads its first argument (a method's self)
 
 
 _CODE_READS: "weakref.WeakKeyDictionary[types.CodeType, CodeReads]" = weakref.WeakKeyDictionary()
@@ -238,8 +240,13 @@ def code_reads(code: types.CodeType) -> CodeReads:
     reads: dict[tuple[str, str, tuple], None] = {}
     writes: dict[tuple[str, str], None] = {}
     free = set(code.co_freevars)
+    arg0 = code.co_varnames[0] if code.co_argcount else None
+    uses_arg0 = False
     for k, i in enumerate(ins):
-        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+        if arg0 is not None and i.opname.startswith("LOAD_FAST") and (
+                i.argval == arg0 or (isinstance(i.argval, tuple) and arg0 in i.argval)):
+            uses_arg0 = True
+        elif i.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
             reads[("global", i.argval, chain_after(ins, k))] = None
         elif i.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FROM_DICT_OR_DEREF") and i.argval in free:
             reads[("deref", i.argval, chain_after(ins, k))] = None
@@ -247,7 +254,7 @@ def code_reads(code: types.CodeType) -> CodeReads:
             writes[("global", i.argval)] = None
         elif i.opname in ("STORE_DEREF", "DELETE_DEREF") and i.argval in free:
             writes[("deref", i.argval)] = None
-    hit = _CODE_READS[code] = CodeReads(tuple(reads), tuple(writes))
+    hit = _CODE_READS[code] = CodeReads(tuple(reads), tuple(writes), uses_arg0)
     return hit
 
 
@@ -255,6 +262,13 @@ def _is_library_object(v: Any) -> bool:
     return isinstance(v, (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType,
                           types.MethodWrapperType, types.WrapperDescriptorType, torch.Tensor,
                           torch.nn.Module, torch.optim.Optimizer))
+
+
+def _is_plain(obj: Any) -> bool:
+    """An instance of a class of the user's that is not a module, optimizer or function."""
+    if _is_library_object(obj) or isinstance(obj, types.FunctionType) or not hasattr(obj, "__dict__"):
+        return False
+    return user_code(getattr(sys.modules.get(type(obj).__module__), "__file__", None) or "<unknown>")
 
 
 def _is_user_function(v: Any) -> bool:
@@ -288,6 +302,8 @@ class Recorder:
     _grad_inputs: tuple | None = None
     module_tensor_writes: list[str] = field(default_factory=list)
     _seen_code: set = field(default_factory=set)
+    _per_object: set = field(default_factory=set)  # user codes reading their first argument's attributes
+    _seen_objects: set = field(default_factory=set)  # ids of the plain objects guarded whole
     _active: bool = False
     _prev_trace: Any = None
     _objects: list[Any] = field(default_factory=list)  # keeps ids in `guards` / `names` valid
@@ -391,6 +407,8 @@ class Recorder:
         v = read(root, path)
         if v is _MISSING:
             return
+        if isinstance(v, types.MethodType) and _is_user_function(v.__func__) and _is_plain(v.__self__):
+            return  # x.method(...) of the user's: its frame guards what it reads of x (object_entered)
         if callable(v) and not isinstance(v, (torch.nn.Module, type)) and path and path[-1][0] == "attr" \
                 and len(path) > 1 and not _is_user_function(v):
             # x.method(...): x is used whole (bound builtin methods such as dict.get)
@@ -480,6 +498,9 @@ class Recorder:
         """A user frame started: guard the globals and closure variables its code reads."""
         code = frame.f_code
         info = code_reads(code)
+        if info.uses_arg0:
+            self._per_object.add(code)
+            self.object_entered(frame)
         cells = None
         for kind, name, steps in info.reads:
             label = name + "".join(f"[{a!r}]" if k == "item" else f".{a}" for k, a in steps)
@@ -509,6 +530,26 @@ class Recorder:
                         old = _MISSING
                     self.global_writes.setdefault((id(cell), name), (cell, name, old))
                     self._objects.append(cell)
+
+    def object_entered(self, frame: Any) -> None:
+        """A user frame that uses its first argument started: where that argument is a plain
+        object of the user's (a helper class's ``self``, a config passed in; not a module, whose
+        reads the hooks see, nor a tensor or container), it is used whole: its scalar attributes
+        are guarded (once per object), so a change between calls re-captures and a change
+        during the run (``self.n += 1``) is refused."""
+        code = frame.f_code
+        obj = frame.f_locals.get(code.co_varnames[0], _MISSING)
+        if obj is _MISSING or not _is_plain(obj):
+            return
+        if id(obj) in self._seen_objects:
+            return
+        self._seen_objects.add(id(obj))
+        self._objects.append(obj)
+        label = self.names.setdefault(id(obj), type(obj).__name__)
+        budget = [MAX_LEAVES]
+        for k, e in list(vars(obj).items())[:MAX_LEAVES]:
+            if not k.startswith("__"):
+                self._guard_value(f"{label}.{k}", obj, (("attr", k),), e, 1, budget)
 
     def _cells(self, code: types.CodeType) -> dict[str, list[Any]]:
         """The closure cells of the functions with this code that fn reaches (a function made
@@ -567,6 +608,8 @@ class Recorder:
         a set lookup)."""
         seen = self._seen_code
 
+        per_object = self._per_object
+
         def trace(frame: Any, event: str, arg: Any) -> None:
             code = frame.f_code
             if code not in seen:
@@ -577,6 +620,12 @@ class Recorder:
                         self.frame_entered(frame)
                     finally:
                         self._active = True
+            elif code in per_object and self._active:  # the same method on another object
+                self._active = False
+                try:
+                    self.object_entered(frame)
+                finally:
+                    self._active = True
         return trace
 
     # -- after the run --

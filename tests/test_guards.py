@@ -97,6 +97,35 @@ def _closure_case() -> tuple:
     return fn, change, None
 
 
+class _Scale:
+    """A plain helper object (not a module): its method reads its attributes."""
+
+    def __init__(self) -> None:
+        self.gain = 2.0
+        self.table = {"shift": 0.5}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(x) + self.table["shift"]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def _object_case(change: Callable[[_Scale], None], passed: bool = False) -> Callable[[], tuple]:
+    """A callable object reached through fn's closure, or (``passed``) handed to a helper as
+    its first argument."""
+    def make() -> tuple:
+        obj = _Scale()
+
+        def helper(o: _Scale, x: torch.Tensor) -> torch.Tensor:
+            return x * o.gain - o.table["shift"]
+
+        def fn(x):
+            return helper(obj, x) if passed else obj(x).tanh()
+        return fn, (lambda: change(obj)), obj
+    return make
+
+
 def _set_global(name: str, value: Any) -> Callable[[], None]:
     def change() -> None:
         globals()[name] = value
@@ -142,6 +171,9 @@ CASES: dict[str, Callable[[], tuple]] = {
     "global object attribute": _global_case(lambda: setattr(G_OPTS, "power", 2.0)),
     "global function replaced": _global_case(_set_global("g_act", torch.sigmoid)),
     "closure numbers": _closure_case,
+    "plain object attribute read by its method": _object_case(lambda o: setattr(o, "gain", 3.0)),
+    "plain object container read by its method": _object_case(lambda o: o.table.update(shift=-1.0)),
+    "plain object passed to a helper": _object_case(lambda o: setattr(o, "gain", -1.0), passed=True),
     "requires_grad": _training_case(lambda m, o: m[0].weight.requires_grad_(False)),
     "grad replaced": _training_case(lambda m, o: setattr(m[0].weight, "grad", torch.ones_like(m[0].weight)),
                                     zero=False),
@@ -357,3 +389,18 @@ def test_python_names_fn_assigns_are_replayed_and_tensors_refused() -> None:
 
     with pytest.raises(CaptureError, match="global KEPT"):
         flowexec.compile(picks, torch.ones(2))
+
+
+def test_a_counter_on_a_plain_object_is_refused_not_frozen() -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def bump(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return x + 1
+
+    c = Counter()
+    exe = flowexec.compile(lambda x: c.bump(x) * 2)
+    with pytest.raises(flowexec.CaptureError, match=r"c\.calls: 0 -> 1"):
+        exe(torch.ones(2))
