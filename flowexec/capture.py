@@ -88,9 +88,25 @@ def user_frame(tb_or_stack: Any) -> str:
     """``file:line (code)`` of the innermost frame outside torch and flowexec, or ''."""
     frames = traceback.extract_tb(tb_or_stack) if not isinstance(tb_or_stack, list) else tb_or_stack
     for fr in reversed(frames):
-        if not fr.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "<frozen" not in fr.filename:
+        # ("<string>": make_fx's generated wrapper, which a stage's joint function runs under)
+        if not fr.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "<frozen" not in fr.filename \
+                and fr.filename != "<string>":
             code = f" ({fr.line.strip()})" if fr.line else ""
             return f"{fr.filename}:{fr.lineno}{code}"
+    return ""
+
+
+def _library_frame(tb: Any) -> str:
+    """``file:line (code)`` of the innermost frame of a library (torch.nn, transformers, ...)
+    that is not flowexec's nor torch's dispatch and tracing machinery, or '': where a read
+    happened in a module of torch's with no user frame below (a pipeline stage's BatchNorm)."""
+    internal = tuple(os.path.join(_TORCH_DIR, d) for d in ("_", "fx", "utils", "autograd", "overrides.py"))
+    for fr in reversed(traceback.extract_tb(tb)):
+        name = fr.filename
+        if name.startswith(_OWN_DIR) or name.startswith(internal) or name.startswith("<"):
+            continue
+        code = f" ({fr.line.strip()})" if fr.line else ""
+        return f"{name.replace(_TORCH_DIR, 'torch')}:{fr.lineno}{code}"
     return ""
 
 
@@ -417,7 +433,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     except CaptureError:
         raise
     except Exception as e:
-        where = user_frame(e.__traceback__)
+        where = user_frame(e.__traceback__) or _library_frame(e.__traceback__)
         msg = str(e).split("\n", 1)[0]
         if "_local_scalar_dense" in msg or "data-dependent" in msg.lower() or "Data dependent" in msg:
             err = HostReadError(f"cannot capture fn: at {where or '<unknown>'}: {_host_read_hint(e.__traceback__)}")

@@ -316,3 +316,11 @@ def test_grad_mode_does_not_change_a_stages_programs(where):
         for p, q in zip(mod.parameters(), ref.parameters()):
             assert p.grad is not None
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_that_reads_its_state_on_the_host_is_refused_naming_the_line():
+    """Batch norm with momentum=None divides by float(num_batches_tracked), a buffer that grows
+    every step: a program cannot keep the first step's value, so the capture names the read."""
+    stage = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6, momentum=None))
+    with pytest.raises(CaptureError, match=r"batchnorm.py:\d+ \(.*num_batches_tracked"):
+        CompiledRunner(stage, example_inputs=(torch.randn(8, 6),))
