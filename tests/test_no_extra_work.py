@@ -61,6 +61,17 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _masked_step(m: torch.nn.Module, o: torch.optim.Optimizer):
+    """A training step of ``m`` on (x, padding mask) with ``o``."""
+    def step(x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        o.zero_grad()
+        loss = m(x, pad).square().mean()
+        loss.backward()
+        o.step()
+        return loss.detach()
+    return step
+
+
 def _work(ops: collections.Counter[str]) -> dict[str, int]:
     return {k: n for k, n in sorted(ops.items()) if k not in _NOT_WORK}
 
@@ -91,17 +102,8 @@ def test_a_model_that_reads_a_mask_on_the_host_is_captured_on_the_compiled_path_
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(2, 6, 16, generator=g), torch.ones(2, 6, dtype=torch.bool)) for _ in range(4)]
 
-    def make(m: torch.nn.Module, o: torch.optim.Optimizer):
-        def step(x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-            o.zero_grad()
-            loss = m(x, pad).square().mean()
-            loss.backward()
-            o.step()
-            return loss.detach()
-        return step
-
-    exe = flowexec.compile(make(model, opt))
-    eager = make(ref, ref_opt)
+    exe = flowexec.compile(_masked_step(model, opt))
+    eager = _masked_step(ref, ref_opt)
     for x, pad in data:
         torch.testing.assert_close(exe(x, pad), eager(x, pad), rtol=1e-5, atol=1e-6)
     names = [op.name for op in exe.program.ops]  # the program captured (after the eager first call)
@@ -152,16 +154,7 @@ def test_a_host_read_under_an_autocast_decorated_forward_is_the_models_and_is_ca
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 
-    def make(m: torch.nn.Module, o: torch.optim.Optimizer):
-        def step(x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-            o.zero_grad()
-            loss = m(x, pad).square().mean()
-            loss.backward()
-            o.step()
-            return loss.detach()
-        return step
-
-    exe, eager = flowexec.compile(make(model, opt)), make(ref, ref_opt)
+    exe, eager = flowexec.compile(_masked_step(model, opt)), _masked_step(ref, ref_opt)
     g = torch.Generator().manual_seed(4)
     for _ in range(3):
         x, pad = torch.randn(2, 6, 16, generator=g), torch.ones(2, 6, dtype=torch.bool)
