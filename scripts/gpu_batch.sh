@@ -7,7 +7,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}; R=$OUT/r; mkdir -p "$R"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export FLOWEXEC_COMMIT=${FLOWEXEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The lent machine's copy of .git can be older than the working tree it runs: pass the commit.
+export FLOWEXEC_COMMIT=${FLOWEXEC_COMMIT:-"unknown (FLOWEXEC_COMMIT not set; the device's git read $(git rev-parse --short HEAD 2>/dev/null))"}
 pack() { tar -czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
 trap pack EXIT
 run_step() {  # name, seconds, command...
@@ -41,6 +42,12 @@ for step in "$@"; do
     probe)     run_step $step 120 python3 benchmarks/timer_probe.py --out "$R" ;;
     proftests) run_step $step 90 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_profiler_gpu.py ;;
     profiler)  run_step $step 300 python3 benchmarks/profiler_overhead.py --out "$R/profiler_overhead_gpu.json" ;;
+    scale-gpt2_124m|scale-resnet50|scale-llama_207m)  # issue 36: one model's variants, each in a fresh
+               run_step $step 590 python3 benchmarks/scale.py --models "${step#scale-}" --timeout 200 \
+                 -o "$R/scale_${step#scale-}.json" ;;  # process; then scale.py --merge into scale.json
+    fuse-tests) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_fuse_gpu.py \
+                 --junitxml="$R/$step.xml" ;;
+    regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default
     pipeline-cpu) CUDA_VISIBLE_DEVICES= run_step $step 560 python3 benchmarks/pipeline_gloo.py --rounds 4 \
                  --out "$R/pipeline_gloo_h200host.json" ;;  # the gloo benchmark on the lent host's 16 cores
     *) echo "unknown step $step" ;;
