@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import flowexec
 from flowexec.errors import CaptureError, GuardError
