@@ -302,7 +302,7 @@ class Recorder:
     _grad_inputs: tuple | None = None
     module_tensor_writes: list[str] = field(default_factory=list)
     _seen_code: set = field(default_factory=set)
-    _per_object: set = field(default_factory=set)  # user codes reading their first argument's attributes
+    _per_object: set = field(default_factory=set)  # user codes that use their first argument
     _seen_objects: set = field(default_factory=set)  # ids of the plain objects guarded whole
     _active: bool = False
     _prev_trace: Any = None
@@ -538,12 +538,16 @@ class Recorder:
         are guarded (once per object), so a change between calls re-captures and a change
         during the run (``self.n += 1``) is refused."""
         code = frame.f_code
+        if code.co_name in ("__init__", "__new__", "__post_init__"):
+            return  # an object being made (by this call, most likely): nothing to guard yet
         obj = frame.f_locals.get(code.co_varnames[0], _MISSING)
-        if obj is _MISSING or not _is_plain(obj):
-            return
-        if id(obj) in self._seen_objects:
+        if obj is _MISSING or not _is_plain(obj) or id(obj) in self._seen_objects:
             return
         self._seen_objects.add(id(obj))
+        if any(isinstance(v, torch.Tensor) for v in list(vars(obj).values())[:MAX_LEAVES]):
+            # A container of tensors (an output record made by this very call, most likely):
+            # guarding it would keep the capture run's tensors alive as long as the program.
+            return
         self._objects.append(obj)
         label = self.names.setdefault(id(obj), type(obj).__name__)
         budget = [MAX_LEAVES]

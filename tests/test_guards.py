@@ -403,3 +403,26 @@ def test_a_counter_on_a_plain_object_is_refused_not_frozen() -> None:
     exe = flowexec.compile(lambda x: c.bump(x) * 2)
     with pytest.raises(flowexec.CaptureError, match=r"c\.calls: 0 -> 1"):
         exe(torch.ones(2))
+
+
+def test_a_record_the_step_makes_and_hands_to_a_helper_is_not_kept() -> None:
+    """An object made by each call (an output record holding tensors) passed to a helper: not
+    guarded (guarding would keep the capture run's tensors alive, and capture would refuse them
+    as escaped state); the step matches eager."""
+    class Out:
+        def __init__(self, logits: torch.Tensor) -> None:
+            self.logits = logits
+            self.scale = 2.0
+
+    def loss(o: Out, y: torch.Tensor) -> torch.Tensor:
+        return (o.logits * o.scale - y).square().mean()
+
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def fn(x, y):
+        return loss(Out(x @ w), y)
+
+    exe = flowexec.compile(fn)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    for _ in range(3):
+        torch.testing.assert_close(exe(x, y), fn(x, y))
