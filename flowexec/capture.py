@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import CaptureError, InputError
-from .guards import GuardSet, Recorder, state_guard, optimizer_guards
+from .guards import GuardSet, Recorder, state_guard, optimizer_guards, user_code
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
@@ -84,13 +84,17 @@ class LazyStateError(CaptureError):
     capture is discarded, fn runs eagerly once, and the next call captures."""
 
 
+def _users(filename: str) -> bool:
+    """Whether a frame's file is the user's (:func:`flowexec.guards.user_code`), "<string>"
+    (make_fx's generated wrapper, which a stage's joint function runs under) excepted."""
+    return user_code(filename) and filename != "<string>"
+
+
 def user_frame(tb_or_stack: Any) -> str:
-    """``file:line (code)`` of the innermost frame outside torch and flowexec, or ''."""
+    """``file:line (code)`` of the innermost frame of the user's, or ''."""
     frames = traceback.extract_tb(tb_or_stack) if not isinstance(tb_or_stack, list) else tb_or_stack
     for fr in reversed(frames):
-        # ("<string>": make_fx's generated wrapper, which a stage's joint function runs under)
-        if not fr.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "<frozen" not in fr.filename \
-                and fr.filename != "<string>":
+        if _users(fr.filename):
             code = f" ({fr.line.strip()})" if fr.line else ""
             return f"{fr.filename}:{fr.lineno}{code}"
     return ""
@@ -111,12 +115,11 @@ def _library_frame(tb: Any) -> str:
 
 
 def _caller_line() -> str:
-    """``file:line`` of the innermost calling frame outside torch and flowexec."""
+    """``file:line`` of the innermost calling frame of the user's."""
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        # "<string>": make_fx's generated wrapper, which a stage's joint function runs under
-        if not name.startswith((_TORCH_DIR, _OWN_DIR)) and not name.startswith(("<frozen", "<string>")):
+        if _users(name):
             return f"{os.path.basename(name)}:{f.f_lineno}"
         f = f.f_back
     return ""
@@ -131,7 +134,7 @@ def _source_of(node: fx.Node) -> str:
         line = line.strip()
         if line.startswith('File "'):
             fname = line[6:line.index('"', 6)]
-            if not fname.startswith((_TORCH_DIR, _OWN_DIR)):
+            if _users(fname):
                 lineno = line.split("line ", 1)[1].split(",", 1)[0]
                 last = f"{os.path.basename(fname)}:{lineno}"
     return last
@@ -263,8 +266,7 @@ def _optimizer_frame(tb: Any) -> traceback.FrameSummary | None:
            if "/torch/optim/" in f.filename or "/torch/amp/grad_scaler" in f.filename]
     if not lib:
         return None
-    user = [k for k, f in enumerate(frames)
-            if not f.filename.startswith((_TORCH_DIR, _OWN_DIR)) and not f.filename.startswith(("<frozen", "<string>"))]
+    user = [k for k, f in enumerate(frames) if _users(f.filename)]
     if user and user[-1] > lib[-1]:
         return None
     return frames[lib[-1]]

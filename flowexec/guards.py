@@ -544,14 +544,15 @@ class Recorder:
         if obj is _MISSING or not _is_plain(obj) or id(obj) in self._seen_objects:
             return
         self._seen_objects.add(id(obj))
-        if any(isinstance(v, torch.Tensor) for v in list(vars(obj).values())[:MAX_LEAVES]):
+        items = list(vars(obj).items())[:MAX_LEAVES]
+        if any(isinstance(e, torch.Tensor) for _, e in items):
             # A container of tensors (an output record made by this very call, most likely):
             # guarding it would keep the capture run's tensors alive as long as the program.
             return
         self._objects.append(obj)
         label = self.names.setdefault(id(obj), type(obj).__name__)
         budget = [MAX_LEAVES]
-        for k, e in list(vars(obj).items())[:MAX_LEAVES]:
+        for k, e in items:
             if not k.startswith("__"):
                 self._guard_value(f"{label}.{k}", obj, (("attr", k),), e, 1, budget)
 
@@ -616,20 +617,20 @@ class Recorder:
 
         def trace(frame: Any, event: str, arg: Any) -> None:
             code = frame.f_code
-            if code not in seen:
+            if code in seen:
+                if code not in per_object or not self._active:
+                    return
+                scan = self.object_entered  # the same method on another object
+            else:
                 seen.add(code)
-                if self._active and user_code(code.co_filename):
-                    self._active = False  # the recorder's own reads are not fn's
-                    try:
-                        self.frame_entered(frame)
-                    finally:
-                        self._active = True
-            elif code in per_object and self._active:  # the same method on another object
-                self._active = False
-                try:
-                    self.object_entered(frame)
-                finally:
-                    self._active = True
+                if not (self._active and user_code(code.co_filename)):
+                    return
+                scan = self.frame_entered
+            self._active = False  # the recorder's own reads are not fn's
+            try:
+                scan(frame)
+            finally:
+                self._active = True
         return trace
 
     # -- after the run --

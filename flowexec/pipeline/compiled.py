@@ -140,18 +140,17 @@ class CompiledRunner:
     def _plan(self, prog: Program) -> ExecutionPlan:
         return plan_for(prog, self.mode, fuse=self._fuse)
 
+    # A stage's programs compute their gradients themselves: the capture needs autograd whatever
+    # the caller's grad mode, and its guards then record grad mode on (_changed checks under the
+    # same mode, so jobs run under torch.no_grad() keep their program).
+    @torch.enable_grad()
     def _build(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
-        # A stage's programs compute their gradients themselves: the capture needs autograd
-        # whatever the caller's grad mode, and its guards then record grad mode on (_changed
-        # checks under the same mode, so jobs run under torch.no_grad() keep their program).
-        with torch.enable_grad():
-            self._build_enabled(inputs, target)
-
-    def _build_enabled(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
         cap = capture_stage(self.module, inputs, loss_fn=self.loss_fn, target=target, input_grads=self._input_grads)
         if cap.guards is not None:  # checked in C++ where the extension is built (the Python check else)
             cap.guards.attach(fastcall.guard_checker(cap.guards))
         self.capture = cap
+        # the Python assignments the forward made, repeated after each F job as running it would
+        self._replay = cap.guards.replay if cap.guards is not None and cap.guards.after_call else None
         self._target_sig = None if target is None else (tuple(target.shape), target.dtype, target.device)
         sp = cap.split
         progs = {"F": cap.forward, "B": cap.backward, "I": sp.i_program, "W": sp.w_program}
@@ -219,8 +218,8 @@ class CompiledRunner:
             flat = self._runs["F"](*args)
         n = cap.n_outputs
         self._micros[micro] = _Micro(dict(zip(cap.saved, flat[n:])), "F", slot)
-        if cap.guards is not None and cap.guards.after_call:
-            cap.guards.replay()  # the Python assignments the forward made, as running it would
+        if self._replay is not None:
+            self._replay()
         return tuple(flat[:n])
 
     def _changed(self) -> bool:
