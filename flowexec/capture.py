@@ -77,6 +77,10 @@ class Captured:
     # Parameters whose current .grad the caller appends to the call's tensors (the program's
     # last inputs): gradients that exist when a call starts are read where they are then.
     grad_inputs: tuple[torch.Tensor, ...] = ()
+    # Parameters whose .grad the program never reads and fn replaces or clears (zero_grad with
+    # set_to_none before backward): the caller drops it before the run, as eager's zero_grad
+    # frees it before the forward, rather than holding a dead gradient through the step.
+    discarded_grads: tuple[torch.Tensor, ...] = ()
 
 
 class LazyStateError(CaptureError):
@@ -486,9 +490,30 @@ def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = Fal
         prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)
         return Captured(prog, bindings, n_user, out_tree, read_guards(reads, prog) if guarded == "reads" else None)
     feeds = _bind_feeds(gm, reads.lifter)
-    grads = [p.grad for p in reads.grad_params]
-    prog = program_from_graph(gm, [args[i] for i in tensor_pos] + grads, sources)
-    return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), reads.grad_params)
+    read, discarded = _drop_unread_grads(gm, len(tensor_pos), reads.grad_params,
+                                         {id(p) for p, _ in bindings} | {id(p) for p in reads.cleared_grads})
+    prog = program_from_graph(gm, [args[i] for i in tensor_pos] + [p.grad for p in read], sources)
+    return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded)
+
+
+def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[torch.Tensor],
+                       replaced: set[int]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(the parameters whose ``.grad`` the program reads, those whose ``.grad`` it neither reads
+    nor keeps): a gradient input with no use leaves the graph's inputs, so that no call passes it
+    and graph mode neither copies it in nor keeps a buffer for it. ``replaced``: the ids of the
+    parameters whose ``.grad`` fn replaced or left None."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][n_args:]
+    read, discarded = [], []
+    for p, node in zip(grad_params, placeholders):
+        if node.users:
+            read.append(p)
+            continue
+        gm.graph.erase_node(node)
+        if id(p) in replaced:
+            discarded.append(p)
+    if len(read) < len(grad_params):
+        gm.recompile()
+    return tuple(read), tuple(discarded)
 
 
 def _bind_feeds(gm: fx.GraphModule, lifter: Lifter) -> Any:

@@ -133,6 +133,8 @@ class _Compiled:
     guards: GuardSet | None = None  # what the capture read (flowexec.guards); None: nothing to check
     # Parameters whose .grad follows the call's tensors among the program's inputs (read per call)
     grad_inputs: tuple[torch.Tensor, ...] = ()
+    # Parameters whose .grad the program neither reads nor keeps: dropped before each run
+    discarded_grads: tuple[torch.Tensor, ...] = ()
 
     def tensors(self, leaves: Sequence[Any]) -> list[Any] | None:
         """The program's tensor inputs for a call with these leaves; None where a parameter whose
@@ -270,7 +272,8 @@ class Executable:
             guards.attach(fastcall.guard_checker(guards))
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
-                         runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs))
+                         runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs),
+                         tuple(cap.discarded_grads))
 
     def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
                        fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -566,6 +569,8 @@ class Executable:
 
     def _finish(self, c: _Compiled, run: Callable[[Sequence[Any]], list[Any]], targs: Sequence[Any]) -> Any:
         self._ran_eagerly = False
+        for p in c.discarded_grads:  # (fn's zero_grad: freed before the forward, as in eager)
+            p.grad = None
         flat = run(targs)
         if c.guards is not None and c.guards.after_call:
             c.guards.replay()

@@ -192,3 +192,72 @@ def test_torch_optims_functional_api_outside_optimizer_step_matches_eager() -> N
     for _ in range(4):
         torch.testing.assert_close(exe(x), ref_step(x), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.weight, ref.weight, rtol=1e-5, atol=1e-6)
+
+
+class _Events(TorchDispatchMode):
+    """Appends each matrix product's name to ``log`` (the forward's first marks its start)."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+            self.log.append("matmul")
+        return func(*args, **(kwargs or {}))
+
+
+def _zero_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def test_a_gradient_zero_grad_drops_is_freed_before_the_forward_and_is_no_input() -> None:
+    """zero_grad(set_to_none=True) at the top of the step frees last step's gradients before the
+    forward in eager; a captured step neither takes them as inputs (graph mode would copy each
+    into a buffer of its own) nor holds them through its run."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    step, ref_step = _zero_first_step(model, opt), _zero_first_step(ref, ref_opt)
+    exe = flowexec.compile(step)
+    for _ in range(3):  # eager first (momentum buffers), then captured with .grad set
+        loss, ref_loss = exe(x, y), ref_step(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert len(exe.program.inputs) == 2  # x and y: no gradient
+    log: list[str] = []
+    import weakref
+    weakref.finalize(model[0].weight.grad, log.append, "old gradient freed")
+    with _Events(log):
+        exe(x, y)
+    assert log.index("old gradient freed") < log.index("matmul"), log
+    ref_step(x, y)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_a_step_accumulates_into_stay_inputs() -> None:
+    """Without zero_grad in the step, the program reads last call's gradients: they stay inputs."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+
+    def accumulate(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    model(x).sum().backward()
+    exe = flowexec.compile(accumulate)
+    exe(x)
+    assert len(exe.program.inputs) == 1 + 2  # x, then weight.grad and bias.grad
