@@ -125,7 +125,8 @@ def main() -> None:
     res["scheduled_native_path"] = bool(sched_exe._native is not None and sched_exe._native.guarded)
     feeds = sched_exe._last.guards.feeds if sched_exe._last.guards is not None else None
     res["fed"] = [s.name for s in feeds.slots] if feeds is not None else []
-    res["lr_fed_now"] = float(feeds.buffers[dev][0]) if feeds is not None else None
+    # (the buffers are keyed by the parameters' device, with its index: cuda:0)
+    res["lr_fed_now"] = float(next(iter(feeds.buffers.values()))[0]) if feeds is not None else None
     res["scheduled_us_rounds"] = sched_us
     res["constant_us_rounds"] = const_us
     med_s, med_c = statistics.median(sched_us), statistics.median(const_us)

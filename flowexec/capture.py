@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import gc
 import operator
 import os
 import sys
@@ -201,6 +202,13 @@ class _CaptureGuard(TorchDispatchMode):
                 # make_fx would answer a read of state fn did not make (a step count written in
                 # place) with its value now, and the program would keep that value for good.
                 raise RuntimeError(f"{func}: a host read of a tensor whose value can change between calls")
+            if isinstance(t, torch.Tensor):
+                # Made from constants alone, its value is every call's: answered here, as eager
+                # answers it. (make_fx propagates constants of one element only, and would call
+                # the read data-dependent: HF's packed-sequence check on an arange of positions,
+                # whose retry under the compiling flag built an explicit causal mask.)
+                with _disable_current_modes():
+                    return func(*args, **kwargs)
         self.sources.append((func, _caller_line()))
         written = _written_tensors(func, args, kwargs)
         for t in written:
@@ -212,7 +220,8 @@ class _CaptureGuard(TorchDispatchMode):
                 with _disable_current_modes():  # the snapshot must not be traced
                     self.undo.append((t, t.detach().clone()))
         arg_ids = set()
-        from_constants = True
+        # (a random draw is no constant, though it reads no tensor)
+        from_constants = torch.Tag.nondeterministic_seeded not in func.tags
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Tensor):
                 arg_ids.add(id(a))
@@ -403,16 +412,21 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                 bindings.append((p, len(flat) + len(extra)))
                 extra.append(g)
                 out_ids.add(id(g))
-        escaped = [
-            t for r in guard.created.values()
-            if (t := r()) is not None and id(t) not in out_ids and id(t) not in saved_ids and guard.is_created(t)
-            and not any(t is a for a in tensors)
-        ]
-        escaped = [t for t in escaped if t._base is None or id(t._base) not in out_ids]
         # The base of a returned view (a gradient that autograd made as t() of a temporary) is
         # held by that view, not left in Python state.
         out_bases = {id(o._base) for o in flat if isinstance(o, torch.Tensor) and o._base is not None}
-        escaped = [t for t in escaped if id(t) not in out_bases]
+
+        def left_behind() -> list[torch.Tensor]:
+            return [t for r in guard.created.values()
+                    if (t := r()) is not None and id(t) not in out_ids and id(t) not in saved_ids
+                    and guard.is_created(t) and not any(t is a for a in tensors)
+                    and (t._base is None or id(t._base) not in out_ids) and id(t) not in out_bases]
+
+        escaped = left_behind()
+        if escaped:  # garbage in reference cycles (a model's output object, its KV cache) is no state
+            del escaped
+            gc.collect()
+            escaped = left_behind()
         if escaped:
             desc = ", ".join(str(TensorMeta.of(t)) for t in escaped[:3])
             raise LazyStateError(

@@ -268,6 +268,8 @@ def _is_plain(obj: Any) -> bool:
     """An instance of a class of the user's that is not a module, optimizer or function."""
     if _is_library_object(obj) or isinstance(obj, types.FunctionType) or not hasattr(obj, "__dict__"):
         return False
+    if isinstance(obj, (dict, list, tuple, set)):  # a container (a model's output record is a dict)
+        return False
     return user_code(getattr(sys.modules.get(type(obj).__module__), "__file__", None) or "<unknown>")
 
 

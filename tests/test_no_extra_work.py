@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flowexec
-from flowexec.capture import capture
+from flowexec.capture import HostReadError, capture
 
 # Ops that launch no kernel (profiler markers, which capture drops, among them), or that make_fx
 # writes in place of eager's (a constant is copied where eager lifts a fresh tensor).
@@ -261,3 +262,89 @@ def test_gradients_a_step_accumulates_into_stay_inputs() -> None:
     exe = flowexec.compile(accumulate)
     exe(x)
     assert len(exe.program.inputs) == 1 + 2  # x, then weight.grad and bias.grad
+
+
+class _PackedCheck(torch.nn.Module):
+    """Hugging Face's packed-sequence check (masking_utils.find_packed_sequence_indices): a host
+    read of positions made by ``arange`` (many elements), then ``is_causal`` where it passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = _LibraryAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        if not torch.compiler.is_compiling() and (packed[:, -1] == 0).all():
+            return self.inner(x)
+        return self.inner(x, torch.ones(x.shape[:2], dtype=torch.bool))  # (the packed path: a mask)
+
+
+def test_a_host_read_of_values_made_from_constants_is_answered_as_in_eager() -> None:
+    """A read of a tensor made from constants alone has every call's value: capture answers it
+    and stays on eager's path (no explicit mask), where a retry under the compiling flag would
+    take the compiled one."""
+    model = _PackedCheck()
+    x = torch.randn(2, 6, 16)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    step(x)
+    with _Count() as eager:
+        step(x)
+    prog = capture(step, (x,)).program
+    captured = collections.Counter(op.name for op in prog.ops)
+    assert not any("tril" in n for n in captured), "took the compiled path"
+    want = {k: n for k, n in _work(eager.ops).items() if k not in (  # the check itself is answered, not run
+        "aten.arange.default", "aten.unsqueeze.default", "aten.sub.Tensor", "aten.cat.default", "aten.ne.Scalar",
+        "aten.cumsum.default", "aten.select.int", "aten.eq.Scalar", "aten.all.default", "aten._local_scalar_dense.default",
+        "aten.slice.Tensor")}
+    got = {k: n for k, n in _work(captured).items() if k in want}
+    assert got == want
+
+
+def test_a_host_read_of_a_random_draw_is_refused_not_baked() -> None:
+    """A random draw reads no tensor, yet differs per call: reading it on the host cannot be
+    answered once for good."""
+    lin = torch.nn.Linear(4, 4)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = lin(x)
+        return y * 2 if bool(torch.rand(8).sum() > 4) else y
+
+    with pytest.raises(HostReadError):
+        capture(fn, (torch.randn(3, 4),))
+
+
+class _Output(dict):
+    """A model's output record as Hugging Face's ModelOutput is: a dict with attribute access."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        return self[name]
+
+    def total(self) -> torch.Tensor:
+        return self["a"] + self["b"]
+
+
+def test_an_output_record_a_step_makes_is_not_kept_as_guarded_state() -> None:
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        y = lin(x)
+        out = _Output(a=y.sin(), b=y.cos())
+        loss = out.total().square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    exe = flowexec.compile(step)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        exe(x)
+    assert exe.build_seconds is not None  # captured, not refused as tensors left in Python state
