@@ -590,6 +590,8 @@ class Recorder:
             torch.nn.Module.__setattr__ = _recording_setattr  # type: ignore[method-assign]
             _ORIGINAL["getattr"] = torch.nn.Module.__getattr__
             torch.nn.Module.__getattr__ = _recording_getattr  # type: ignore[method-assign]
+            _ORIGINAL["init"] = torch.nn.Module.__init__
+            torch.nn.Module.__init__ = _recording_init  # type: ignore[method-assign]
         # A global trace function sees each Python frame once, when it starts (returning None
         # leaves the frame untraced): a profile function would also see every C call and return,
         # which doubled the capture time of a transformer block. A tracer the user runs (a
@@ -608,6 +610,7 @@ class Recorder:
             del torch.nn.Module.__getattribute__
             torch.nn.Module.__setattr__ = _ORIGINAL.pop("setattr")  # type: ignore[method-assign]
             torch.nn.Module.__getattr__ = _ORIGINAL.pop("getattr")  # type: ignore[method-assign]
+            torch.nn.Module.__init__ = _ORIGINAL.pop("init")  # type: ignore[method-assign]
 
     def _tracer(self) -> Callable[[Any, str, Any], None]:
         """The global trace function: the first frame of each user code object is scanned (it
@@ -807,6 +810,15 @@ def _recording_getattr(self: Any, name: str) -> Any:
             finally:
                 rec._active = True
     return value
+
+
+def _recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    # A module made during the run (``layers[:n]`` makes a ModuleList) is fn's own temporary:
+    # what is read of it, or written to it, is no guard's or replay's business.
+    rec = _recorder()
+    if rec is not None:
+        rec._ignored.add(id(vars(self)))
+    _ORIGINAL["init"](self, *args, **kwargs)
 
 
 def _recording_setattr(self: Any, name: str, value: Any) -> None:

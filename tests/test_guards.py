@@ -426,3 +426,32 @@ def test_a_record_the_step_makes_and_hands_to_a_helper_is_not_kept() -> None:
     x, y = torch.randn(2, 4), torch.randn(2, 4)
     for _ in range(3):
         torch.testing.assert_close(exe(x, y), fn(x, y))
+
+
+class _Stack(torch.nn.Module):
+    """Runs its first ``depth`` layers through a slice of its ModuleList (Hugging Face's
+    ``self.layers[: config.num_hidden_layers]``): the slice is a ModuleList made during the run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.depth = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[: self.depth]:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_module_made_during_the_run_is_no_guarded_state() -> None:
+    """Filling a module the run itself made is not a change of Python state fn read; the depth,
+    read from the model, still re-captures when it changes."""
+    model = _Stack()
+    exe = flowexec.compile(lambda x: model(x).sum())
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(exe(x), model(x).sum())
+    model.depth = 3
+    with pytest.warns(flowexec.RecaptureWarning, match="depth"):
+        got = exe(x)
+    torch.testing.assert_close(got, model(x).sum())
