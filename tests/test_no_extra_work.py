@@ -77,8 +77,8 @@ def _work(ops: collections.Counter[str]) -> dict[str, int]:
     return {k: n for k, n in sorted(ops.items()) if k not in _NOT_WORK}
 
 
-def test_a_captured_forward_and_backward_runs_the_ops_eager_runs() -> None:
-    model = _LibraryAttention()
+def _eager_and_captured_ops(model: torch.nn.Module) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """The ops of a forward and backward of ``model``: (eager's, the captured program's)."""
     x = torch.randn(2, 6, 16)
 
     def step(x: torch.Tensor) -> torch.Tensor:
@@ -90,8 +90,12 @@ def test_a_captured_forward_and_backward_runs_the_ops_eager_runs() -> None:
     with _Count() as eager:
         step(x)
     prog = capture(step, (x,)).program
-    captured = collections.Counter(op.name for op in prog.ops)
-    assert _work(captured) == _work(eager.ops)
+    return eager.ops, collections.Counter(op.name for op in prog.ops)
+
+
+def test_a_captured_forward_and_backward_runs_the_ops_eager_runs() -> None:
+    eager, captured = _eager_and_captured_ops(_LibraryAttention())
+    assert _work(captured) == _work(eager)
     assert not any("tril" in name or "logical_and" in name for name in captured)
 
 
@@ -285,21 +289,9 @@ def test_a_host_read_of_values_made_from_constants_is_answered_as_in_eager() -> 
     """A read of a tensor made from constants alone has every call's value: capture answers it
     and stays on eager's path (no explicit mask), where a retry under the compiling flag would
     take the compiled one."""
-    model = _PackedCheck()
-    x = torch.randn(2, 6, 16)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        loss = model(x).square().mean()
-        loss.backward()
-        return loss
-
-    step(x)
-    with _Count() as eager:
-        step(x)
-    prog = capture(step, (x,)).program
-    captured = collections.Counter(op.name for op in prog.ops)
+    eager, captured = _eager_and_captured_ops(_PackedCheck())
     assert not any("tril" in n for n in captured), "took the compiled path"
-    want = {k: n for k, n in _work(eager.ops).items() if k not in (  # the check itself is answered, not run
+    want = {k: n for k, n in _work(eager).items() if k not in (  # the check itself is answered, not run
         "aten.arange.default", "aten.unsqueeze.default", "aten.sub.Tensor", "aten.cat.default", "aten.ne.Scalar",
         "aten.cumsum.default", "aten.select.int", "aten.eq.Scalar", "aten.all.default", "aten._local_scalar_dense.default",
         "aten.slice.Tensor")}
