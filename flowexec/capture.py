@@ -218,7 +218,11 @@ class _CaptureGuard(TorchDispatchMode):
             if key not in self._saved:
                 self._saved.add(key)
                 with _disable_current_modes():  # the snapshot must not be traced
-                    self.undo.append((t, t.detach().clone()))
+                    # A device's snapshot waits in host memory: parameters and optimizer state
+                    # cloned beside themselves on the GPU would make the capture's optimizer
+                    # step hold them twice (a large model at a small batch: above eager's peak).
+                    saved = t.detach().to("cpu", copy=True) if t.is_cuda else t.detach().clone()
+                    self.undo.append((t, saved))
         arg_ids = set()
         # (a random draw is no constant, though it reads no tensor)
         from_constants = torch.Tag.nondeterministic_seeded not in func.tags
