@@ -225,7 +225,7 @@ class _CaptureGuard(TorchDispatchMode):
                     self.undo.append((t, saved))
         arg_ids = set()
         # (a random draw is no constant, though it reads no tensor)
-        from_constants = torch.Tag.nondeterministic_seeded not in func.tags
+        from_constants = torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Tensor):
                 arg_ids.add(id(a))
