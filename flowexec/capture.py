@@ -26,7 +26,7 @@ import os
 import sys
 import traceback
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Literal, Sequence, Union
 
 import torch
@@ -510,6 +510,9 @@ def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = Fal
     feeds = _bind_feeds(gm, reads.lifter)
     read, discarded = _drop_unread_grads(gm, len(tensor_pos), reads.grad_params,
                                          {id(p) for p, _ in bindings} | {id(p) for p in reads.cleared_grads})
+    # (a gradient dropped before the run need not be cleared again after it)
+    gone = {id(p) for p in discarded}
+    reads = replace(reads, cleared_grads=tuple(p for p in reads.cleared_grads if id(p) not in gone))
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + [p.grad for p in read], sources)
     return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded)
 

@@ -162,3 +162,16 @@ def assert_stage_jobs_match_eager(runner: Any, stage: torch.nn.Module, ref: torc
     for p, want in zip(stage.parameters(), r_grads):
         assert_close_rel(p.grad, want, tol, "weight grad")
 
+
+
+def zero_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    loss_fn: Callable[..., torch.Tensor] = lambda out: out.square().mean()) -> Callable[..., torch.Tensor]:
+    """The benchmarks' step: ``zero_grad(set_to_none=True)`` first, forward, ``loss_fn(out, *rest)``,
+    backward, optimizer step; returns the loss, detached. Called as ``step(x, *rest)``."""
+    def step(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), *rest)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flowexec
 from flowexec.capture import HostReadError, capture
+from helpers import zero_first_step
 
 # Ops that launch no kernel (profiler markers, which capture drops, among them), or that make_fx
 # writes in place of eager's (a constant is copied where eager lifts a fresh tensor).
@@ -125,14 +126,7 @@ def test_a_whole_step_with_fused_adamw_runs_eagers_ops_and_one_cast_of_the_fed_l
     model = _LibraryAttention()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     x = torch.randn(2, 6, 16)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    step = zero_first_step(model, opt)
     exe = flowexec.compile(step)
     exe(x)  # eager (the optimizer's state is made), then captured
     exe(x)
@@ -212,16 +206,6 @@ class _Events(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _zero_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-    return step
-
-
 def test_a_gradient_zero_grad_drops_is_freed_before_the_forward_and_is_no_input() -> None:
     """zero_grad(set_to_none=True) at the top of the step frees last step's gradients before the
     forward in eager; a captured step neither takes them as inputs (graph mode would copy each
@@ -233,7 +217,7 @@ def test_a_gradient_zero_grad_drops_is_freed_before_the_forward_and_is_no_input(
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
-    step, ref_step = _zero_first_step(model, opt), _zero_first_step(ref, ref_opt)
+    step, ref_step = zero_first_step(model, opt, F.cross_entropy), zero_first_step(ref, ref_opt, F.cross_entropy)
     exe = flowexec.compile(step)
     for _ in range(3):  # eager first (momentum buffers), then captured with .grad set
         loss, ref_loss = exe(x, y), ref_step(x, y)

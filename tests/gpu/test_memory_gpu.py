@@ -13,7 +13,7 @@ from flowexec.passes.memory import arena_buffers, check_arena, instruction_order
 from flowexec.passes.verify import verify_plan
 from flowexec.runtime.gc import collector
 from flowexec.runtime.memtrack import measure_memory
-from helpers import assert_close_rel, assert_same_state, block_adam_twins, twin
+from helpers import assert_close_rel, assert_same_state, block_adam_twins, twin, zero_first_step
 
 torch.backends.cuda.matmul.allow_tf32 = False
 pytestmark = pytest.mark.timeout(300)
@@ -103,14 +103,7 @@ def test_capture_keeps_no_second_copy_of_parameters_and_optimizer_state_on_the_g
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     x = torch.randn(4, 2048, device="cuda")
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    step = zero_first_step(model, opt)
     step(x)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
