@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .errors import CaptureError, InputError
 from .guards import GuardSet, Recorder, state_guard, optimizer_guards, user_code
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
+from .parking import ParkedGrads
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .storage import shared_storage
@@ -177,6 +178,7 @@ class _CaptureGuard(TorchDispatchMode):
         # only ones whose host read has the same answer on every call.
         self.constant: dict[int, weakref.ref] = {}
         self.read_under_flag = False  # torch.compiler.is_compiling() at the last host read
+        self.parked = ParkedGrads({})  # last step's gradients, in host memory until an op reads them
 
     def is_created(self, t: torch.Tensor) -> bool:
         ref = self.created.get(id(t))
@@ -188,6 +190,8 @@ class _CaptureGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.parked:
+            self.parked.fetch((args, kwargs))
         lifter = self.lifter
         if lifter is not None:
             # A host read of a value computed from lifted hyperparameters: answered, and kept as
@@ -392,6 +396,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
         saved_ids: set[int] = set()
+        # (parked once make_fx has made their placeholders: it reads their metadata only)
+        guard.parked = ParkedGrads.park(p.grad for p in grad_params)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved_ids.add(id(t))
@@ -466,6 +472,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             raise err from e
         raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
     finally:
+        guard.parked.restore()
         lifter.restore()
         guard.restore()
         _set_rng_states(rng)

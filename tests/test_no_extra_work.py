@@ -9,6 +9,8 @@ and everywhere only when the model reads a tensor on the host without it.
 from __future__ import annotations
 
 import collections
+import io
+import weakref
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flowexec
+import flowexec.parking
 from flowexec.capture import HostReadError, capture
 from helpers import zero_first_step
 
@@ -224,7 +227,6 @@ def test_a_gradient_zero_grad_drops_is_freed_before_the_forward_and_is_no_input(
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert len(exe.program.inputs) == 2  # x and y: no gradient
     log: list[str] = []
-    import weakref
     weakref.finalize(model[0].weight.grad, log.append, "old gradient freed")
     with _Events(log):
         exe(x, y)
@@ -250,6 +252,76 @@ def test_gradients_a_step_accumulates_into_stay_inputs() -> None:
     exe = flowexec.compile(accumulate)
     exe(x)
     assert len(exe.program.inputs) == 1 + 2  # x, then weight.grad and bias.grad
+
+
+class _GradBytes(TorchDispatchMode):
+    """Writes the storage bytes of some gradients at each matrix product into a text sink (a
+    sink the capture's recorder does not take for state fn reads)."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.refs = [weakref.ref(g) for g in grads]
+        self.out = io.StringIO()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+            self.out.write(repr([r().untyped_storage().nbytes() for r in self.refs]) + "\n")
+        return func(*args, **(kwargs or {}))
+
+
+def test_capture_parks_last_steps_gradients_off_the_device_until_the_run_reads_them(monkeypatch) -> None:
+    """Capture runs the step while last step's gradients are its inputs; eager's zero_grad has
+    freed them by the forward. Capture parks them in host memory (on CPU parking saves nothing,
+    so here it is forced on) and gives them back, bytes unchanged, when it ends."""
+    monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    step, ref_step = zero_first_step(model, opt, F.cross_entropy), zero_first_step(ref, ref_opt, F.cross_entropy)
+    exe = flowexec.compile(step)
+    torch.testing.assert_close(exe(x, y), ref_step(x, y))  # eager: momentum buffers, gradients
+    old = [p.grad for p in model.parameters()]
+    before = [g.clone() for g in old]
+    probe = _GradBytes(old)
+    with probe:
+        torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)  # captured here
+    assert probe.out.getvalue().splitlines()[0] == "[0, 0, 0, 0]"  # the forward's first matmul
+    assert [g.untyped_storage().nbytes() for g in old] == [g.numel() * 4 for g in old]
+    for g, b in zip(old, before):
+        assert torch.equal(g, b)
+    for _ in range(3):
+        torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_parked_gradient_the_step_accumulates_into_comes_back_before_it_is_read(monkeypatch) -> None:
+    """Without zero_grad the step adds to last step's gradients and clips them: each comes back
+    from host memory at the first op that reads it, and the step equals eager's."""
+    monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(16, 8)
+
+    def make(m: torch.nn.Module):
+        def accumulate(x):
+            loss = m(x).square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            return loss
+        return accumulate
+
+    exe, eager = flowexec.compile(make(model)), make(ref)
+    for _ in range(4):
+        torch.testing.assert_close(exe(x), eager(x))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert len(exe.program.inputs) == 1 + 2  # x, then the two gradients it reads
 
 
 class _PackedCheck(torch.nn.Module):

@@ -93,12 +93,12 @@ def test_memory_stays_flat_over_1000_steps_on_cuda():
         assert after[999] == after[9], (kw, after)
 
 
-def test_capture_keeps_no_second_copy_of_parameters_and_optimizer_state_on_the_gpu() -> None:
+def test_capture_keeps_no_second_copy_of_parameters_optimizer_state_or_gradients_on_the_gpu() -> None:
     """Capture runs the step for real and puts back what it wrote; its copies of parameters and
-    optimizer state wait in host memory. Where the state outweighs the activations (a large model
-    at a small batch), copies on the GPU would lift the capture's peak by 3 × the parameters'
-    bytes over eager's; what remains above it is last step's gradients, which capture holds
-    while it runs (docs/fusion.md)."""
+    optimizer state wait in host memory, and so do last step's gradients while the run has not
+    read them (flowexec.parking). Where the state outweighs the activations (a large model at a
+    small batch), copies on the GPU would lift the capture's peak by 3 × the parameters' bytes
+    over eager's, and held gradients by 1 ×."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -116,7 +116,7 @@ def test_capture_keeps_no_second_copy_of_parameters_and_optimizer_state_on_the_g
     exe(x)  # captured and run
     torch.cuda.synchronize()
     build_peak = torch.cuda.max_memory_allocated()
-    assert build_peak <= eager_peak + param_bytes + 16 * 2**20, (build_peak, eager_peak, param_bytes)
+    assert build_peak <= eager_peak + 16 * 2**20, (build_peak, eager_peak, param_bytes)
     torch.cuda.reset_peak_memory_stats()
     exe(x)
     torch.cuda.synchronize()

@@ -1,0 +1,95 @@
+"""Last step's gradients parked in host memory while capture runs the step.
+
+Capture runs ``fn`` for real, and the gradients that exist when it starts are the program's
+inputs (``Captured.grad_inputs``): make_fx holds them until it returns. Eager's step frees them
+at its ``zero_grad(set_to_none=True)``, before the forward; a capture that held them would peak
+one set of gradients above eager's step (0.47 GiB on GPT-2 124M). Which of them the step reads
+(accumulation) is known only after the run, so each is parked instead: its bytes are copied to
+host memory and its device storage shrinks to nothing, the tensor object staying what the
+program's input and ``p.grad`` refer to. The first op that touches a parked tensor (capture's
+dispatch mode sees every op before make_fx records it) brings its bytes back first; the rest
+come back when the capture ends.
+
+Example::
+
+    >>> import torch
+    >>> from flowexec.parking import ParkedGrads
+    >>> g = torch.ones(4)
+    >>> parked = ParkedGrads.park([g], worth=lambda t: True)
+    >>> g.untyped_storage().nbytes()
+    0
+    >>> parked.fetch((g,)); g.sum().item()
+    4.0
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+def on_a_device(t: torch.Tensor) -> bool:
+    """Parking saves memory only where the tensor does not already live in host memory."""
+    return t.device.type != "cpu"
+
+
+def _parkable(t: torch.Tensor) -> bool:
+    """A plain dense tensor that owns its whole storage: shrinking the storage touches no
+    other tensor (a view of a flat gradient buffer is left alone)."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t._base is None
+            and not t.requires_grad and t.storage_offset() == 0 and t.numel() > 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+class ParkedGrads:
+    """Tensors whose bytes wait in host memory; :meth:`fetch` and :meth:`restore` bring them back."""
+
+    def __init__(self, parked: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._parked = parked  # id(tensor) -> (tensor, host copy)
+
+    def __bool__(self) -> bool:
+        return bool(self._parked)
+
+    @classmethod
+    def park(cls, grads: Iterable[torch.Tensor | None],
+             worth: Callable[[torch.Tensor], bool] | None = None) -> ParkedGrads:
+        """Park each gradient that owns its storage and is ``worth`` it (default: not already in
+        host memory)."""
+        worth = worth if worth is not None else on_a_device
+        parked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        seen: set[int] = set()
+        with torch.no_grad(), _disable_current_modes():
+            for g in grads:
+                if g is None or id(g) in parked or not worth(g) or not _parkable(g):
+                    continue
+                ptr = g.untyped_storage().data_ptr()
+                if ptr in seen:
+                    continue
+                seen.add(ptr)
+                host = g.detach().to("cpu", copy=True)
+                try:
+                    g.untyped_storage().resize_(0)
+                except RuntimeError:  # a storage that cannot resize (external memory): keep it
+                    continue
+                parked[id(g)] = (g, host)
+        return cls(parked)
+
+    def fetch(self, tree: Any) -> None:
+        """Bring back every parked tensor among ``tree``'s leaves (an op's arguments)."""
+        parked = self._parked
+        for a in pytree.tree_leaves(tree):
+            if isinstance(a, torch.Tensor) and id(a) in parked and parked[id(a)][0] is a:
+                self._unpark(id(a))
+
+    def restore(self) -> None:
+        """Bring back whatever is still parked."""
+        for key in list(self._parked):
+            self._unpark(key)
+
+    def _unpark(self, key: int) -> None:
+        g, host = self._parked.pop(key)
+        with torch.no_grad(), _disable_current_modes():
+            g.untyped_storage().resize_(host.numel() * host.element_size())
+            g.copy_(host)
