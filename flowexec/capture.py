@@ -472,7 +472,6 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             raise err from e
         raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
     finally:
-        guard.parked.restore()
         lifter.restore()
         guard.restore()
         _set_rng_states(rng)
@@ -485,6 +484,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         for p, _ in bindings:
             if id(p) not in recorder.grads:
                 p.grad = None
+        # (once the run's own gradients are let go: both sets at once would peak above eager)
+        guard.parked.restore()
         if failed:  # a discarded capture leaves Python state as it found it
             lifter.restore_state()
             recorder.undo_writes()

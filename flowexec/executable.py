@@ -31,6 +31,7 @@ from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionE
 from .build import plan_for
 from .fusion import check_fuse, check_pad
 from .guards import GuardSet
+from .parking import ParkedGrads
 from .plan import ExecutionPlan, check_gc, check_streams
 from .program import Program, Ref
 from .runtime import fastcall
@@ -202,6 +203,10 @@ class Executable:
         self._ran_eagerly = False
         self._eager_next = False
         self._deferred: str | None = None
+        # Last step's gradients the new program discards, parked in host memory from capture to
+        # the call's run, which drops them (planning's kernel timings and graph mode's warm-up
+        # and capture need not hold them); compile_for, which takes no step, gives them back.
+        self._parked: ParkedGrads | None = None
         # Per structure key (flowexec.signature.flatten): (tensor guard, compiled) pairs, most
         # recent first; a call whose tensors pass a guard skips building its signature.
         self._fast: dict[tuple[Any, ...], list[tuple[Any, _Compiled]]] = {}
@@ -223,7 +228,31 @@ class Executable:
     def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str]) -> _Compiled:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
+        self._give_back_parked()
         cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True)
+        self._parked = ParkedGrads.park(p.grad for p in cap.discarded_grads) or None
+        try:
+            return self._plan_and_lower(cap, args, tree, paths, t0)
+        except BaseException:
+            self._give_back_parked()
+            raise
+
+    def _drop_parked(self, c: _Compiled) -> None:
+        """The gradients ``c`` discards leave host memory with their ``p.grad``; any other
+        parked one (for a program this call does not run) comes back."""
+        gone = [id(p.grad) for p in c.discarded_grads if p.grad is not None]
+        for p in c.discarded_grads:
+            p.grad = None
+        if self._parked is not None:
+            self._parked.release(gone)
+        self._give_back_parked()
+
+    def _give_back_parked(self) -> None:
+        if self._parked is not None:
+            self._parked.restore()
+            self._parked = None
+
+    def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float) -> _Compiled:
         plan = plan_for(cap.program, self.mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
                         fuse_lerp=self.fuse_lerp, **self.memory_options)
         run = lower_for(plan, self.mode, *self._worker_opts)
@@ -569,6 +598,8 @@ class Executable:
 
     def _finish(self, c: _Compiled, run: Callable[[Sequence[Any]], list[Any]], targs: Sequence[Any]) -> Any:
         self._ran_eagerly = False
+        if self._parked is not None:  # the call after a capture
+            self._drop_parked(c)
         for p in c.discarded_grads:  # (fn's zero_grad: freed before the forward, as in eager)
             p.grad = None
         flat = run(targs)
@@ -592,8 +623,11 @@ class Executable:
         its examples); returns the executable. No step is taken: where fn creates state on its
         first step (optimizer moments), nothing is captured yet, and the first call runs fn
         eagerly and the second captures."""
-        if self._lookup(args, kwargs) is None:
-            self._eager_next = True
+        try:
+            if self._lookup(args, kwargs) is None:
+                self._eager_next = True
+        finally:
+            self._give_back_parked()
         return self
 
     def _captured(self, what: str) -> _Compiled:

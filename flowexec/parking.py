@@ -23,6 +23,7 @@ Example::
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -88,8 +89,26 @@ class ParkedGrads:
         for key in list(self._parked):
             self._unpark(key)
 
+    def release(self, ids: Iterable[int]) -> None:
+        """Stop keeping the tensors of these ids (``id(t)``), which their holder let go (a
+        ``p.grad`` set to None): their bytes are dropped unless something else still holds the
+        tensor, which then gets them back (it must read what it read before)."""
+        for key in ids:
+            entry = self._parked.pop(key, None)
+            if entry is None:
+                continue
+            ref, host = weakref.ref(entry[0]), entry[1]
+            del entry
+            g = ref()
+            if g is not None:
+                _refill(g, host)
+
     def _unpark(self, key: int) -> None:
         g, host = self._parked.pop(key)
-        with torch.no_grad(), _disable_current_modes():
-            g.untyped_storage().resize_(host.numel() * host.element_size())
-            g.copy_(host)
+        _refill(g, host)
+
+
+def _refill(g: torch.Tensor, host: torch.Tensor) -> None:
+    with torch.no_grad(), _disable_current_modes():
+        g.untyped_storage().resize_(host.numel() * host.element_size())
+        g.copy_(host)

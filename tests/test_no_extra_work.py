@@ -9,6 +9,7 @@ and everywhere only when the model reads a tensor on the host without it.
 from __future__ import annotations
 
 import collections
+from typing import Any
 import io
 import weakref
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flowexec
+import flowexec.executable
 import flowexec.parking
 from flowexec.capture import HostReadError, capture
 from helpers import zero_first_step
@@ -297,6 +299,50 @@ def test_capture_parks_last_steps_gradients_off_the_device_until_the_run_reads_t
         torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _sgd_pair() -> tuple[torch.nn.Module, Any, Any, torch.Tensor, torch.Tensor]:
+    """A model with a zero_grad-first SGD step, its eager twin's step, and a batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    step = zero_first_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), F.cross_entropy)
+    ref_step = zero_first_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), F.cross_entropy)
+    return model, step, ref_step, torch.randn(32, 8), torch.randint(0, 4, (32,))
+
+
+def test_the_gradients_a_new_program_discards_stay_parked_through_planning_and_go_with_zero_grad(monkeypatch) -> None:
+    """After capture the step's old gradients wait in host memory while the program is planned
+    (kernel timings, graph mode's warm-up and capture) and are dropped by the call's run; one the
+    caller still holds keeps its values, as after eager's zero_grad; compile_for, which takes no
+    step, gives them back."""
+    monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    model, step, ref_step, x, y = _sgd_pair()
+    exe = flowexec.compile(step)
+    torch.testing.assert_close(exe(x, y), ref_step(x, y))  # eager: momentum buffers, gradients
+    seen: list[list[int]] = []
+    plan_for = flowexec.executable.plan_for
+
+    def planning(prog, *a, **kw):
+        seen.append([p.grad.untyped_storage().nbytes() for p in model.parameters()])
+        return plan_for(prog, *a, **kw)
+
+    monkeypatch.setattr(flowexec.executable, "plan_for", planning)
+    held = model[0].weight.grad
+    values = held.clone()
+    log: list[str] = []
+    weakref.finalize(model[2].weight.grad, log.append, "freed")
+    torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)  # captured and run
+    assert seen == [[0, 0, 0, 0]] and log == ["freed"]
+    assert torch.equal(held, values)  # still the caller's
+    exe2 = flowexec.compile(step)
+    old = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in old]
+    exe2.compile_for(x, y)
+    assert len(seen) == 2 and seen[1] == [0, 0, 0, 0]
+    assert all(p.grad is g for p, g in zip(model.parameters(), old))
+    assert all(torch.equal(g, v) for g, v in zip(old, values))
 
 
 def test_a_parked_gradient_the_step_accumulates_into_comes_back_before_it_is_read(monkeypatch) -> None:
