@@ -7,6 +7,7 @@ eager's step peak, then for each mode the peak of the capture and planning alone
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -68,6 +69,7 @@ def main() -> None:
         res[mode] = r
         print(mode, json.dumps(r), flush=True)
         del exe, step, model, opt, x
+        gc.collect()  # (an executable sits in reference cycles: the next mode starts clean)
         torch.cuda.empty_cache()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
