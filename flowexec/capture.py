@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .errors import CaptureError, InputError
 from .guards import GuardSet, Recorder, state_guard, optimizer_guards, user_code
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
-from .parking import ParkedGrads
+from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .storage import shared_storage
@@ -83,6 +83,9 @@ class Captured:
     # set_to_none before backward): the caller drops it before the run, as eager's zero_grad
     # frees it before the forward, rather than holding a dead gradient through the step.
     discarded_grads: tuple[torch.Tensor, ...] = ()
+    # Parameters whose .grad capture parked (held by the parameter alone, and worth parking):
+    # the caller may park them again while it plans (flowexec.parking).
+    parkable_grads: tuple[torch.Tensor, ...] = ()
 
 
 class LazyStateError(CaptureError):
@@ -356,7 +359,8 @@ def _library_compiling(everywhere: bool) -> Iterator[None]:
         torch.compiler._is_compiling_flag = prev  # a step that raised skipped its post hook
 
 
-def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
+          park: Callable[[torch.Tensor], bool] | None = None) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
     (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
@@ -367,16 +371,18 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
 
     Library code sees ``torch.compiler.is_compiling()`` inside optimizer steps only, so the
     model runs what eager runs; a run that reads a tensor on the host is traced again with the
-    flag set throughout (:func:`_library_compiling`)."""
+    flag set throughout (:func:`_library_compiling`). ``park``: which of the gradients that
+    are inputs wait in host memory while fn runs (:mod:`flowexec.parking`; None: none)."""
     try:
-        return _trace(fn, args, guarded, everywhere=False)
+        return _trace(fn, args, guarded, everywhere=False, park=park)
     except HostReadError as e:
         if not e.retry_with_flag:
             raise
-    return _trace(fn, args, guarded, everywhere=True)
+    return _trace(fn, args, guarded, everywhere=True, park=park)
 
 
-def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
+           park: Callable[[torch.Tensor], bool] | None = None) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
     fed = guarded is True  # hyperparameters lifted, gradients as inputs
@@ -389,6 +395,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     # gradient accumulation makes a new one per cycle (zero_grad sets None), which a binding to
     # this tensor object would miss.
     grad_params = recorder.grad_inputs() if fed else ()
+    # (decided before make_fx holds them: the recorder's is the one reference known here)
+    parkable = tuple(p for p in grad_params if park is not None and held_by_grad_alone(p, known=1) and park(p.grad))
 
     def traced(*tensors: torch.Tensor) -> Any:
         tensors = tensors[:len(tensor_pos)]  # (the rest: the gradients, reached through p.grad)
@@ -397,7 +405,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             full[i] = t
         saved_ids: set[int] = set()
         # (parked once make_fx has made their placeholders: it reads their metadata only)
-        guard.parked = ParkedGrads.park(p.grad for p in grad_params)
+        guard.parked = ParkedGrads.park((p.grad for p in parkable), worth=lambda g: True)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved_ids.add(id(t))
@@ -490,7 +498,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             lifter.restore_state()
             recorder.undo_writes()
     return gm, bindings, n_user[0], guard.sources, out_tree[0], _Reads(recorder, lifter, guard.leaves, grad_params,
-                                                                       cleared)
+                                                                       cleared, parkable)
 
 
 @dataclass
@@ -503,14 +511,17 @@ class _Reads:
     leaves: dict[int, weakref.ref]
     grad_params: tuple[torch.Tensor, ...] = ()
     cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None
+    parkable_grads: tuple[torch.Tensor, ...] = ()  # parameters whose .grad was parked
 
 
-def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False) -> Captured:
+def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
+            park: Callable[[torch.Tensor], bool] | None = None) -> Captured:
     """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
     The program's inputs are the tensors of ``args``, then (``guarded=True``) ``p.grad`` for
     each parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards
-    (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`)."""
-    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded)
+    (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park``: see
+    :func:`trace`)."""
+    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if guarded is not True:
         prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)
@@ -522,7 +533,8 @@ def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = Fal
     gone = {id(p) for p in discarded}
     reads = replace(reads, cleared_grads=tuple(p for p in reads.cleared_grads if id(p) not in gone))
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + [p.grad for p in read], sources)
-    return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded)
+    return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded,
+                    reads.parkable_grads)
 
 
 def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[torch.Tensor],

@@ -31,6 +31,7 @@ from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionE
 from .build import plan_for
 from .fusion import check_fuse, check_pad
 from .guards import GuardSet
+from . import parking
 from .parking import ParkedGrads
 from .plan import ExecutionPlan, check_gc, check_streams
 from .program import Program, Ref
@@ -229,8 +230,10 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         self._give_back_parked()
-        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True)
-        self._parked = ParkedGrads.park(p.grad for p in cap.discarded_grads) or None
+        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True, park=_worth_parking)
+        parkable = {id(p) for p in cap.parkable_grads}
+        self._parked = ParkedGrads.park((p.grad for p in cap.discarded_grads if id(p) in parkable),
+                                        worth=lambda g: True) or None
         try:
             return self._plan_and_lower(cap, args, tree, paths, t0)
         except BaseException:
@@ -713,6 +716,24 @@ def borrowed_inputs(targs: Sequence[torch.Tensor], mutated_inputs: Sequence[int]
 def sharing_positions(targs: Sequence[torch.Tensor]) -> set[int]:
     """The positions of tensors that share a storage with another of ``targs``."""
     return {k for group in storage_groups(list(enumerate(targs))) if len(group) > 1 for k in group}
+
+
+def _worth_parking(g: torch.Tensor) -> bool:
+    """Whether capture may park gradient ``g`` (flowexec.parking): off the host, and not memory
+    a CUDA graph writes at a fixed address (a graph's static output, which this module's graphs
+    mark stable; anything while CUDA-graph trees manage the device's pool)."""
+    if not parking.on_a_device(g):
+        return False
+    from .runtime.cuda_graph import is_stable
+
+    if is_stable(g):
+        return False
+    if g.is_cuda:
+        from torch._inductor.cudagraph_trees import get_manager
+
+        if get_manager(g.device.index, create_if_none_exists=False) is not None:
+            return False
+    return True
 
 
 class GraphVariants:

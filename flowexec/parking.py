@@ -10,6 +10,11 @@ program's input and ``p.grad`` refer to. The first op that touches a parked tens
 dispatch mode sees every op before make_fx records it) brings its bytes back first; the rest
 come back when the capture ends.
 
+Parking moves a tensor's memory: its bytes come back at another address. So only a gradient
+held by nothing but its parameter is parked (:func:`held_by_grad_alone`), and the caller's
+``worth`` turns away memory whose address others rely on (a CUDA graph's static outputs,
+CUDA-graph trees' pools): a graph would go on writing to the old address.
+
 Example::
 
     >>> import torch
@@ -23,6 +28,8 @@ Example::
 """
 from __future__ import annotations
 
+import functools
+import sys
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -42,6 +49,34 @@ def _parkable(t: torch.Tensor) -> bool:
     return (type(t) is torch.Tensor and t.layout == torch.strided and t._base is None
             and not t.requires_grad and t.storage_offset() == 0 and t.numel() > 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _holders(p: torch.Tensor) -> tuple[int, int, int]:
+    """References to ``p.grad``: Python's, its tensor's (C++ handles: views, the parameter) and
+    its storage's (the tensors on it)."""
+    g = p.grad
+    storage = g.untyped_storage()
+    return sys.getrefcount(g), g._use_count(), torch._C._storage_Use_Count(storage._cdata)
+
+
+@functools.lru_cache(maxsize=None)
+def _alone() -> tuple[int, int, int]:
+    """:func:`_holders` of a gradient that only its parameter holds, measured on this build of
+    torch (how a tensor's Python object is kept differs between versions)."""
+    q = torch.nn.Parameter(torch.zeros(2))
+    q.grad = torch.zeros(2)
+    return _holders(q)
+
+
+def held_by_grad_alone(p: torch.Tensor, known: int = 0) -> bool:
+    """Whether ``p.grad`` is held by ``p`` alone, besides ``known`` Python references the caller
+    knows of: no other Python object (a list of outputs, a caller's variable), no view, no other
+    tensor on its storage."""
+    if p.grad is None:
+        return False
+    py, impl, storage = _holders(p)
+    base_py, base_impl, base_storage = _alone()
+    return py <= base_py + known and impl <= base_impl and storage <= base_storage
 
 
 class ParkedGrads:

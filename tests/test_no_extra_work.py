@@ -257,48 +257,18 @@ def test_gradients_a_step_accumulates_into_stay_inputs() -> None:
 
 
 class _GradBytes(TorchDispatchMode):
-    """Writes the storage bytes of some gradients at each matrix product into a text sink (a
-    sink the capture's recorder does not take for state fn reads)."""
+    """Writes the storage bytes of some parameters' gradients of now (-1: freed) at each matrix
+    product into a text sink (one the capture's recorder does not take for state fn reads)."""
 
-    def __init__(self, grads: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor]) -> None:
         super().__init__()
-        self.refs = [weakref.ref(g) for g in grads]
+        self.refs = [weakref.ref(p.grad) for p in params]  # (weak: a holder is not parked)
         self.out = io.StringIO()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
-            self.out.write(repr([r().untyped_storage().nbytes() for r in self.refs]) + "\n")
+            self.out.write(repr([-1 if r() is None else r().untyped_storage().nbytes() for r in self.refs]) + "\n")
         return func(*args, **(kwargs or {}))
-
-
-def test_capture_parks_last_steps_gradients_off_the_device_until_the_run_reads_them(monkeypatch) -> None:
-    """Capture runs the step while last step's gradients are its inputs; eager's zero_grad has
-    freed them by the forward. Capture parks them in host memory (on CPU parking saves nothing,
-    so here it is forced on) and gives them back, bytes unchanged, when it ends."""
-    monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    ref.load_state_dict(model.state_dict())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
-    step, ref_step = zero_first_step(model, opt, F.cross_entropy), zero_first_step(ref, ref_opt, F.cross_entropy)
-    exe = flowexec.compile(step)
-    torch.testing.assert_close(exe(x, y), ref_step(x, y))  # eager: momentum buffers, gradients
-    old = [p.grad for p in model.parameters()]
-    before = [g.clone() for g in old]
-    probe = _GradBytes(old)
-    with probe:
-        torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)  # captured here
-    assert probe.out.getvalue().splitlines()[0] == "[0, 0, 0, 0]"  # the forward's first matmul
-    assert [g.untyped_storage().nbytes() for g in old] == [g.numel() * 4 for g in old]
-    for g, b in zip(old, before):
-        assert torch.equal(g, b)
-    for _ in range(3):
-        torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def _sgd_pair() -> tuple[torch.nn.Module, Any, Any, torch.Tensor, torch.Tensor]:
@@ -312,11 +282,28 @@ def _sgd_pair() -> tuple[torch.nn.Module, Any, Any, torch.Tensor, torch.Tensor]:
     return model, step, ref_step, torch.randn(32, 8), torch.randint(0, 4, (32,))
 
 
+def test_capture_parks_last_steps_gradients_off_the_device_until_the_run_reads_them(monkeypatch) -> None:
+    """Capture runs the step while last step's gradients are its inputs; eager's zero_grad has
+    freed them by the forward. Capture parks them in host memory (on CPU parking saves nothing,
+    so here it is forced on); the step equals eager's."""
+    monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    model, step, ref_step, x, y = _sgd_pair()
+    exe = flowexec.compile(step)
+    torch.testing.assert_close(exe(x, y), ref_step(x, y))  # eager: momentum buffers, gradients
+    probe = _GradBytes(list(model.parameters()))
+    with probe:
+        torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)  # captured here
+    assert probe.out.getvalue().splitlines()[0] == "[0, 0, 0, 0]"  # the forward's first matmul
+    for _ in range(3):
+        torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
+
+
 def test_the_gradients_a_new_program_discards_stay_parked_through_planning_and_go_with_zero_grad(monkeypatch) -> None:
     """After capture the step's old gradients wait in host memory while the program is planned
-    (kernel timings, graph mode's warm-up and capture) and are dropped by the call's run; one the
-    caller still holds keeps its values, as after eager's zero_grad; compile_for, which takes no
-    step, gives them back."""
+    (kernel timings, graph mode's warm-up and capture) and go with the run's zero_grad. One
+    that something else holds (here the test) is never parked: parking moves memory, and the
+    holder may rely on its address (a CUDA graph writing its outputs there). compile_for, which
+    takes no step, gives back what it parked."""
     monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
     model, step, ref_step, x, y = _sgd_pair()
     exe = flowexec.compile(step)
@@ -330,19 +317,36 @@ def test_the_gradients_a_new_program_discards_stay_parked_through_planning_and_g
 
     monkeypatch.setattr(flowexec.executable, "plan_for", planning)
     held = model[0].weight.grad
-    values = held.clone()
+    values, where = held.clone(), held.data_ptr()
     log: list[str] = []
     weakref.finalize(model[2].weight.grad, log.append, "freed")
     torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)  # captured and run
-    assert seen == [[0, 0, 0, 0]] and log == ["freed"]
-    assert torch.equal(held, values)  # still the caller's
+    assert seen == [[512, 0, 0, 0]] and log == ["freed"]
+    assert held.data_ptr() == where and torch.equal(held, values)  # the holder's, untouched
+    del held
     exe2 = flowexec.compile(step)
-    old = [p.grad for p in model.parameters()]
-    values = [g.clone() for g in old]
+    refs = [weakref.ref(p.grad) for p in model.parameters()]
+    values = [p.grad.clone() for p in model.parameters()]
     exe2.compile_for(x, y)
     assert len(seen) == 2 and seen[1] == [0, 0, 0, 0]
-    assert all(p.grad is g for p, g in zip(model.parameters(), old))
-    assert all(torch.equal(g, v) for g, v in zip(old, values))
+    assert all(p.grad is r() for p, r in zip(model.parameters(), refs))
+    assert all(torch.equal(p.grad, v) for p, v in zip(model.parameters(), values))
+
+
+def test_a_gradient_at_an_address_a_graph_writes_is_not_parked(monkeypatch) -> None:
+    """A CUDA graph's static outputs (marked stable) keep their address: capture leaves them
+    where they are, and the step still equals eager's."""
+    from flowexec.runtime.cuda_graph import mark_stable
+
+    monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    model, step, ref_step, x, y = _sgd_pair()
+    exe = flowexec.compile(step)
+    torch.testing.assert_close(exe(x, y), ref_step(x, y))
+    mark_stable(model[2].bias.grad)
+    probe = _GradBytes(list(model.parameters()))
+    with probe:
+        torch.testing.assert_close(exe(x, y), ref_step(x, y), rtol=1e-5, atol=1e-6)
+    assert probe.out.getvalue().splitlines()[0] == "[0, 0, 0, 16]"
 
 
 def test_a_parked_gradient_the_step_accumulates_into_comes_back_before_it_is_read(monkeypatch) -> None:
@@ -363,7 +367,12 @@ def test_a_parked_gradient_the_step_accumulates_into_comes_back_before_it_is_rea
         return accumulate
 
     exe, eager = flowexec.compile(make(model)), make(ref)
-    for _ in range(4):
+    torch.testing.assert_close(exe(x), eager(x))  # a program that makes the gradients
+    probe = _GradBytes(list(model.parameters()))
+    with probe:  # one that adds to them: captured with them parked
+        torch.testing.assert_close(exe(x), eager(x))
+    assert probe.out.getvalue().splitlines()[0] == "[0, 0]"
+    for _ in range(3):
         torch.testing.assert_close(exe(x), eager(x))
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad)

@@ -75,7 +75,9 @@ def test_hf_gpt2_backend_matches_eager(mode, streams):
     m2 = copy.deepcopy(m1)
     o1, o2 = torch.optim.AdamW(m1.parameters(), lr=1e-3), torch.optim.AdamW(m2.parameters(), lr=1e-3)
     torch._dynamo.reset()
-    c2 = torch.compile(m2, backend="flowexec", options={"mode": mode, "streams": streams})
+    # (the graphs as captured: the backend with fusion has tests/gpu/test_fuse_gpu.py, whose
+    # Triton kernels round otherwise than eager's, as AdamW magnifies on zero-initialised biases)
+    c2 = torch.compile(m2, backend="flowexec", options={"mode": mode, "streams": streams, "fuse": False})
 
     step1, step2 = make_lm_step(m1, o1), make_lm_step(c2, o2)
 
@@ -249,7 +251,7 @@ def test_graph_mode_reads_state_arguments_in_place():
     sets = [[torch.randn(4096, device="cuda") for _ in range(3)] + [torch.rand(4096, device="cuda"),
                                                                      torch.randn(4096, device="cuda")] for _ in range(3)]
     eager = [[t.clone() for t in s] for s in sets]
-    exe = flowexec.compile(_adam_like, *sets[0], mode="graph")
+    exe = flowexec.compile(_adam_like, *sets[0], mode="graph", fuse=False)  # (eager's kernels: tol 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(sets[0], eager[0]))  # warm-up and capture undone
     bufs = exe.input_buffers
     assert all(bufs[i] is sets[0][i] for i in (0, 2, 3, 4)) and bufs[1] is not sets[0][1]

@@ -9,7 +9,7 @@ import torch
 from flowexec.models import PreNormBlock
 
 from flowexec.pipeline.compiled import CompiledRunner
-from helpers import eager_stage_grads, play_jobs as play
+from helpers import assert_close_rel, eager_stage_grads, play_jobs as play
 
 DEV = "cuda"
 
@@ -85,7 +85,9 @@ def test_graph_mode_last_stage_with_batchnorm_and_loss_scale():
         assert rel_err(losses[m], loss) <= 1e-5
         assert rel_err(gx[(2, 0, 1).index(m)], xr.grad) <= 1e-5
     for p, q in zip(mod.parameters(), ref.parameters()):
-        assert rel_err(p.grad, q.grad) <= 1e-5
+        # (the first bias's gradient is zero up to rounding before batch norm, and the stage's
+        # fused batch-norm backward rounds otherwise than eager's: a floor, not noise over noise)
+        assert_close_rel(p.grad, q.grad, tol=1e-5, floor=1e-6)
     # capture and warm-up left no trace: the statistics moved once per forward, as eager's did
     assert rel_err(mod[1].running_mean, ref[1].running_mean) <= 1e-5
     assert mod[1].num_batches_tracked.item() == ref[1].num_batches_tracked.item() == 3

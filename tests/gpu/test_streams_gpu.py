@@ -35,7 +35,9 @@ def branches_fn():
 def test_independent_branches_on_four_streams_match_eager(mode):
     f = branches_fn()
     x = torch.randn(8, 256, device="cuda")
-    exe = flowexec.compile(f, x, mode=mode, streams=4)
+    # (eager's kernels on four streams: fused regions, tested in test_fuse_gpu.py, would join
+    # the branches' SiLUs into Triton kernels that round otherwise)
+    exe = flowexec.compile(f, x, mode=mode, streams=4, fuse=False)
     assert exe.plan.stats()["streams"] == 4 and exe.plan.stats()["events"] >= 3
     kept = []
     for _ in range(3):
