@@ -360,7 +360,7 @@ def _library_compiling(everywhere: bool) -> Iterator[None]:
 
 
 def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
-          park: Callable[[torch.Tensor], bool] | None = None) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+          park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset()) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
     (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
@@ -372,22 +372,24 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     Library code sees ``torch.compiler.is_compiling()`` inside optimizer steps only, so the
     model runs what eager runs; a run that reads a tensor on the host is traced again with the
     flag set throughout (:func:`_library_compiling`). ``park``: which of the gradients that
-    are inputs wait in host memory while fn runs (:mod:`flowexec.parking`; None: none)."""
+    are inputs wait in host memory while fn runs (:mod:`flowexec.parking`; None: none);
+    ``unfused``: ids of param groups that step through the foreach path instead of their fused
+    kernel (:class:`~flowexec.hyperparams.Lifter`)."""
     try:
-        return _trace(fn, args, guarded, everywhere=False, park=park)
+        return _trace(fn, args, guarded, everywhere=False, park=park, unfused=unfused)
     except HostReadError as e:
         if not e.retry_with_flag:
             raise
-    return _trace(fn, args, guarded, everywhere=True, park=park)
+    return _trace(fn, args, guarded, everywhere=True, park=park, unfused=unfused)
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
-           park: Callable[[torch.Tensor], bool] | None = None) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+           park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset()) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
     fed = guarded is True  # hyperparameters lifted, gradients as inputs
     recorder = Recorder(fn, active=bool(guarded))
-    lifter = Lifter(recorder.name_of, active=fed)
+    lifter = Lifter(recorder.name_of, active=fed, unfused=unfused)
     guard = _CaptureGuard(lifter if fed else None)
     n_user = [0]
     out_tree: list[Any] = [None]
@@ -515,13 +517,13 @@ class _Reads:
 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
-            park: Callable[[torch.Tensor], bool] | None = None) -> Captured:
+            park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset()) -> Captured:
     """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
     The program's inputs are the tensors of ``args``, then (``guarded=True``) ``p.grad`` for
     each parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards
-    (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park``: see
-    :func:`trace`)."""
-    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park)
+    (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park`` and
+    ``unfused``: see :func:`trace`)."""
+    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if guarded is not True:
         prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)

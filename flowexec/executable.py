@@ -208,6 +208,9 @@ class Executable:
         # the call's run, which drops them (planning's kernel timings and graph mode's warm-up
         # and capture need not hold them); compile_for, which takes no step, gives them back.
         self._parked: ParkedGrads | None = None
+        # ids of param groups stepped through foreach instead of their fused kernel, which took a
+        # value a schedule changes (betas, eps, weight_decay) as a number (Lifter.unfused)
+        self._unfused: set[int] = set()
         # Per structure key (flowexec.signature.flatten): (tensor guard, compiled) pairs, most
         # recent first; a call whose tensors pass a guard skips building its signature.
         self._fast: dict[tuple[Any, ...], list[tuple[Any, _Compiled]]] = {}
@@ -230,7 +233,8 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         self._give_back_parked()
-        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True, park=_worth_parking)
+        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True, park=_worth_parking,
+                      unfused=frozenset(self._unfused))
         parkable = {id(p) for p in cap.parkable_grads}
         self._parked = ParkedGrads.park((p.grad for p in cap.discarded_grads if id(p) in parkable),
                                         worth=lambda g: True) or None
@@ -467,10 +471,17 @@ class Executable:
         tree, _, paths = tree_of(args, kwargs)
         first = self._first
         n_programs = sum(len(v) for v in self._cache.values())
+        unfusing = None
         if failed is not None:
             c, i = failed
             what = c.guards.describe(i)
-            if c.guards.settles(i) and n_programs < self.cache_size:
+            group = c.guards.fused_group(i)
+            if group is not None and id(group) not in self._unfused:
+                # Once per group: its fused kernel holds the value as a constant, its foreach
+                # path takes it fed per call, so the schedule re-captures nothing after this.
+                unfusing = id(group)
+                self._unfused.add(unfusing)
+            elif c.guards.settles(i) and n_programs < self.cache_size:
                 pass  # a .grad now exists that was None: the usual second program (no warning)
             elif n_programs >= self.cache_size:
                 raise GuardError(
@@ -501,6 +512,17 @@ class Executable:
                 raise CaptureError(str(e)) from None
             self._deferred = str(e).split(". ", 1)[0]
             return None
+        except CaptureError as e:
+            if unfusing is None:
+                raise
+            self._unfused.discard(unfusing)  # (the foreach path refused: a GradScaler's scale, say)
+            raise GuardError(f"{what} — the param group's foreach path, which would take it fed per call, "
+                             f"cannot step this function ({e}); keep that value constant with this optimizer (a "
+                             "GradScaler hands its scale and found_inf to fused kernels only)") from None
+        if unfusing is not None:
+            warnings.warn(f"flowexec: {what}; captured fn again with that param group stepped by its foreach "
+                          "path, which takes the value fed per call (fused kernels take it as a number)",
+                          RecaptureWarning, stacklevel=4)
         self._native = None  # closure state may grow: checks built against the old keys go
         self._natives.clear()
         if self._sharing:  # the state is known now

@@ -912,6 +912,12 @@ class GuardSet:
             return describe(self.guards[i])
         return self.feeds.describe(i - len(self.guards))
 
+    def fused_group(self, i: int) -> dict[str, Any] | None:
+        """For failure ``i`` of :meth:`check`, the param group whose fused kernel holds the
+        changed value as a constant (:meth:`Feeds.fused_group`), else None."""
+        j = i - len(self.guards)
+        return self.feeds.fused_group(j) if j >= 0 and self.feeds is not None else None
+
     def settles(self, i: int) -> bool:
         """Whether failure ``i`` is lazy state settling (a ``.grad`` the program itself made)."""
         return i < len(self.guards) and self.guards[i].settles

@@ -250,6 +250,12 @@ class Feeds:
         return (feeds, [self.host_tensors[d] for d in devices], [self.buffers[d] for d in devices],
                 list(simple.values()), [self.staging.get(d, []) for d in devices])
 
+    def fused_group(self, i: int) -> dict[str, Any] | None:
+        """The param group of slot ``i`` where a fused kernel reads it on the host (it takes the
+        value as a number: the program holds a constant), else None."""
+        s = self.slots[i]
+        return s.group if s.group.get("fused") and self.dependents.get(i) else None
+
     def describe(self, i: int) -> str:
         s = self.slots[i]
         v = s.current()
@@ -299,9 +305,13 @@ class Lifter:
     """Capture-time state: which optimizers stepped, the tensors lifted for their groups, and
     the provenance of every tensor computed only from those (to recognise host reads)."""
 
-    def __init__(self, names: Callable[[Any, str], str], active: bool = True) -> None:
+    def __init__(self, names: Callable[[Any, str], str], active: bool = True,
+                 unfused: frozenset[int] = frozenset()) -> None:
         self._name = names
         self.active = active  # False: no hooks, nothing lifted
+        # ids of param groups whose fused kernel met a schedule of a value it takes as a number
+        # (betas, eps, weight_decay): they step through the foreach path, which takes it fed
+        self.unfused = unfused
         self.optimizers: list[torch.optim.Optimizer] = []
         self._swapped: dict[int, list[tuple[dict, dict[str, Any]]]] = {}  # id(opt) -> (group, original values)
         self._lifts: dict[tuple[int, int, str, int], _Lift] = {}
@@ -371,6 +381,9 @@ class Lifter:
             if "capturable" in group and not group.get("differentiable"):
                 original["capturable"] = group["capturable"]
                 group["capturable"] = True
+            if id(group) in self.unfused and group.get("fused"):
+                original["fused"], original["foreach"] = group["fused"], group.get("foreach")
+                group["fused"], group["foreach"] = False, True
             if "foreach" in group and group["foreach"] is None and not group.get("fused") \
                     and not group.get("differentiable"):
                 original["foreach"] = None

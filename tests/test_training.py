@@ -280,6 +280,9 @@ LOOPS: dict[str, Callable[..., Run]] = {
                               lr=0.05),
     "onecycle_adamw": scheduled(torch.optim.AdamW, lambda o: torch.optim.lr_scheduler.OneCycleLR(
         o, max_lr=0.05, total_steps=STEPS), lr=0.01),
+    # OneCycleLR cycles betas[0] too, which the fused kernel takes as a number
+    "onecycle_fused_adamw": scheduled(torch.optim.AdamW, lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.05, total_steps=STEPS), lr=0.01, fused=True),
     "onecycle_sgd_momentum": scheduled(torch.optim.SGD, lambda o: torch.optim.lr_scheduler.OneCycleLR(
         o, max_lr=0.5, total_steps=STEPS), lr=0.1, momentum=0.9),
     "cyclic_sgd_nesterov": scheduled(torch.optim.SGD, lambda o: torch.optim.lr_scheduler.CyclicLR(
@@ -313,6 +316,9 @@ LOOPS: dict[str, Callable[..., Run]] = {
     "clipping": clipping,
     "grad_scaler_fused": grad_scaler,
 }
+# Loops that re-capture once: a fused optimizer meets a schedule of a value its kernel takes as a
+# number (betas), and its group steps through the foreach path from then on, fed per call.
+_ONCE_UNFUSED = {"onecycle_fused_adamw"}
 # Loops whose change is the optimizer's own lazy state: there is no "without" run to compare.
 _NO_CHANGE = {"lazy_adamw", "lazy_adam_zero_in_place", "lazy_sgd_momentum"}
 # Loops that must not re-capture at all (the schedule is fed, not guarded).
@@ -342,6 +348,9 @@ def check_loop(name: str, device: str = "cpu", **options: Any) -> Run:
         assert_close_rel(p, q, tol=1e-5, what=f"{name}: parameter {k}")
     if name in _NO_RECAPTURE:
         assert not recaptures, f"{name}: re-captured: {[str(w.message) for w in recaptures]}"
+    if name in _ONCE_UNFUSED:  # the first change of a value the fused kernel holds, then none
+        assert len(recaptures) == 1 and "foreach path" in str(recaptures[0].message), \
+            [str(w.message) for w in recaptures]
     if name not in _NO_CHANGE:  # the change matters: ignoring it would have failed above
         unchanged = loop(lambda f: f, change=False, device=device)
         assert _far(unchanged, eager) > 1e-3, f"{name}: the mid-run change does not move the parameters"
@@ -396,4 +405,28 @@ def test_grad_scaler_with_an_optimizer_that_is_not_fused_says_what_to_use() -> N
     exe = flowexec.compile(step)
     x, y = _data()[0]
     with pytest.raises(flowexec.CaptureError, match=r"GradScaler reads found_inf on the host .*fused=True"):
+        exe(x, y)
+
+
+def test_a_fused_optimizer_whose_scheduled_beta_meets_a_grad_scaler_is_refused_by_name() -> None:
+    """The foreach path that would take a changed beta fed per call cannot take a GradScaler's
+    scale and found_inf, which only fused kernels take as tensors: the error names the value."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    exe = flowexec.compile(step)
+    x, y = _data(n=1)[0]
+    exe(x, y), exe(x, y)  # eager (lazy state), then captured
+    opt.param_groups[0]["betas"] = (0.85, 0.999)
+    with pytest.raises(flowexec.errors.GuardError, match=r"betas'\]\[0\]: 0.9 -> 0.85.*GradScaler"):
         exe(x, y)
