@@ -175,3 +175,16 @@ def zero_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
         opt.step()
         return loss.detach()
     return step
+
+
+def state_heavy_step(device: str = "cuda") -> tuple[torch.nn.Module, Callable[..., torch.Tensor], torch.Tensor]:
+    """(model, step, batch): eight 2048-wide layers with fused AdamW at batch 4, taken one step
+    (state made), whose parameters and optimizer state outweigh its activations: what a
+    capture holds beside them shows in its peak."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(4, 2048, device=device)
+    step = zero_first_step(model, opt)
+    step(x)
+    return model, step, x

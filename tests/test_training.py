@@ -256,13 +256,7 @@ def clipping(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
                 device=device)
 
 
-def grad_scaler(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
-    """Mixed precision's loss scaling with a fused optimizer (the scale and found_inf stay tensors)."""
-    model = _mlp(device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 4, growth_interval=2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
-
+def _scaled_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> Callable:
     def step(x, y):
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -270,6 +264,16 @@ def grad_scaler(wrap: Callable, change: bool = True, device: str = "cpu") -> Run
         scaler.step(opt)
         scaler.update()
         return loss
+    return step
+
+
+def grad_scaler(wrap: Callable, change: bool = True, device: str = "cpu") -> Run:
+    """Mixed precision's loss scaling with a fused optimizer (the scale and found_inf stay tensors)."""
+    model = _mlp(device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 4, growth_interval=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+    step = _scaled_step(model, opt, scaler)
     run = _run(model, step, wrap, lambda i: sched.step() if change else None, device=device)
     run.losses.append(float(scaler.get_scale()))
     return run
@@ -414,17 +418,7 @@ def test_a_fused_optimizer_whose_scheduled_beta_meets_a_grad_scaler_is_refused_b
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        return loss
-
-    exe = flowexec.compile(step)
+    exe = flowexec.compile(_scaled_step(model, opt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)))
     x, y = _data(n=1)[0]
     exe(x, y), exe(x, y)  # eager (lazy state), then captured
     opt.param_groups[0]["betas"] = (0.85, 0.999)

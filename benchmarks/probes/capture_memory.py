@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
 import flowexec  # noqa: E402
 import flowexec.parking as parking  # noqa: E402
-from helpers import zero_first_step  # noqa: E402
+from helpers import state_heavy_step  # noqa: E402
 
 MIB = 2**20
 
@@ -48,12 +48,7 @@ def main() -> None:
     parking.ParkedGrads.park = classmethod(logged)
     res: dict = {"commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"), "torch": torch.__version__}
     for mode in ("trace", "graph"):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        x = torch.randn(4, 2048, device="cuda")
-        step = zero_first_step(model, opt)
-        step(x)
+        model, step, x = state_heavy_step()
         r: dict = {"param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / MIB}
         r["allocated_before_mib"] = torch.cuda.memory_allocated() / MIB
         r["eager_peak_mib"] = peak_of(lambda: step(x))
@@ -68,7 +63,7 @@ def main() -> None:
         r["allocated_end_mib"] = torch.cuda.memory_allocated() / MIB
         res[mode] = r
         print(mode, json.dumps(r), flush=True)
-        del exe, step, model, opt, x
+        del exe, step, model, x
         gc.collect()  # (an executable sits in reference cycles: the next mode starts clean)
         torch.cuda.empty_cache()
     if a.out:

@@ -13,7 +13,7 @@ from flowexec.passes.memory import arena_buffers, check_arena, instruction_order
 from flowexec.passes.verify import verify_plan
 from flowexec.runtime.gc import collector
 from flowexec.runtime.memtrack import measure_memory
-from helpers import assert_close_rel, assert_same_state, block_adam_twins, twin, zero_first_step
+from helpers import assert_close_rel, assert_same_state, block_adam_twins, state_heavy_step, twin
 
 torch.backends.cuda.matmul.allow_tf32 = False
 pytestmark = pytest.mark.timeout(300)
@@ -99,12 +99,7 @@ def test_capture_keeps_no_second_copy_of_parameters_optimizer_state_or_gradients
     read them (flowexec.parking). Where the state outweighs the activations (a large model at a
     small batch), copies on the GPU would lift the capture's peak by 3 × the parameters' bytes
     over eager's, and held gradients by 1 ×."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x = torch.randn(4, 2048, device="cuda")
-    step = zero_first_step(model, opt)
-    step(x)
+    model, step, x = state_heavy_step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step(x)
