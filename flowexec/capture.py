@@ -380,6 +380,9 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     except HostReadError as e:
         if not e.retry_with_flag:
             raise
+    # The failed run's frames (held in a cycle through its traceback) still hold its tensors and
+    # references to the gradients, which would stop them being parked: collected first.
+    gc.collect()
     return _trace(fn, args, guarded, everywhere=True, park=park, unfused=unfused)
 
 
@@ -482,20 +485,22 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             raise err from e
         raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
     finally:
-        lifter.restore()
-        guard.restore()
-        _set_rng_states(rng)
-        # Gradients are left as fn found them (fn may have set them to None and made new ones);
-        # those fn leaves None (zero_grad after the step) are cleared after each call too.
-        cleared = tuple(p for p, g0, _ in recorder.grads.values() if g0 is not None and p.grad is None)
-        for p, g0, _ in recorder.grads.values():
-            if p.grad is not g0:
-                p.grad = g0
-        for p, _ in bindings:
-            if id(p) not in recorder.grads:
-                p.grad = None
-        # (once the run's own gradients are let go: both sets at once would peak above eager)
-        guard.parked.restore()
+        try:
+            lifter.restore()
+            guard.restore()
+            _set_rng_states(rng)
+            # Gradients are left as fn found them (fn may have set them to None and made new ones);
+            # those fn leaves None (zero_grad after the step) are cleared after each call too.
+            cleared = tuple(p for p, g0, _ in recorder.grads.values() if g0 is not None and p.grad is None)
+            for p, g0, _ in recorder.grads.values():
+                if p.grad is not g0:
+                    p.grad = g0
+            for p, _ in bindings:
+                if id(p) not in recorder.grads:
+                    p.grad = None
+        finally:
+            # (once the run's own gradients are let go: both sets at once would peak above eager)
+            guard.parked.restore()
         if failed:  # a discarded capture leaves Python state as it found it
             lifter.restore_state()
             recorder.undo_writes()

@@ -20,6 +20,7 @@ import functools
 import inspect
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -43,6 +44,9 @@ from .storage import storage_groups, storage_key
 
 MODES = ("trace", "graph", "threaded")
 OPTIONS = {
+    "park": "let capture hold last step's gradients in host memory while it runs fn (default True; "
+            "flowexec.parking): False where something outside flowexec writes them at a fixed address, such as "
+            "a CUDA graph of your own",
     "cache_size": "how many input signatures to keep compiled (default 8); past that a new one is an error",
     "warmup": "graph mode: eager warm-up runs before capture (default 1)",
     "fetch": "True or output indices: return those one-element outputs as flowexec.Fetch handles "
@@ -190,6 +194,7 @@ class Executable:
         self.fuse = check_fuse(options.get("fuse"))
         self.pad = check_pad(options.get("pad"))
         self.borrow = tuple(options.get("borrow", ()))
+        self.park = bool(options.get("park", True))
         self.pool = options.get("pool", "private")
         self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
         if self.borrow and mode != "graph":
@@ -233,11 +238,13 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         self._give_back_parked()
-        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True, park=_worth_parking,
-                      unfused=frozenset(self._unfused))
+        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
+                      park=_worth_parking if self.park else None, unfused=frozenset(self._unfused))
         parkable = {id(p) for p in cap.parkable_grads}
         self._parked = ParkedGrads.park((p.grad for p in cap.discarded_grads if id(p) in parkable),
                                         worth=lambda g: True) or None
+        if self._parked is not None:  # (an executable dropped while they wait gives them back)
+            weakref.finalize(self, self._parked.restore)
         try:
             return self._plan_and_lower(cap, args, tree, paths, t0)
         except BaseException:
@@ -421,7 +428,10 @@ class Executable:
         where fn creates state on its first step and this call must run it eagerly."""
         kwargs = kwargs or {}
         leaves, key = flatten(args, kwargs)
-        return self._lookup_leaves(leaves, key, args, kwargs)
+        try:
+            return self._lookup_leaves(leaves, key, args, kwargs)
+        finally:  # its callers take no step: gradients parked by a capture come back
+            self._give_back_parked()
 
     def _lookup_leaves(self, leaves: list[Any], key: tuple[Any, ...], args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> _Compiled | None:
@@ -530,8 +540,17 @@ class Executable:
             sig = (sig[0], self._sig(leaves))
         if first is None:
             self._first, self._first_sig = compiled, sig
+        if unfusing is not None:  # the fused program gives way (its graph and pool with it)
+            self._forget(failed[0])
         self._cache.setdefault(sig, []).insert(0, compiled)
         return compiled
+
+    def _forget(self, c: _Compiled) -> None:
+        """Drop program ``c`` from every cache (its signature's list, the guarded fast path)."""
+        for entries in self._cache.values():
+            entries[:] = [e for e in entries if e is not c]  # (by identity: a dataclass's == reads tensors)
+        for key, pairs in self._fast.items():
+            self._fast[key] = [(g, e) for g, e in pairs if e is not c]
 
     def _difference(self, first: _Compiled, tree: Any, paths: Sequence[str], leaves: Sequence[Any],
                     sig: tuple[Any, ...]) -> tuple[str, str, str]:
@@ -593,11 +612,15 @@ class Executable:
             if c is not None and not kwargs:  # the next call like this one: the C++ check
                 self._native = self._native_for(c, *native, leaves, targs)
         if c is None:
-            c = self._lookup_leaves(leaves, key, args, kwargs)
-            if c is None:
-                return self._run_eagerly(args, kwargs)
-            targs = c.tensors(leaves)
-            run = c.runner
+            try:
+                c = self._lookup_leaves(leaves, key, args, kwargs)
+                if c is None:
+                    return self._run_eagerly(args, kwargs)
+                targs = c.tensors(leaves)
+                run = c.runner
+            except BaseException:  # (a new program's parked gradients come back: no step was taken)
+                self._give_back_parked()
+                raise
         return self._finish(c, run, targs)
 
     def _run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -648,11 +671,8 @@ class Executable:
         its examples); returns the executable. No step is taken: where fn creates state on its
         first step (optimizer moments), nothing is captured yet, and the first call runs fn
         eagerly and the second captures."""
-        try:
-            if self._lookup(args, kwargs) is None:
-                self._eager_next = True
-        finally:
-            self._give_back_parked()
+        if self._lookup(args, kwargs) is None:
+            self._eager_next = True
         return self
 
     def _captured(self, what: str) -> _Compiled:

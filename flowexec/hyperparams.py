@@ -363,10 +363,12 @@ class Lifter:
                 opt.state[p].update(entries)
 
     def _swap_in(self, opt: torch.optim.Optimizer) -> None:
-        saved = []
+        # Each group's originals are recorded before it changes (an error midway is undone too).
+        saved = self._swapped.setdefault(id(opt), [])
         label = self._name(opt, type(opt).__name__)
         for gi, group in enumerate(opt.param_groups):
             original: dict[str, Any] = {}
+            saved.append((group, original))
             params = group["params"]
             device = params[0].device if params else torch.device("cpu")
             for key, default in opt.defaults.items():
@@ -390,17 +392,16 @@ class Lifter:
                 group["foreach"] = True
             if group.get("capturable"):
                 _steps_to_device(opt, params)
-            saved.append((group, original))
-        self._swapped.setdefault(id(opt), []).extend(saved)
 
     def _swap_out(self, opt: torch.optim.Optimizer) -> None:
-        for group, original in self._swapped.pop(id(opt), []):
+        for group, original in reversed(self._swapped.pop(id(opt), [])):
             group.update(original)
 
     def restore(self) -> None:
-        """Put every swapped group back (also after a step that raised)."""
-        for key in list(self._swapped):
-            for group, original in self._swapped.pop(key):
+        """Put every swapped group back (also after a step that raised), last swapped first: a
+        wrapper that shares its inner optimizer's groups is swapped twice."""
+        for key in reversed(list(self._swapped)):
+            for group, original in reversed(self._swapped.pop(key)):
                 group.update(original)
 
     def _lifted(self, opt: Any, gi: int, key: str, index: int, value: Any, name: str, device: torch.device) -> torch.Tensor:

@@ -39,8 +39,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 
 def on_a_device(t: torch.Tensor) -> bool:
-    """Parking saves memory only where the tensor does not already live in host memory."""
-    return t.device.type != "cpu"
+    """Parking saves memory only where the tensor does not already live in host memory (and a
+    meta tensor has no bytes to park)."""
+    return t.device.type not in ("cpu", "meta")
 
 
 def _parkable(t: torch.Tensor) -> bool:
@@ -63,9 +64,10 @@ def _holders(p: torch.Tensor) -> tuple[int, int, int]:
 def _alone() -> tuple[int, int, int]:
     """:func:`_holders` of a gradient that only its parameter holds, measured on this build of
     torch (how a tensor's Python object is kept differs between versions)."""
-    q = torch.nn.Parameter(torch.zeros(2))
-    q.grad = torch.zeros(2)
-    return _holders(q)
+    with torch.no_grad(), _disable_current_modes():  # (a user's dispatch mode may keep what ops make)
+        q = torch.nn.Parameter(torch.zeros(2))
+        q.grad = torch.zeros(2)
+        return _holders(q)
 
 
 def held_by_grad_alone(p: torch.Tensor, known: int = 0) -> bool:
@@ -94,23 +96,28 @@ class ParkedGrads:
         """Park each gradient that owns its storage and is ``worth`` it (default: not already in
         host memory)."""
         worth = worth if worth is not None else on_a_device
-        parked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = cls({})
+        parked = out._parked
         seen: set[int] = set()
-        with torch.no_grad(), _disable_current_modes():
-            for g in grads:
-                if g is None or id(g) in parked or not worth(g) or not _parkable(g):
-                    continue
-                ptr = g.untyped_storage().data_ptr()
-                if ptr in seen:
-                    continue
-                seen.add(ptr)
-                host = g.detach().to("cpu", copy=True)
-                try:
-                    g.untyped_storage().resize_(0)
-                except RuntimeError:  # a storage that cannot resize (external memory): keep it
-                    continue
-                parked[id(g)] = (g, host)
-        return cls(parked)
+        try:
+            with torch.no_grad(), _disable_current_modes():
+                for g in grads:
+                    if g is None or id(g) in parked or not worth(g) or not _parkable(g):
+                        continue
+                    ptr = g.untyped_storage().data_ptr()
+                    if ptr in seen:
+                        continue
+                    seen.add(ptr)
+                    host = g.detach().to("cpu", copy=True)
+                    try:
+                        g.untyped_storage().resize_(0)
+                    except RuntimeError:  # a storage that cannot resize (external memory): keep it
+                        continue
+                    parked[id(g)] = (g, host)
+        except BaseException:  # (a failed copy: what was parked so far comes back)
+            out.restore()
+            raise
+        return out
 
     def fetch(self, tree: Any) -> None:
         """Bring back every parked tensor among ``tree``'s leaves (an op's arguments)."""
@@ -120,9 +127,16 @@ class ParkedGrads:
                 self._unpark(id(a))
 
     def restore(self) -> None:
-        """Bring back whatever is still parked."""
+        """Bring back whatever is still parked; one that fails (out of memory) stays parked, the
+        others come back, and the first error is raised after."""
+        error: BaseException | None = None
         for key in list(self._parked):
-            self._unpark(key)
+            try:
+                self._unpark(key)
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def release(self, ids: Iterable[int]) -> None:
         """Stop keeping the tensors of these ids (``id(t)``), which their holder let go (a
@@ -136,11 +150,13 @@ class ParkedGrads:
             del entry
             g = ref()
             if g is not None:
-                _refill(g, host)
+                self._parked[key] = (g, host)
+                self._unpark(key)
 
     def _unpark(self, key: int) -> None:
-        g, host = self._parked.pop(key)
+        g, host = self._parked[key]
         _refill(g, host)
+        del self._parked[key]  # (only once the bytes are back: a failed refill keeps the host copy)
 
 
 def _refill(g: torch.Tensor, host: torch.Tensor) -> None:

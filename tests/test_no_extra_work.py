@@ -333,6 +333,49 @@ def test_the_gradients_a_new_program_discards_stay_parked_through_planning_and_g
     assert all(torch.equal(p.grad, v) for p, v in zip(model.parameters(), values))
 
 
+def test_a_call_that_raises_after_capture_gives_its_parked_gradients_back(monkeypatch) -> None:
+    """A capture's call that fails after the build (here its RecaptureWarning made an error, as
+    pytest's filterwarnings=error does) takes no step: the gradients parked for its run come
+    back with their values, and stay back when the executable is dropped."""
+    import gc
+    import warnings
+
+    monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    exe = flowexec.compile(zero_first_step(model, opt, F.cross_entropy))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    exe(x, y), exe(x, y)  # eager (lazy state), then captured
+    values = [p.grad.clone() for p in model.parameters()]
+    opt.param_groups[0]["betas"] = (0.85, 0.999)  # captured again, on the foreach path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flowexec.RecaptureWarning)
+        with pytest.raises(flowexec.RecaptureWarning):
+            exe(x, y)
+    del exe
+    gc.collect()
+    for p, v in zip(model.parameters(), values):
+        assert p.grad.untyped_storage().nbytes() == v.numel() * 4 and torch.equal(p.grad, v)
+
+
+def test_a_model_on_the_meta_device_is_captured_without_parking() -> None:
+    """Meta tensors have no bytes to park (nor to copy to the host)."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+
+    def accumulate(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    exe = flowexec.compile(accumulate)
+    for _ in range(3):
+        assert exe(x, y).device.type == "meta"
+    assert len(exe.program.inputs) == 2 + 4  # x, y, then the four gradients it adds to
+
+
 def test_a_gradient_at_an_address_a_graph_writes_is_not_parked(monkeypatch) -> None:
     """A CUDA graph's static outputs (marked stable) keep their address: capture leaves them
     where they are, and the step still equals eager's."""

@@ -424,3 +424,20 @@ def test_a_fused_optimizer_whose_scheduled_beta_meets_a_grad_scaler_is_refused_b
     opt.param_groups[0]["betas"] = (0.85, 0.999)
     with pytest.raises(flowexec.errors.GuardError, match=r"betas'\]\[0\]: 0.9 -> 0.85.*GradScaler"):
         exe(x, y)
+
+
+def test_the_fused_program_a_schedule_retires_leaves_the_cache() -> None:
+    """Once a param group steps by its foreach path, the fused program it replaces is dropped
+    (its graph and memory with it): cache_size=1 still holds."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20)
+    exe = flowexec.compile(_step_of(model, opt), cache_size=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _data(n=6):
+            exe(x, y)
+            sched.step()
+    assert len([w for w in caught if issubclass(w.category, flowexec.RecaptureWarning)]) == 1
+    assert sum(map(len, exe._cache.values())) == 1
+    assert opt.param_groups[0]["fused"] is True  # (the user's group as they made it)
