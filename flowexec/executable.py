@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import time
 import warnings
 import weakref
@@ -770,10 +771,11 @@ def _worth_parking(g: torch.Tensor) -> bool:
 
     if is_stable(g):
         return False
-    if g.is_cuda:
-        from torch._inductor.cudagraph_trees import get_manager
-
-        if get_manager(g.device.index, create_if_none_exists=False) is not None:
+    # (trees exist only once their module is imported: importing it here would load Inductor)
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if g.is_cuda and trees is not None:
+        index = g.device.index if g.device.index is not None else torch.cuda.current_device()
+        if trees.get_manager(index, create_if_none_exists=False) is not None:
             return False
     return True
 
