@@ -542,12 +542,15 @@ class Executable:
         if first is None:
             self._first, self._first_sig = compiled, sig
         if unfusing is not None:  # the fused program gives way (its graph and pool with it)
-            self._forget(failed[0])
+            self._forget(failed[0], compiled)
         self._cache.setdefault(sig, []).insert(0, compiled)
         return compiled
 
-    def _forget(self, c: _Compiled) -> None:
-        """Drop program ``c`` from every cache (its signature's list, the guarded fast path)."""
+    def _forget(self, c: _Compiled, successor: _Compiled) -> None:
+        """Drop program ``c`` from every cache (its signature's list, the guarded fast path);
+        ``successor``, a program of the same signature, stands in where ``c`` was the first."""
+        if self._first is c:
+            self._first = successor
         for entries in self._cache.values():
             entries[:] = [e for e in entries if e is not c]  # (by identity: a dataclass's == reads tensors)
         for key, pairs in self._fast.items():

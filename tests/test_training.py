@@ -10,7 +10,9 @@ ignored it would fail the comparison. Optimizer state is never created by hand (
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -433,11 +435,16 @@ def test_the_fused_program_a_schedule_retires_leaves_the_cache() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20)
     exe = flowexec.compile(_step_of(model, opt), cache_size=1)
+    data = _data(n=6)
+    exe(*data[0]), exe(*data[1])  # eager (lazy state), then the fused program
+    fused = weakref.ref(exe._last)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x, y in _data(n=6):
-            exe(x, y)
+        for x, y in data[2:]:
             sched.step()
+            exe(x, y)
     assert len([w for w in caught if issubclass(w.category, flowexec.RecaptureWarning)]) == 1
     assert sum(map(len, exe._cache.values())) == 1
+    gc.collect()
+    assert fused() is None  # nothing holds it (its CUDA graph and pool, in graph mode)
     assert opt.param_groups[0]["fused"] is True  # (the user's group as they made it)
