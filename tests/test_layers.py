@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("backend", "pipeline"),  # torch.compile's backend; pipeline-parallel training
     ("profiler",),  # timers, records and their exporters; instruction profiles of an executable
     ("executable",),  # flowexec.compile
-    ("capture", "runtime", "build"),  # fn -> Program; lowering and running a plan; a program's rewrites and plan
+    ("capture", "runtime", "build", "graph_variants"),  # fn -> Program; lowering and running a plan; a program's rewrites and plan; graph mode's graphs per signature
     ("plan", "fusion"),  # the passes composed into an ExecutionPlan; the fuse= option's regions compiled
     ("inductor",),  # a region's FX graph compiled by Inductor into one op
     ("passes",),  # pure functions over a Program

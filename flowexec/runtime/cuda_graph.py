@@ -20,7 +20,6 @@ Example (needs CUDA)::
 from __future__ import annotations
 
 import types
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -30,36 +29,10 @@ from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
 from .staging import StagingNodes, graph_node_count, memcpy_runtime
+from ..storage import _STABLE, is_stable, mark_stable  # noqa: F401  (their home is storage.py)
 
 __all__ = ["CudaGraphRunner", "HandedOutputs", "StagingNodes", "capture_graph", "capture_stream",
            "graph_node_count", "is_stable", "mark_stable"]
-
-# data_ptr -> tensor: memory that keeps its address across steps (static outputs of flowexec
-# graphs, inputs a graph borrowed), which other graphs may borrow in turn.
-_STABLE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-
-
-def _owner(ptr: int) -> torch.Tensor | None:
-    """The tensor recorded for ``ptr`` while it still holds that address (a borrowed alias may
-    have been moved since: ``.data = ...``, as outputs.py moves held outputs)."""
-    held = _STABLE.get(ptr)
-    return held if held is not None and held.data_ptr() == ptr else None
-
-
-def mark_stable(t: torch.Tensor) -> None:
-    """Record that ``t``'s memory keeps its address (a graph reads it in place)."""
-    ptr = t.data_ptr()
-    if _owner(ptr) is None:  # keep a live owner
-        _STABLE[ptr] = t
-
-
-def is_stable(t: torch.Tensor) -> bool:
-    """Whether a tensor keeps its address across steps (so a graph may read it in place): a
-    parameter, a static input for Dynamo, or memory whose recorded owner still holds it."""
-    if isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None:
-        return True
-    return _owner(t.data_ptr()) is not None
-
 
 @dataclass(frozen=True)
 class SharedSpan:
