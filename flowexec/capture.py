@@ -83,9 +83,9 @@ class Captured:
     # set_to_none before backward): the caller drops it before the run, as eager's zero_grad
     # frees it before the forward, rather than holding a dead gradient through the step.
     discarded_grads: tuple[torch.Tensor, ...] = ()
-    # Parameters whose .grad capture parked (held by the parameter alone, and worth parking):
-    # the caller may park them again while it plans (flowexec.parking).
-    parkable_grads: tuple[torch.Tensor, ...] = ()
+    # The discarded gradients still parked in host memory (flowexec.parking): the caller keeps
+    # them there while it plans, and lets them go with its run's zero_grad.
+    parked: ParkedGrads | None = None
 
 
 class LazyStateError(CaptureError):
@@ -410,7 +410,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             full[i] = t
         saved_ids: set[int] = set()
         # (parked once make_fx has made their placeholders: it reads their metadata only)
-        guard.parked = ParkedGrads.park((p.grad for p in parkable), worth=lambda g: True)
+        guard.parked = ParkedGrads.park(p.grad for p in parkable)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved_ids.add(id(t))
@@ -485,6 +485,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             raise err from e
         raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
     finally:
+        settled = False
         try:
             lifter.restore()
             guard.restore()
@@ -498,14 +499,17 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             for p, _ in bindings:
                 if id(p) not in recorder.grads:
                     p.grad = None
+            settled = not failed
         finally:
-            # (once the run's own gradients are let go: both sets at once would peak above eager)
-            guard.parked.restore()
+            # A failed capture gives its parked gradients back (once the run's own are let go:
+            # both sets at once would peak above eager); a good one hands on those no op read.
+            if not settled:
+                guard.parked.restore()
         if failed:  # a discarded capture leaves Python state as it found it
             lifter.restore_state()
             recorder.undo_writes()
     return gm, bindings, n_user[0], guard.sources, out_tree[0], _Reads(recorder, lifter, guard.leaves, grad_params,
-                                                                       cleared, parkable)
+                                                                       cleared, guard.parked)
 
 
 @dataclass
@@ -518,7 +522,7 @@ class _Reads:
     leaves: dict[int, weakref.ref]
     grad_params: tuple[torch.Tensor, ...] = ()
     cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None
-    parkable_grads: tuple[torch.Tensor, ...] = ()  # parameters whose .grad was parked
+    parked: ParkedGrads = field(default_factory=lambda: ParkedGrads({}))  # gradients no op read
 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
@@ -529,8 +533,17 @@ def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = Fal
     (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park`` and
     ``unfused``: see :func:`trace`)."""
     gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused)
+    try:
+        return _captured(gm, bindings, n_user, sources, out_tree, reads, args, guarded)
+    except BaseException:
+        reads.parked.restore()
+        raise
+
+
+def _captured(gm: fx.GraphModule, bindings: list[tuple[torch.Tensor, int]], n_user: int, sources: Any,
+              out_tree: Any, reads: _Reads, args: Sequence[Any], guarded: Guarding) -> Captured:
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    if guarded is not True:
+    if guarded is not True:  # (no gradient is an input, so none was parked)
         prog = program_from_graph(gm, [args[i] for i in tensor_pos], sources)
         return Captured(prog, bindings, n_user, out_tree, read_guards(reads, prog) if guarded == "reads" else None)
     feeds = _bind_feeds(gm, reads.lifter)
@@ -539,9 +552,12 @@ def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = Fal
     # (a gradient dropped before the run need not be cleared again after it)
     gone = {id(p) for p in discarded}
     reads = replace(reads, cleared_grads=tuple(p for p in reads.cleared_grads if id(p) not in gone))
+    # A parked gradient no op read and the program discards stays parked for the caller; one fn
+    # neither read nor replaced comes back.
+    reads.parked.restore(keep={id(p.grad) for p in discarded if p.grad is not None})
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + [p.grad for p in read], sources)
     return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded,
-                    reads.parkable_grads)
+                    reads.parked)
 
 
 def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[torch.Tensor],

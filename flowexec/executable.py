@@ -240,9 +240,7 @@ class Executable:
         self._give_back_parked()
         cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
                       park=worth_parking if self.park else None, unfused=frozenset(self._unfused))
-        parkable = {id(p) for p in cap.parkable_grads}
-        self._parked = ParkedGrads.park((p.grad for p in cap.discarded_grads if id(p) in parkable),
-                                        worth=lambda g: True) or None
+        self._parked = cap.parked or None
         if self._parked is not None:  # (an executable dropped while they wait gives them back)
             weakref.finalize(self, self._parked.restore)
         try:
@@ -252,8 +250,8 @@ class Executable:
             raise
 
     def _drop_parked(self, c: _Compiled) -> None:
-        """The gradients ``c`` discards leave host memory with their ``p.grad``; any other
-        parked one (for a program this call does not run) comes back."""
+        """Drop the gradients ``c`` discards (as :meth:`_finish` does) and their parked bytes;
+        any other parked one (for a program this call does not run) comes back."""
         gone = [id(p.grad) for p in c.discarded_grads if p.grad is not None]
         for p in c.discarded_grads:
             p.grad = None
@@ -651,8 +649,9 @@ class Executable:
         self._ran_eagerly = False
         if self._parked is not None:  # the call after a capture
             self._drop_parked(c)
-        for p in c.discarded_grads:  # (fn's zero_grad: freed before the forward, as in eager)
-            p.grad = None
+        else:
+            for p in c.discarded_grads:  # (fn's zero_grad: freed before the forward, as in eager)
+                p.grad = None
         flat = run(targs)
         if c.guards is not None and c.guards.after_call:
             c.guards.replay()

@@ -8,19 +8,21 @@ one set of gradients above eager's step (0.47 GiB on GPT-2 124M). Which of them 
 host memory and its device storage shrinks to nothing, the tensor object staying what the
 program's input and ``p.grad`` refer to. The first op that touches a parked tensor (capture's
 dispatch mode sees every op before make_fx records it) brings its bytes back first; the rest
-come back when the capture ends.
+come back when the capture ends, except those the program discards (``zero_grad`` drops them
+before the run): those stay parked through planning and graph capture until the call's run
+lets them go (:meth:`ParkedGrads.release`).
 
-Parking moves a tensor's memory: its bytes come back at another address. So only a gradient
-held by nothing but its parameter is parked (:func:`held_by_grad_alone`), and the caller's
-``worth`` turns away memory whose address others rely on (a CUDA graph's static outputs,
-CUDA-graph trees' pools): a graph would go on writing to the old address.
+Parking moves a tensor's memory: its bytes come back at another address. So capture parks only
+a gradient held by nothing but its parameter (:func:`held_by_grad_alone`) and that its caller
+finds worth parking (``graph_variants.worth_parking`` turns away memory whose address a CUDA
+graph relies on: a graph would go on writing to the old address).
 
 Example::
 
     >>> import torch
     >>> from flowexec.parking import ParkedGrads
     >>> g = torch.ones(4)
-    >>> parked = ParkedGrads.park([g], worth=lambda t: True)
+    >>> parked = ParkedGrads.park([g])
     >>> g.untyped_storage().nbytes()
     0
     >>> parked.fetch((g,)); g.sum().item()
@@ -31,7 +33,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Collection, Iterable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -91,18 +93,15 @@ class ParkedGrads:
         return bool(self._parked)
 
     @classmethod
-    def park(cls, grads: Iterable[torch.Tensor | None],
-             worth: Callable[[torch.Tensor], bool] | None = None) -> ParkedGrads:
-        """Park each gradient that owns its storage and is ``worth`` it (default: not already in
-        host memory)."""
-        worth = worth if worth is not None else on_a_device
+    def park(cls, grads: Iterable[torch.Tensor | None]) -> ParkedGrads:
+        """Park each of ``grads`` that owns its storage (the caller chose them)."""
         out = cls({})
         parked = out._parked
         seen: set[int] = set()
         try:
             with torch.no_grad(), _disable_current_modes():
                 for g in grads:
-                    if g is None or id(g) in parked or not worth(g) or not _parkable(g):
+                    if g is None or id(g) in parked or not _parkable(g):
                         continue
                     ptr = g.untyped_storage().data_ptr()
                     if ptr in seen:
@@ -126,11 +125,12 @@ class ParkedGrads:
             if isinstance(a, torch.Tensor) and id(a) in parked and parked[id(a)][0] is a:
                 self._unpark(id(a))
 
-    def restore(self) -> None:
-        """Bring back whatever is still parked; one that fails (out of memory) stays parked, the
-        others come back, and the first error is raised after."""
+    def restore(self, keep: Collection[int] = ()) -> None:
+        """Bring back whatever is still parked but the tensors of the ids in ``keep``; one that
+        fails (out of memory) stays parked, the others come back, and the first error is raised
+        after."""
         error: BaseException | None = None
-        for key in list(self._parked):
+        for key in [k for k in self._parked if k not in keep]:
             try:
                 self._unpark(key)
             except BaseException as e:

@@ -14,11 +14,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests"), os.path.join(_ROOT, "benchmarks")]
 import flowexec  # noqa: E402
 import flowexec.parking as parking  # noqa: E402
 from helpers import state_heavy_step  # noqa: E402
+from ops import run_meta  # noqa: E402
 
 MIB = 2**20
 
@@ -38,15 +39,15 @@ def main() -> None:
     parked_log: list[tuple[int, int]] = []
     park = parking.ParkedGrads.park.__func__
 
-    def logged(cls, grads, worth=None):
+    def logged(cls, grads):
         grads = list(grads)
-        p = park(cls, grads, worth)
+        p = park(cls, grads)
         parked_log.append((len(p._parked), sum(g.numel() * g.element_size() for g, _ in p._parked.values())))
         parked_log.append((len(grads), -1))
         return p
 
     parking.ParkedGrads.park = classmethod(logged)
-    res: dict = {"commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"), "torch": torch.__version__}
+    res: dict = run_meta("PYTHONPATH=. python3 benchmarks/probes/capture_memory.py")
     for mode in ("trace", "graph"):
         model, step, x = state_heavy_step()
         r: dict = {"param_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / MIB}
