@@ -26,7 +26,7 @@ for step in "$@"; do
     tests-new) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider $(ls tests/gpu/test_calling_gpu.py \
                  tests/gpu/test_streams_gpu.py tests/gpu/test_memory_gpu.py tests/gpu/test_pipeline_gpu.py \
                  tests/gpu/test_core_gpu.py tests/gpu/test_profiler_gpu.py tests/gpu/test_borrowed_gpu.py 2>/dev/null) --junitxml="$R/$step.xml" ;;
-    tests-all) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu --junitxml="$R/$step.xml" ;;
+    tests-all) run_step $step 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu --junitxml="$R/$step.xml" ;;
     sanitizer) TORCH_CUDA_SANITIZER=1 run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider \
                  tests/gpu/test_streams_gpu.py tests/gpu/test_core_gpu.py \
                  -k "(trace or dropped or threaded) and not graph and not hf and not copy_heavy" ;;
