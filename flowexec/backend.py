@@ -15,9 +15,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.util
-import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Sequence
@@ -388,63 +385,10 @@ def _register() -> None:
         register_backend(flowexec_backend, name="flowexec")
 
 
-_ACCELERATE = "accelerate.utils.dataclasses"
-
-
-def teach_accelerate() -> bool:
-    """Add ``flowexec`` to accelerate's list of Dynamo backends, so that Hugging Face's
-    ``TrainingArguments(torch_compile=True, torch_compile_backend="flowexec")`` reaches
-    ``torch.compile``: accelerate checks the name against an enum of torch's own backends
-    (``accelerate.utils.DynamoBackend``) before torch is asked. Done when flowexec is imported
-    (at once if accelerate is loaded, else when it is); False where accelerate is absent or its
-    enum is not what this expects (then pass ``Trainer(model=torch.compile(model,
-    backend="flowexec"))`` with ``remove_unused_columns=False`` instead)."""
-    module = sys.modules.get(_ACCELERATE)
-    enum_type = getattr(module, "DynamoBackend", None)
-    if enum_type is None:
-        return False
-    try:
-        if "FLOWEXEC" in enum_type._value2member_map_:
-            return True
-        member = str.__new__(enum_type, "FLOWEXEC")
-        member._name_, member._value_ = "FLOWEXEC", "FLOWEXEC"
-        member.__objclass__ = enum_type
-        type.__setattr__(enum_type, "FLOWEXEC", member)
-        enum_type._member_map_["FLOWEXEC"] = member
-        enum_type._value2member_map_["FLOWEXEC"] = member
-        enum_type._member_names_.append("FLOWEXEC")
-        return enum_type("FLOWEXEC") is member
-    except Exception:  # another enum layout: the integration is unavailable, nothing breaks
-        return False
-
-
-class _AfterAccelerate(importlib.abc.MetaPathFinder):
-    """Runs :func:`teach_accelerate` right after accelerate's dataclasses module loads."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _ACCELERATE:
-            return None
-        sys.meta_path.remove(self)  # find the real spec with the other finders, once
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(self)
-            teach_accelerate()
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 _register()
-if _ACCELERATE in sys.modules:
-    teach_accelerate()
-elif importlib.util.find_spec("accelerate") is not None:
-    sys.meta_path.insert(0, _AfterAccelerate())
+# Hugging Face's Trainer asks accelerate, which checks backend names against an enum of its own:
+# teach it "flowexec" (the installed package's .pth does this at start-up, without this import).
+with contextlib.suppress(ImportError):
+    import _flowexec_accelerate
+
+    _flowexec_accelerate.install()

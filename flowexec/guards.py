@@ -50,6 +50,9 @@ import torch
 _MISSING = object()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
+# flowexec's start-up hook (a top-level module beside the package): its import finder runs
+# whenever a captured step imports something, and what it reads is not the user's.
+_OWN_FILES = (os.path.join(os.path.dirname(os.path.dirname(__file__)), "_flowexec_accelerate.py"),)
 _STDLIB = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib")})
 # A container used whole (passed to a function, iterated) is guarded on up to this many of its
 # scalar leaves (and its length): enough for a dict of hyperparameters, bounded for big tables.
@@ -179,7 +182,8 @@ def is_scalar(v: Any) -> bool:
 
 def user_code(filename: str) -> bool:
     """Whether a code object's file is the user's (not torch's, flowexec's or the standard library's)."""
-    return not filename.startswith((_TORCH_DIR, _OWN_DIR, *_STDLIB)) and not filename.startswith("<frozen")
+    return (not filename.startswith((_TORCH_DIR, _OWN_DIR, *_STDLIB)) and not filename.startswith("<frozen")
+            and filename not in _OWN_FILES)
 
 
 # --- which values a chain of bytecode reads ------------------------------------------------
