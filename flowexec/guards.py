@@ -885,7 +885,7 @@ class GuardSet:
     def native(self) -> Any:
         """The C++ check of these guards and feeds (``runtime/csrc/guards.cpp``), where the
         executable attached one (:func:`flowexec.runtime.fastcall.guard_checker`); else None."""
-        return self._native or None
+        return self._native  # (not `or None`: a checker of feeds alone has len 0)
 
     def attach(self, checker: Any) -> None:
         """Use ``checker`` (a ``GuardChecker`` built from this set) for :meth:`check`'s fast answer."""

@@ -455,3 +455,51 @@ def test_a_module_made_during_the_run_is_no_guarded_state() -> None:
     with pytest.warns(flowexec.RecaptureWarning, match="depth"):
         got = exe(x)
     torch.testing.assert_close(got, model(x).sum())
+
+
+class _RecordingWriter:
+    """A stand-in for runtime/stream_writes.StreamWrites over a CPU buffer kept apart from the
+    host copy (on CUDA the device buffer; its stream writes are checked on the GPU)."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf, self.calls = buf, 0
+
+    def write(self, values: Any) -> None:
+        self.calls += 1
+        self.buf.copy_(torch.from_numpy(values))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_changed_hyperparameters_are_uploaded_through_the_stream_writer(native) -> None:
+    """Where a device buffer has a stream writer, a changed value reaches it through the writer
+    (from the C++ check and from the Python one), only when a value changed, and the pinned ring
+    is not used."""
+    from flowexec.hyperparams import FeedSlot, Feeds
+    from flowexec.runtime import fastcall
+
+    if native and fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    cpu = torch.device("cpu")
+    group = {"lr": 0.1, "weight_decay": 0.01}
+    feeds = Feeds.build([FeedSlot("g['lr']", group, "lr", -1, 0), FeedSlot("g['weight_decay']", group, "weight_decay", -1, 1)],
+                        {cpu: torch.tensor([0.1, 0.01], dtype=torch.float64)})
+    device_buf = feeds.buffers[cpu].clone()  # the "device" buffer: apart from the host copy
+    feeds.buffers[cpu] = device_buf
+    feeds.staging[cpu] = []  # (what build gives a CUDA buffer; write_by_stream replaces it)
+    writers: list[_RecordingWriter] = []
+    feeds.write_by_stream(lambda b: writers.append(_RecordingWriter(b)) or writers[-1])
+    assert cpu not in feeds.staging and feeds.writers[cpu] is writers[0]
+    gs = GuardSet((), feeds)
+    if native:
+        gs.attach(fastcall.guard_checker(gs))
+        check = gs.native().check
+    else:
+        check = feeds.refresh
+    assert check() == -1 and writers[0].calls == 0  # nothing changed: nothing written
+    group["lr"] = 0.05
+    assert check() == -1 and writers[0].calls == 1
+    assert device_buf.tolist() == [0.05, 0.01]
+    group["weight_decay"] = 0.0
+    group["lr"] = 0.025
+    assert check() == -1 and writers[0].calls == 2  # one upload for both
+    assert device_buf.tolist() == [0.025, 0.0]
