@@ -151,14 +151,6 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     """
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
-    # cuBLAS keeps a workspace per (handle, stream): eager calls before this one left one on the
-    # caller's stream, and the warm-up makes another on the capture stream, which the graph then
-    # uses. Two would sit on eager's peak (32 MiB each on an H200): drop the cached ones first, as
-    # Inductor's CUDA-graph trees do; the caller's comes back if eager work needs it again. (Not
-    # after capture: the graph's is in use at every replay.)
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_workspaces is not None:
-        clear_workspaces()
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
