@@ -1,6 +1,6 @@
 """What a fed value's upload costs the device between two CUDA-graph replays (a probe, not a
 benchmark): one graph of 200 small kernels (about a small training step) replayed 1,000 times,
-with nothing between replays, a stream memory write (default and without its memory barrier), a
+with nothing between replays, a stream memory write, a
 pinned copy plus an event (the ring), or the copy captured into the graph as its first node.
 
     PYTHONPATH=. python3 benchmarks/probes/feed_between_replays.py [--out DIR]
@@ -53,8 +53,6 @@ def main() -> None:
         graphs[name] = g
     fn = _batch_mem_op()
     w_default = StreamWrites(buf, fn)
-    w_nobar = StreamWrites(buf, fn)
-    w_nobar._params["flags"] = 1  # CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
     vals = np.arange(5, dtype=np.float64)
     ring = [torch.zeros(5, dtype=torch.float64).pin_memory() for _ in range(4)]
     events = [torch.cuda.Event() for _ in range(4)]
@@ -70,7 +68,6 @@ def main() -> None:
     variants = {
         "nothing": ("plain", None),
         "stream_write": ("plain", lambda: w_default.write(vals)),
-        "stream_write_no_barrier": ("plain", lambda: w_nobar.write(vals)),
         "pinned_copy_and_event": ("plain", ring_copy),
         "copy_node_in_graph": ("in_graph_copy", None),
     }
