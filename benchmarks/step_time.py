@@ -107,7 +107,8 @@ def add_compiled_rows(fns: dict[str, Callable[[], Any]], r: dict[str, Any], fres
             if mode == "graph":  # the graph's own input buffers, filled once: no staging copies
                 runner = exe._last.runner.first
                 r["flowexec_graph_nodes"] = graph_node_count(runner.graph) if runner.staging is not None else None
-                bx, by = exe.input_buffers
+                bx, by = exe.input_buffers[:2]  # (x, y: the call's tensor leaves come first)
+                assert bx.shape == x.shape and by.shape == y.shape, (bx.shape, by.shape)
                 bx.copy_(x), by.copy_(y)
                 fns["flowexec_graph_static_inputs"] = lambda: exe(bx, by)
         guarded(r, f"flowexec_{mode}", fx_mode)

@@ -39,7 +39,6 @@ from .program import Program, Ref
 from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
 from .runtime.lower import lower_for
-from .runtime.stream_writes import stream_writes_for
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
 from .storage import storage_key
 
@@ -311,8 +310,6 @@ class Executable:
             runner = GraphVariants(capture_runner, targs, borrow)
         guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
         if guards is not None:  # checked in C++ where the extension is built (the Python check else)
-            if guards.feeds is not None:  # changed hyperparameters travel in stream commands where possible
-                guards.feeds.write_by_stream(stream_writes_for)
             guards.attach(fastcall.guard_checker(guards))
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),

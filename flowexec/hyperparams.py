@@ -30,7 +30,6 @@ parameters' device, as ``capturable=True`` keeps them: a CUDA graph cannot count
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -150,12 +149,9 @@ class Feeds:
     dependents: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # host reads that answer otherwise for the values now in the buffers -> a slot they read
     failing: dict[int, int] = field(default_factory=dict)
-    # Per CUDA buffer, the upload: stream memory writes where the driver takes them
-    # (runtime/stream_writes.py: the values ride in the commands, no transfer between two
-    # replays); else pinned copies, used in turn, each reused once the event recorded after its
-    # last copy has passed. (A copy from pageable memory may wait for the stream: the host would
-    # stall on every step whose lr changed.)
-    writers: dict[torch.device, Any] = field(default_factory=dict)
+    # Per device buffer off the CPU: pinned copies the upload goes through, in turn, each reused
+    # once the event recorded after its last copy has passed. (A copy from pageable memory may
+    # wait for the stream: the host would stall on every step whose lr changed.)
     staging: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
     _events: dict[torch.device, list[Any]] = field(default_factory=dict)
     _turn: dict[torch.device, int] = field(default_factory=dict)
@@ -181,25 +177,11 @@ class Feeds:
         return Feeds(tuple(slots), dict(buffers), hosts, host_tensors, tuple(reads),
                      {i: tuple(v) for i, v in dependents.items()}, staging=staging)
 
-    def write_by_stream(self, writer_for: Callable[[torch.Tensor], Any]) -> None:
-        """Upload each CUDA buffer through ``writer_for(buffer)`` where that gives a writer
-        (:func:`flowexec.runtime.stream_writes.stream_writes_for`); the others keep their pinned
-        copies. Before the C++ check is made (``native_spec`` hands it the writers)."""
-        for d in list(self.staging):
-            w = writer_for(self.buffers[d])
-            if w is not None:
-                self.writers[d] = w
-                del self.staging[d]
-
     def upload(self, d: torch.device) -> None:
         """The host copy of device ``d``'s values into the buffer the program reads (stream-ordered
         before the call that follows)."""
         buf, host = self.buffers[d], self.host_tensors[d]
         if buf is host:
-            return
-        writer = self.writers.get(d)
-        if writer is not None:
-            writer.write(self.hosts[d])
             return
         ring = self.staging.get(d)
         if not ring:
@@ -250,12 +232,11 @@ class Feeds:
         return min(self.failing.values()) if self.failing else -1
 
     def native_spec(self) -> tuple[list[tuple], list[torch.Tensor], list[torch.Tensor], list[tuple],
-                                   list[list[torch.Tensor]], list[Callable[[], None] | None]]:
+                                   list[list[torch.Tensor]]]:
         """What the C++ check (``csrc/guards.cpp``) takes: per slot (group, key, index, device,
         position, whether a host read it cannot evaluate depends on it); the host copies,
         buffers and pinned staging copies per device; the host reads of the form ``value <op>
-        constant`` it evaluates; per device the stream writer's upload (bound to its host copy)
-        or None."""
+        constant`` it evaluates."""
         devices = list(self.buffers)
         simple: dict[int, tuple] = {}
         for k, r in enumerate(self.reads):
@@ -266,10 +247,8 @@ class Feeds:
         for i, s in enumerate(self.slots):
             other = any(k not in simple for k in self.dependents.get(i, ()))
             feeds.append((s.group, s.key, s.index, devices.index(s.device), s.position, other))
-        writers = [functools.partial(self.writers[d].write, self.hosts[d]) if d in self.writers else None
-                   for d in devices]
         return (feeds, [self.host_tensors[d] for d in devices], [self.buffers[d] for d in devices],
-                list(simple.values()), [self.staging.get(d, []) for d in devices], writers)
+                list(simple.values()), [self.staging.get(d, []) for d in devices])
 
     def fused_group(self, i: int) -> dict[str, Any] | None:
         """The param group of slot ``i`` where a fused kernel reads it on the host (it takes the

@@ -44,11 +44,8 @@ std::vector<int64_t> global_state() {
 
 GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tensor> hosts,
                            std::vector<at::Tensor> devices, py::list predicates,
-                           std::vector<std::vector<at::Tensor>> staging, py::list writers)
+                           std::vector<std::vector<at::Tensor>> staging)
     : hosts_(std::move(hosts)), devices_(std::move(devices)) {
-  TORCH_CHECK(writers.empty() || writers.size() == hosts_.size(), "guards: one writer (or None) per device buffer");
-  for (size_t d = 0; d < hosts_.size(); ++d)
-    writers_.push_back(writers.empty() ? py::object(py::none()) : py::reinterpret_borrow<py::object>(writers[d]));
   TORCH_CHECK(hosts_.size() == devices_.size() && staging.size() == hosts_.size(),
               "guards: one host copy and one staging list per device buffer");
   for (size_t d = 0; d < staging.size(); ++d) {
@@ -237,10 +234,6 @@ int GuardChecker::feeds() const {
 
 void GuardChecker::upload(size_t d) const {
   if (devices_[d].is_same(hosts_[d])) return;  // the CPU: the program reads the host copy itself
-  if (!writers_[d].is_none()) {  // stream writes: no staging copy, no event
-    writers_[d]();  // (bound to this device's host copy: functools.partial(writer.write, host))
-    return;
-  }
   Ring& r = rings_[d];
   if (r.copies.empty()) {
     devices_[d].copy_(hosts_[d]);
@@ -264,9 +257,9 @@ int GuardChecker::check() const {
 void register_guards(py::module_& m) {
   py::class_<GuardChecker, std::shared_ptr<GuardChecker>>(m, "GuardChecker")
       .def(py::init<py::list, py::list, std::vector<at::Tensor>, std::vector<at::Tensor>, py::list,
-                    std::vector<std::vector<at::Tensor>>, py::list>(),
+                    std::vector<std::vector<at::Tensor>>>(),
            py::arg("guards"), py::arg("feeds"), py::arg("hosts"), py::arg("devices"), py::arg("predicates"),
-           py::arg("staging"), py::arg("writers") = py::list())
+           py::arg("staging"))
       .def("check", &GuardChecker::check)
       .def("__len__", &GuardChecker::size);
   m.def("global_state", &global_state);

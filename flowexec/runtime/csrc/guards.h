@@ -19,7 +19,7 @@ class GuardChecker {
   // staging: per device, pinned host copies a changed value goes through to a device buffer
   // (none on the CPU, where the buffer is the host copy).
   GuardChecker(py::list guards, py::list feeds, std::vector<at::Tensor> hosts, std::vector<at::Tensor> devices,
-               py::list predicates, std::vector<std::vector<at::Tensor>> staging, py::list writers = py::list());
+               py::list predicates, std::vector<std::vector<at::Tensor>> staging);
 
   // -1: every guard holds and changed hyperparameters are in the program's buffers; >= 0: the
   // index of the first guard that fails; -2: the Python path must decide (a fed value that is no
@@ -75,10 +75,6 @@ class GuardChecker {
   std::vector<at::Tensor> hosts_, devices_;
   std::vector<Predicate> predicates_;
   mutable std::vector<Ring> rings_;
-  // Per device: a Python callable that writes the host copy into the device buffer by stream
-  // commands (runtime/stream_writes.py), or None; where there is one, upload() calls it
-  // instead of copying through the ring.
-  std::vector<py::object> writers_;
 };
 
 std::vector<int64_t> global_state();
