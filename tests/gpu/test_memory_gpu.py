@@ -116,3 +116,41 @@ def test_capture_keeps_no_second_copy_of_parameters_optimizer_state_or_gradients
     exe(x)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() <= eager_peak + 8 * 2**20
+
+
+def test_graphs_captured_in_turn_keep_their_cublas_workspaces() -> None:
+    """A CUDA graph's matrix products use the cuBLAS workspace they were captured with, at every
+    replay: capturing another graph must not free it (fd7766b dropped cuBLAS's cached workspaces
+    before each capture, and benchmarks/step_time.py, which replays several graph-mode
+    executables in turn, died with an unspecified launch failure). Three training steps are
+    captured one after another, then replayed in turn beside their eager twins, whose own
+    allocations would land in a freed workspace."""
+    import copy
+
+    runs = []
+    for i, (a, b) in enumerate([(512, 1024), (768, 512), (1024, 768)]):
+        torch.manual_seed(i)
+        net = torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.GELU(), torch.nn.Linear(b, a)).cuda()
+        ref = copy.deepcopy(net)
+        opt, ref_opt = torch.optim.SGD(net.parameters(), lr=0.01), torch.optim.SGD(ref.parameters(), lr=0.01)
+
+        def step(x, net=net, opt=opt):
+            opt.zero_grad()
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        def eager(x, net=ref, opt=ref_opt):
+            return step(x, net, opt)
+
+        x = torch.randn(256, a, device="cuda")
+        runs.append((flowexec.compile(step, x, mode="graph", fuse=False), eager, x, net, ref))
+    for _ in range(6):
+        for exe, eager, x, _, _ in runs:
+            got, want = exe(x), eager(x)
+            assert_close_rel(got, want)
+    torch.cuda.synchronize()
+    for _, _, _, net, ref in runs:
+        for p, q in zip(net.parameters(), ref.parameters()):
+            assert_close_rel(p, q)
