@@ -93,6 +93,72 @@ class LazyStateError(CaptureError):
     capture is discarded, fn runs eagerly once, and the next call captures."""
 
 
+def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
+    """A torch.optim optimizer that ``fn`` reaches (through closures, the globals its code
+    names, a bound method's object and their attributes, two steps deep) and that has made no
+    state yet, though its first step will (not SGD without momentum); None if there is none.
+
+    A capture of such a step would find the state made and be discarded (:class:`LazyStateError`)
+    after tracing the whole step: ``compile_for`` asks this first and spares that capture.
+
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.AdamW(net.parameters())
+        >>> fresh_optimizer(lambda x: opt.step())
+        'AdamW'
+        >>> fresh_optimizer(lambda x: torch.optim.SGD(net.parameters(), lr=0.1))  # made in the call: not reached
+    """
+    seen: set[int] = set()
+
+    def names(code: Any) -> Iterator[str]:
+        yield from code.co_names
+        for c in code.co_consts:
+            if hasattr(c, "co_names"):
+                yield from names(c)
+
+    def visit(obj: Any, depth: int) -> str | None:
+        if id(obj) in seen:
+            return None
+        seen.add(id(obj))
+        if isinstance(obj, torch.optim.Optimizer):
+            stateless_sgd = isinstance(obj, torch.optim.SGD) and all(not g.get("momentum") for g in obj.param_groups)
+            trainable = any(p.requires_grad for g in obj.param_groups for p in g["params"])
+            if type(obj).__module__.startswith("torch.optim") and not stateless_sgd and trainable and not obj.state:
+                return type(obj).__name__
+            return None
+        if depth == 0 or isinstance(obj, (type, torch.nn.Module, torch.Tensor, str, bytes)):
+            return None
+        found: list[Any] = []
+        if isinstance(obj, (list, tuple)):
+            found += list(obj[:64])
+        elif isinstance(obj, dict):
+            found += list(obj.values())[:64]
+        elif hasattr(obj, "__func__") and hasattr(obj, "__self__"):  # a bound method (before: it has __code__)
+            return visit(obj.__func__, depth) or visit(obj.__self__, depth - 1)
+        elif hasattr(obj, "__code__") and hasattr(obj, "__globals__"):  # a Python function
+            found += [c.cell_contents for c in obj.__closure__ or () if _cell_filled(c)]
+            found += [obj.__globals__[n] for n in names(obj.__code__) if n in obj.__globals__]
+            found += [getattr(obj, "__wrapped__", None)]
+        elif hasattr(obj, "func") and hasattr(obj, "args"):  # functools.partial
+            found += [obj.func, *obj.args, *getattr(obj, "keywords", {}).values()]
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type(sys)):  # a plain object
+            found += list(vars(obj).values())
+        for o in found:
+            if o is not None and (hit := visit(o, depth - 1)):
+                return hit
+        return None
+
+    return visit(fn, 3)
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return False
+    return True
+
+
 def _users(filename: str) -> bool:
     """Whether a frame's file is the user's (:func:`flowexec.guards.user_code`), "<string>"
     (make_fx's generated wrapper, which a stage's joint function runs under) excepted."""

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import LazyStateError, capture
+from .capture import LazyStateError, capture, fresh_optimizer
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
 from .build import plan_for
 from .fusion import check_fuse, check_pad
@@ -513,6 +513,10 @@ class Executable:
         if self.mode == "graph" and self._check_devices:
             tensors = [(a, p) for a, p in zip(leaves, paths) if isinstance(a, torch.Tensor)]
             _check_graph_devices([a for a, _ in tensors], [p for _, p in tensors])
+        fresh = fresh_optimizer(self.fn) if not self._ran_eagerly else None
+        if fresh is not None:  # its first step makes state: a capture now would trace the whole step to discard it
+            self._deferred = f"fn steps a {fresh} optimizer that has no state yet (it makes it on its first step)"
+            return None
         try:
             compiled = self._build(leaves, tree, paths)
         except LazyStateError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import types
 import warnings
 import weakref
 from typing import Any, Callable
@@ -384,17 +385,69 @@ def test_compile_with_examples_defers_lazy_state_to_the_second_call() -> None:
     twin_model = _mlp()
     twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=0.01)
     data = _data()
-    exe = flowexec.compile(_step_of(model, opt), *data[0])
-    with pytest.raises(flowexec.executable.NotCapturedError, match="first call runs fn eagerly"):
-        exe.program
-    assert not opt.state  # no step was taken, no state left behind by the discarded capture
-    eager = _step_of(twin_model, twin_opt)
-    for k, (x, y) in enumerate(data[:4]):
-        a, b = exe(x, y), eager(x, y)
-        assert abs(float(a.detach()) - float(b.detach())) <= 1e-5, k
-        assert (exe._cache == {}) == (k == 0)  # the first call ran eagerly; the second captured
+    captures = []
+    real = flowexec.executable.capture
+    flowexec.executable.capture = lambda *a, **k: captures.append(1) or real(*a, **k)
+    try:
+        exe = flowexec.compile(_step_of(model, opt), *data[0])
+        with pytest.raises(flowexec.executable.NotCapturedError, match="AdamW optimizer that has no state yet"):
+            exe.program
+        assert not opt.state and captures == []  # the fresh optimizer was seen: no capture to discard
+        eager = _step_of(twin_model, twin_opt)
+        for k, (x, y) in enumerate(data[:4]):
+            a, b = exe(x, y), eager(x, y)
+            assert abs(float(a.detach()) - float(b.detach())) <= 1e-5, k
+            assert (exe._cache == {}) == (k == 0)  # the first call ran eagerly; the second captured
+    finally:
+        flowexec.executable.capture = real
+    assert captures == [1]
     for p, q in zip(model.parameters(), twin_model.parameters()):
         assert_close_rel(p, q, what="parameter")
+
+
+_NET = torch.nn.Linear(2, 2)
+_GLOBAL_OPT = torch.optim.Adam(_NET.parameters())
+
+
+def test_fresh_optimizers_are_found_where_a_step_reaches_them() -> None:
+    """``capture.fresh_optimizer``: what ``compile(fn, *examples)`` asks before capturing. A
+    table: how fn reaches an optimizer, and what is found."""
+    import functools
+
+    from flowexec.capture import fresh_optimizer
+
+    params = list(_NET.parameters())
+    adamw = torch.optim.AdamW(params)
+    sgd, sgd_m = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    stepped = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    stepped.param_groups[0]["params"][0].grad = torch.ones(2)
+    stepped.step()
+
+    class Trainer:
+        def __init__(self, opt: Any) -> None:
+            self.opt = opt
+
+        def step(self) -> None:
+            self.opt.step()
+
+    def deep() -> None:
+        holder.a.b.c.step()
+
+    holder = types.SimpleNamespace(a=types.SimpleNamespace(b=types.SimpleNamespace(c=adamw)))
+    table = {
+        "closure": (lambda: adamw.step(), "AdamW"),
+        "global": (lambda: _GLOBAL_OPT.step(), "Adam"),
+        "method's object": (Trainer(adamw).step, "AdamW"),
+        "partial": (functools.partial(lambda o: o.step(), adamw), "AdamW"),
+        "list in a closure": ((lambda opts=None: [o.step() for o in ls]), "AdamW"),
+        "SGD without momentum": (lambda: sgd.step(), None),
+        "SGD with momentum": (lambda: sgd_m.step(), "SGD"),
+        "state made already": (lambda: stepped.step(), None),
+        "four attributes deep": (deep, None),
+    }
+    ls = [sgd, adamw]
+    got = {k: fresh_optimizer(fn) for k, (fn, _) in table.items()}
+    assert got == {k: want for k, (_, want) in table.items()}
 
 
 def test_grad_scaler_with_an_optimizer_that_is_not_fused_says_what_to_use() -> None:
@@ -410,6 +463,7 @@ def test_grad_scaler_with_an_optimizer_that_is_not_fused_says_what_to_use() -> N
 
     exe = flowexec.compile(step)
     x, y = _data()[0]
+    exe(x, y)  # the AdamW has no state yet: the first call runs eagerly, the second captures
     with pytest.raises(flowexec.CaptureError, match=r"GradScaler reads found_inf on the host .*fused=True"):
         exe(x, y)
 
