@@ -88,6 +88,35 @@ class Captured:
     parked: ParkedGrads | None = None
 
 
+@contextlib.contextmanager
+def _direct_fake_metas(mode: FakeTensorMode) -> Iterator[None]:
+    """While make_fx traces real tensors: the fake copy it stores in each node's meta is made
+    directly (a FakeTensor of ``mode`` over a meta tensor of the value's shape, strides and
+    dtype, on its device) instead of by an ``empty_strided`` dispatched through the fake mode:
+    the same value at a fraction of the cost (a quarter of a 124M GPT-2 capture's time on a CPU
+    went to those dispatches). Anything but a plain strided tensor takes make_fx's own path."""
+    from torch._subclasses.fake_tensor import FakeTensor, is_fake
+    from torch.fx.experimental import proxy_tensor
+
+    own = proxy_tensor.extract_val
+
+    def extract_val(val: Any, include_real: bool = False) -> Any:
+        if isinstance(val, torch.Tensor) and val.layout == torch.strided and not is_fake(val) \
+                and type(val) in (torch.Tensor, torch.nn.Parameter):
+            with _disable_current_modes():
+                meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+                return FakeTensor(mode, meta, val.device)
+        if isinstance(val, (list, tuple)):
+            return val.__class__([extract_val(x) for x in val])
+        return own(val, include_real)
+
+    proxy_tensor.extract_val = extract_val
+    try:
+        yield
+    finally:
+        proxy_tensor.extract_val = own
+
+
 class LazyStateError(CaptureError):
     """fn created tensors that outlive the call (optimizer state made on the first step): the
     capture is discarded, fn runs eagerly once, and the next call captures."""
@@ -535,8 +564,9 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         # make_fx stores a fake copy of every value in its node's meta; with no fake mode to find
         # it builds a FakeTensorMode per value, each recording its creation stack (half the
         # capture's time on a small model). One mode, in a tracing context, serves them all.
-        fake = torch._guards.TracingContext(FakeTensorMode(allow_fallback_kernels=True))
-        with _library_compiling(everywhere), torch._guards.tracing(fake):
+        mode = FakeTensorMode(allow_fallback_kernels=True)
+        fake = torch._guards.TracingContext(mode)
+        with _library_compiling(everywhere), torch._guards.tracing(fake), _direct_fake_metas(mode):
             gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos], *[p.grad for p in grad_params])
         failed = False
     except CaptureError:
