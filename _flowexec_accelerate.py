@@ -8,8 +8,9 @@ after accelerate defines it.
 
 The installed package ships ``flowexec-accelerate.pth``, which Python's ``site`` runs at every
 start-up: it calls :func:`install`, which only puts a finder first on ``sys.meta_path`` that
-waits for ``accelerate.utils.dataclasses``. Nothing else is imported (no torch, no flowexec),
-and any failure is swallowed: a ``.pth`` must never break an interpreter. ``import flowexec``
+waits for ``accelerate.utils.dataclasses``. It imports nothing an interpreter has not loaded
+by then (no torch, no flowexec, not even ``importlib.abc``: start-up stays as fast), and any
+failure is swallowed: a ``.pth`` must never break an interpreter. ``import flowexec``
 calls :func:`install` too (a source checkout on ``PYTHONPATH`` has no ``.pth``).
 
 Example::
@@ -20,11 +21,11 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.abc
-import importlib.util
 import sys
-from typing import Any
+import threading
+
+# (Only modules every interpreter has loaded by the time site runs .pth files: sys, threading's
+# own imports are light. importlib.abc, typing and contextlib would cost ~30 ms at every start-up.)
 
 ACCELERATE = "accelerate.utils.dataclasses"
 
@@ -51,37 +52,52 @@ def teach_accelerate() -> bool:
         return False
 
 
-class AfterAccelerate(importlib.abc.MetaPathFinder):
-    """Runs :func:`teach_accelerate` right after accelerate's dataclasses module loads."""
+class AfterAccelerate:
+    """A ``sys.meta_path`` finder that runs :func:`teach_accelerate` right after accelerate's
+    dataclasses module loads. It stays in place (taking itself out while the import system walks
+    ``sys.meta_path`` could make another thread's import skip a finder) and answers None to
+    every other name; a module loaded again (``importlib.reload``) is taught again."""
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != ACCELERATE:
+    def __init__(self) -> None:
+        self._busy = threading.local()  # (its own find_spec call below must not come back here)
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+        if name != ACCELERATE or getattr(self._busy, "on", False):
             return None
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)  # find the real spec with the other finders; once only
-        spec = importlib.util.find_spec(name)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
+        self._busy.on = True
+        try:
+            import importlib.util
 
-        def exec_module(module: Any) -> None:
-            run(module)
-            teach_accelerate()
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+            spec = importlib.util.find_spec(name)
+            loader = getattr(spec, "loader", None)
+            run = getattr(loader, "exec_module", None)
+            if run is None or getattr(run, "_flowexec_teaches", False):
+                return spec
+
+            def exec_module(module: object) -> None:
+                run(module)
+                teach_accelerate()
+            exec_module._flowexec_teaches = True  # type: ignore[attr-defined]
+            loader.exec_module = exec_module  # type: ignore[union-attr]
+            return spec
+        except Exception:  # whatever went wrong, the import proceeds as if this finder were absent
+            return None
+        finally:
+            self._busy.on = False
 
 
 def install() -> bool:
-    """Teach accelerate now if it is loaded, else when it loads (a finder; one at most)."""
-    if ACCELERATE in sys.modules:
-        return teach_accelerate()
+    """Teach accelerate now if it is loaded, and whenever it loads (one finder at most)."""
     if not any(isinstance(f, AfterAccelerate) for f in sys.meta_path):
         sys.meta_path.insert(0, AfterAccelerate())
+    if ACCELERATE in sys.modules:
+        return teach_accelerate()
     return True
 
 
 def install_quietly() -> None:
     """What the ``.pth`` line calls: :func:`install`, and never an exception."""
-    with contextlib.suppress(Exception):
+    try:
         install()
+    except Exception:
+        pass

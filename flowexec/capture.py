@@ -20,11 +20,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import itertools
 import operator
 import os
 import sys
+import threading
 import traceback
+import types
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Literal, Sequence, Union
@@ -88,33 +92,49 @@ class Captured:
     parked: ParkedGrads | None = None
 
 
+_metas = threading.local()  # per thread: the fake modes of the captures under way, innermost last
+_metas_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def _direct_fake_metas(mode: FakeTensorMode) -> Iterator[None]:
-    """While make_fx traces real tensors: the fake copy it stores in each node's meta is made
-    directly (a FakeTensor of ``mode`` over a meta tensor of the value's shape, strides and
-    dtype, on its device) instead of by an ``empty_strided`` dispatched through the fake mode:
-    the same value at a fraction of the cost (a quarter of a 124M GPT-2 capture's time on a CPU
-    went to those dispatches). Anything but a plain strided tensor takes make_fx's own path."""
-    from torch._subclasses.fake_tensor import FakeTensor, is_fake
+    """While make_fx traces real tensors on this thread: the fake copy it stores in each node's
+    meta is made directly (a FakeTensor of ``mode`` over a meta tensor of the value's shape,
+    strides and dtype, on its device) instead of by an ``empty_strided`` dispatched through the
+    fake mode: the same value at a fraction of the cost (a 124M GPT-2 capture on a CPU: 7.0 s
+    against 8.5). Anything but a plain strided tensor takes make_fx's own path, and so does
+    every thread with no capture under way (torch's ``extract_val`` is wrapped once, for good:
+    swapping it per capture would race with captures on other threads)."""
     from torch.fx.experimental import proxy_tensor
 
-    own = proxy_tensor.extract_val
+    with _metas_lock:
+        if not getattr(proxy_tensor.extract_val, "_flowexec", False):
+            proxy_tensor.extract_val = _extract_val_of(proxy_tensor.extract_val)
+    stack = _metas.__dict__.setdefault("modes", [])
+    stack.append(mode)
+    try:
+        yield
+    finally:
+        stack.pop()
 
-    def extract_val(val: Any, include_real: bool = False) -> Any:
+
+def _extract_val_of(own: Callable[..., Any]) -> Callable[..., Any]:
+    from torch._subclasses.fake_tensor import FakeTensor, is_fake
+
+    def extract_val(val: Any, *args: Any, **kwargs: Any) -> Any:
+        modes = getattr(_metas, "modes", None)
+        if not modes:
+            return own(val, *args, **kwargs)
         if isinstance(val, torch.Tensor) and val.layout == torch.strided and not is_fake(val) \
                 and type(val) in (torch.Tensor, torch.nn.Parameter):
             with _disable_current_modes():
                 meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-                return FakeTensor(mode, meta, val.device)
+                return FakeTensor(modes[-1], meta, val.device)
         if isinstance(val, (list, tuple)):
             return val.__class__([extract_val(x) for x in val])
-        return own(val, include_real)
-
-    proxy_tensor.extract_val = extract_val
-    try:
-        yield
-    finally:
-        proxy_tensor.extract_val = own
+        return own(val, *args, **kwargs)
+    extract_val._flowexec = True  # type: ignore[attr-defined]
+    return extract_val
 
 
 class LazyStateError(CaptureError):
@@ -124,11 +144,13 @@ class LazyStateError(CaptureError):
 
 def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
     """A torch.optim optimizer that ``fn`` reaches (through closures, the globals its code
-    names, a bound method's object and their attributes, two steps deep) and that has made no
-    state yet, though its first step will (not SGD without momentum); None if there is none.
+    names, a bound method's object, partials, attributes and containers, three steps deep, at
+    most 64 entries of a container and 2,000 objects in all) and that has made no state yet,
+    though its first step will (not SGD without momentum); None if there is none, or if looking
+    raised (a property, a ``__getattr__``: the capture then finds lazy state itself).
 
     A capture of such a step would find the state made and be discarded (:class:`LazyStateError`)
-    after tracing the whole step: ``compile_for`` asks this first and spares that capture.
+    after tracing the whole step: an Executable asks this before its first capture.
 
         >>> import torch
         >>> net = torch.nn.Linear(2, 2)
@@ -138,46 +160,54 @@ def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
         >>> fresh_optimizer(lambda x: torch.optim.SGD(net.parameters(), lr=0.1))  # made in the call: not reached
     """
     seen: set[int] = set()
+    budget = [2000]
 
-    def names(code: Any) -> Iterator[str]:
+    def names(code: types.CodeType) -> Iterator[str]:
         yield from code.co_names
         for c in code.co_consts:
-            if hasattr(c, "co_names"):
+            if isinstance(c, types.CodeType):
                 yield from names(c)
 
     def visit(obj: Any, depth: int) -> str | None:
-        if id(obj) in seen:
+        if id(obj) in seen or budget[0] <= 0:
             return None
         seen.add(id(obj))
+        budget[0] -= 1
         if isinstance(obj, torch.optim.Optimizer):
             stateless_sgd = isinstance(obj, torch.optim.SGD) and all(not g.get("momentum") for g in obj.param_groups)
             trainable = any(p.requires_grad for g in obj.param_groups for p in g["params"])
             if type(obj).__module__.startswith("torch.optim") and not stateless_sgd and trainable and not obj.state:
                 return type(obj).__name__
             return None
-        if depth == 0 or isinstance(obj, (type, torch.nn.Module, torch.Tensor, str, bytes)):
+        if depth == 0 or isinstance(obj, (type, types.ModuleType, torch.Tensor, str, bytes)):
             return None
         found: list[Any] = []
         if isinstance(obj, (list, tuple)):
-            found += list(obj[:64])
+            found += obj[:64]
         elif isinstance(obj, dict):
-            found += list(obj.values())[:64]
-        elif hasattr(obj, "__func__") and hasattr(obj, "__self__"):  # a bound method (before: it has __code__)
+            found += itertools.islice(obj.values(), 64)
+        elif isinstance(obj, types.MethodType):
             return visit(obj.__func__, depth) or visit(obj.__self__, depth - 1)
-        elif hasattr(obj, "__code__") and hasattr(obj, "__globals__"):  # a Python function
+        elif isinstance(obj, types.FunctionType):
             found += [c.cell_contents for c in obj.__closure__ or () if _cell_filled(c)]
             found += [obj.__globals__[n] for n in names(obj.__code__) if n in obj.__globals__]
             found += [getattr(obj, "__wrapped__", None)]
-        elif hasattr(obj, "func") and hasattr(obj, "args"):  # functools.partial
-            found += [obj.func, *obj.args, *getattr(obj, "keywords", {}).values()]
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type(sys)):  # a plain object
-            found += list(vars(obj).values())
+        elif isinstance(obj, functools.partial):
+            found += [obj.func, *obj.args, *obj.keywords.values()]
+        else:  # a plain object (an nn.Module too: an optimizer it holds), by its attributes
+            try:
+                found += itertools.islice(vars(obj).values(), 64)
+            except Exception:  # no __dict__ (slots, builtins), or one that raises
+                pass
         for o in found:
             if o is not None and (hit := visit(o, depth - 1)):
                 return hit
         return None
 
-    return visit(fn, 3)
+    try:
+        return visit(fn, 3)
+    except Exception:  # a user's object answered oddly: no verdict (the capture still finds lazy state)
+        return None
 
 
 def _cell_filled(cell: Any) -> bool:

@@ -208,6 +208,7 @@ class Executable:
         # when compile()'s examples found it (the first call then runs eagerly outright).
         self._ran_eagerly = False
         self._eager_next = False
+        self._asked_fresh = False  # whether capture.fresh_optimizer was asked (before the first capture)
         self._deferred: str | None = None
         # Last step's gradients the new program discards, parked in host memory from capture to
         # the call's run, which drops them (planning's kernel timings and graph mode's warm-up
@@ -513,9 +514,13 @@ class Executable:
         if self.mode == "graph" and self._check_devices:
             tensors = [(a, p) for a, p in zip(leaves, paths) if isinstance(a, torch.Tensor)]
             _check_graph_devices([a for a, _ in tensors], [p for _, p in tensors])
-        fresh = fresh_optimizer(self.fn) if not self._ran_eagerly else None
-        if fresh is not None:  # its first step makes state: a capture now would trace the whole step to discard it
-            self._deferred = f"fn steps a {fresh} optimizer that has no state yet (it makes it on its first step)"
+        # Before the first capture only: a fresh optimizer fn reaches makes state on its first
+        # step, so a capture now would trace the whole step to discard it. (Once: an optimizer
+        # fn reaches but never steps must not keep calls eager.)
+        fresh = fresh_optimizer(self.fn) if not self._asked_fresh and not self._ran_eagerly else None
+        self._asked_fresh = True
+        if fresh is not None:
+            self._deferred = f"fn reaches an optimizer ({fresh}) that has no state yet, which its first step makes"
             return None
         try:
             compiled = self._build(leaves, tree, paths)

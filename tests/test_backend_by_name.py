@@ -12,9 +12,9 @@ import subprocess
 import sys
 import textwrap
 import zipfile
+from typing import Any
 
 import pytest
-import torch
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,15 +62,21 @@ def test_torch_compile_finds_the_backend_by_name_without_import(tmp_path) -> Non
     assert got["out"] < 1e-6 and got["grads"] < 1e-6, got
 
 
-def _built_wheel(tmp_path) -> str:
-    """The package as pip builds it (from a copy of the sources: nothing is written into the
-    checkout), unpacked into a directory that stands in for site-packages."""
+def _sources(tmp_path) -> Any:
+    """A copy of what the package is built from (builds write build/ and *.egg-info beside it)."""
     src = tmp_path / "src"
-    src.mkdir()
+    src.mkdir(parents=True)
     for name in ("pyproject.toml", "setup.py", "README.md", "_flowexec_accelerate.py"):
         shutil.copy(os.path.join(ROOT, name), src / name)
     shutil.copytree(os.path.join(ROOT, "flowexec"), src / "flowexec",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+    return src
+
+
+def _built_wheel(tmp_path) -> str:
+    """The package as pip builds it (from a copy of the sources: nothing is written into the
+    checkout), unpacked into a directory that stands in for site-packages."""
+    src = _sources(tmp_path)
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(wheels), str(src)], check=True, capture_output=True, timeout=240)
@@ -144,6 +150,23 @@ def test_hf_trainer_trains_with_the_flowexec_backend_without_import(tmp_path) ->
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"loss {k}: {a} vs eager {b}"
     assert got["params"] <= 1e-6 + 1e-5 * got["params_scale"], got
     assert eager_losses[0] != eager_losses[-1]  # (it trained: the comparison above is not of untouched weights)
+
+
+@pytest.mark.timeout(300)
+def test_the_editable_install_ships_the_start_up_hook(tmp_path) -> None:
+    """scripts/setup.sh installs flowexec editable (PEP 660): setup.py's editable_wheel puts the
+    .pth at that wheel's root too (it overrides a setuptools method that is not public API: this
+    says so if a setuptools release stops calling it)."""
+    src = _sources(tmp_path)
+    out = tmp_path / "editable"
+    out.mkdir()
+    script = "import sys; from setuptools import build_meta as b; print(b.build_editable(sys.argv[1]))"
+    res = subprocess.run([sys.executable, "-c", script, str(out)], cwd=str(src), capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    name = res.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(out / name) as whl:
+        assert "flowexec-accelerate.pth" in whl.namelist(), whl.namelist()
 
 
 def test_the_start_up_hook_teaches_accelerate_once_loaded() -> None:

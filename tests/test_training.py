@@ -390,7 +390,7 @@ def test_compile_with_examples_defers_lazy_state_to_the_second_call() -> None:
     flowexec.executable.capture = lambda *a, **k: captures.append(1) or real(*a, **k)
     try:
         exe = flowexec.compile(_step_of(model, opt), *data[0])
-        with pytest.raises(flowexec.executable.NotCapturedError, match="AdamW optimizer that has no state yet"):
+        with pytest.raises(flowexec.executable.NotCapturedError, match=r"an optimizer \(AdamW\) that has no state yet"):
             exe.program
         assert not opt.state and captures == []  # the fresh optimizer was seen: no capture to discard
         eager = _step_of(twin_model, twin_opt)
@@ -446,8 +446,45 @@ def test_fresh_optimizers_are_found_where_a_step_reaches_them() -> None:
         "four attributes deep": (deep, None),
     }
     ls = [sgd, adamw]
+
+    class Config:  # a __getattr__ that raises KeyError for any name it lacks
+        def __init__(self) -> None:
+            self.__dict__["values"] = {"lr": 0.1}
+
+        def __getattr__(self, name: str) -> Any:
+            return self.__dict__["values"][name]
+
+    class Odd:  # duck-types as a partial, badly
+        func, args = print, None
+
+    from unittest import mock
+
+    cfg, odd, log = Config(), Odd(), mock.Mock()
+    table["a config with a raising __getattr__"] = (lambda: (cfg.lr, adamw.step()), "AdamW")
+    table["a Mock and an odd object"] = (lambda: (log.info(odd), sgd.step()), None)
     got = {k: fresh_optimizer(fn) for k, (fn, _) in table.items()}
     assert got == {k: want for k, (_, want) in table.items()}
+
+
+def test_an_optimizer_reached_but_never_stepped_defers_only_the_first_capture() -> None:
+    """An inference method whose object holds an AdamW it never steps: the first call runs
+    eagerly (the optimizer looks fresh), and from then on every signature is captured."""
+    class Model:
+        def __init__(self) -> None:
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(4, 2)
+            self.opt = torch.optim.AdamW(self.net.parameters())
+
+        def predict(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return self.net(x).softmax(-1)
+
+    m = Model()
+    exe = flowexec.compile(m.predict)
+    a, b = torch.randn(3, 4), torch.randn(5, 4)
+    for k, x in enumerate([a, a, b, a, b, a, b]):
+        torch.testing.assert_close(exe(x), m.predict(x))
+        assert len(exe._cache) == (0, 1, 2, 2, 2, 2, 2)[k], k
 
 
 def test_grad_scaler_with_an_optimizer_that_is_not_fused_says_what_to_use() -> None:
