@@ -19,13 +19,17 @@ PTH_LINE = ("import sys; exec('try:\\n import _flowexec_accelerate\\n _flowexec_
             "except Exception:\\n pass')\n")
 
 
+def write_pth(root: str) -> None:
+    with open(os.path.join(root, PTH), "w") as f:
+        f.write(PTH_LINE)
+
+
 class build_py_with_pth(build_py):
     """build_py that also writes the start-up hook into the wheel's root."""
 
     def run(self) -> None:
         super().run()
-        with open(os.path.join(self.build_lib, PTH), "w") as f:
-            f.write(PTH_LINE)
+        write_pth(self.build_lib)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH)]
@@ -40,8 +44,7 @@ try:  # editable installs (PEP 660) build their wheel apart from build_py's outp
 
         def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):  # type: ignore[no-untyped-def]
             out = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
-            with open(os.path.join(unpacked_wheel, PTH), "w") as f:
-                f.write(PTH_LINE)
+            write_pth(unpacked_wheel)
             return out
 
     cmdclass["editable_wheel"] = editable_wheel_with_pth

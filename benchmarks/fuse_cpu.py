@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import flowexec  # noqa: E402
 from flowexec.models import Block, lm_loss, make_mlp, make_step  # noqa: E402
 from host_meta import host_meta  # noqa: E402
+from ops import write_result  # noqa: E402
 from step_time import interleaved  # noqa: E402
 
 
@@ -119,10 +119,7 @@ def main() -> None:
         r = out[name]
         print(f"{name:16s} eager {r['eager_us']:9.1f} µs  aten {r['aten_us']:9.1f}  fused {r['fused_us']:9.1f}  "
               f"fused/aten {r['fused_vs_aten']:.2f}x  fused/eager {r['fused_vs_eager']:.2f}x", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fuse_cpu.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    write_result(args.out, "fuse_cpu.json", out)
 
 
 if __name__ == "__main__":

@@ -313,6 +313,14 @@ def run_meta(command: str) -> dict[str, Any]:
             "command": command, "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown")}
 
 
+def write_result(out_dir: str | None, name: str, result: Any) -> None:
+    """``result`` as ``out_dir/name`` (indented JSON); nothing where ``out_dir`` is None."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def copy_bandwidth(dev: str) -> float:
     a = torch.empty(2**28, dtype=torch.float32, device=dev)  # 1 GiB
     b = torch.empty_like(a)

@@ -166,7 +166,8 @@ class GraphProgram:
                                self.mutated_inputs, index, role, **graph_metadata(gm, len(self.plan.program.outputs)))
 
     def _capture(self, args: list[Any]) -> Any:
-        from .runtime.cuda_graph import CudaGraphRunner, is_stable, mark_stable
+        from .runtime.cuda_graph import CudaGraphRunner
+        from .storage import is_stable, mark_stable
 
         borrow = [isinstance(a, torch.Tensor) and (i in self.static_idx or is_stable(a)) for i, a in enumerate(args)]
         for a, b in zip(args, borrow):
@@ -302,7 +303,7 @@ class GraphProgram:
         """Whether every moved input is a one-call copy: neither an input AOTAutograd marks static
         nor a tensor that keeps its address (``is_stable``: parameters, other graphs' outputs),
         which moved for good, so the graph is captured again."""
-        from .runtime.cuda_graph import is_stable
+        from .storage import is_stable
 
         return all(i not in self.static_idx and not is_stable(args[i]) for i in moved)
 
@@ -312,7 +313,7 @@ class GraphProgram:
 
     def _describe_moved(self, args: list[Any], moved: list[int]) -> str:
         """Names the moved inputs and why each counts as moved for good, for the warning."""
-        from .runtime.cuda_graph import is_stable
+        from .storage import is_stable
 
         prog = self.plan.program
         names = [prog.values[vid].label for vid in prog.inputs]

@@ -130,9 +130,7 @@ def _extract_val_of(own: Callable[..., Any]) -> Callable[..., Any]:
             with _disable_current_modes():
                 meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
                 return FakeTensor(modes[-1], meta, val.device)
-        if isinstance(val, (list, tuple)):
-            return val.__class__([extract_val(x) for x in val])
-        return own(val, *args, **kwargs)
+        return own(val, *args, **kwargs)  # (a list's items come back here: torch's recursion names the module's)
     extract_val._flowexec = True  # type: ignore[attr-defined]
     return extract_val
 

@@ -53,8 +53,8 @@ _OWN_DIR = os.path.dirname(__file__) + os.sep
 # flowexec's start-up hook (a top-level module beside the package): its import finder runs
 # whenever a captured step imports something, and what it reads is not the user's.
 # (Beside the package in a checkout or a wheel; the .pth may have loaded another copy first.)
-_OWN_FILES = tuple({os.path.join(os.path.dirname(os.path.dirname(__file__)), "_flowexec_accelerate.py"),
-                    getattr(sys.modules.get("_flowexec_accelerate"), "__file__", None) or ""} - {""})
+_OWN_FILES = tuple(f for f in {os.path.join(os.path.dirname(os.path.dirname(__file__)), "_flowexec_accelerate.py"),
+                               getattr(sys.modules.get("_flowexec_accelerate"), "__file__", None)} if f)
 _STDLIB = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib")})
 # A container used whole (passed to a function, iterated) is guarded on up to this many of its
 # scalar leaves (and its length): enough for a dict of hyperparameters, bounded for big tables.

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flowexec.models import make_mlp
-from flowexec.runtime.cuda_graph import mark_stable
+from flowexec.storage import mark_stable
 from flowexec.runtime.outputs import HandedOutputs
 from helpers import assert_same_state, record_graph_programs
 

@@ -184,7 +184,7 @@ def _fake_graph_program(monkeypatch, cache_size=8, saved_from=None):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from flowexec.backend import GraphProgram
-    from flowexec.runtime.cuda_graph import is_stable
+    from flowexec.storage import is_stable
 
     a, b = torch.randn(3), torch.randn(3)
     gp = GraphProgram(make_fx(lambda a, b: (a * b,))(a, b), [a, b], "graph", "fast", 1, cache_size=cache_size,
@@ -206,7 +206,7 @@ def test_graph_program_stages_one_call_copies_and_captures_again_for_parameters(
     parameter at a new address gets a graph of its own, with a warning."""
     import warnings
 
-    from flowexec.runtime.cuda_graph import mark_stable
+    from flowexec.storage import mark_stable
 
     gp, captures = _fake_graph_program(monkeypatch, cache_size=1)
     a, b = torch.randn(3), torch.randn(3)
@@ -240,7 +240,7 @@ def test_graph_program_drops_the_least_recently_used_staging_graph(monkeypatch):
     """Staging graphs are kept like the others: one-call copies that no kept staging graph
     serves (it borrows another parameter) get a new one, the least recently used dropped past
     cache_size, and the result is the replayed graph's."""
-    from flowexec.runtime.cuda_graph import mark_stable
+    from flowexec.storage import mark_stable
 
     gp, captures = _fake_graph_program(monkeypatch, cache_size=1)
     a, b = torch.randn(3), torch.randn(3)
@@ -331,7 +331,7 @@ def test_stable_address_needs_its_owner_still_there():
     """An address counts as stable while the tensor recorded for it still holds it: an alias
     moved by outputs.py (``.data = clone``) must not vouch for its old address, which may be freed
     and handed to a per-call tensor (that one was then borrowed, moved, and captured again)."""
-    from flowexec.runtime.cuda_graph import is_stable, mark_stable
+    from flowexec.storage import is_stable, mark_stable
 
     alias = torch.zeros(4)
     old = alias.untyped_storage()
@@ -380,7 +380,7 @@ def test_forward_with_saved_tensors_in_flight_gets_a_graph_of_its_own(monkeypatc
 def test_full_cache_drops_an_idle_graph_before_copying_saved_tensors(monkeypatch):
     """With cache_size graphs kept, a forward whose own graph is busy drops the least recently
     used graph that is idle (another parameter set's) to capture one, instead of copying."""
-    from flowexec.runtime.cuda_graph import mark_stable
+    from flowexec.storage import mark_stable
 
     gp, captures = _fake_graph_program(monkeypatch, cache_size=2, saved_from=1)
     a = torch.randn(3)
@@ -401,7 +401,7 @@ def test_new_saved_tensors_for_known_parameters_capture_silently(monkeypatch):
     no parameter for good, whichever graph ran last, so its graph is captured without a warning."""
     import warnings
 
-    from flowexec.runtime.cuda_graph import mark_stable
+    from flowexec.storage import mark_stable
 
     gp, captures = _fake_graph_program(monkeypatch)
     p1, p2 = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))

@@ -379,7 +379,7 @@ def test_a_model_on_the_meta_device_is_captured_without_parking() -> None:
 def test_a_gradient_at_an_address_a_graph_writes_is_not_parked(monkeypatch) -> None:
     """A CUDA graph's static outputs (marked stable) keep their address: capture leaves them
     where they are, and the step still equals eager's."""
-    from flowexec.runtime.cuda_graph import mark_stable
+    from flowexec.storage import mark_stable
 
     monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
     model, step, ref_step, x, y = _sgd_pair()

@@ -19,7 +19,7 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests"), os.path.join(_ROOT, "benchm
 import flowexec  # noqa: E402
 import flowexec.parking as parking  # noqa: E402
 from helpers import state_heavy_step  # noqa: E402
-from ops import run_meta  # noqa: E402
+from ops import run_meta, write_result  # noqa: E402
 
 MIB = 2**20
 
@@ -67,10 +67,7 @@ def main() -> None:
         del exe, step, model, x
         gc.collect()  # (an executable sits in reference cycles: the next mode starts clean)
         torch.cuda.empty_cache()
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "capture_memory.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_result(a.out, "capture_memory.json", res)
 
 
 if __name__ == "__main__":

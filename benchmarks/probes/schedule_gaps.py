@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
-from ops import run_meta  # noqa: E402
+from ops import run_meta, write_result  # noqa: E402
 from schedule import make  # noqa: E402
 
 
@@ -79,10 +79,7 @@ def main() -> None:
             torch.cuda.synchronize()
         res[name] = {"kernels_per_step": per_step, **summarize(device_events(prof), per_step)}
         print(name, json.dumps(res[name]), flush=True)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "schedule_gaps.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_result(a.out, "schedule_gaps.json", res)
 
 
 if __name__ == "__main__":

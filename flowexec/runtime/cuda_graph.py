@@ -29,10 +29,10 @@ from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
 from .staging import StagingNodes, graph_node_count, memcpy_runtime
-from ..storage import _STABLE, is_stable, mark_stable  # noqa: F401  (their home is storage.py)
+from ..storage import mark_stable
 
 __all__ = ["CudaGraphRunner", "HandedOutputs", "StagingNodes", "capture_graph", "capture_stream",
-           "graph_node_count", "is_stable", "mark_stable"]
+           "graph_node_count"]
 
 @dataclass(frozen=True)
 class SharedSpan:

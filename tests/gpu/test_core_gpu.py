@@ -188,7 +188,7 @@ def test_backend_gradients_avoid_accumulate_grad_copies():
         for p in m.parameters():
             p.grad = None
         F.cross_entropy(c(x), y).backward()
-    from flowexec.runtime.cuda_graph import _STABLE
+    from flowexec.storage import _STABLE
     adopted = [p.grad.data_ptr() in _STABLE for p in m.parameters()]
     assert all(adopted), adopted
 
