@@ -151,13 +151,23 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     """
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
+    # cuBLAS caches a workspace per (handle, stream). Inductor's CUDA-graph trees' scheme: drop
+    # the cached ones before warm-up (the caller's, from eager calls, would sit beside the
+    # graph's: 32 MiB each on an H200), again after it (so the capture allocates the graph's own
+    # inside the graph's private pool) and after capture (the cache lets go of it; the private
+    # pool keeps that memory for this graph alone, which uses it at every replay). No cached
+    # workspace is then ever a graph's, so a later clear frees none that a graph uses.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
+    clear()
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
+    clear()
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         outs = fn()
+    clear()
     if keep_graph:
         graph.instantiate()
     return graph, outs
