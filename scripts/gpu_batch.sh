@@ -48,6 +48,10 @@ for step in "$@"; do
                  -o "$R/scale_${step#scale-}.json" ;;  # process; then scale.py --merge into scale.json
     fuse-tests) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_fuse_gpu.py \
                  --junitxml="$R/$step.xml" ;;
+    memtests)  run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py \
+                 --junitxml="$R/$step.xml" ;;
+    peak-resnet50) run_step $step 300 python3 benchmarks/scale.py --models resnet50 --variants eager,fx_graph_fused \
+                 --timeout 200 -o "$R/scale_resnet50_peak.json" ;;  # issue 36's memory figure (and warm build)
     regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default
     pipeline-cpu) CUDA_VISIBLE_DEVICES= run_step $step 560 python3 benchmarks/pipeline_gloo.py --rounds 4 \
                  --out "$R/pipeline_gloo_h200host.json" ;;  # the gloo benchmark on the lent host's 16 cores
