@@ -46,8 +46,20 @@ def summarize(events: list[tuple[float, float, str]], kernels_per_step: int) -> 
     spans = [b[0] - a[0] for a, b in zip(firsts, firsts[1:])]
     ends = [work[i - 1][1] for i in range(kernels_per_step, len(work), kernels_per_step)]
     gaps = [f[0] - e for f, e in zip(firsts[1:], ends)]
+    # Per position in the replay: the median duration of its kernel and of the idle time before
+    # it (what a diff of two loops' tables points at), and where the copies fall.
+    steps = [work[i:i + kernels_per_step] for i in range(0, len(work) - kernels_per_step + 1, kernels_per_step)]
+    positions = [{
+        "name": steps[0][k][2][:60],
+        "us": statistics.median(s[k][1] - s[k][0] for s in steps),
+        "idle_before_us": statistics.median(s[k][0] - s[k - 1][1] for s in steps) if k else None,
+    } for k in range(kernels_per_step)] if steps else []
+    starts = [s[0][0] for s in steps]
+    copy_at = [sum(1 for t in starts if t <= c[0]) for c in copies]  # which replay a copy follows
+    inside = sum(1 for c, i in zip(copies, copy_at) if 0 < i <= len(steps) and c[0] < steps[i - 1][-1][1])
     return {
-        "device_events": len(events), "copies": len(copies),
+        "device_events": len(events), "copies": len(copies), "copies_inside_a_replay": inside,
+        "positions": positions,
         "copy_us_median": statistics.median([c[1] - c[0] for c in copies]) if copies else None,
         "span_us_median": statistics.median(spans) if spans else None,
         "gap_before_replay_us_median": statistics.median(gaps) if gaps else None,
@@ -78,7 +90,17 @@ def main() -> None:
                 step(), after()
             torch.cuda.synchronize()
         res[name] = {"kernels_per_step": per_step, **summarize(device_events(prof), per_step)}
-        print(name, json.dumps(res[name]), flush=True)
+        print(name, json.dumps({k: v for k, v in res[name].items() if k != "positions"}), flush=True)
+    a_pos, b_pos = res["scheduled"]["positions"], res["constant"]["positions"]
+    if len(a_pos) == len(b_pos):  # the positions where the scheduled replay spends more
+        diff = sorted(({"at": k, "name": x["name"], "us": x["us"] - y["us"],
+                        "idle_before_us": (x["idle_before_us"] or 0) - (y["idle_before_us"] or 0)}
+                       for k, (x, y) in enumerate(zip(a_pos, b_pos))),
+                      key=lambda d: -(d["us"] + d["idle_before_us"]))
+        res["scheduled_minus_constant"] = {"kernel_us": sum(d["us"] for d in diff),
+                                           "idle_inside_us": sum(d["idle_before_us"] for d in diff),
+                                           "top": diff[:8]}
+        print("scheduled - constant", json.dumps(res["scheduled_minus_constant"]), flush=True)
     write_result(a.out, "schedule_gaps.json", res)
 
 
