@@ -57,14 +57,33 @@ def summarize(events: list[tuple[float, float, str]], kernels_per_step: int) -> 
     starts = [s[0][0] for s in steps]
     copy_at = [sum(1 for t in starts if t <= c[0]) for c in copies]  # which replay a copy follows
     inside = sum(1 for c, i in zip(copies, copy_at) if 0 < i <= len(steps) and c[0] < steps[i - 1][-1][1])
+    kinds: dict[str, int] = {}
+    for c, i in zip(copies, copy_at):
+        where = "inside" if 0 < i <= len(steps) and c[0] < steps[i - 1][-1][1] else "between"
+        key = f"{where}: {c[2][:50]}"
+        kinds[key] = kinds.get(key, 0) + 1
     return {
         "device_events": len(events), "copies": len(copies), "copies_inside_a_replay": inside,
+        "copies_per_step_by_kind": {k: v / max(len(steps), 1) for k, v in sorted(kinds.items())},
         "positions": positions,
         "copy_us_median": statistics.median([c[1] - c[0] for c in copies]) if copies else None,
         "span_us_median": statistics.median(spans) if spans else None,
         "gap_before_replay_us_median": statistics.median(gaps) if gaps else None,
         "gap_before_replay_us_p90": sorted(gaps)[int(0.9 * len(gaps))] if gaps else None,
     }
+
+
+def compare(a_pos: list[dict[str, Any]], b_pos: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Kernel and idle time the first loop spends more than the second, summed over positions,
+    and the positions that differ most (None where the loops' kernels do not line up)."""
+    if len(a_pos) != len(b_pos) or any(x["name"] != y["name"] for x, y in zip(a_pos, b_pos)):
+        return None
+    diff = sorted(({"at": k, "name": x["name"], "us": x["us"] - y["us"],
+                    "idle_before_us": (x["idle_before_us"] or 0) - (y["idle_before_us"] or 0)}
+                   for k, (x, y) in enumerate(zip(a_pos, b_pos))),
+                  key=lambda d: -(d["us"] + d["idle_before_us"]))
+    return {"kernel_us": sum(d["us"] for d in diff), "idle_inside_us": sum(d["idle_before_us"] for d in diff),
+            "top": diff[:8]}
 
 
 def main() -> None:
@@ -91,16 +110,29 @@ def main() -> None:
             torch.cuda.synchronize()
         res[name] = {"kernels_per_step": per_step, **summarize(device_events(prof), per_step)}
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "positions"}), flush=True)
-    a_pos, b_pos = res["scheduled"]["positions"], res["constant"]["positions"]
-    if len(a_pos) == len(b_pos):  # the positions where the scheduled replay spends more
-        diff = sorted(({"at": k, "name": x["name"], "us": x["us"] - y["us"],
-                        "idle_before_us": (x["idle_before_us"] or 0) - (y["idle_before_us"] or 0)}
-                       for k, (x, y) in enumerate(zip(a_pos, b_pos))),
-                      key=lambda d: -(d["us"] + d["idle_before_us"]))
-        res["scheduled_minus_constant"] = {"kernel_us": sum(d["us"] for d in diff),
-                                           "idle_inside_us": sum(d["idle_before_us"] for d in diff),
-                                           "top": diff[:8]}
-        print("scheduled - constant", json.dumps(res["scheduled_minus_constant"]), flush=True)
+    # The same two loops in eager mode: what the changed values alone cost the kernels (the
+    # weights follow another path; any difference here is the data's, not the feeding's).
+    for name, scheduled in (("eager_scheduled", True), ("eager_constant", False)):
+        step, after, _ = make(256, 8, dev, scheduled, a.steps + 20, False)
+        for _ in range(10):
+            step(), after()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p1:
+            step()
+            torch.cuda.synchronize()
+        after()
+        per_step = len([e for e in device_events(p1) if "emcpy" not in e[2]])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.steps):
+                step(), after()
+            torch.cuda.synchronize()
+        res[name] = {"kernels_per_step": per_step, **summarize(device_events(prof), per_step)}
+        print(name, json.dumps({k: v for k, v in res[name].items() if k != "positions"}), flush=True)
+    for a_name, b_name in (("scheduled", "constant"), ("eager_scheduled", "eager_constant")):
+        diff = compare(res[a_name]["positions"], res[b_name]["positions"])
+        if diff is not None:
+            res[f"{a_name}_minus_{b_name}"] = diff
+            print(f"{a_name} - {b_name}", json.dumps(diff), flush=True)
     write_result(a.out, "schedule_gaps.json", res)
 
 
