@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--constant-first", action="store_true",
+                    help="build and capture the constant-lr step before the scheduled one")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/schedule.py measures graph mode: it needs CUDA")
@@ -99,17 +101,19 @@ def main() -> None:
         "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
         "model": f"MLP {args.depth}x{args.width}, batch 64, AdamW (default: foreach, lazy state)",
         "schedule": "OneCycleLR (lr and betas[0] change every step)", "steps": args.steps,
+        "captured_first": "constant" if args.constant_first else "scheduled",
     }
     from flowexec.runtime import fastcall
 
     res["call_check"] = fastcall.status()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sched_step, sched_after, sched_exe = make(args.width, args.depth, dev, True, args.steps, True)
-        const_step, const_after, const_exe = make(args.width, args.depth, dev, False, args.steps, True)
-        for _ in range(3):  # eager first call (lazy AdamW state), capture, one replay
-            sched_step(), sched_after()
-            const_step(), const_after()
+        built = {}
+        for scheduled in (False, True) if args.constant_first else (True, False):
+            built[scheduled] = make(args.width, args.depth, dev, scheduled, args.steps, True)
+            for _ in range(3):  # eager first call (lazy AdamW state), capture, one replay
+                built[scheduled][0](), built[scheduled][1]()
+        (sched_step, sched_after, sched_exe), (const_step, const_after, const_exe) = built[True], built[False]
         sched_us: list[float] = []
         const_us: list[float] = []
         sched_call: list[float] = []

@@ -36,6 +36,8 @@ for step in "$@"; do
                  --junitxml="$R/$step.xml" ;;  # issue 37: the training loops in graph mode
     schedule)  run_step $step 240 python3 benchmarks/schedule.py --out "$R" ;;  # OneCycleLR, 1,000 graph-mode steps
     schedule-gaps) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --out "$R" ;;  # where its extra µs go
+    schedule-cf) run_step $step 240 python3 benchmarks/schedule.py --constant-first --out "$R/cf" ;;  # capture order swapped
+    schedule-gaps-cf) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --constant-first --out "$R/cf" ;;
     item)      run_step $step 120 python3 benchmarks/item.py --user-loop --out "$R/item.json" ;;
     streams)   run_step $step 240 python3 benchmarks/streams.py --out "$R" ;;
     memory)    run_step $step 90 python3 benchmarks/memory.py --out "$R" ;;

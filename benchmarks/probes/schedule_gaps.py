@@ -90,10 +90,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--constant-first", action="store_true", help="build, capture and profile the constant loop first")
     a = ap.parse_args()
     dev = torch.device("cuda")
     res: dict[str, Any] = run_meta("PYTHONPATH=. python3 benchmarks/probes/schedule_gaps.py")
-    for name, scheduled in (("scheduled", True), ("constant", False)):
+    order = (("scheduled", True), ("constant", False))
+    for name, scheduled in order[::-1] if a.constant_first else order:
         step, after, _ = make(256, 8, dev, scheduled, a.steps + 20, True)
         for _ in range(10):  # eager first call, capture, warm replays
             step(), after()
