@@ -423,3 +423,113 @@ def test_input_buffers_after_the_trace_mode_fallback_says_why(stand_in_graphs):
         exe(p[1:])
     with pytest.raises(flowexec.OptionError, match="runs in trace mode"):
         exe.input_buffers
+
+
+# --- fed hyperparameters copied in by a graph's first node --------------------------------------
+
+class FakeEvent:
+    """A CUDA event stand-in: the log says when each was recorded and waited on."""
+
+    log: list[tuple[str, int]] = []
+
+    def __init__(self) -> None:
+        self.id = len(FakeEvent.log)
+
+    def record(self, stream: Any = None) -> None:
+        FakeEvent.log.append(("record", self.id))
+
+    def synchronize(self) -> None:
+        FakeEvent.log.append(("wait", self.id))
+
+
+class FakeNode:
+    """A graph's feed node: the staging copies it was aimed at; ``alive`` False once its graph is gone."""
+
+    def __init__(self) -> None:
+        self.sources: list[int] = []
+        self.alive = True
+
+    def point(self, src: int) -> bool:
+        if self.alive:
+            self.sources.append(src)
+        return self.alive
+
+
+def _device_feeds(monkeypatch: Any) -> tuple[Any, torch.Tensor, list[torch.Tensor], dict[str, float]]:
+    """Feeds of one lr whose buffer stands apart from its host copy, as a GPU's does."""
+    from flowexec.hyperparams import FeedSlot, Feeds
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    FakeEvent.log = []
+    cpu = torch.device("cpu")
+    group = {"lr": 0.1}
+    feeds = Feeds.build([FeedSlot("lr", group, "lr", -1, 0)], {cpu: torch.tensor([0.1], dtype=torch.float64)})
+    device_buffer = torch.tensor([0.1], dtype=torch.float64)  # what the program reads
+    feeds.buffers[cpu] = device_buffer
+    ring = [torch.zeros(1, dtype=torch.float64) for _ in range(3)]
+    feeds.staging[cpu] = ring
+    return feeds, device_buffer, ring, group
+
+
+def test_fed_values_reach_graphs_through_their_nodes_in_turn(monkeypatch):
+    feeds, buf, ring, group = _device_feeds(monkeypatch)
+    cpu = torch.device("cpu")
+    src = feeds.graph_source(cpu)  # the first graph: the values now, in the first staging copy
+    assert src is ring[0] and ring[0].item() == 0.1
+    first, second = FakeNode(), FakeNode()
+    feeds.attach_node(cpu, first)
+    assert feeds.graph_source(cpu) is ring[0]  # a second graph copies from the same place
+    feeds.attach_node(cpu, second)
+    for step, lr in enumerate((0.2, 0.3, 0.4, 0.5)):
+        group["lr"] = lr
+        assert feeds.refresh() == -1
+        k = (step + 1) % 3
+        assert ring[k].item() == lr  # written to the next staging copy ...
+        assert first.sources[-1] == second.sources[-1] == ring[k].data_ptr()  # ... both graphs aimed at it
+        assert buf.item() == 0.1  # and no copy into the buffer from outside: the graphs copy it in
+    # Each change marks the copy it leaves (the replays queued so far are its last readers) and
+    # waits for the one it takes, once that one was left before.
+    assert [a for a, _ in FakeEvent.log] == ["record", "record", "record", "wait", "record", "wait"]
+    feeds.refresh()  # nothing changed: nothing written, nothing re-aimed
+    assert len(first.sources) == 4 and len(FakeEvent.log) == 6
+
+
+def test_fed_values_are_copied_in_from_outside_for_graphs_without_a_node(monkeypatch):
+    feeds, buf, ring, group = _device_feeds(monkeypatch)
+    cpu = torch.device("cpu")
+    feeds.graph_source(cpu)
+    node = FakeNode()
+    feeds.attach_node(cpu, node)
+    feeds.attach_direct(cpu)  # another graph of the program reads the buffer as it is
+    group["lr"] = 0.2
+    feeds.refresh()
+    assert buf.item() == 0.2 and node.sources == [ring[1].data_ptr()]
+    direct = feeds.direct.pop(cpu)
+    assert direct == 1
+    node.alive = False  # its graph is gone: dropped, and the buffer is written from outside again
+    group["lr"] = 0.3
+    feeds.refresh()
+    assert feeds.nodes[cpu] == [] and buf.item() == 0.3
+    group["lr"] = 0.4  # with no graph copying in, the copy path as before
+    feeds.refresh()
+    assert buf.item() == 0.4
+
+
+def test_the_native_check_hands_a_change_to_the_graphs_nodes(monkeypatch):
+    from flowexec.guards import GuardSet
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    feeds, buf, ring, group = _device_feeds(monkeypatch)
+    cpu = torch.device("cpu")
+    ring[:] = []  # (the C++ check takes pinned staging copies only; these stand-ins are not)
+    gs = GuardSet((), feeds)
+    gs.attach(fastcall.guard_checker(gs))
+    uploads: list[float] = []
+    feeds.uploaders[cpu].append(lambda: uploads.append(feeds.host_tensors[cpu].item()))
+    group["lr"] = 0.25
+    assert gs.native().check() == -1
+    assert uploads == [0.25] and buf.item() == 0.1  # the C++ check wrote the host copy, Python the rest
