@@ -293,8 +293,7 @@ class Executable:
                 mutated = state_mutated + [targs[k] for k in mutated_inputs if borrow[k]]
                 return CudaGraphRunner(run, targs, mutated, borrow=borrow, state=prog.state.values(),
                                        mutated_inputs=mutated_inputs, unprotected_outputs=bound,
-                                       warmup=self.warmup, before_replay=self._fence if fetch else None,
-                                       feeds=cap.guards.feeds if cap.guards is not None else None)
+                                       warmup=self.warmup, before_replay=self._fence if fetch else None)
 
             borrow = borrowed_inputs(targs, mutated_inputs)
             shared = sharing_positions(targs)

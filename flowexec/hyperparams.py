@@ -155,17 +155,6 @@ class Feeds:
     staging: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
     _events: dict[torch.device, list[Any]] = field(default_factory=dict)
     _turn: dict[torch.device, int] = field(default_factory=dict)
-    # Per device buffer: the CUDA graphs that copy the values in themselves, with their first
-    # node, from the staging copy the last change was written to (objects with ``point(ptr) ->
-    # bool``: re-aim at another staging copy; False once their graph is gone). While a device
-    # has one, a change is a write into the next staging copy and a re-point, and no copy is
-    # launched between two replays (on the H200 that copy and its event cost a 290 µs step
-    # 2.5 µs of idle device). ``direct``: graphs of the program that do not, so the buffer is
-    # written from outside as well. ``uploaders``: what the C++ check calls instead of copying
-    # itself (``upload`` of that device, once a graph copies in).
-    nodes: dict[torch.device, list[Any]] = field(default_factory=dict)
-    direct: dict[torch.device, int] = field(default_factory=dict)
-    uploaders: dict[torch.device, list[Callable[[], None]]] = field(default_factory=dict)
 
     RING = 4
 
@@ -198,59 +187,15 @@ class Feeds:
         if not ring:
             buf.copy_(host)
             return
-        events = self._events.setdefault(d, [None] * len(ring))
-        if self.nodes.get(d):
-            self._point_nodes(d, ring, events)
-            return
         k = self._turn.get(d, 0)
         self._turn[d] = (k + 1) % len(ring)
+        events = self._events.setdefault(d, [None] * len(ring))
         if events[k] is not None:
             events[k].synchronize()
         ring[k].copy_(host)
         buf.copy_(ring[k], non_blocking=True)
         events[k] = torch.cuda.Event()
         events[k].record()
-
-    def _point_nodes(self, d: torch.device, ring: list[torch.Tensor], events: list[Any]) -> None:
-        """A change while graphs copy the values in: the next staging copy gets them, and every
-        graph's node is re-aimed at it (only launches after this see it)."""
-        j = self._turn[d]  # what the nodes read now: the replays queued so far are its last readers
-        k = (j + 1) % len(ring)
-        events[j] = torch.cuda.Event()
-        events[j].record(torch.cuda.current_stream(d))
-        if events[k] is not None:  # recorded when the nodes last left copy k
-            events[k].synchronize()
-        ring[k].copy_(self.host_tensors[d])
-        self.nodes[d][:] = [n for n in self.nodes[d] if n.point(ring[k].data_ptr())]
-        self._turn[d] = k
-        if self.direct.get(d) or not self.nodes[d]:
-            self.buffers[d].copy_(ring[k], non_blocking=True)
-
-    def graph_source(self, d: torch.device) -> torch.Tensor | None:
-        """The pinned copy a graph about to be captured should copy device ``d``'s buffer from
-        (its first node; it holds the values now), or None where values reach ``d`` otherwise.
-        Then :meth:`attach_node` with the node found in the graph, or :meth:`attach_direct`."""
-        ring = self.staging.get(d)
-        if not ring:
-            return None
-        if not self.nodes.get(d):  # the first such graph: the copies launched so far are done
-            torch.cuda.synchronize(d)
-            self._turn[d] = 0
-            self._events[d] = [None] * len(ring)
-            ring[0].copy_(self.host_tensors[d])
-            self.nodes[d] = []
-        return ring[self._turn[d]]
-
-    def attach_node(self, d: torch.device, node: Any) -> None:
-        """A graph whose first node copies device ``d``'s values in (see :meth:`graph_source`)."""
-        self.nodes[d].append(node)
-        calls = self.uploaders.setdefault(d, [])
-        if not calls:
-            calls.append(lambda: self.upload(d))
-
-    def attach_direct(self, d: torch.device) -> None:
-        """A graph of this program that reads device ``d``'s buffer without copying it in."""
-        self.direct[d] = self.direct.get(d, 0) + 1
 
     def refresh(self) -> int:
         """Copy changed values in; -1 when the program fits them, else the index of a slot whose
@@ -287,12 +232,11 @@ class Feeds:
         return min(self.failing.values()) if self.failing else -1
 
     def native_spec(self) -> tuple[list[tuple], list[torch.Tensor], list[torch.Tensor], list[tuple],
-                                   list[list[torch.Tensor]], list[list[Callable[[], None]]]]:
+                                   list[list[torch.Tensor]]]:
         """What the C++ check (``csrc/guards.cpp``) takes: per slot (group, key, index, device,
         position, whether a host read it cannot evaluate depends on it); the host copies,
         buffers and pinned staging copies per device; the host reads of the form ``value <op>
-        constant`` it evaluates; per device the list whose call uploads instead of the C++ copy
-        (empty until a graph copies the values in itself: :meth:`attach_node`)."""
+        constant`` it evaluates."""
         devices = list(self.buffers)
         simple: dict[int, tuple] = {}
         for k, r in enumerate(self.reads):
@@ -304,8 +248,7 @@ class Feeds:
             other = any(k not in simple for k in self.dependents.get(i, ()))
             feeds.append((s.group, s.key, s.index, devices.index(s.device), s.position, other))
         return (feeds, [self.host_tensors[d] for d in devices], [self.buffers[d] for d in devices],
-                list(simple.values()), [self.staging.get(d, []) for d in devices],
-                [self.uploaders.setdefault(d, []) for d in devices])
+                list(simple.values()), [self.staging.get(d, []) for d in devices])
 
     def fused_group(self, i: int) -> dict[str, Any] | None:
         """The param group of slot ``i`` where a fused kernel reads it on the host (it takes the

@@ -28,7 +28,7 @@ import torch
 from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
-from .staging import FeedNode, StagingNodes, graph_node_count, memcpy_nodes, memcpy_runtime
+from .staging import StagingNodes, graph_node_count, memcpy_runtime
 from ..storage import mark_stable
 
 __all__ = ["CudaGraphRunner", "HandedOutputs", "StagingNodes", "capture_graph", "capture_stream",
@@ -201,7 +201,6 @@ class CudaGraphRunner:
         grad_candidates: Callable[[], Sequence[torch.Tensor]] | None = None,
         stage_in_graph: bool = True,
         keep_borrowed: bool = True,
-        feeds: Any = None,
     ) -> None:
         self.before_replay = before_replay
         tensors = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
@@ -227,47 +226,29 @@ class CudaGraphRunner:
         # parameters and optimizer state: GPT-2 124M's 1.5 GB).
         snapshot = host_snapshot(mutated)
         static = self.static_inputs
-        # Fed hyperparameters (an LR schedule's values) copied in by the graph's first nodes,
-        # from the pinned copy the last change went to (Feeds re-aims them): no copy of
-        # them is launched between two replays.
-        fed = {} if feeds is None or rt is None else {
-            d: (buf, src) for d, buf in feeds.buffers.items()
-            if d.type == "cuda" and (src := feeds.graph_source(d)) is not None}
 
-        def capture(in_graph: dict[int, torch.Tensor], fed: dict[Any, tuple[torch.Tensor, torch.Tensor]]
-                    ) -> tuple[torch.cuda.CUDAGraph, Any]:
+        def capture(in_graph: dict[int, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, Any]:
             # The copies stay one chain ahead of the program: parallel branches would end CUDA's
             # constant-time launch of straight-line graphs (measured: 3.6 -> 4.4 µs per launch).
             def body() -> list[Any]:
-                for buf, src in fed.values():
-                    buf.copy_(src, non_blocking=True)
                 for i, a in in_graph.items():
                     static[i].copy_(a)
                 return run(*static)
-            graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph or fed))
+            graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph))
             with torch.no_grad():
                 for t, saved in snapshot:
                     t.copy_(saved)
             return graph, outs
 
-        self.graph, outs = capture(in_graph, fed)
+        self.graph, outs = capture(in_graph)
         self.staging: StagingNodes | None = None
-        found = memcpy_nodes(rt, self.graph) if fed else {}
-        fed_nodes = {d: found.get((buf.data_ptr(), src.data_ptr())) for d, (buf, src) in fed.items()}
-        staging = StagingNodes.from_graph(rt, self.graph, {i: static[i] for i in in_graph}, in_graph) if in_graph else None
-        if (staging is not None and len(staging.index) < len(in_graph)) or None in fed_nodes.values():
-            # a copy became something other than a memcpy node: stage every input from Python,
-            # and the fed values are copied into their buffers from outside
-            del staging, outs
-            self.graph, outs = capture({}, {})
-            staging, fed_nodes = None, {d: None for d in fed}
-        self.staging = staging
-        if feeds is not None:
-            for d in feeds.buffers:
-                if fed_nodes.get(d) is not None:
-                    feeds.attach_node(d, FeedNode(rt, self.graph, fed_nodes[d], feeds.buffers[d]))
-                elif d.type == "cuda":
-                    feeds.attach_direct(d)
+        if in_graph:
+            staging = StagingNodes.from_graph(rt, self.graph, {i: static[i] for i in in_graph}, in_graph)
+            if len(staging.index) == len(in_graph):
+                self.staging = staging
+            else:  # a copy became something other than a memcpy node: stage every input from Python
+                del staging, outs
+                self.graph, outs = capture({})
         if not keep_borrowed:
             for i, _ in self._borrowed:
                 static[i] = None

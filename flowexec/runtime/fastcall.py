@@ -137,10 +137,10 @@ def guard_checker(guards: Any) -> Any | None:
     mod = load()
     if mod is None or not hasattr(mod, "GuardChecker"):
         return None
-    spec = guards.feeds.native_spec() if guards.feeds is not None else ([], [], [], [], [], [])
-    feeds, hosts, devices, predicates, staging, uploaders = spec
+    spec = guards.feeds.native_spec() if guards.feeds is not None else ([], [], [], [], [])
+    feeds, hosts, devices, predicates, staging = spec
     try:
-        return mod.GuardChecker(guards.records(), feeds, hosts, devices, predicates, staging, uploaders)
+        return mod.GuardChecker(guards.records(), feeds, hosts, devices, predicates, staging)
     except (RuntimeError, TypeError, ValueError):
         return None
 

@@ -1,9 +1,7 @@
-"""Per-call inputs staged by memcpy nodes inside a captured CUDA graph (see :class:`StagingNodes`),
-and the node that copies fed hyperparameters in (:class:`FeedNode`)."""
+"""Per-call inputs staged by memcpy nodes inside a captured CUDA graph (see :class:`StagingNodes`)."""
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, Sequence
 
 import torch
@@ -56,7 +54,17 @@ class StagingNodes:
     def from_graph(cls, rt: Any, graph: torch.cuda.CUDAGraph, statics: dict[int, torch.Tensor],
                    example: dict[int, torch.Tensor]) -> StagingNodes:
         """Find the memcpy node of each staged input by its (static buffer, example) addresses."""
-        by_addr = memcpy_nodes(rt, graph)
+        g = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
+        err, _, n = rt.cudaGraphGetNodes(g, 0)
+        err, nodes, n = rt.cudaGraphGetNodes(g, n)
+        _check(rt, err, "cudaGraphGetNodes")
+        by_addr: dict[tuple[int, int], Any] = {}
+        for node in nodes:
+            err, kind = rt.cudaGraphNodeGetType(node)
+            if err == rt.cudaError_t.cudaSuccess and kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
+                err, prm = rt.cudaGraphMemcpyNodeGetParams(node)
+                if err == rt.cudaError_t.cudaSuccess:
+                    by_addr.setdefault((int(prm.dstPtr.ptr), int(prm.srcPtr.ptr)), node)
         entries = []
         for i, st in statics.items():
             node = by_addr.get((st.data_ptr(), example[i].data_ptr()))
@@ -86,44 +94,6 @@ class StagingNodes:
         _check(rt, rt.cudaGraphExecMemcpyNodeSetParams1D(self.exec, self.nodes[k], self.dst[k], ptr, self.nbytes[k],
                                                          self._d2d)[0], "cudaGraphExecMemcpyNodeSetParams1D")
         self.src[k] = ptr
-
-
-def memcpy_nodes(rt: Any, graph: torch.cuda.CUDAGraph) -> dict[tuple[int, int], Any]:
-    """The memcpy nodes of a graph captured with ``keep_graph``, by (destination, source) address."""
-    g = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
-    err, _, n = rt.cudaGraphGetNodes(g, 0)
-    err, nodes, n = rt.cudaGraphGetNodes(g, n)
-    _check(rt, err, "cudaGraphGetNodes")
-    by_addr: dict[tuple[int, int], Any] = {}
-    for node in nodes:
-        err, kind = rt.cudaGraphNodeGetType(node)
-        if err == rt.cudaError_t.cudaSuccess and kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
-            err, prm = rt.cudaGraphMemcpyNodeGetParams(node)
-            if err == rt.cudaError_t.cudaSuccess:
-                by_addr.setdefault((int(prm.dstPtr.ptr), int(prm.srcPtr.ptr)), node)
-    return by_addr
-
-
-class FeedNode:
-    """A graph's first node, copying fed hyperparameters in from a pinned staging copy
-    (:class:`~flowexec.hyperparams.Feeds` re-aims it when the values change)."""
-
-    def __init__(self, rt: Any, graph: torch.cuda.CUDAGraph, node: Any, buffer: torch.Tensor) -> None:
-        self.rt = rt
-        self.graph = weakref.ref(graph)  # a graph that is gone has no node to re-aim
-        self.exec = rt.cudaGraphExec_t(init_value=graph.raw_cuda_graph_exec())
-        self.node = node
-        self.dst = buffer.data_ptr()
-        self.nbytes = buffer.numel() * buffer.element_size()
-        self._h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-
-    def point(self, src: int) -> bool:
-        """Copy from ``src`` in the launches from now on; False where the graph is gone."""
-        if self.graph() is None:
-            return False
-        _check(self.rt, self.rt.cudaGraphExecMemcpyNodeSetParams1D(self.exec, self.node, self.dst, src, self.nbytes,
-                                                                   self._h2d)[0], "cudaGraphExecMemcpyNodeSetParams1D")
-        return True
 
 
 def graph_node_count(graph: torch.cuda.CUDAGraph) -> int | None:
