@@ -38,6 +38,9 @@ for step in "$@"; do
     schedule-gaps) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --out "$R" ;;  # where its extra µs go
     schedule-cf) run_step $step 240 python3 benchmarks/schedule.py --constant-first --out "$R/cf" ;;  # capture order swapped
     schedule-gaps-cf) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --constant-first --out "$R/cf" ;;
+    schedule-gaps-prime) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --prime --out "$R/prime" ;;
+    scale-llama-peers) run_step $step 400 python3 benchmarks/scale.py --models llama_207m \
+                 --variants eager,inductor,fx_graph_fused --no-warm --timeout 240 -o "$R/scale_llama_207m.json" ;;
     item)      run_step $step 120 python3 benchmarks/item.py --user-loop --out "$R/item.json" ;;
     streams)   run_step $step 240 python3 benchmarks/streams.py --out "$R" ;;
     memory)    run_step $step 90 python3 benchmarks/memory.py --out "$R" ;;

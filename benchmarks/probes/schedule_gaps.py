@@ -91,9 +91,25 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--constant-first", action="store_true", help="build, capture and profile the constant loop first")
+    ap.add_argument("--prime", action="store_true",
+                    help="capture and replay a tiny plain torch graph (a copy and a matmul) before either loop")
     a = ap.parse_args()
     dev = torch.device("cuda")
     res: dict[str, Any] = run_meta("PYTHONPATH=. python3 benchmarks/probes/schedule_gaps.py")
+    res["primed"] = a.prime
+    if a.prime:  # whether the first graph's memcpy32_post copies are the process's first graph's
+        u, v = torch.randn(64, 64, device=dev), torch.empty(64, 64, device=dev)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            v.copy_(u), u @ v
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            v.copy_(u)
+            u @ v
+        g.replay()
+        torch.cuda.synchronize()
     order = (("scheduled", True), ("constant", False))
     for name, scheduled in order[::-1] if a.constant_first else order:
         step, after, _ = make(256, 8, dev, scheduled, a.steps + 20, True)
