@@ -22,7 +22,7 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -141,6 +141,9 @@ class _Compiled:
     grad_inputs: tuple[torch.Tensor, ...] = ()
     # Parameters whose .grad the program neither reads nor keeps: dropped before each run
     discarded_grads: tuple[torch.Tensor, ...] = ()
+    # Where build_seconds went: capture, plan (without fusion's compiler: fuse_compile), lower,
+    # runner (graph mode's warm-up and CUDA-graph capture)
+    build_phases: dict[str, float] = field(default_factory=dict)
 
     def tensors(self, leaves: Sequence[Any]) -> list[Any] | None:
         """The program's tensor inputs for a call with these leaves; None where a parameter whose
@@ -245,7 +248,7 @@ class Executable:
         if self._parked is not None:  # (an executable dropped while they wait gives them back)
             weakref.finalize(self, self._parked.restore)
         try:
-            return self._plan_and_lower(cap, args, tree, paths, t0)
+            return self._plan_and_lower(cap, args, tree, paths, t0, time.perf_counter() - t0)
         except BaseException:
             self._give_back_parked()
             raise
@@ -265,10 +268,14 @@ class Executable:
             self._parked.restore()
             self._parked = None
 
-    def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float) -> _Compiled:
+    def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float,
+                        capture_s: float = 0.0) -> _Compiled:
+        t1 = time.perf_counter()
         plan = plan_for(cap.program, self.mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
                         fuse_lerp=self.fuse_lerp, **self.memory_options)
+        t2 = time.perf_counter()
         run = lower_for(plan, self.mode, *self._worker_opts)
+        t3 = time.perf_counter()
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
@@ -312,10 +319,14 @@ class Executable:
         guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
         if guards is not None:  # checked in C++ where the extension is built (the Python check else)
             guards.attach(fastcall.guard_checker(guards))
+        t4 = time.perf_counter()
+        fuse_s = plan.fusion.compile_seconds if plan.fusion is not None else 0.0
+        phases = {"capture": capture_s, "plan": t2 - t1 - fuse_s, "fuse_compile": fuse_s, "lower": t3 - t2,
+                  "runner": t4 - t3}
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
-                         time.perf_counter() - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
+                         t4 - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
                          runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs),
-                         tuple(cap.discarded_grads))
+                         tuple(cap.discarded_grads), build_phases=phases)
 
     def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
                        fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -742,6 +753,20 @@ class Executable:
     def build_seconds(self) -> float:
         """Seconds the most recent capture + plan + lower (+ graph capture) took."""
         return self._captured("build_seconds").build_seconds
+
+    @property
+    def build_phases(self) -> dict[str, float]:
+        """Where :attr:`build_seconds` went, in seconds: ``capture`` (tracing fn), ``plan``
+        (the passes, without fusion's compiler), ``fuse_compile`` (Inductor compiling the fused
+        regions), ``lower`` and ``runner`` (graph mode's warm-up and CUDA-graph capture, the
+        C++ check's set-up).
+
+        >>> import torch, flowexec
+        >>> exe = flowexec.compile(lambda x: (x * 2).sum(), torch.ones(3), mode="trace")
+        >>> sorted(exe.build_phases)
+        ['capture', 'fuse_compile', 'lower', 'plan', 'runner']
+        """
+        return dict(self._captured("build_phases").build_phases)
 
     def __repr__(self) -> str:
         return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)} programs={sum(map(len, self._cache.values()))}>"

@@ -117,6 +117,12 @@ def test_equal_regions_share_one_kernel_and_explain_lists_them():
     exe = flowexec.compile(lambda x: layers(x) * 2, x, fuse="inductor")
     st = exe.plan.stats()
     assert st["fused_regions"] == 4 and st["fused_kernels"] == 2, st  # the last block's region also has the * 2
+    # The build's time, by phase: the compiler's share is the fusion report's (the regions
+    # compiled here), and the phases add up to the whole build.
+    phases = exe.build_phases
+    assert sorted(phases) == ["capture", "fuse_compile", "lower", "plan", "runner"]
+    assert phases["fuse_compile"] == exe.plan.fusion.compile_seconds > 0 and min(phases.values()) >= 0
+    assert abs(sum(phases.values()) - exe.build_seconds) < 0.05 * exe.build_seconds
     text = exe.explain()
     assert text.splitlines()[0].startswith("4 fused regions (2 kernels") and text.count("shared") == 2
     assert "native_layer_norm, tanh" in text  # the program text names what a fused op runs
