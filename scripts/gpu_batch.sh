@@ -41,6 +41,9 @@ for step in "$@"; do
     schedule-gaps-prime) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --prime --out "$R/prime" ;;
     scale-llama-peers) run_step $step 400 python3 benchmarks/scale.py --models llama_207m \
                  --variants eager,inductor,fx_graph_fused --no-warm --timeout 240 -o "$R/scale_llama_207m.json" ;;
+    first-graph) run_step $step 240 bash -c "python3 benchmarks/probes/first_graph.py --out '$R/fg' && \
+                 python3 benchmarks/probes/first_graph.py --no-stage-in-graph --out '$R/fg_python' && \
+                 python3 benchmarks/probes/first_graph.py --touch-bindings --out '$R/fg_touch'" ;;  # the memcpy32_post graph
     item)      run_step $step 120 python3 benchmarks/item.py --user-loop --out "$R/item.json" ;;
     streams)   run_step $step 240 python3 benchmarks/streams.py --out "$R" ;;
     memory)    run_step $step 90 python3 benchmarks/memory.py --out "$R" ;;
