@@ -739,6 +739,7 @@ def parent_main(a: argparse.Namespace) -> None:
                     res["build_s_warm_error"] = w["error"]
                 else:
                     res["build_s_warm"] = w.get("build_s")
+                    res["flowexec_build_phases_warm"] = w.get("flowexec_build_phases")
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         for k in ("model_desc", "params", "units_per_step", "unit"):
