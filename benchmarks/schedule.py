@@ -113,7 +113,7 @@ def main() -> None:
             built[scheduled] = make(args.width, args.depth, dev, scheduled, args.steps, True)
             for _ in range(3):  # eager first call (lazy AdamW state), capture, one replay
                 built[scheduled][0](), built[scheduled][1]()
-        (sched_step, sched_after, sched_exe), (const_step, const_after, const_exe) = built[True], built[False]
+        (sched_step, sched_after, sched_exe), (const_step, const_after, _) = built[True], built[False]
         sched_us: list[float] = []
         const_us: list[float] = []
         sched_call: list[float] = []

@@ -17,19 +17,17 @@ runtime bindings; no ``keep_graph``); ``--touch-bindings`` makes one runtime-bin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks"), os.path.join(_ROOT, "benchmarks", "probes")]
 from ops import run_meta, write_result  # noqa: E402
 from schedule import make  # noqa: E402
-from schedule_gaps import compare, device_events, summarize  # noqa: E402
+from schedule_gaps import compare, profile_loop  # noqa: E402
 
 
 def main() -> None:
@@ -53,22 +51,13 @@ def main() -> None:
         rt = memcpy_runtime()
         res["bindings"] = rt is not None and str(rt.cudaGetDevice())
     loops = []
-    for _ in range(a.copies):
-        step, after, _ = make(256, 8, dev, False, a.steps + 20, True)
-        for _ in range(5):  # eager first call, capture, replays
-            step(), after()
-        loops.append(step)
-    torch.cuda.synchronize()
-    for k, step in enumerate(loops):
-        with profile(activities=[ProfilerActivity.CUDA]) as p1:
+    for _ in range(a.copies):  # all captured before any is profiled
+        step, _, _ = make(256, 8, dev, False, a.steps + 20, True)
+        for _ in range(3):  # eager first call, capture, a replay
             step()
-            torch.cuda.synchronize()
-        per_step = len([e for e in device_events(p1) if "emcpy" not in e[2]])
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(a.steps):
-                step()
-            torch.cuda.synchronize()
-        res[f"copy{k}"] = {"kernels_per_step": per_step, **summarize(device_events(prof), per_step)}
+        loops.append(step)
+    for k, step in enumerate(loops):
+        res[f"copy{k}"] = profile_loop(step, lambda: None, a.steps)
     last = res[f"copy{a.copies - 1}"]
     for k in range(a.copies):
         r = res[f"copy{k}"]

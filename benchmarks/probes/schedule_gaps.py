@@ -15,7 +15,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -73,6 +73,25 @@ def summarize(events: list[tuple[float, float, str]], kernels_per_step: int) -> 
     }
 
 
+def profile_loop(step: Callable[[], Any], after: Callable[[], None], steps: int) -> dict[str, Any]:
+    """``step`` (then ``after``) warmed up (eager first call, capture, replays), one step
+    profiled alone for its kernel count, then ``steps`` under the profiler: :func:`summarize`'s
+    figures."""
+    for _ in range(10):
+        step(), after()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p1:
+        step()
+        torch.cuda.synchronize()
+    after()
+    per_step = len([e for e in device_events(p1) if "emcpy" not in e[2]])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(), after()
+        torch.cuda.synchronize()
+    return {"kernels_per_step": per_step, **summarize(device_events(prof), per_step)}
+
+
 def compare(a_pos: list[dict[str, Any]], b_pos: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Kernel and idle time the first loop spends more than the second, summed over positions,
     and the positions that differ most (None where the loops' kernels do not line up)."""
@@ -112,39 +131,12 @@ def main() -> None:
         torch.cuda.synchronize()
     order = (("scheduled", True), ("constant", False))
     for name, scheduled in order[::-1] if a.constant_first else order:
-        step, after, _ = make(256, 8, dev, scheduled, a.steps + 20, True)
-        for _ in range(10):  # eager first call, capture, warm replays
-            step(), after()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p1:  # one replay alone: its kernel count
-            step()
-            torch.cuda.synchronize()
-        after()
-        alone = device_events(p1)
-        per_step = len([e for e in alone if "emcpy" not in e[2]])
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(a.steps):
-                step(), after()
-            torch.cuda.synchronize()
-        res[name] = {"kernels_per_step": per_step, **summarize(device_events(prof), per_step)}
+        res[name] = profile_loop(*make(256, 8, dev, scheduled, a.steps + 20, True)[:2], a.steps)
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "positions"}), flush=True)
     # The same two loops in eager mode: what the changed values alone cost the kernels (the
     # weights follow another path; any difference here is the data's, not the feeding's).
     for name, scheduled in (("eager_scheduled", True), ("eager_constant", False)):
-        step, after, _ = make(256, 8, dev, scheduled, a.steps + 20, False)
-        for _ in range(10):
-            step(), after()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p1:
-            step()
-            torch.cuda.synchronize()
-        after()
-        per_step = len([e for e in device_events(p1) if "emcpy" not in e[2]])
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(a.steps):
-                step(), after()
-            torch.cuda.synchronize()
-        res[name] = {"kernels_per_step": per_step, **summarize(device_events(prof), per_step)}
+        res[name] = profile_loop(*make(256, 8, dev, scheduled, a.steps + 20, False)[:2], a.steps)
         print(name, json.dumps({k: v for k, v in res[name].items() if k != "positions"}), flush=True)
     for a_name, b_name in (("scheduled", "constant"), ("eager_scheduled", "eager_constant")):
         diff = compare(res[a_name]["positions"], res[b_name]["positions"])
