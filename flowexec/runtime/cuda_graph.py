@@ -109,8 +109,9 @@ def capture_stream(device: int | None = None) -> torch.cuda.Stream:
     H200): warming each graph up on a stream of its own left one behind per capture (GPipe-order
     micro-batches through the backend reserved 356 MiB against eager's 70), and a warm-up on
     another stream than the capture's left the capture stream's workspace to be allocated inside
-    the first graph's private pool. Graphs captured here share the capture stream's workspace,
-    as graphs captured on ``torch.cuda.graph``'s default stream do: replay them one at a time.
+    the first graph's private pool. :func:`capture_graph` now clears the cached workspaces
+    around each capture (Inductor's scheme), so each graph's own lives in its private pool;
+    the shared stream still keeps warm-ups from leaving one workspace per stream behind.
     """
     index = torch.cuda.current_device() if device is None else device
     stream = _CAPTURE_STREAMS.get(index)
