@@ -9,7 +9,11 @@ of the lent host. Reported: programs captured and RecaptureWarnings over the 1,0
 steps (both must be 1 and 0), the median step time of each, their ratio, and the noise: the
 spread of the constant runs' rounds around their median. Also timed: eager steps of each, for scale.
 
+The scheduled step is built and captured first unless ``--constant-first``: the first graph
+flowexec captures in a process runs slower (docs/training.md), so run both orders.
+
     PYTHONPATH=. python3 benchmarks/schedule.py            # writes benchmarks/results/schedule.json
+    PYTHONPATH=. python3 benchmarks/schedule.py --constant-first --out DIR
     PYTHONPATH=. python3 benchmarks/schedule.py --width 1024 --depth 8
 """
 from __future__ import annotations
