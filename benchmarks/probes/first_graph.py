@@ -4,8 +4,11 @@
 first runs its memcpy nodes as ``memcpy32_post`` kernels (the other: the copy engine's
 ``Memcpy DtoD``) and its forward GEMMs 0.3-0.4 µs longer each, whichever step it is; a plain
 torch graph captured before both changes nothing. This captures the same MLP step (default
-AdamW, constant lr) ``--copies`` times under one set of options, profiles 200 replays of each,
-and reports per copy the kinds of its memcpys and its kernel time against the last copy's:
+AdamW, constant lr) ``--copies`` times under one set of options, times each in alternating
+rounds without the profiler (schedule.py's order effect), then profiles 200 replays of each
+and reports per copy the kinds of its memcpys and its kernel time against the last copy's
+(all are captured before the profiler first runs: if only the first copy differs, the capture
+order decides; if all do, the profiler's late start):
 
     PYTHONPATH=. python3 benchmarks/probes/first_graph.py [--out DIR]
         [--no-stage-in-graph] [--touch-bindings] [--copies 3]
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -56,6 +61,20 @@ def main() -> None:
         for _ in range(3):  # eager first call, capture, a replay
             step()
         loops.append(step)
+    # Without the profiler first (CUPTI, once on, may see graphs instantiated before it
+    # differently): each copy's step time over alternating rounds, host drift shared.
+    rounds: list[list[float]] = [[] for _ in loops]
+    for _ in range(7):
+        for k, step in enumerate(loops):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            for _ in range(100):
+                step()
+            torch.cuda.synchronize()
+            rounds[k].append((time.perf_counter_ns() - t0) / 100 / 1e3)
+    res["step_us_median"] = [statistics.median(r) for r in rounds]
+    res["step_us_rounds"] = rounds
+    print("µs a step, by copy (no profiler):", [round(x, 1) for x in res["step_us_median"]], flush=True)
     for k, step in enumerate(loops):
         res[f"copy{k}"] = profile_loop(step, lambda: None, a.steps)
     last = res[f"copy{a.copies - 1}"]
