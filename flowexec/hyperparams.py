@@ -204,6 +204,7 @@ class Feeds:
         leaves the buffers as the other expects)."""
         dirty: set[torch.device] = set()
         recheck: set[int] = set()
+        was: list[tuple[FeedSlot, Any, Any]] = []
         bad = -1
         for i, s in enumerate(self.slots):
             v = s.current()
@@ -213,12 +214,22 @@ class Feeds:
             host = self.hosts[s.device]
             if host[s.position] == v:
                 continue
+            was.append((s, host[s.position], s.last))
             host[s.position] = v
             s.last = v
             dirty.add(s.device)
             recheck.update(self.dependents.get(i, ()))
-        for d in dirty:  # the buffers always hold the host values, whatever the verdict
-            self.upload(d)
+        try:
+            for d in dirty:  # the buffers always hold the host values, whatever the verdict
+                self.upload(d)
+        except BaseException:
+            # An upload that did not happen (Ctrl-C while it waited for a staging copy) must not
+            # leave the host copy saying it did: the next call would see no change and the
+            # program would keep the old values. Take the change back; that call uploads it.
+            for s, old, last in was:
+                self.hosts[s.device][s.position] = old
+                s.last = last
+            raise
         if recheck:
             values = [float(self.hosts[s.device][s.position]) for s in self.slots]
             for k in recheck:

@@ -539,3 +539,25 @@ def test_the_fused_program_a_schedule_retires_leaves_the_cache() -> None:
     gc.collect()
     assert fused() is None  # nothing holds it (its CUDA graph and pool, in graph mode)
     assert opt.param_groups[0]["fused"] is True  # (the user's group as they made it)
+
+
+def test_an_interrupted_upload_is_taken_back_and_made_by_the_next_call(monkeypatch):
+    """Ctrl-C while an upload waits for a staging copy (a host far ahead of the GPU waits there
+    on most steps) must not leave the host copy claiming the new value: the next call would see
+    no change, and the program would go on with the old lr."""
+    from flowexec.hyperparams import FeedSlot, Feeds
+
+    cpu = torch.device("cpu")
+    group = {"lr": 0.1}
+    feeds = Feeds.build([FeedSlot("lr", group, "lr", -1, 0)], {cpu: torch.tensor([0.1], dtype=torch.float64)})
+    feeds.buffers[cpu] = buf = torch.tensor([0.1], dtype=torch.float64)  # a buffer apart, as a GPU's
+    upload = Feeds.upload
+
+    def interrupted(self: Feeds, d: torch.device) -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Feeds, "upload", interrupted)
+    group["lr"] = 0.2
+    with pytest.raises(KeyboardInterrupt):
+        feeds.refresh()
+    monkeypatch.setattr(Feeds, "upload", upload)
+    assert feeds.refresh() == -1 and buf.item() == 0.2 and feeds.slots[0].last == 0.2
