@@ -144,6 +144,8 @@ class _Compiled:
     # Where build_seconds went: capture, plan (without fusion's compiler: fuse_compile), lower,
     # runner (graph mode's warm-up and CUDA-graph capture)
     build_phases: dict[str, float] = field(default_factory=dict)
+    # torch.cuda.max_memory_allocated() after capture, plan and runner (None off CUDA)
+    build_peaks: dict[str, int | None] = field(default_factory=dict)
 
     def tensors(self, leaves: Sequence[Any]) -> list[Any] | None:
         """The program's tensor inputs for a call with these leaves; None where a parameter whose
@@ -248,7 +250,7 @@ class Executable:
         if self._parked is not None:  # (an executable dropped while they wait gives them back)
             weakref.finalize(self, self._parked.restore)
         try:
-            return self._plan_and_lower(cap, args, tree, paths, t0, time.perf_counter() - t0)
+            return self._plan_and_lower(cap, args, tree, paths, t0, time.perf_counter() - t0, _cuda_peak())
         except BaseException:
             self._give_back_parked()
             raise
@@ -269,11 +271,12 @@ class Executable:
             self._parked = None
 
     def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float,
-                        capture_s: float = 0.0) -> _Compiled:
+                        capture_s: float = 0.0, capture_peak: int | None = None) -> _Compiled:
         t1 = time.perf_counter()
         plan = plan_for(cap.program, self.mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
                         fuse_lerp=self.fuse_lerp, **self.memory_options)
         t2 = time.perf_counter()
+        plan_peak = _cuda_peak()
         run = lower_for(plan, self.mode, *self._worker_opts)
         t3 = time.perf_counter()
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
@@ -323,10 +326,11 @@ class Executable:
         fuse_s = plan.fusion.compile_seconds if plan.fusion is not None else 0.0
         phases = {"capture": capture_s, "plan": t2 - t1 - fuse_s, "fuse_compile": fuse_s, "lower": t3 - t2,
                   "runner": t4 - t3}
+        peaks = {"capture": capture_peak, "plan": plan_peak, "runner": _cuda_peak()}
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          t4 - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
                          runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs),
-                         tuple(cap.discarded_grads), build_phases=phases)
+                         tuple(cap.discarded_grads), build_phases=phases, build_peaks=peaks)
 
     def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
                        fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -768,8 +772,26 @@ class Executable:
         """
         return dict(self._captured("build_phases").build_phases)
 
+    @property
+    def build_peaks(self) -> dict[str, int | None]:
+        """``torch.cuda.max_memory_allocated()`` (bytes) after the last build's ``capture``,
+        ``plan`` and ``runner`` phases (:attr:`build_phases`), None where CUDA was not in use: the
+        phase after which it grew is the one that raised the process's peak. Nothing is reset.
+
+        >>> import torch, flowexec
+        >>> exe = flowexec.compile(lambda x: (x * 2).sum(), torch.ones(3), mode="trace")
+        >>> sorted(exe.build_peaks)
+        ['capture', 'plan', 'runner']
+        """
+        return dict(self._captured("build_peaks").build_peaks)
+
     def __repr__(self) -> str:
         return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)} programs={sum(map(len, self._cache.values()))}>"
+
+
+def _cuda_peak() -> int | None:
+    """The process's CUDA peak so far (current device), None where CUDA is not in use."""
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 def _numel(shape: tuple[int, ...]) -> int:

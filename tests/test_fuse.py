@@ -123,6 +123,7 @@ def test_equal_regions_share_one_kernel_and_explain_lists_them():
     assert sorted(phases) == ["capture", "fuse_compile", "lower", "plan", "runner"]
     assert phases["fuse_compile"] == exe.plan.fusion.compile_seconds > 0 and min(phases.values()) >= 0
     assert abs(sum(phases.values()) - exe.build_seconds) < 0.05 * exe.build_seconds
+    assert exe.build_peaks == {"capture": None, "plan": None, "runner": None}  # no CUDA here
     text = exe.explain()
     assert text.splitlines()[0].startswith("4 fused regions (2 kernels") and text.count("shared") == 2
     assert "native_layer_norm, tanh" in text  # the program text names what a fused op runs

@@ -154,3 +154,13 @@ def test_graphs_captured_in_turn_keep_their_cublas_workspaces() -> None:
     for _, _, _, net, ref in runs:
         for p, q in zip(net.parameters(), ref.parameters()):
             assert_close_rel(p, q)
+
+
+def test_build_peaks_on_cuda_follow_the_process_peak():
+    """exe.build_peaks: the process's CUDA peak after each build phase, never lower than the
+    one before, and the last one what torch reports right after the build."""
+    _, step, x = state_heavy_step()  # (its optimizer state made)
+    exe = flowexec.compile(step, x, mode="graph")
+    peaks = exe.build_peaks
+    assert list(peaks) == ["capture", "plan", "runner"] and all(isinstance(v, int) for v in peaks.values())
+    assert peaks["capture"] <= peaks["plan"] <= peaks["runner"] <= torch.cuda.max_memory_allocated()
