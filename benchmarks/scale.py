@@ -376,8 +376,8 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
                              f"{', CUDA-graph capture' if opts['mode'] == 'graph' else ''}); an eager step before")
         res["calls_to_capture"] = calls
         res["flowexec_build_seconds"] = exe.build_seconds
-        res["flowexec_build_phases"] = getattr(exe, "build_phases", None)  # where a warm build's seconds go
-        res["flowexec_build_peaks"] = getattr(exe, "build_peaks", None)  # after which phase the peak grew
+        res["flowexec_build_phases"] = exe.build_phases  # where a warm build's seconds go
+        res["flowexec_build_peaks"] = exe.build_peaks  # after which phase the peak grew
         st = exe.plan.stats()
         res["plan"] = {k: st[k] for k in ("ops", "fused_regions", "fused_kernels", "fusion_fallbacks",
                                           "planned_peak_bytes") if k in st}

@@ -250,7 +250,7 @@ class Executable:
         if self._parked is not None:  # (an executable dropped while they wait gives them back)
             weakref.finalize(self, self._parked.restore)
         try:
-            return self._plan_and_lower(cap, args, tree, paths, t0, time.perf_counter() - t0, _cuda_peak())
+            return self._plan_and_lower(cap, args, tree, paths, t0)
         except BaseException:
             self._give_back_parked()
             raise
@@ -270,9 +270,9 @@ class Executable:
             self._parked.restore()
             self._parked = None
 
-    def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float,
-                        capture_s: float = 0.0, capture_peak: int | None = None) -> _Compiled:
-        t1 = time.perf_counter()
+    def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float) -> _Compiled:
+        t1 = time.perf_counter()  # (t0: the build's start; capture took t1 - t0)
+        capture_peak = _cuda_peak()
         plan = plan_for(cap.program, self.mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
                         fuse_lerp=self.fuse_lerp, **self.memory_options)
         t2 = time.perf_counter()
@@ -324,7 +324,7 @@ class Executable:
             guards.attach(fastcall.guard_checker(guards))
         t4 = time.perf_counter()
         fuse_s = plan.fusion.compile_seconds if plan.fusion is not None else 0.0
-        phases = {"capture": capture_s, "plan": t2 - t1 - fuse_s, "fuse_compile": fuse_s, "lower": t3 - t2,
+        phases = {"capture": t1 - t0, "plan": t2 - t1 - fuse_s, "fuse_compile": fuse_s, "lower": t3 - t2,
                   "runner": t4 - t3}
         peaks = {"capture": capture_peak, "plan": plan_peak, "runner": _cuda_peak()}
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,

@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ import torch
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks"), os.path.join(_ROOT, "benchmarks", "probes")]
 from ops import run_meta, write_result  # noqa: E402
-from schedule import make  # noqa: E402
+from schedule import make, timed_rounds  # noqa: E402
 from schedule_gaps import compare, profile_loop  # noqa: E402
 
 
@@ -66,12 +65,7 @@ def main() -> None:
     rounds: list[list[float]] = [[] for _ in loops]
     for _ in range(7):
         for k, step in enumerate(loops):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter_ns()
-            for _ in range(100):
-                step()
-            torch.cuda.synchronize()
-            rounds[k].append((time.perf_counter_ns() - t0) / 100 / 1e3)
+            rounds[k] += timed_rounds(step, lambda: None, 1, 100, torch.cuda.synchronize)[0]
     res["step_us_median"] = [statistics.median(r) for r in rounds]
     res["step_us_rounds"] = rounds
     print("µs a step, by copy (no profiler):", [round(x, 1) for x in res["step_us_median"]], flush=True)

@@ -40,30 +40,29 @@ def device_events(prof: Any) -> list[tuple[float, float, str]]:
 
 def summarize(events: list[tuple[float, float, str]], kernels_per_step: int) -> dict[str, Any]:
     """Per step (``kernels_per_step`` device events of the graph, copies apart): spans and gaps."""
-    copies = [e for e in events if "Memcpy" in e[2] or "memcpy" in e[2]]
-    work = [e for e in events if e not in copies]
-    firsts = work[::kernels_per_step]
-    spans = [b[0] - a[0] for a, b in zip(firsts, firsts[1:])]
-    ends = [work[i - 1][1] for i in range(kernels_per_step, len(work), kernels_per_step)]
-    gaps = [f[0] - e for f, e in zip(firsts[1:], ends)]
+    is_copy = [("Memcpy" in e[2] or "memcpy" in e[2]) for e in events]
+    copies = [e for e, c in zip(events, is_copy) if c]
+    work = [e for e, c in zip(events, is_copy) if not c]
+    steps = [work[i:i + kernels_per_step] for i in range(0, len(work) - kernels_per_step + 1, kernels_per_step)]
+    spans = [b[0][0] - a[0][0] for a, b in zip(steps, steps[1:])]
+    gaps = [b[0][0] - a[-1][1] for a, b in zip(steps, steps[1:])]
     # Per position in the replay: the median duration of its kernel and of the idle time before
     # it (what a diff of two loops' tables points at), and where the copies fall.
-    steps = [work[i:i + kernels_per_step] for i in range(0, len(work) - kernels_per_step + 1, kernels_per_step)]
     positions = [{
         "name": steps[0][k][2][:60],
         "us": statistics.median(s[k][1] - s[k][0] for s in steps),
         "idle_before_us": statistics.median(s[k][0] - s[k - 1][1] for s in steps) if k else None,
     } for k in range(kernels_per_step)] if steps else []
     starts = [s[0][0] for s in steps]
-    copy_at = [sum(1 for t in starts if t <= c[0]) for c in copies]  # which replay a copy follows
-    inside = sum(1 for c, i in zip(copies, copy_at) if 0 < i <= len(steps) and c[0] < steps[i - 1][-1][1])
     kinds: dict[str, int] = {}
-    for c, i in zip(copies, copy_at):
+    for c in copies:
+        i = sum(1 for t in starts if t <= c[0])  # the replay the copy follows the start of
         where = "inside" if 0 < i <= len(steps) and c[0] < steps[i - 1][-1][1] else "between"
         key = f"{where}: {c[2][:50]}"
         kinds[key] = kinds.get(key, 0) + 1
     return {
-        "device_events": len(events), "copies": len(copies), "copies_inside_a_replay": inside,
+        "device_events": len(events), "copies": len(copies),
+        "copies_inside_a_replay": sum(n for k, n in kinds.items() if k.startswith("inside")),
         "copies_per_step_by_kind": {k: v / max(len(steps), 1) for k, v in sorted(kinds.items())},
         "positions": positions,
         "copy_us_median": statistics.median([c[1] - c[0] for c in copies]) if copies else None,
