@@ -46,10 +46,13 @@ every variant, so a run cut short keeps what finished. The parent process import
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
 import math
 import os
+import pstats
 import shutil
 import signal
 import statistics
@@ -362,7 +365,10 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         losses.append(step(x, y).clone())  # the optimizer's state exists before capture
         sync(dev)
         res["prestep_s"] = time.perf_counter() - t
+        prof = cProfile.Profile() if phase == "build" else None  # the warm rebuild: where its seconds go
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         exe = flowexec.compile(step, **opts)
         calls = 0
         while getattr(exe, "build_seconds", None) is None and calls < 3:  # (a first call may run eagerly)
@@ -370,6 +376,9 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
             calls += 1
         sync(dev)
         res["build_s"] = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+            res["build_profile"] = top_functions(prof)
         if getattr(exe, "build_seconds", None) is None:
             raise RuntimeError(f"flowexec captured nothing in {calls} calls")
         res["build_what"] = (f"flowexec.compile + {calls} call(s) until captured (capture, fusion, plan"
@@ -461,6 +470,13 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
 
 def tail(text: str, lines: int = 25, chars: int = 4000) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
+
+
+def top_functions(prof: cProfile.Profile, n: int = 40) -> list[str]:
+    """The ``n`` functions with the most cumulative time, one line each (cProfile's own format)."""
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(n)
+    return [ln for ln in buf.getvalue().splitlines() if ln.strip()][-(n + 1):]
 
 
 def child_main(a: argparse.Namespace) -> None:
@@ -741,6 +757,7 @@ def parent_main(a: argparse.Namespace) -> None:
                 else:
                     res["build_s_warm"] = w.get("build_s")
                     res["flowexec_build_phases_warm"] = w.get("flowexec_build_phases")
+                    res["flowexec_build_profile_warm"] = w.get("build_profile")
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         for k in ("model_desc", "params", "units_per_step", "unit"):
