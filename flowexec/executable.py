@@ -277,7 +277,12 @@ class Executable:
                         fuse_lerp=self.fuse_lerp, **self.memory_options)
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
-        run = lower_for(plan, self.mode, *self._worker_opts)
+        hooks = None
+        if self.mode == "graph" and cap.guards is not None and cap.guards.feeds is not None:
+            from .runtime.feed_side import side_hooks  # a schedule's values go up beside the step
+
+            hooks = side_hooks(plan, cap.guards.feeds)
+        run = lower_for(plan, self.mode, *self._worker_opts, hooks=hooks)
         t3 = time.perf_counter()
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)

@@ -155,6 +155,11 @@ class Feeds:
     staging: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
     _events: dict[torch.device, list[Any]] = field(default_factory=dict)
     _turn: dict[torch.device, int] = field(default_factory=dict)
+    # Per device buffer whose program waits for its values (runtime/feed_side.py): the upload
+    # beside the program, on a stream of its own, instead of a copy before the next replay;
+    # ``uploaders`` is what the C++ check calls for it instead of copying itself.
+    side: dict[torch.device, Any] = field(default_factory=dict)
+    uploaders: dict[torch.device, list[Callable[[], None]]] = field(default_factory=dict)
 
     RING = 4
 
@@ -183,6 +188,10 @@ class Feeds:
         buf, host = self.buffers[d], self.host_tensors[d]
         if buf is host:
             return
+        side = self.side.get(d)
+        if side is not None:
+            side.upload(host)
+            return
         ring = self.staging.get(d)
         if not ring:
             buf.copy_(host)
@@ -196,6 +205,15 @@ class Feeds:
         buf.copy_(ring[k], non_blocking=True)
         events[k] = torch.cuda.Event()
         events[k].record()
+
+    def attach_side(self, d: torch.device, side: Any) -> None:
+        """Device ``d``'s values go up beside the program from now on (``side.upload(host)``;
+        the program waits for them before its first reader: runtime/feed_side.py)."""
+        torch.cuda.synchronize(d)  # the copies launched before are done, their staging copies free
+        self.side[d] = side
+        calls = self.uploaders.setdefault(d, [])
+        if not calls:
+            calls.append(lambda: self.upload(d))
 
     def refresh(self) -> int:
         """Copy changed values in; -1 when the program fits them, else the index of a slot whose
@@ -243,11 +261,12 @@ class Feeds:
         return min(self.failing.values()) if self.failing else -1
 
     def native_spec(self) -> tuple[list[tuple], list[torch.Tensor], list[torch.Tensor], list[tuple],
-                                   list[list[torch.Tensor]]]:
+                                   list[list[torch.Tensor]], list[list[Callable[[], None]]]]:
         """What the C++ check (``csrc/guards.cpp``) takes: per slot (group, key, index, device,
         position, whether a host read it cannot evaluate depends on it); the host copies,
         buffers and pinned staging copies per device; the host reads of the form ``value <op>
-        constant`` it evaluates."""
+        constant`` it evaluates; per device the list whose call uploads instead of the C++ copy
+        (empty until the values go up beside the program: :meth:`attach_side`)."""
         devices = list(self.buffers)
         simple: dict[int, tuple] = {}
         for k, r in enumerate(self.reads):
@@ -259,7 +278,8 @@ class Feeds:
             other = any(k not in simple for k in self.dependents.get(i, ()))
             feeds.append((s.group, s.key, s.index, devices.index(s.device), s.position, other))
         return (feeds, [self.host_tensors[d] for d in devices], [self.buffers[d] for d in devices],
-                list(simple.values()), [self.staging.get(d, []) for d in devices])
+                list(simple.values()), [self.staging.get(d, []) for d in devices],
+                [self.uploaders.setdefault(d, []) for d in devices])
 
     def fused_group(self, i: int) -> dict[str, Any] | None:
         """The param group of slot ``i`` where a fused kernel reads it on the host (it takes the

@@ -137,10 +137,10 @@ def guard_checker(guards: Any) -> Any | None:
     mod = load()
     if mod is None or not hasattr(mod, "GuardChecker"):
         return None
-    spec = guards.feeds.native_spec() if guards.feeds is not None else ([], [], [], [], [])
-    feeds, hosts, devices, predicates, staging = spec
+    spec = guards.feeds.native_spec() if guards.feeds is not None else ([], [], [], [], [], [])
+    feeds, hosts, devices, predicates, staging, uploaders = spec
     try:
-        return mod.GuardChecker(guards.records(), feeds, hosts, devices, predicates, staging)
+        return mod.GuardChecker(guards.records(), feeds, hosts, devices, predicates, staging, uploaders)
     except (RuntimeError, TypeError, ValueError):
         return None
 

@@ -82,7 +82,8 @@ def explain_failure(plan: ExecutionPlan, index: int, exc: BaseException) -> Exec
 
 
 def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None,
-                streams: Any = None, clock: list[int] | None = None) -> Callable[..., list[Any]]:
+                streams: Any = None, clock: list[int] | None = None,
+                hooks: dict[int, Callable[[], None]] | None = None) -> Callable[..., list[Any]]:
     """Generate the straight-line runner for ``plan``: ``run(*inputs) -> list of flat outputs``.
 
     A plan over several streams (``plan.n_streams > 1``) also switches streams, records and
@@ -90,6 +91,9 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
     :class:`~flowexec.runtime.streams.CudaStreams` on the plan's device): see ``runtime/streams.py``.
     ``clock`` (a list of ``len(plan.instructions) + 1`` ints; profiling only) makes the runner
     write ``time.perf_counter_ns()`` into it on entry and after each instruction and its frees.
+    ``hooks`` maps an instruction's position to a call made just before it, on its stream
+    (position ``len(plan.instructions)``: before the runner returns); a fed value's upload
+    waits there (``flowexec/feed_side.py``).
     """
     prog = plan.program
     glb: dict[str, Any] = {"__builtins__": __builtins__}
@@ -134,6 +138,9 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
                 lines.append(f"    _set({stream_name(ins.stream)})")
                 on = ins.stream
             lines += [f"    {stream_name(on)}.wait_event(E{e})" for e in ins.waits]
+        if hooks and pos in hooks:
+            glb[f"_hook{pos}"] = hooks[pos]
+            lines.append(f"    _hook{pos}()")
         fname = f"f{op.index}"
         target, out_arg = out_call(op, outs)
         glb[fname] = callable_of(target)
@@ -161,6 +168,10 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             lines.append("    del " + names)
         if clock is not None:
             lines.append(f"    _T[{pos + 1}] = _now()")
+    end = len(plan.instructions)
+    if hooks and end in hooks:
+        glb[f"_hook{end}"] = hooks[end]
+        lines.append(f"    _hook{end}()")
     if multi:
         if on != 0:
             lines.append("    _set(_s0)")

@@ -46,11 +46,15 @@ from .interpreter import lower_trace
 
 
 def lower_for(plan: ExecutionPlan, mode: str, spin_us: float | None = None,
-              timeout_s: float | None = None) -> Callable[..., list[Any]]:
+              timeout_s: float | None = None,
+              hooks: dict[int, Callable[[], None]] | None = None) -> Callable[..., list[Any]]:
     """The runner for ``plan`` in ``mode``: threaded mode and CPU streams run on worker threads,
-    everything else is the trace runner (CUDA streams where the plan has several)."""
+    everything else is the trace runner (CUDA streams where the plan has several; ``hooks``:
+    see :func:`~flowexec.runtime.interpreter.lower_trace`, trace runners only)."""
     if not plan.on_workers:
-        return lower_trace(plan)
+        return lower_trace(plan, hooks=hooks)
+    if hooks:
+        raise ValueError("lower_for: hooks are for the trace runner (this plan runs on worker threads)")
     return lower_workers(plan, issue="lists" if mode == "threaded" else "host",
                          spin_us=DEFAULT_SPIN_US if spin_us is None else spin_us,
                          timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)

@@ -44,10 +44,11 @@ std::vector<int64_t> global_state() {
 
 GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tensor> hosts,
                            std::vector<at::Tensor> devices, py::list predicates,
-                           std::vector<std::vector<at::Tensor>> staging)
+                           std::vector<std::vector<at::Tensor>> staging, py::list uploaders)
     : hosts_(std::move(hosts)), devices_(std::move(devices)) {
-  TORCH_CHECK(hosts_.size() == devices_.size() && staging.size() == hosts_.size(),
-              "guards: one host copy and one staging list per device buffer");
+  TORCH_CHECK(hosts_.size() == devices_.size() && staging.size() == hosts_.size() &&
+                  py::len(uploaders) == hosts_.size(),
+              "guards: one host copy, one staging list and one uploader list per device buffer");
   for (size_t d = 0; d < staging.size(); ++d) {
     Ring r;
     for (auto& t : staging[d]) {
@@ -56,6 +57,7 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
       r.copies.push_back(t);
       r.events.push_back(std::make_unique<c10::Event>(devices_[d].device().type()));
     }
+    r.uploader = uploaders[d].cast<py::list>();
     rings_.push_back(std::move(r));
   }
   for (auto& h : hosts_)
@@ -235,6 +237,10 @@ int GuardChecker::feeds() const {
 void GuardChecker::upload(size_t d) const {
   if (devices_[d].is_same(hosts_[d])) return;  // the CPU: the program reads the host copy itself
   Ring& r = rings_[d];
+  if (py::len(r.uploader) > 0) {  // uploaded on a side stream the program waits on: Python does it
+    r.uploader[0]();
+    return;
+  }
   if (r.copies.empty()) {
     devices_[d].copy_(hosts_[d]);
     return;
@@ -257,9 +263,9 @@ int GuardChecker::check() const {
 void register_guards(py::module_& m) {
   py::class_<GuardChecker, std::shared_ptr<GuardChecker>>(m, "GuardChecker")
       .def(py::init<py::list, py::list, std::vector<at::Tensor>, std::vector<at::Tensor>, py::list,
-                    std::vector<std::vector<at::Tensor>>>(),
+                    std::vector<std::vector<at::Tensor>>, py::list>(),
            py::arg("guards"), py::arg("feeds"), py::arg("hosts"), py::arg("devices"), py::arg("predicates"),
-           py::arg("staging"))
+           py::arg("staging"), py::arg("uploaders"))
       .def("check", &GuardChecker::check)
       .def("__len__", &GuardChecker::size);
   m.def("global_state", &global_state);

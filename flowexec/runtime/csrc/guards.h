@@ -19,7 +19,7 @@ class GuardChecker {
   // staging: per device, pinned host copies a changed value goes through to a device buffer
   // (none on the CPU, where the buffer is the host copy).
   GuardChecker(py::list guards, py::list feeds, std::vector<at::Tensor> hosts, std::vector<at::Tensor> devices,
-               py::list predicates, std::vector<std::vector<at::Tensor>> staging);
+               py::list predicates, std::vector<std::vector<at::Tensor>> staging, py::list uploaders);
 
   // -1: every guard holds and changed hyperparameters are in the program's buffers; >= 0: the
   // index of the first guard that fails; -2: the Python path must decide (a fed value that is no
@@ -64,6 +64,7 @@ class GuardChecker {
     std::vector<at::Tensor> copies;
     std::vector<std::unique_ptr<c10::Event>> events;
     size_t next = 0;
+    py::list uploader;  // non-empty once the values go up beside the graph: Python uploads them
   };
 
   bool holds(const Guard& g) const;

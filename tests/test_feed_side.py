@@ -1,0 +1,138 @@
+"""Fed hyperparameters uploaded beside the program (runtime/feed_side.py): the runner's hooks,
+where the wait goes, and the hand-over from the checks, on CPU with stand-in uploads (the GPU
+tests run the CUDA events and the side stream: tests/gpu/test_training_gpu.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from flowexec.build import plan_for
+from flowexec.capture import capture
+from flowexec.runtime.feed_side import first_reader, side_hooks
+from flowexec.runtime.interpreter import lower_trace
+
+
+def test_hooks_run_before_their_instruction_and_before_the_return():
+    state = torch.zeros(1)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        state.add_(1)
+        state.mul_(10)
+        return x + state
+
+    cap = capture(fn, (torch.ones(1),))
+    plan = plan_for(cap.program, "trace")
+    names = [ins.op.name for ins in plan.instructions]
+    mul = names.index("aten.mul_.Tensor")
+    seen: list[tuple[str, float]] = []
+    run = lower_trace(plan, hooks={mul: lambda: seen.append(("before mul_", state.item())),
+                                   len(names): lambda: seen.append(("end", state.item()))})
+    state.zero_()
+    run(torch.ones(1))
+    assert seen == [("before mul_", 1.0), ("end", 10.0)]
+
+
+class Recorder:
+    """A stand-in SideUpload: what the runner and the checks asked of it."""
+
+    def __init__(self, buffer: torch.Tensor, staging: Any) -> None:
+        self.buffer = buffer
+        self.calls: list[Any] = []
+
+    def wait_ready(self) -> None:
+        self.calls.append("wait")
+
+    def record_done(self) -> None:
+        self.calls.append("done")
+
+    def upload(self, host: torch.Tensor) -> None:
+        self.calls.append(("upload", host.tolist()))
+
+
+def _training_step() -> tuple[Any, Any, Any, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step(x, y)  # the optimizer's state exists before capture
+    return step, x, y, opt
+
+
+def test_the_wait_goes_before_the_optimizer_reads_a_fed_value():
+    step, x, y, _ = _training_step()
+    exe = flowexec.compile(step, x, y, mode="trace")
+    plan, feeds = exe.plan, exe.guards.feeds
+    buffer = next(iter(feeds.buffers.values()))
+    pos = first_reader(plan, buffer)
+    storage = buffer.untyped_storage().data_ptr()
+    fed = {vid for vid, t in plan.program.state.items() if t.untyped_storage().data_ptr() == storage}
+    reads = [k for k, ins in enumerate(plan.instructions) if fed.intersection(ins.op.refs())]
+    assert pos == reads[0]
+    # after the whole backward: every matrix product comes before it
+    mms = [k for k, ins in enumerate(plan.instructions) if ins.op.name.startswith(("aten.mm", "aten.addmm"))]
+    assert mms and max(mms) < pos
+
+
+def test_side_hooks_switch_a_device_buffer_to_the_side_upload(monkeypatch):
+    step, x, y, opt = _training_step()
+    exe = flowexec.compile(step, x, y, mode="trace")
+    plan, feeds = exe.plan, exe.guards.feeds
+    assert side_hooks(plan, feeds) is None  # a CPU buffer keeps its copy before the call
+    (cpu, buffer), = feeds.buffers.items()
+    # The same buffer standing for a GPU's: staging copies, and the key of a CUDA device.
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(feeds, "buffers", {cuda: torch.zeros_like(buffer)})
+    monkeypatch.setattr(feeds, "host_tensors", {cuda: feeds.host_tensors[cpu]})
+    monkeypatch.setattr(feeds, "hosts", {cuda: feeds.hosts[cpu]})
+    for s in feeds.slots:
+        monkeypatch.setattr(s, "device", cuda)
+    monkeypatch.setattr(feeds, "staging", {cuda: [torch.zeros_like(buffer) for _ in range(2)]})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    # the fed buffer's views in the program are still the CPU buffer's: look for those
+    monkeypatch.setattr(flowexec.runtime.feed_side, "first_reader",
+                        lambda p, b: first_reader(p, buffer))
+    made: list[Recorder] = []
+    hooks = side_hooks(plan, feeds, make=lambda b, st: made.append(Recorder(b, st)) or made[-1])
+    side, = made
+    assert feeds.side == {cuda: side}
+    assert set(hooks) == {first_reader(plan, buffer), len(plan.instructions)}
+    run = lower_trace(plan, hooks=hooks)
+    run(*exe._last.tensors([x, y]))
+    assert side.calls == ["wait", "done"]
+    opt.param_groups[0]["lr"] = 5e-3  # a scheduler's step: the check hands the change over
+    assert feeds.refresh() == -1
+    assert side.calls[-1][0] == "upload" and 5e-3 in side.calls[-1][1]
+    assert feeds.buffers[cuda].abs().sum() == 0  # nothing copied on the program's stream
+
+
+def test_the_native_check_hands_a_change_to_the_side_upload():
+    from flowexec.guards import GuardSet
+    from flowexec.hyperparams import FeedSlot, Feeds
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    cpu = torch.device("cpu")
+    group = {"lr": 0.1}
+    feeds = Feeds.build([FeedSlot("lr", group, "lr", -1, 0)], {cpu: torch.tensor([0.1], dtype=torch.float64)})
+    feeds.buffers[cpu] = buf = torch.tensor([0.1], dtype=torch.float64)  # a buffer apart from its host copy
+    gs = GuardSet((), feeds)
+    gs.attach(fastcall.guard_checker(gs))
+    side = Recorder(buf, [])
+    feeds.side[cpu] = side
+    feeds.uploaders[cpu].append(lambda: feeds.upload(cpu))
+    group["lr"] = 0.25
+    assert gs.native().check() == -1
+    assert side.calls == [("upload", [0.25])] and buf.item() == 0.1  # C++ wrote the host copy, the side the rest
