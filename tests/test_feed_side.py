@@ -136,3 +136,17 @@ def test_the_native_check_hands_a_change_to_the_side_upload():
     group["lr"] = 0.25
     assert gs.native().check() == -1
     assert side.calls == [("upload", [0.25])] and buf.item() == 0.1  # C++ wrote the host copy, the side the rest
+
+
+def test_a_torch_without_external_events_keeps_the_copy_before_the_call(monkeypatch):
+    step, x, y, _ = _training_step()
+    exe = flowexec.compile(step, x, y, mode="trace")
+    plan, feeds = exe.plan, exe.guards.feeds
+    (cpu, buffer), = feeds.buffers.items()
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(feeds, "buffers", {cuda: buffer})
+    monkeypatch.setattr(feeds, "staging", {cuda: [torch.zeros_like(buffer)]})
+
+    def no_external(b: Any, st: Any) -> Any:
+        raise TypeError("__new__() got an unexpected keyword argument 'external'")
+    assert side_hooks(plan, feeds, make=no_external) is None and not feeds.side
