@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import flowexec
 from flowexec.build import plan_for
 from flowexec.capture import capture
 from flowexec.runtime.feed_side import first_reader, side_hooks
 from flowexec.runtime.interpreter import lower_trace
+from test_training import _step_of
 
 
 def test_hooks_run_before_their_instruction_and_before_the_return():
@@ -57,14 +57,7 @@ def _training_step() -> tuple[Any, Any, Any, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = _step_of(model, opt)
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     step(x, y)  # the optimizer's state exists before capture
     return step, x, y, opt

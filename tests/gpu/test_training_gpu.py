@@ -64,21 +64,14 @@ def test_a_schedule_goes_up_beside_the_graph_while_the_host_runs_ahead() -> None
     """Graph mode uploads a change on a side stream that the graph's optimizer waits for
     (runtime/feed_side.py). With the host many steps ahead of the device (no read between
     steps) and the lr changing at every one, each replay must still see its own values."""
-    import torch.nn.functional as F
+    from test_training import _step_of
 
     def run(compiled: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)], torch.nn.Linear(1024, 3)).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = _step_of(model, opt)
         # (fuse=False: eager's kernels, so the losses compare at eager's rounding)
         fn = flowexec.compile(step, mode="graph", fuse=False) if compiled else step
         x, y = torch.randn(512, 1024, device="cuda"), torch.randint(0, 3, (512,), device="cuda")
