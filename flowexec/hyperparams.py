@@ -212,8 +212,9 @@ class Feeds:
         torch.cuda.synchronize(d)  # the copies launched before are done, their staging copies free
         self.side[d] = side
         calls = self.uploaders.setdefault(d, [])
-        if not calls:
-            calls.append(lambda: self.upload(d))
+        if not calls:  # (by weak reference: the C++ check holds the list, which must not hold these feeds)
+            ref = weakref.ref(self)
+            calls.append(lambda: (f := ref()) is not None and f.upload(d))
 
     def refresh(self) -> int:
         """Copy changed values in; -1 when the program fits them, else the index of a slot whose

@@ -13,6 +13,7 @@ from flowexec.build import plan_for
 from flowexec.capture import capture
 from flowexec.runtime.feed_side import first_reader, side_hooks
 from flowexec.runtime.interpreter import lower_trace
+from test_staging import stand_in_graphs  # noqa: F401  (a fixture: graph mode on CPU)
 from test_training import _step_of
 
 
@@ -143,3 +144,77 @@ def test_a_torch_without_external_events_keeps_the_copy_before_the_call(monkeypa
     def no_external(b: Any, st: Any) -> Any:
         raise TypeError("__new__() got an unexpected keyword argument 'external'")
     assert side_hooks(plan, feeds, make=no_external) is None and not feeds.side
+
+
+def test_side_upload_waits_for_the_last_readers_and_reuses_a_staging_copy_after_its_copy(monkeypatch):
+    """SideUpload's stream and event calls, in order, with stand-ins for torch.cuda's."""
+    from flowexec.runtime import feed_side
+
+    log: list[tuple[str, ...]] = []
+    names = iter(["ready", "done", "copy0", "copy1", "copy2", "copy3"])
+
+    class Stream:
+        def __init__(self, device: Any = None, priority: int = 0) -> None:
+            log.append(("side stream", str(priority)))
+
+        def wait_event(self, ev: Any) -> None:
+            log.append(("side waits", ev.name))
+
+    class Main:
+        def wait_event(self, ev: Any) -> None:
+            log.append(("program waits", ev.name))
+
+    class Event:
+        def __init__(self, external: bool = False) -> None:
+            self.name = next(names)
+
+        def record(self, stream: Any) -> None:
+            log.append(("record", self.name, "program" if isinstance(stream, Main) else "side"))
+
+        def synchronize(self) -> None:
+            log.append(("host waits", self.name))
+
+    main = Main()
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(("buffer used on", "side")))
+    buffer = torch.zeros(2, dtype=torch.float64)
+    side = feed_side.SideUpload(buffer, [torch.zeros(2, dtype=torch.float64) for _ in range(2)])
+    assert log == [("side stream", "-1"), ("buffer used on", "side"), ("record", "ready", "side"),
+                   ("record", "done", "side")]
+    log.clear()
+    side.wait_ready(), side.record_done()
+    assert log == [("program waits", "ready"), ("record", "done", "program")]
+    log.clear()
+    for v in (1.0, 2.0, 3.0):
+        side.upload(torch.tensor([v, -v], dtype=torch.float64))
+        assert buffer.tolist() == [v, -v]
+    assert log == [
+        ("side waits", "done"), ("record", "ready", "side"), ("record", "copy0", "side"),
+        ("side waits", "done"), ("record", "ready", "side"), ("record", "copy1", "side"),
+        # the first staging copy again: only once its copy has passed
+        ("host waits", "copy0"), ("side waits", "done"), ("record", "ready", "side"), ("record", "copy2", "side"),
+    ]
+
+
+def test_graph_mode_lowers_its_runner_with_the_side_hooks(monkeypatch, stand_in_graphs):
+    """Graph mode asks feed_side for hooks and the runner it captures calls them (on the CPU
+    with stand-in graphs; on a GPU the hooks become the graph's event nodes)."""
+    from flowexec.executable import Executable
+    from flowexec.runtime import feed_side
+
+    calls: list[str] = []
+    asked: list[Any] = []
+
+    def hooks(plan: Any, feeds: Any, make: Any = None) -> dict[int, Any]:
+        asked.append(feeds)
+        return {len(plan.instructions): lambda: calls.append("done")}
+    monkeypatch.setattr(feed_side, "side_hooks", hooks)
+    step, x, y, _ = _training_step()
+    exe = Executable(step, "graph", "fast", {}).compile_for(x, y)
+    assert asked == [exe.guards.feeds] and calls  # warm-up and capture ran the hooked runner
+    n = len(calls)
+    exe(x, y)  # a replay of the stand-in graph re-runs the body
+    assert len(calls) == n + 1

@@ -39,11 +39,20 @@ class SideUpload:
     it, used in turn (each again once the event recorded after its copy has passed).
     """
 
+    # Tests only: GPU clock cycles the side stream sleeps before each copy, so that a replay
+    # that did not wait for its values would read the old ones (tests/gpu/test_training_gpu.py).
+    delay_cycles = 0
+
     def __init__(self, buffer: torch.Tensor, staging: Sequence[torch.Tensor]) -> None:
         self.buffer = buffer
         self.device = buffer.device
         self.staging = list(staging)
-        self.stream = torch.cuda.Stream(device=self.device)
+        # High priority: a pool of its own (torch hands out pooled streams, and one shared with
+        # the program's stream would copy in line again), and the small copy goes first.
+        self.stream = torch.cuda.Stream(device=self.device, priority=-1)
+        # The buffer is written on this stream: the allocator must not reuse its memory while a
+        # copy there is queued (the program that read it may be dropped first).
+        buffer.record_stream(self.stream)
         self.ready = torch.cuda.Event(external=True)
         self.done = torch.cuda.Event(external=True)
         # Recorded once now: torch makes an event at its first record, and a wait on one never
@@ -73,6 +82,8 @@ class SideUpload:
         side = self.stream
         side.wait_event(self.done)
         with torch.cuda.stream(side):
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
             self.buffer.copy_(self.staging[k], non_blocking=True)
         self.ready.record(side)
         copied = torch.cuda.Event()

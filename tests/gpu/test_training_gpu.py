@@ -60,29 +60,40 @@ def test_default_adam_step_counts_move_to_the_device_and_the_schedule_is_fed() -
     assert all(b.is_cuda for b in feeds.buffers.values())
 
 
-def test_a_schedule_goes_up_beside_the_graph_while_the_host_runs_ahead() -> None:
+def test_a_schedule_goes_up_beside_the_graph_and_each_replay_waits_for_its_values(monkeypatch) -> None:
     """Graph mode uploads a change on a side stream that the graph's optimizer waits for
-    (runtime/feed_side.py). With the host many steps ahead of the device (no read between
-    steps) and the lr changing at every one, each replay must still see its own values."""
-    from test_training import _step_of
+    (runtime/feed_side.py). Here each upload's copy lands ~1 ms late (the side stream sleeps
+    first) while the host runs ahead (no read between steps), and the lr changes at every step:
+    a replay that did not wait, or an upload that overwrote values a queued replay still reads,
+    gives another loss than eager's. SGD on ``(w * c).sum()`` makes every lr visible: the loss
+    after step t is ``-sum(c**2) * (lr_0 + ... + lr_{t-1})``."""
+    from flowexec.runtime import feed_side
 
-    def run(compiled: bool) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)], torch.nn.Linear(1024, 3)).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
-        step = _step_of(model, opt)
-        # (fuse=False: eager's kernels, so the losses compare at eager's rounding)
-        fn = flowexec.compile(step, mode="graph", fuse=False) if compiled else step
-        x, y = torch.randn(512, 1024, device="cuda"), torch.randint(0, 3, (512,), device="cuda")
+    monkeypatch.setattr(feed_side.SideUpload, "delay_cycles", 2_000_000)
+
+    def run(compiled: bool) -> torch.Tensor:
+        w = torch.nn.Parameter(torch.zeros(4, device="cuda"))
+        c = torch.arange(1.0, 5.0, device="cuda")
+        opt = torch.optim.SGD([w], lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 + i)
+
+        def step() -> torch.Tensor:
+            opt.zero_grad()
+            loss = (w * c).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        fn = flowexec.compile(step, mode="graph") if compiled else step
         losses = []
-        for _ in range(40):
-            losses.append(fn(x, y).detach().clone())
+        for _ in range(30):
+            losses.append(fn().detach().clone())
             sched.step()
         if compiled:
-            feeds = fn._last.guards.feeds
-            assert feeds.side, "the fed values should go up beside the graph"
-        return losses
+            assert fn._last.guards.feeds.side, "the fed values should go up beside the graph"
+        return torch.stack(losses)
 
-    got, want = run(True), run(False)
-    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=1e-5)
+    lrs = 0.1 * (1.0 + torch.arange(30.0, dtype=torch.float64))
+    want = -30.0 * torch.cat([torch.zeros(1, dtype=torch.float64), lrs.cumsum(0)[:-1]])
+    torch.testing.assert_close(run(False).double().cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(True).double().cpu(), want, rtol=1e-5, atol=1e-5)
