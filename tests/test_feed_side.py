@@ -218,3 +218,33 @@ def test_graph_mode_lowers_its_runner_with_the_side_hooks(monkeypatch, stand_in_
     n = len(calls)
     exe(x, y)  # a replay of the stand-in graph re-runs the body
     assert len(calls) == n + 1
+
+
+def test_the_native_check_takes_back_a_change_whose_upload_was_interrupted():
+    from flowexec.guards import GuardSet
+    from flowexec.hyperparams import FeedSlot, Feeds
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    cpu = torch.device("cpu")
+    group = {"lr": 0.1}
+    feeds = Feeds.build([FeedSlot("lr", group, "lr", -1, 0)], {cpu: torch.tensor([0.1], dtype=torch.float64)})
+    feeds.buffers[cpu] = torch.tensor([0.1], dtype=torch.float64)
+    gs = GuardSet((), feeds)
+    gs.attach(fastcall.guard_checker(gs))
+    side = Recorder(feeds.buffers[cpu], [])
+    feeds.side[cpu] = side
+    interrupt = [True]
+
+    def upload() -> None:
+        if interrupt.pop():
+            raise KeyboardInterrupt
+        feeds.upload(cpu)
+    feeds.uploaders[cpu].append(upload)
+    group["lr"] = 0.25
+    with pytest.raises(KeyboardInterrupt):
+        gs.native().check()
+    assert feeds.host_tensors[cpu].item() == 0.1  # taken back: the next check sees the change
+    interrupt.append(False)
+    assert gs.native().check() == -1 and side.calls == [("upload", [0.25])]

@@ -224,13 +224,26 @@ int GuardChecker::feeds() const {
     }
   }
   std::vector<bool> dirty(hosts_.size(), false);
+  std::vector<double> was;
   for (const auto& [i, x] : changed) {
     const Feed& f = feeds_[i];
-    hosts_[f.device].data_ptr<double>()[f.position] = x;
+    double* h = hosts_[f.device].data_ptr<double>() + f.position;
+    was.push_back(*h);
+    *h = x;
     dirty[f.device] = true;
   }
-  for (size_t d = 0; d < hosts_.size(); ++d)
-    if (dirty[d]) upload(d);
+  try {
+    for (size_t d = 0; d < hosts_.size(); ++d)
+      if (dirty[d]) upload(d);
+  } catch (...) {
+    // An upload that did not happen (a Python uploader interrupted) must not leave the host
+    // copy claiming it did: the next check would see no change and keep the old values.
+    for (size_t k = 0; k < changed.size(); ++k) {
+      const Feed& f = feeds_[changed[k].first];
+      hosts_[f.device].data_ptr<double>()[f.position] = was[k];
+    }
+    throw;
+  }
   return -1;
 }
 
