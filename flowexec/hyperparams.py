@@ -135,6 +135,35 @@ class FeedSlot:
         return v
 
 
+class PinnedRing:
+    """Pinned host copies of a packed buffer, used in turn: :meth:`fill` writes the values into
+    the next one (first waiting for the event recorded after its last copy, if that copy is still
+    queued, RING uses ago), :meth:`passed` records that event once its copy is launched."""
+
+    def __init__(self, copies: Sequence[torch.Tensor]) -> None:
+        self.copies = list(copies)
+        self.events: list[Any] = [None] * len(self.copies)
+        self.turn = 0
+
+    def fill(self, host: torch.Tensor) -> torch.Tensor:
+        k = self.turn
+        if self.events[k] is not None:
+            self.events[k].synchronize()
+        self.copies[k].copy_(host)
+        return self.copies[k]
+
+    def passed(self, stream: Any = None) -> None:
+        """The copy out of the copy :meth:`fill` gave is launched (on ``stream``, else the
+        current one): record when it has passed, and move on to the next copy."""
+        ev = torch.cuda.Event()
+        if stream is None:
+            ev.record()
+        else:
+            ev.record(stream)
+        self.events[self.turn] = ev
+        self.turn = (self.turn + 1) % len(self.copies)
+
+
 @dataclass
 class Feeds:
     """The lifted hyperparameters of one program: per device a packed buffer (the program reads
@@ -153,8 +182,7 @@ class Feeds:
     # once the event recorded after its last copy has passed. (A copy from pageable memory may
     # wait for the stream: the host would stall on every step whose lr changed.)
     staging: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
-    _events: dict[torch.device, list[Any]] = field(default_factory=dict)
-    _turn: dict[torch.device, int] = field(default_factory=dict)
+    _rings: dict[torch.device, PinnedRing] = field(default_factory=dict)
     # Per device buffer whose program waits for its values (runtime/feed_side.py): the upload
     # beside the program, on a stream of its own, instead of a copy before the next replay;
     # ``uploaders`` is what the C++ check calls for it instead of copying itself.
@@ -192,19 +220,18 @@ class Feeds:
         if side is not None:
             side.upload(host)
             return
-        ring = self.staging.get(d)
-        if not ring:
+        ring = self.ring(d)
+        if ring is None:
             buf.copy_(host)
             return
-        k = self._turn.get(d, 0)
-        self._turn[d] = (k + 1) % len(ring)
-        events = self._events.setdefault(d, [None] * len(ring))
-        if events[k] is not None:
-            events[k].synchronize()
-        ring[k].copy_(host)
-        buf.copy_(ring[k], non_blocking=True)
-        events[k] = torch.cuda.Event()
-        events[k].record()
+        buf.copy_(ring.fill(host), non_blocking=True)
+        ring.passed()
+
+    def ring(self, d: torch.device) -> PinnedRing | None:
+        """Device ``d``'s pinned staging copies, in turn (None where it has none: the CPU)."""
+        if d not in self._rings and self.staging.get(d):
+            self._rings[d] = PinnedRing(self.staging[d])
+        return self._rings.get(d)
 
     def attach_side(self, d: torch.device, side: Any) -> None:
         """Device ``d``'s values go up beside the program from now on (``side.upload(host)``;

@@ -111,7 +111,9 @@ def test_side_hooks_switch_a_device_buffer_to_the_side_upload(monkeypatch):
     assert feeds.buffers[cuda].abs().sum() == 0  # nothing copied on the program's stream
 
 
-def test_the_native_check_hands_a_change_to_the_side_upload():
+def _natively_checked_lr() -> tuple[Any, Any, dict[str, float]]:
+    """(feeds of one lr whose buffer stands apart from its host copy, as a GPU's does; their
+    guard set with the C++ check attached; the param group) — skipped without the extension."""
     from flowexec.guards import GuardSet
     from flowexec.hyperparams import FeedSlot, Feeds
     from flowexec.runtime import fastcall
@@ -121,9 +123,16 @@ def test_the_native_check_hands_a_change_to_the_side_upload():
     cpu = torch.device("cpu")
     group = {"lr": 0.1}
     feeds = Feeds.build([FeedSlot("lr", group, "lr", -1, 0)], {cpu: torch.tensor([0.1], dtype=torch.float64)})
-    feeds.buffers[cpu] = buf = torch.tensor([0.1], dtype=torch.float64)  # a buffer apart from its host copy
+    feeds.buffers[cpu] = torch.tensor([0.1], dtype=torch.float64)
     gs = GuardSet((), feeds)
     gs.attach(fastcall.guard_checker(gs))
+    return feeds, gs, group
+
+
+def test_the_native_check_hands_a_change_to_the_side_upload():
+    feeds, gs, group = _natively_checked_lr()
+    cpu = torch.device("cpu")
+    buf = feeds.buffers[cpu]
     side = Recorder(buf, [])
     feeds.side[cpu] = side
     feeds.uploaders[cpu].append(lambda: feeds.upload(cpu))
@@ -148,6 +157,7 @@ def test_a_torch_without_external_events_keeps_the_copy_before_the_call(monkeypa
 
 def test_side_upload_waits_for_the_last_readers_and_reuses_a_staging_copy_after_its_copy(monkeypatch):
     """SideUpload's stream and event calls, in order, with stand-ins for torch.cuda's."""
+    from flowexec.hyperparams import PinnedRing
     from flowexec.runtime import feed_side
 
     log: list[tuple[str, ...]] = []
@@ -181,7 +191,7 @@ def test_side_upload_waits_for_the_last_readers_and_reuses_a_staging_copy_after_
     monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(("buffer used on", "side")))
     buffer = torch.zeros(2, dtype=torch.float64)
-    side = feed_side.SideUpload(buffer, [torch.zeros(2, dtype=torch.float64) for _ in range(2)])
+    side = feed_side.SideUpload(buffer, PinnedRing([torch.zeros(2, dtype=torch.float64) for _ in range(2)]))
     assert log == [("side stream", "-1"), ("buffer used on", "side"), ("record", "ready", "side"),
                    ("record", "done", "side")]
     log.clear()
@@ -221,18 +231,8 @@ def test_graph_mode_lowers_its_runner_with_the_side_hooks(monkeypatch, stand_in_
 
 
 def test_the_native_check_takes_back_a_change_whose_upload_was_interrupted():
-    from flowexec.guards import GuardSet
-    from flowexec.hyperparams import FeedSlot, Feeds
-    from flowexec.runtime import fastcall
-
-    if fastcall.load() is None:
-        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    feeds, gs, group = _natively_checked_lr()
     cpu = torch.device("cpu")
-    group = {"lr": 0.1}
-    feeds = Feeds.build([FeedSlot("lr", group, "lr", -1, 0)], {cpu: torch.tensor([0.1], dtype=torch.float64)})
-    feeds.buffers[cpu] = torch.tensor([0.1], dtype=torch.float64)
-    gs = GuardSet((), feeds)
-    gs.attach(fastcall.guard_checker(gs))
     side = Recorder(feeds.buffers[cpu], [])
     feeds.side[cpu] = side
     interrupt = [True]

@@ -75,12 +75,12 @@ def main() -> None:
     res["wait_node_binds_at_launch"] = z.item() == 0.0
 
     # 3. the pinned ring, host ahead: acc sums every uploaded value once
-    from flowexec.hyperparams import Feeds  # noqa: F401  (the ring's size)
+    from flowexec.hyperparams import Feeds, PinnedRing
     from flowexec.runtime.feed_side import SideUpload
 
     fed = torch.zeros(1, dtype=torch.float64, device=dev)
     acc = torch.zeros(1, dtype=torch.float64, device=dev)
-    up = SideUpload(fed, [torch.zeros(1, dtype=torch.float64).pin_memory() for _ in range(Feeds.RING)])
+    up = SideUpload(fed, PinnedRing([torch.zeros(1, dtype=torch.float64).pin_memory() for _ in range(Feeds.RING)]))
 
     def body3() -> None:
         up.wait_ready()

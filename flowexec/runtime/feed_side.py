@@ -25,28 +25,29 @@ others, and programs on the CPU, keep the copy before the call.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
+from ..hyperparams import PinnedRing
 from ..plan import ExecutionPlan
 
 
 class SideUpload:
     """One device's fed values, uploaded on a side stream that the program waits on.
 
-    ``buffer``: the packed device buffer the program reads; ``staging``: pinned host copies of
-    it, used in turn (each again once the event recorded after its copy has passed).
+    ``buffer``: the packed device buffer the program reads; ``ring``: its pinned host copies
+    (:class:`~flowexec.hyperparams.PinnedRing`), the copies here recorded on the side stream.
     """
 
     # Tests only: GPU clock cycles the side stream sleeps before each copy, so that a replay
     # that did not wait for its values would read the old ones (tests/gpu/test_training_gpu.py).
     delay_cycles = 0
 
-    def __init__(self, buffer: torch.Tensor, staging: Sequence[torch.Tensor]) -> None:
+    def __init__(self, buffer: torch.Tensor, ring: PinnedRing) -> None:
         self.buffer = buffer
         self.device = buffer.device
-        self.staging = list(staging)
+        self.ring = ring
         # High priority: a pool of its own (torch hands out pooled streams, and one shared with
         # the program's stream would copy in line again), and the small copy goes first.
         self.stream = torch.cuda.Stream(device=self.device, priority=-1)
@@ -60,8 +61,6 @@ class SideUpload:
         # wait node and never wait for the changes after it.
         self.ready.record(self.stream)
         self.done.record(self.stream)
-        self.copied: list[Any] = [None] * len(self.staging)
-        self.turn = 0
 
     def wait_ready(self) -> None:
         """The runner's call before the first reader: the last upload is in the buffer."""
@@ -74,21 +73,15 @@ class SideUpload:
     def upload(self, host: torch.Tensor) -> None:
         """Copy ``host`` (the values now) into the buffer once the runs launched so far are
         done with it, without touching the program's stream."""
-        k = self.turn
-        self.turn = (k + 1) % len(self.staging)
-        if self.copied[k] is not None:  # (no wait unless that copy, len(staging) uploads ago, is queued)
-            self.copied[k].synchronize()
-        self.staging[k].copy_(host)
+        pinned = self.ring.fill(host)
         side = self.stream
         side.wait_event(self.done)
         with torch.cuda.stream(side):
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            self.buffer.copy_(self.staging[k], non_blocking=True)
+            self.buffer.copy_(pinned, non_blocking=True)
         self.ready.record(side)
-        copied = torch.cuda.Event()
-        copied.record(side)
-        self.copied[k] = copied
+        self.ring.passed(side)
 
 
 def first_reader(plan: ExecutionPlan, buffer: torch.Tensor) -> int | None:
@@ -107,7 +100,7 @@ def first_reader(plan: ExecutionPlan, buffer: torch.Tensor) -> int | None:
 
 
 def side_hooks(plan: ExecutionPlan, feeds: Any,
-               make: Callable[[torch.Tensor, Sequence[torch.Tensor]], Any] = SideUpload
+               make: Callable[[torch.Tensor, PinnedRing], Any] = SideUpload
                ) -> dict[int, Callable[[], None]] | None:
     """The runner's hooks that let ``feeds``' one CUDA buffer go up beside ``plan`` (and the
     feeds switched to that upload), or None where the plan keeps the copy before each call:
@@ -125,7 +118,7 @@ def side_hooks(plan: ExecutionPlan, feeds: Any,
     side = feeds.side.get(d)
     if side is None:
         try:
-            side = make(feeds.buffers[d], feeds.staging[d])
+            side = make(feeds.buffers[d], feeds.ring(d))
         except (TypeError, RuntimeError):  # a torch without external events: the copy before each call
             return None
         feeds.attach_side(d, side)
