@@ -139,6 +139,14 @@ _SIGNATURES: dict[str, list] = {
     "cuGraphLaunch": [_vp, _vp],
     "cuGraphDestroy": [_vp],
     "cuGraphExecDestroy": [_vp],
+    "cuGraphGetNodes": [_vp, ctypes.POINTER(_vp), ctypes.POINTER(_sz)],
+    "cuGraphNodeGetType": [_vp, ctypes.POINTER(_i)],
+}
+# Kernel-node parameters (runtime/feed_node.py); looked up when first needed, as older drivers
+# may lack the _v2 entry points.
+_OPTIONAL: dict[str, list] = {
+    "cuGraphKernelNodeGetParams_v2": [_vp, _vp],
+    "cuGraphExecKernelNodeSetParams_v2": [_vp, _vp, _vp],
 }
 
 
@@ -159,6 +167,11 @@ class _Driver:
         for fn, argtypes in _SIGNATURES.items():
             f = getattr(self.lib, fn)
             f.argtypes, f.restype = argtypes, ctypes.c_int
+            setattr(self, fn, f)
+        for fn, argtypes in _OPTIONAL.items():
+            f = getattr(self.lib, fn, None)
+            if f is not None:
+                f.argtypes, f.restype = argtypes, ctypes.c_int
             setattr(self, fn, f)
 
 

@@ -277,11 +277,13 @@ class Executable:
                         fuse_lerp=self.fuse_lerp, **self.memory_options)
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
-        hooks = None
-        if self.mode == "graph" and cap.guards is not None and cap.guards.feeds is not None:
-            from .runtime.feed_side import side_hooks  # a schedule's values go up beside the step
+        hooks, node = None, None
+        if self.mode == "graph" and self.pool != "shared" and cap.guards is not None and cap.guards.feeds is not None:
+            from .runtime.feed_node import node_hooks  # a schedule's values written by the graph itself
 
-            hooks = side_hooks(plan, cap.guards.feeds)
+            made = node_hooks(plan, cap.guards.feeds)
+            if made is not None:
+                hooks, node = made
         run = lower_for(plan, self.mode, *self._worker_opts, hooks=hooks)
         t3 = time.perf_counter()
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
@@ -306,9 +308,12 @@ class Executable:
                 # Warm-up must leave the caller's tensors as they were: borrowed inputs the
                 # program writes are snapshotted with the state.
                 mutated = state_mutated + [targs[k] for k in mutated_inputs if borrow[k]]
-                return CudaGraphRunner(run, targs, mutated, borrow=borrow, state=prog.state.values(),
-                                       mutated_inputs=mutated_inputs, unprotected_outputs=bound,
-                                       warmup=self.warmup, before_replay=self._fence if fetch else None)
+                r = CudaGraphRunner(run, targs, mutated, borrow=borrow, state=prog.state.values(),
+                                    mutated_inputs=mutated_inputs, unprotected_outputs=bound, warmup=self.warmup,
+                                    before_replay=self._fence if fetch else None, keep_graph=node is not None)
+                if node is not None:  # its fed values' kernel node, rewritten when they change
+                    node.bind(r.graph)
+                return r
 
             borrow = borrowed_inputs(targs, mutated_inputs)
             shared = sharing_positions(targs)

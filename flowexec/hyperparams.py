@@ -183,10 +183,10 @@ class Feeds:
     # wait for the stream: the host would stall on every step whose lr changed.)
     staging: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
     _rings: dict[torch.device, PinnedRing] = field(default_factory=dict)
-    # Per device buffer whose program waits for its values (runtime/feed_side.py): the upload
-    # beside the program, on a stream of its own, instead of a copy before the next replay;
+    # Per device buffer that its graph writes itself (runtime/feed_node.py): the upload hands
+    # the values to the graph's kernel node instead of copying them before the next replay;
     # ``uploaders`` is what the C++ check calls for it instead of copying itself.
-    side: dict[torch.device, Any] = field(default_factory=dict)
+    writers: dict[torch.device, Any] = field(default_factory=dict)
     uploaders: dict[torch.device, list[Callable[[], None]]] = field(default_factory=dict)
 
     RING = 4
@@ -216,9 +216,9 @@ class Feeds:
         buf, host = self.buffers[d], self.host_tensors[d]
         if buf is host:
             return
-        side = self.side.get(d)
-        if side is not None:
-            side.upload(host)
+        writer = self.writers.get(d)
+        if writer is not None:
+            writer.upload(host)
             return
         ring = self.ring(d)
         if ring is None:
@@ -233,11 +233,11 @@ class Feeds:
             self._rings[d] = PinnedRing(self.staging[d])
         return self._rings.get(d)
 
-    def attach_side(self, d: torch.device, side: Any) -> None:
-        """Device ``d``'s values go up beside the program from now on (``side.upload(host)``;
-        the program waits for them before its first reader: runtime/feed_side.py)."""
+    def attach_writer(self, d: torch.device, writer: Any) -> None:
+        """Device ``d``'s values are written by the program itself from now on: a change goes to
+        ``writer.upload(host)`` (runtime/feed_node.py: a kernel node of the graph)."""
         torch.cuda.synchronize(d)  # the copies launched before are done, their staging copies free
-        self.side[d] = side
+        self.writers[d] = writer
         calls = self.uploaders.setdefault(d, [])
         if not calls:  # (by weak reference: the C++ check holds the list, which must not hold these feeds)
             ref = weakref.ref(self)
@@ -294,7 +294,7 @@ class Feeds:
         position, whether a host read it cannot evaluate depends on it); the host copies,
         buffers and pinned staging copies per device; the host reads of the form ``value <op>
         constant`` it evaluates; per device the list whose call uploads instead of the C++ copy
-        (empty until the values go up beside the program: :meth:`attach_side`)."""
+        (empty until the program writes the values itself: :meth:`attach_writer`)."""
         devices = list(self.buffers)
         simple: dict[int, tuple] = {}
         for k, r in enumerate(self.reads):

@@ -44,7 +44,6 @@ for step in "$@"; do
     first-graph) run_step $step 240 bash -c "python3 benchmarks/probes/first_graph.py --out '$R/fg' && \
                  python3 benchmarks/probes/first_graph.py --no-stage-in-graph --out '$R/fg_python' && \
                  python3 benchmarks/probes/first_graph.py --touch-bindings --out '$R/fg_touch'" ;;  # the memcpy32_post graph
-    external-events) run_step $step 120 python3 benchmarks/probes/external_events.py --out "$R" ;;  # feed_side's CUDA assumptions
     item)      run_step $step 120 python3 benchmarks/item.py --user-loop --out "$R/item.json" ;;
     streams)   run_step $step 240 python3 benchmarks/streams.py --out "$R" ;;
     memory)    run_step $step 90 python3 benchmarks/memory.py --out "$R" ;;

@@ -184,6 +184,8 @@ class CudaGraphRunner:
     hold the borrowed inputs (``static_inputs`` lists them); without it their places there are
     None, so that holding a graph does not count as holding another graph's outputs (which
     :meth:`HandedOutputs.saved_held` counts); each call checks their addresses (``moved``).
+    ``keep_graph``: keep the captured graph's nodes (``self.graph.raw_cuda_graph()``) for the
+    caller to find and update (runtime/feed_node.py), as in-graph staging does.
     """
 
     def __init__(
@@ -202,6 +204,7 @@ class CudaGraphRunner:
         grad_candidates: Callable[[], Sequence[torch.Tensor]] | None = None,
         stage_in_graph: bool = True,
         keep_borrowed: bool = True,
+        keep_graph: bool = False,
     ) -> None:
         self.before_replay = before_replay
         tensors = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
@@ -235,7 +238,7 @@ class CudaGraphRunner:
                 for i, a in in_graph.items():
                     static[i].copy_(a)
                 return run(*static)
-            graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph))
+            graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph) or keep_graph)
             with torch.no_grad():
                 for t, saved in snapshot:
                     t.copy_(saved)

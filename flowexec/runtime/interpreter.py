@@ -92,8 +92,8 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
     ``clock`` (a list of ``len(plan.instructions) + 1`` ints; profiling only) makes the runner
     write ``time.perf_counter_ns()`` into it on entry and after each instruction and its frees.
     ``hooks`` maps an instruction's position to a call made just before it, on its stream
-    (position ``len(plan.instructions)``: before the runner returns); a fed value's upload
-    waits there (``flowexec/feed_side.py``).
+    (position ``len(plan.instructions)``: before the runner returns); graph mode writes fed
+    hyperparameters there (``runtime/feed_node.py``).
     """
     prog = plan.program
     glb: dict[str, Any] = {"__builtins__": __builtins__}

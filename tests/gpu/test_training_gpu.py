@@ -60,17 +60,12 @@ def test_default_adam_step_counts_move_to_the_device_and_the_schedule_is_fed() -
     assert all(b.is_cuda for b in feeds.buffers.values())
 
 
-def test_a_schedule_goes_up_beside_the_graph_and_each_replay_waits_for_its_values(monkeypatch) -> None:
-    """Graph mode uploads a change on a side stream that the graph's optimizer waits for
-    (runtime/feed_side.py). Here each upload's copy lands ~1 ms late (the side stream sleeps
-    first) while the host runs ahead (no read between steps), and the lr changes at every step:
-    a replay that did not wait, or an upload that overwrote values a queued replay still reads,
-    gives another loss than eager's. SGD on ``(w * c).sum()`` makes every lr visible: the loss
-    after step t is ``-sum(c**2) * (lr_0 + ... + lr_{t-1})``."""
-    from flowexec.runtime import feed_side
-
-    monkeypatch.setattr(feed_side.SideUpload, "delay_cycles", 2_000_000)
-
+def test_a_schedule_is_written_by_the_graph_and_each_replay_reads_its_own_values() -> None:
+    """Graph mode writes fed values with a kernel node of the graph whose parameters a change
+    rewrites (runtime/feed_node.py); replays already queued keep theirs. Here the host runs far
+    ahead (no read between steps; 27 steps queue behind a ~25 ms sleep), and the lr changes at every step: a replay
+    that read a later or an earlier lr gives another loss than eager's. SGD on ``(w * c).sum()``
+    makes every lr visible: the loss after step t is ``-sum(c**2) * (lr_0 + ... + lr_{t-1})``."""
     def run(compiled: bool) -> torch.Tensor:
         w = torch.nn.Parameter(torch.zeros(4, device="cuda"))
         c = torch.arange(1.0, 5.0, device="cuda")
@@ -86,11 +81,16 @@ def test_a_schedule_goes_up_beside_the_graph_and_each_replay_waits_for_its_value
 
         fn = flowexec.compile(step, mode="graph") if compiled else step
         losses = []
-        for _ in range(30):
+        for i in range(30):
+            if i == 3:  # built by now: keep the device busy, so that the host runs ahead
+                torch.cuda._sleep(50_000_000)
             losses.append(fn().detach().clone())
             sched.step()
         if compiled:
-            assert fn._last.guards.feeds.side, "the fed values should go up beside the graph"
+            feeds = fn._last.guards.feeds
+            assert feeds.writers, "the graph should write its fed values itself"
+            node, = feeds.writers.values()
+            assert len(node.graphs) == 1
         return torch.stack(losses)
 
     lrs = 0.1 * (1.0 + torch.arange(30.0, dtype=torch.float64))

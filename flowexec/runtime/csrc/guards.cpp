@@ -250,7 +250,7 @@ int GuardChecker::feeds() const {
 void GuardChecker::upload(size_t d) const {
   if (devices_[d].is_same(hosts_[d])) return;  // the CPU: the program reads the host copy itself
   Ring& r = rings_[d];
-  if (py::len(r.uploader) > 0) {  // uploaded on a side stream the program waits on: Python does it
+  if (py::len(r.uploader) > 0) {  // written by the graph itself (runtime/feed_node.py): Python hands them over
     r.uploader[0]();
     return;
   }

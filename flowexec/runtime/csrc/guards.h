@@ -64,7 +64,7 @@ class GuardChecker {
     std::vector<at::Tensor> copies;
     std::vector<std::unique_ptr<c10::Event>> events;
     size_t next = 0;
-    py::list uploader;  // non-empty once the values go up beside the graph: Python uploads them
+    py::list uploader;  // non-empty once the graph writes the values itself: Python hands them over
   };
 
   bool holds(const Guard& g) const;
