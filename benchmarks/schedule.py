@@ -133,6 +133,8 @@ def main() -> None:
     res["scheduled_native_path"] = bool(sched_exe._native is not None and sched_exe._native.guarded)
     feeds = sched_exe._last.guards.feeds if sched_exe._last.guards is not None else None
     res["fed"] = [s.name for s in feeds.slots] if feeds is not None else []
+    # how the values reach the graph: its own kernel node (runtime/feed_node.py) or a copy before each replay
+    res["fed_by"] = "graph kernel node" if feeds is not None and feeds.writers else "copy before the replay"
     # (the buffers are keyed by the parameters' device, with its index: cuda:0)
     res["lr_fed_now"] = float(next(iter(feeds.buffers.values()))[0]) if feeds is not None else None
     res["scheduled_us_rounds"] = sched_us
