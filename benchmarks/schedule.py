@@ -9,11 +9,13 @@ of the lent host. Reported: programs captured and RecaptureWarnings over the 1,0
 steps (both must be 1 and 0), the median step time of each, their ratio, and the noise: the
 spread of the constant runs' rounds around their median. Also timed: eager steps of each, for scale.
 
-The scheduled step is built and captured first unless ``--constant-first``: the first graph
-flowexec captures in a process runs slower (docs/training.md), so run both orders.
+The scheduled step is built and captured first unless ``--constant-first``. The first graph
+flowexec captures in a process runs ~0.7% slower whatever it holds (docs/training.md), so run
+both orders, or ``--prime``: a throwaway constant-lr copy is captured first.
 
     PYTHONPATH=. python3 benchmarks/schedule.py            # writes benchmarks/results/schedule.json
     PYTHONPATH=. python3 benchmarks/schedule.py --constant-first --out DIR
+    PYTHONPATH=. python3 benchmarks/schedule.py --prime [--constant-first] --out DIR
     PYTHONPATH=. python3 benchmarks/schedule.py --width 1024 --depth 8
 """
 from __future__ import annotations
@@ -91,6 +93,10 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--constant-first", action="store_true",
                     help="build and capture the constant-lr step before the scheduled one")
+    ap.add_argument("--prime", action="store_true",
+                    help="capture a throwaway constant-lr copy of the step first: the first graph flowexec captures "
+                         "in a process runs ~0.7%% slower, whatever it is (benchmarks/probes/first_graph.py), so "
+                         "that neither timed loop is that graph")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/schedule.py measures graph mode: it needs CUDA")
@@ -106,6 +112,7 @@ def main() -> None:
         "model": f"MLP {args.depth}x{args.width}, batch 64, AdamW (default: foreach, lazy state)",
         "schedule": "OneCycleLR (lr and betas[0] change every step)", "steps": args.steps,
         "captured_first": "constant" if args.constant_first else "scheduled",
+        "primed": args.prime,
     }
     from flowexec.runtime import fastcall
 
@@ -113,6 +120,10 @@ def main() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         built = {}
+        if args.prime:  # kept alive, as the timed ones are
+            built[None] = make(args.width, args.depth, dev, False, args.steps, True)
+            for _ in range(3):
+                built[None][0](), built[None][1]()
         for scheduled in (False, True) if args.constant_first else (True, False):
             built[scheduled] = make(args.width, args.depth, dev, scheduled, args.steps, True)
             for _ in range(3):  # eager first call (lazy AdamW state), capture, one replay

@@ -37,6 +37,7 @@ for step in "$@"; do
     schedule)  run_step $step 240 python3 benchmarks/schedule.py --out "$R" ;;  # OneCycleLR, 1,000 graph-mode steps
     schedule-gaps) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --out "$R" ;;  # where its extra µs go
     schedule-cf) run_step $step 240 python3 benchmarks/schedule.py --constant-first --out "$R/cf" ;;  # capture order swapped
+    schedule-primed) run_step $step 240 bash -c "python3 benchmarks/schedule.py --prime --out '$R/primed' && python3 benchmarks/schedule.py --prime --constant-first --out '$R/primed_cf'" ;;  # neither timed graph is the first captured
     schedule-gaps-cf) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --constant-first --out "$R/cf" ;;
     schedule-gaps-prime) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --prime --out "$R/prime" ;;
     scale-llama-peers) run_step $step 400 python3 benchmarks/scale.py --models llama_207m \
