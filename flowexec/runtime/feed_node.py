@@ -128,7 +128,9 @@ class FeedNode:
         self._fns = {c.params.func: k for k, c in enumerate(self.chunks)}
         self._launch = d.cuLaunchKernel
         self._set = d.cuGraphExecKernelNodeSetParams_v2
-        # A stream of its own (torch's pooled streams may be the program's or the capture's).
+        # A stream of its own (torch's pooled streams may be the program's or the capture's),
+        # never destroyed: the allocator records an event on it when the buffer is freed, which
+        # may be after this object is gone (one stream per program that writes fed values).
         self.stream = torch.cuda.ExternalStream(nat.stream_create(), device=self.device)
         buffer.record_stream(self.stream)  # written there: not reused while a put is queued
         self.forked, self.written = torch.cuda.Event(), torch.cuda.Event()
