@@ -59,6 +59,7 @@ for step in "$@"; do
                  --junitxml="$R/$step.xml" ;;
     memtests)  run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py \
                  --junitxml="$R/$step.xml" ;;
+    build-peak) run_step $step 300 python3 benchmarks/probes/build_peak.py --out "$R" ;;  # what is alive at the build's peak
     peak-resnet50) run_step $step 300 python3 benchmarks/scale.py --models resnet50 --variants eager,fx_graph_fused \
                  --timeout 200 -o "$R/scale_resnet50_peak.json" ;;  # issue 36's memory figure (and warm build)
     regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default
