@@ -365,7 +365,8 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         losses.append(step(x, y).clone())  # the optimizer's state exists before capture
         sync(dev)
         res["prestep_s"] = time.perf_counter() - t
-        prof = cProfile.Profile() if phase == "build" else None  # the warm rebuild: where its seconds go
+        # --profile-warm: the warm rebuild under cProfile, where its seconds go (its time then reads ~1.4x)
+        prof = cProfile.Profile() if phase == "build-profiled" else None
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -413,7 +414,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         sync(dev)
         res["build_s"] = time.perf_counter() - t0
         res["build_what"] = "3 warm-up steps (as the anchors)" + ("" if variant == "eager" else ", compiling")
-    if phase == "build":
+    if phase.startswith("build"):
         return
     if dev.type == "cuda":  # where the peak falls: building (warm-up, capture) or the steps after
         res["build_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -750,14 +751,15 @@ def parent_main(a: argparse.Namespace) -> None:
             if peak:
                 res["matmul_peak_tflops"] = peak["tflops"]
             if warm and "error" not in res:
-                w = run_child(m, v, a, "build", cache, False, logdir)
+                w = run_child(m, v, a, "build-profiled" if a.profile_warm else "build", cache, False, logdir)
                 res["warm_process_s"] = w["process_s"]
                 if "error" in w:
                     res["build_s_warm_error"] = w["error"]
                 else:
                     res["build_s_warm"] = w.get("build_s")
                     res["flowexec_build_phases_warm"] = w.get("flowexec_build_phases")
-                    res["flowexec_build_profile_warm"] = w.get("build_profile")
+                    if a.profile_warm:
+                        res["flowexec_build_profile_warm"] = w.get("build_profile")
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         for k in ("model_desc", "params", "units_per_step", "unit"):
@@ -791,6 +793,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 30; 5 with --tiny)")
     ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                     help="rebuild inductor and the fused flowexec variants on their warm cache (default on)")
+    ap.add_argument("--profile-warm", action="store_true",
+                    help="run the warm rebuilds under cProfile and record their costliest functions "
+                         "(flowexec_build_profile_warm; their build times then read ~1.4x)")
     ap.add_argument("--timeout", type=float, default=480, help="seconds a variant's process may take")
     ap.add_argument("-o", "--output", default=None, help="results file (default $OUT/scale.json, "
                                                          "else benchmarks/results/scale.json; scale_cpu.json on a CPU)")
@@ -800,7 +805,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
-    ap.add_argument("--phase", default="full", choices=("full", "build"), help=argparse.SUPPRESS)
+    ap.add_argument("--phase", default="full", choices=("full", "build", "build-profiled"), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--matmul-peak", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
