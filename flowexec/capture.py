@@ -104,12 +104,15 @@ def _direct_fake_metas(mode: FakeTensorMode) -> Iterator[None]:
     fake mode: the same value at a fraction of the cost (a 124M GPT-2 capture on a CPU: 7.0 s
     against 8.5). Anything but a plain strided tensor takes make_fx's own path, and so does
     every thread with no capture under way (torch's ``extract_val`` is wrapped once, for good:
-    swapping it per capture would race with captures on other threads)."""
+    swapping it per capture would race with captures on other threads). ``set_meta`` likewise
+    stores that value alone, without make_fx's ``tensor_meta`` copy of it."""
     from torch.fx.experimental import proxy_tensor
 
     with _metas_lock:
         if not getattr(proxy_tensor.extract_val, "_flowexec", False):
             proxy_tensor.extract_val = _extract_val_of(proxy_tensor.extract_val)
+        if not getattr(proxy_tensor.set_meta, "_flowexec", False):
+            proxy_tensor.set_meta = _set_meta_of(proxy_tensor.set_meta)
     stack = _metas.__dict__.setdefault("modes", [])
     stack.append(mode)
     try:
@@ -133,6 +136,20 @@ def _extract_val_of(own: Callable[..., Any]) -> Callable[..., Any]:
         return own(val, *args, **kwargs)  # (a list's items come back here: torch's recursion names the module's)
     extract_val._flowexec = True  # type: ignore[attr-defined]
     return extract_val
+
+
+def _set_meta_of(own: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.fx.experimental import proxy_tensor
+
+    def set_meta(proxy: Any, val: Any) -> Any:
+        if not getattr(_metas, "modes", None):
+            return own(proxy, val)
+        # Only "val": make_fx's best-effort "tensor_meta" beside it (a TensorMetadata per value,
+        # ~5% of a capture) is read by nothing downstream of a capture (program_from_graph).
+        proxy.node.meta["val"] = proxy_tensor.extract_val(val, include_real=proxy.node.op == "placeholder")
+        return proxy
+    set_meta._flowexec = True  # type: ignore[attr-defined]
+    return set_meta
 
 
 class LazyStateError(CaptureError):

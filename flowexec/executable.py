@@ -244,6 +244,7 @@ class Executable:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
         t0 = time.perf_counter()
         self._give_back_parked()
+        fastcall.load()  # (where built, its C frame tracer serves the capture's guards.Recorder)
         cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
                       park=worth_parking if self.park else None, unfused=frozenset(self._unfused))
         self._parked = cap.parked or None

@@ -603,13 +603,21 @@ class Recorder:
         # which doubled the capture time of a transformer block. A tracer the user runs (a
         # debugger, coverage) pauses for the capture: its frames are flowexec's tracing.
         self._prev_trace = sys.gettrace()
-        sys.settrace(self._tracer())
+        native = _NATIVE_TRACER.get("make")
+        if native is not None:  # the same tracer in C (runtime/csrc/codetracer.cpp): a quarter of the capture less
+            native(self._seen_code, self._per_object, self._new_code, self._object_code).install()
+        else:
+            sys.settrace(self._tracer())
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self.active:
             return
-        sys.settrace(self._prev_trace)
+        prev = self._prev_trace
+        if isinstance(prev, _NATIVE_TRACER.get("type", ())):  # an outer capture's C tracer
+            prev.install()
+        else:
+            sys.settrace(prev)
         self._active = False
         _ACTIVE.remove(self)
         if not _ACTIVE:
@@ -621,28 +629,39 @@ class Recorder:
     def _tracer(self) -> Callable[[Any, str, Any], None]:
         """The global trace function: the first frame of each user code object is scanned (it
         runs for every Python frame the capture starts, ~0.6M for a transformer block: kept to
-        a set lookup)."""
+        a set lookup). Where the native extension is loaded, a C trace function does those
+        lookups and calls :meth:`_new_code` and :meth:`_object_code` itself."""
         seen = self._seen_code
-
         per_object = self._per_object
+        new_code, object_code = self._new_code, self._object_code
 
         def trace(frame: Any, event: str, arg: Any) -> None:
             code = frame.f_code
             if code in seen:
-                if code not in per_object or not self._active:
-                    return
-                scan = self.object_entered  # the same method on another object
+                if code in per_object:
+                    object_code(frame)
             else:
-                seen.add(code)
-                if not (self._active and user_code(code.co_filename)):
-                    return
-                scan = self.frame_entered
-            self._active = False  # the recorder's own reads are not fn's
-            try:
-                scan(frame)
-            finally:
-                self._active = True
+                new_code(frame)
         return trace
+
+    def _new_code(self, frame: Any) -> None:
+        """The first frame of a code object: scanned if the code is the user's."""
+        code = frame.f_code
+        self._seen_code.add(code)
+        if self._active and user_code(code.co_filename):
+            self._scan(self.frame_entered, frame)
+
+    def _object_code(self, frame: Any) -> None:
+        """Another frame of a user code that takes its object as first argument."""
+        if self._active:
+            self._scan(self.object_entered, frame)  # the same method on another object
+
+    def _scan(self, scan: Callable[[Any], None], frame: Any) -> None:
+        self._active = False  # the recorder's own reads are not fn's
+        try:
+            scan(frame)
+        finally:
+            self._active = True
 
     # -- after the run --
     def use_leaf(self, t: torch.Tensor) -> None:
@@ -771,6 +790,15 @@ def _instructions(code: types.CodeType) -> tuple[list[dis.Instruction], dict[int
 
 _ACTIVE: list[Recorder] = []
 _ORIGINAL: dict[str, Any] = {}
+# The native extension's C trace function (runtime/fastcall.py registers it when the extension
+# loads): "make" builds one (seen, per_object, on_new, on_object), "type" is its class.
+_NATIVE_TRACER: dict[str, Any] = {}
+
+
+def use_native_tracer(make: Callable[..., Any], kind: type) -> None:
+    """Have recorders trace frames with ``make(seen, per_object, on_new, on_object)``, an
+    object whose ``install()`` makes it the thread's trace function (runtime/csrc/codetracer.cpp)."""
+    _NATIVE_TRACER.update(make=make, type=kind)
 _object_getattribute = object.__getattribute__
 
 

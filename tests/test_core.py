@@ -415,3 +415,22 @@ def test_new_saved_tensors_for_known_parameters_capture_silently(monkeypatch):
         warnings.simplefilter("error")
         gp(p1, s3)
     assert len(captures) == 3
+
+
+def test_capture_leaves_make_fx_metadata_alone_elsewhere() -> None:
+    """A capture stores each value's fake metadata itself (no ``tensor_meta`` copy); make_fx run
+    outside a capture afterwards still records torch's own ``val`` and ``tensor_meta``, and the
+    captured program's values carry the real tensors' dtypes, shapes, strides and devices."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from flowexec.capture import capture
+
+    x = torch.randn(3, 4)
+    prog = capture(lambda x: (x.t() * 2).sum(0), (x,)).program
+    t = x.t()
+    want = [(tuple(v.shape), v.stride()) for v in (t, t * 2, (t * 2).sum(0))]  # as eager makes them
+    assert [(v.meta.shape, v.meta.stride) for v in prog.values if v.meta is not None][1:] == want
+    gm = make_fx(lambda x: (x.t() * 2).sum(0))(x)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            assert "tensor_meta" in node.meta and node.meta["val"].shape == node.meta["tensor_meta"].shape

@@ -8,6 +8,7 @@ must alter eager's answer (else the case would prove nothing).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -455,3 +456,68 @@ def test_a_module_made_during_the_run_is_no_guarded_state() -> None:
     with pytest.warns(flowexec.RecaptureWarning, match="depth"):
         got = exe(x)
     torch.testing.assert_close(got, model(x).sum())
+
+
+class _Scaler:
+    def __init__(self) -> None:
+        self.power = 2.0
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x ** self.power  # a plain object's attribute, read through its method's self
+
+
+def _traced_guards(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[str]:
+    from flowexec import guards
+    from flowexec.capture import capture
+
+    if not native:
+        monkeypatch.setattr(guards, "_NATIVE_TRACER", {})
+    _reset_globals()
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    scalers = [_Scaler(), _Scaler()]
+
+    def fn(x):
+        y = g_helper(g_act(x @ w)) * G_SCALE + G_TABLE["bias"]
+        for s in scalers:
+            y = s.apply(y)
+        return y ** G_OPTS.power
+
+    before = sys.gettrace()
+    cap = capture(fn, (torch.randn(2, 4),), guarded=True)
+    assert sys.gettrace() is before  # the tracer the caller had (a debugger's, coverage's) is back
+    return sorted(g.name for g in cap.guards.guards)
+
+
+def test_native_frame_tracer_records_what_the_python_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C trace function (runtime/csrc/codetracer.cpp) guards the same globals, closure
+    values and helper objects as the Python one, and leaves the caller's trace function set."""
+    from flowexec import guards
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    assert guards._NATIVE_TRACER.get("make") is not None
+    native = _traced_guards(monkeypatch, native=True)
+    python = _traced_guards(monkeypatch, native=False)
+    assert native == python
+    assert any("G_TABLE" in n for n in native) and any("power" in n for n in native), native
+
+
+def test_native_frame_tracer_restores_an_outer_one() -> None:
+    """A recorder inside another (a capture during a capture) hands the outer's C tracer back."""
+    from flowexec import guards
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    outer, inner = guards.Recorder(lambda: None, active=True), guards.Recorder(lambda: None, active=True)
+    before = sys.gettrace()
+    with outer:
+        tracer = sys.gettrace()
+        assert isinstance(tracer, guards._NATIVE_TRACER["type"])
+        with inner:
+            assert sys.gettrace() is not tracer
+        assert sys.gettrace() is tracer
+        g_helper(torch.ones(1))  # still traced: the outer recorder scans the helper's code
+    assert sys.gettrace() is before
+    assert g_helper.__code__ in outer._seen_code

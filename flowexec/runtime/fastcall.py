@@ -34,11 +34,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import guards
+
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fastcall.cpp")
-# One extension, three sources: the call check, the guards of a captured program
-# (flowexec/guards.py) and the job timer's event clock (profiler/timers.py, NativeEvents).
+# One extension, four sources: the call check, the guards of a captured program
+# (flowexec/guards.py), the job timer's event clock (profiler/timers.py, NativeEvents) and the
+# capture's frame tracer (guards.Recorder).
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = [_SOURCE, os.path.join(_CSRC, "guards.cpp"), os.path.join(_CSRC, "eventclock.cpp")]
+_SOURCES = [_SOURCE, os.path.join(_CSRC, "guards.cpp"), os.path.join(_CSRC, "eventclock.cpp"),
+            os.path.join(_CSRC, "codetracer.cpp")]
 _HEADERS = [os.path.join(_CSRC, "guards.h")]
 _STATE: dict[str, Any] = {}  # "module" once loaded, "error" why not
 
@@ -70,6 +74,7 @@ def build() -> Any:
     mod = cpp_extension.load(name, _SOURCES, extra_cflags=["-O2"], build_directory=directory, verbose=False)
     _STATE.clear()
     _STATE["module"] = mod
+    guards.use_native_tracer(mod.code_tracer, mod.CodeTracer)
     return mod
 
 
@@ -94,6 +99,7 @@ def load() -> Any | None:
         _STATE["error"] = f"{type(e).__name__}: {e}"
         return None
     _STATE["module"] = mod
+    guards.use_native_tracer(mod.code_tracer, mod.CodeTracer)
     return mod
 
 

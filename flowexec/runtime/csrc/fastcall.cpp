@@ -178,12 +178,14 @@ class CallGuard {
 }  // namespace
 
 void register_event_clock(py::module_& m);  // eventclock.cpp: the job timer's events
+void register_code_tracer(py::module_& m);  // codetracer.cpp: the capture's frame tracer
 namespace flowexec {
 void register_guards(py::module_& m);  // guards.cpp: a program's guards and fed hyperparameters
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_event_clock(m);
+  register_code_tracer(m);
   flowexec::register_guards(m);
   py::class_<CallGuard>(m, "CallGuard")
       .def(py::init<std::vector<int>, py::list, std::vector<int64_t>, std::vector<bool>, std::vector<int64_t>,
