@@ -235,3 +235,22 @@ def test_backend_with_planned_memory_trains_like_eager(options):
         assert_close_rel(mine(x, y), eager(x, y), what="loss")
     assert collector().drain(timeout=30)
     assert_same_state(m1, m2)
+
+
+def test_a_channels_last_intermediate_stays_out_of_the_arena_and_keeps_its_layout():
+    """An arena view is row-major: a channels_last intermediate placed there lost its layout, and
+    a view that needs it (permute then view, as a channels_last model's flatten) failed."""
+    from flowexec.build import plan_for
+    from flowexec.capture import capture
+    from flowexec.runtime.interpreter import lower_trace
+
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2  # channels_last, like x
+        return h.permute(0, 2, 3, 1).view(-1)[:7].sum() + (h + 1).sum()
+
+    plan = plan_for(capture(fn, (x,)).program, "trace", memory="planned")
+    why = dict(plan.memory.unplanned)
+    assert any("row-major" in w for w in why.values())
+    torch.testing.assert_close(lower_trace(plan)(x)[0], fn(x))

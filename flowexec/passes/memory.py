@@ -235,6 +235,16 @@ def assign_offsets(sizes: Sequence[int], conflicts: Callable[[int, int], bool], 
     return offsets, top
 
 
+def _row_major(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` is the row-major (contiguous) layout of ``shape`` (size-1 dims ignored)."""
+    expect = 1
+    for n, st in zip(reversed(shape), reversed(stride)):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
 def plan_memory(prog: Program, groups: Sequence[int], buffers: Sequence[Buffer],
                 order: Sequence[int] | None = None) -> MemoryPlan:
     """Place every plannable buffer of ``prog`` in its device's arena (see the module docstring).
@@ -259,6 +269,10 @@ def plan_memory(prog: Program, groups: Sequence[int], buffers: Sequence[Buffer],
             why = "read through explicit strides (as_strided): an arena view is contiguous"
         elif meta.nbytes != _numel(meta.shape) * _itemsize(meta.dtype):
             why = "its storage is not one contiguous tensor of its shape"
+        elif meta.stride is not None and not _row_major(meta.shape, meta.stride):
+            # (channels_last: a view or kernel after it expects that layout; its readers would
+            # see a row-major arena view)
+            why = "laid out other than row-major (channels_last): an arena view is row-major"
         else:
             ov = out_variant(op.target)
             if ov is None:
