@@ -152,14 +152,11 @@ class PinnedRing:
         self.copies[k].copy_(host)
         return self.copies[k]
 
-    def passed(self, stream: Any = None) -> None:
-        """The copy out of the copy :meth:`fill` gave is launched (on ``stream``, else the
-        current one): record when it has passed, and move on to the next copy."""
+    def passed(self) -> None:
+        """The copy out of the copy :meth:`fill` gave is launched on the current stream: record
+        when it has passed, and move on to the next copy."""
         ev = torch.cuda.Event()
-        if stream is None:
-            ev.record()
-        else:
-            ev.record(stream)
+        ev.record()
         self.events[self.turn] = ev
         self.turn = (self.turn + 1) % len(self.copies)
 

@@ -29,9 +29,9 @@ import ctypes
 import weakref
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
+from .. import _cuda_native as nat
 from ..plan import ExecutionPlan
 
 MAX_WORDS = 16  # values per kernel (a buffer of more is written by several)
@@ -59,8 +59,6 @@ def put_functions(device_index: int) -> dict[int, int]:
     """``{n: CUfunction of fx_put<n>}`` for 1 <= n <= MAX_WORDS, loaded once per device."""
     fns = _functions.get(device_index)
     if fns is None:
-        from .. import _cuda_native as nat
-
         d = nat.driver()
         nat.ensure_context(device_index)
         mod = ctypes.c_void_p()
@@ -86,17 +84,19 @@ class KernelNodeParams(ctypes.Structure):
 
 class _Chunk:
     """One ``fx_put<n>`` launch: words ``[start, start + n)`` of the buffer, its parameter
-    values (the destination, then the words) and the pointers to them that CUDA reads."""
+    values (the destination, then the words) and the pointers to them that CUDA reads;
+    :meth:`fill` copies the words in from the host copy at ``host`` (addresses fixed at build)."""
 
-    def __init__(self, fn: int, dst: int, start: int, n: int) -> None:
+    def __init__(self, fn: int, dst: int, start: int, n: int, host: int) -> None:
         self.start, self.n = start, n
         self.values = (ctypes.c_uint64 * (n + 1))(dst + 8 * start)
         base = ctypes.addressof(self.values)
         self.pointers = (ctypes.c_void_p * (n + 1))(*[base + 8 * i for i in range(n + 1)])
         self.params = KernelNodeParams(fn, 1, 1, 1, 1, 1, 1, 0, ctypes.addressof(self.pointers), None, None, None)
+        self._copy = (base + 8, host + 8 * start, 8 * n)
 
-    def fill(self, words: np.ndarray) -> None:
-        ctypes.memmove(ctypes.addressof(self.values) + 8, words[self.start:self.start + self.n].ctypes.data, 8 * self.n)
+    def fill(self) -> None:
+        ctypes.memmove(*self._copy)
 
 
 class FeedNode:
@@ -111,20 +111,18 @@ class FeedNode:
     """
 
     def __init__(self, buffer: torch.Tensor, host: torch.Tensor) -> None:
-        from .. import _cuda_native as nat
-
-        if buffer.dtype != torch.float64 or not buffer.is_contiguous() or host.shape != buffer.shape:
-            raise ValueError("FeedNode: a contiguous float64 buffer and a host copy of its shape")
+        if any(t.dtype != torch.float64 or not t.is_contiguous() for t in (buffer, host)) or host.shape != buffer.shape:
+            raise ValueError("FeedNode: a contiguous float64 buffer and a contiguous float64 host copy of its shape")
         d = nat.driver()
         if d.cuGraphKernelNodeGetParams_v2 is None or d.cuGraphExecKernelNodeSetParams_v2 is None:
             raise RuntimeError("FeedNode: this CUDA driver lacks the kernel-node parameter calls")
         self.device = buffer.device
         self.buffer = buffer
-        self.words = host.numpy().view(np.uint64)  # the host copy's values as the bits the kernel stores
+        self.host = host  # (its values, as the bits the kernel stores, are read at its address)
         fns = put_functions(buffer.device.index if buffer.device.index is not None else torch.cuda.current_device())
         n = buffer.numel()
-        self.chunks = [_Chunk(fns[min(MAX_WORDS, n - s)], buffer.data_ptr(), s, min(MAX_WORDS, n - s))
-                       for s in range(0, n, MAX_WORDS)]
+        self.chunks = [_Chunk(fns[min(MAX_WORDS, n - s)], buffer.data_ptr(), s, min(MAX_WORDS, n - s),
+                              host.data_ptr()) for s in range(0, n, MAX_WORDS)]
         self._fns = {c.params.func: k for k, c in enumerate(self.chunks)}
         self._launch = d.cuLaunchKernel
         self._set = d.cuGraphExecKernelNodeSetParams_v2
@@ -138,14 +136,12 @@ class FeedNode:
 
     def put(self) -> None:
         """The runner's first call: fork, and write the values now on the branch."""
-        from .. import _cuda_native as nat
-
         main = torch.cuda.current_stream(self.device)
         self.forked.record(main)
         self.stream.wait_event(self.forked)
         s = self.stream.cuda_stream
         for c in self.chunks:
-            c.fill(self.words)
+            c.fill()
             nat.check(self._launch(c.params.func, 1, 1, 1, 1, 1, 1, 0, s, ctypes.addressof(c.pointers), None),
                       "cuLaunchKernel(fx_put)")
         self.written.record(self.stream)
@@ -157,8 +153,6 @@ class FeedNode:
     def bind(self, graph: torch.cuda.CUDAGraph) -> None:
         """Find this feed's nodes in ``graph`` (captured from the hooked runner with
         ``keep_graph``); a later :meth:`upload` rewrites them. Raises if any is missing."""
-        from .. import _cuda_native as nat
-
         d = nat.driver()
         g = ctypes.c_void_p(graph.raw_cuda_graph())
         count = ctypes.c_size_t(0)
@@ -181,19 +175,14 @@ class FeedNode:
     def upload(self, host: torch.Tensor) -> None:
         """The values changed (``host``, this feed's host copy, holds them): every bound graph
         writes them from its next launch on. (An unbound runner's :meth:`put` reads them itself.)"""
-        from .. import _cuda_native as nat
-
         for c in self.chunks:
-            c.fill(self.words)
-        live = []
-        for ref, exe, found in self.graphs:
-            if ref() is None:  # a dropped graph: its exec is gone with it
-                continue
-            live.append((ref, exe, found))
+            c.fill()
+        if any(ref() is None for ref, _, _ in self.graphs):  # a dropped graph: its exec is gone with it
+            self.graphs = [e for e in self.graphs if e[0]() is not None]
+        for _, exe, found in self.graphs:
             for node, k in found:
                 nat.check(self._set(exe, node, ctypes.byref(self.chunks[k].params)),
                           "cuGraphExecKernelNodeSetParams(fx_put)")
-        self.graphs = live
 
 
 def first_reader(plan: ExecutionPlan, buffer: torch.Tensor) -> int | None:

@@ -128,6 +128,11 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
         lines += ["    _s0 = _cur()", "    _fork(_s0)"]
     on = 0  # the stream the generated code has made current
 
+    def call_hook(pos: int) -> None:
+        if hooks and pos in hooks:
+            glb[f"_hook{pos}"] = hooks[pos]
+            lines.append(f"    _hook{pos}()")
+
     def stream_name(k: int) -> str:
         return "_s0" if k == 0 else f"S{k}"
 
@@ -138,9 +143,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
                 lines.append(f"    _set({stream_name(ins.stream)})")
                 on = ins.stream
             lines += [f"    {stream_name(on)}.wait_event(E{e})" for e in ins.waits]
-        if hooks and pos in hooks:
-            glb[f"_hook{pos}"] = hooks[pos]
-            lines.append(f"    _hook{pos}()")
+        call_hook(pos)
         fname = f"f{op.index}"
         target, out_arg = out_call(op, outs)
         glb[fname] = callable_of(target)
@@ -168,10 +171,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             lines.append("    del " + names)
         if clock is not None:
             lines.append(f"    _T[{pos + 1}] = _now()")
-    end = len(plan.instructions)
-    if hooks and end in hooks:
-        glb[f"_hook{end}"] = hooks[end]
-        lines.append(f"    _hook{end}()")
+    call_hook(len(plan.instructions))
     if multi:
         if on != 0:
             lines.append("    _set(_s0)")
