@@ -18,9 +18,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from .fusion import fuse_and_pad
+from .passes.copy_in import copy_inputs_in
 from .plan import ExecutionPlan, build_plan
 from .program import Program
 
@@ -39,8 +40,13 @@ def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> P
 
 
 def plan_for(prog: Program, mode: str, *, gc: str = "fast", streams: int | str = 1, fuse: str | bool | None = None,
-             pad: bool | None = None, fuse_lerp: bool | str | None = None, **plan_options: Any) -> ExecutionPlan:
-    """``prog`` rewritten (lerp, padding, fusion) and planned for run mode ``mode``;
-    ``plan_options`` go to :func:`~flowexec.plan.build_plan` (memory, order, gc_backlog, ...)."""
+             pad: bool | None = None, fuse_lerp: bool | str | None = None, copied_in: Sequence[int] = (),
+             **plan_options: Any) -> ExecutionPlan:
+    """``prog`` rewritten (lerp, padding, fusion; then the inputs at positions ``copied_in``
+    copied in by the program itself, ``passes/copy_in.py``, which graph mode asks for) and
+    planned for run mode ``mode``; ``plan_options`` go to :func:`~flowexec.plan.build_plan`
+    (memory, order, gc_backlog, ...)."""
     prog, fusion = fuse_and_pad(rewrite_program(prog, mode, fuse_lerp), fuse, pad, mode)
+    if copied_in:  # (after fusion: the copy must stay a plain copy, the graph's memcpy node)
+        prog = copy_inputs_in(prog, copied_in)
     return dataclasses.replace(build_plan(prog, gc, streams, mode=mode, **plan_options), fusion=fusion)

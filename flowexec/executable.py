@@ -40,6 +40,8 @@ from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
 from .runtime.lower import lower_for
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
+from .passes.copy_in import inputs_to_copy_in
+from .passes.dependencies import mutated_state
 from .storage import storage_key
 
 MODES = ("trace", "graph", "threaded")
@@ -271,11 +273,14 @@ class Executable:
             self._parked.restore()
             self._parked = None
 
-    def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float) -> _Compiled:
+    def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float,
+                        copy_in: bool = True) -> _Compiled:
         t1 = time.perf_counter()  # (t0: the build's start; capture took t1 - t0)
         capture_peak = _cuda_peak()
+        tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        copied = self._copied_in(cap.program, args, tensor_pos) if copy_in else ()
         plan = plan_for(cap.program, self.mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
-                        fuse_lerp=self.fuse_lerp, **self.memory_options)
+                        fuse_lerp=self.fuse_lerp, copied_in=copied, **self.memory_options)
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
         hooks, node = None, None
@@ -287,16 +292,15 @@ class Executable:
                 hooks, node = made
         run = lower_for(plan, self.mode, *self._worker_opts, hooks=hooks)
         t3 = time.perf_counter()
-        tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
         all_targs = [args[i] for i in tensor_pos] + [p.grad for p in cap.grad_inputs]
-        if self.mode == "graph" and not self._graph_can_stage(args, tensor_pos, plan):
+        if self.mode == "graph" and not self._graph_can_stage(args, tensor_pos, plan.program, plan.mutated):
             pass  # trace mode for this signature (said in a warning)
         elif self.mode == "graph" and self.pool == "shared":
             runner = self._shared_runner(run, plan, all_targs, cap, fetch, tensor_pos, runner)
         elif self.mode == "graph":
-            from .runtime.cuda_graph import CudaGraphRunner
+            from .runtime.cuda_graph import CopyInMissing, CudaGraphRunner
 
             prog = plan.program
             state_mutated = [prog.state[v] for v in plan.mutated if v in prog.state]
@@ -311,7 +315,8 @@ class Executable:
                 mutated = state_mutated + [targs[k] for k in mutated_inputs if borrow[k]]
                 r = CudaGraphRunner(run, targs, mutated, borrow=borrow, state=prog.state.values(),
                                     mutated_inputs=mutated_inputs, unprotected_outputs=bound, warmup=self.warmup,
-                                    before_replay=self._fence if fetch else None, keep_graph=node is not None)
+                                    before_replay=self._fence if fetch else None, keep_graph=node is not None,
+                                    copied_in=copied)
                 if node is not None:  # its fed values' kernel node, rewritten when they change
                     node.bind(r.graph)
                 return r
@@ -329,7 +334,10 @@ class Executable:
                                   "miss writes made through the other)", stacklevel=5)
                     continue
                 borrow[k] = True
-            runner = GraphVariants(capture_runner, targs, borrow)
+            try:
+                runner = GraphVariants(capture_runner, targs, borrow)
+            except CopyInMissing:  # torch copied an input with a kernel: the buffer per input instead
+                return self._plan_and_lower(cap, args, tree, paths, t0, copy_in=False)
         guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
         if guards is not None:  # checked in C++ where the extension is built (the Python check else)
             guards.attach(fastcall.guard_checker(guards))
@@ -378,18 +386,37 @@ class Executable:
                                             **graph_trees.executable_metadata(len(targs), len(prog.outputs)))
         return lambda t: graph(list(t))  # the trees empty the list they are given
 
-    def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], plan: ExecutionPlan) -> bool:
+    def _copied_in(self, prog: Program, args: Sequence[Any], tensor_pos: tuple[int, ...]) -> tuple[int, ...]:
+        """Graph mode: the positions (among ``prog.inputs``) of the per-call CUDA tensors that the
+        program copies in itself, so that the graph holds no copy of them past their last reader
+        (``passes/copy_in.py``'s :func:`inputs_to_copy_in`); none without CUDA's runtime bindings
+        (no node to re-point), with ``pool="shared"``, or where the signature runs in trace mode."""
+        if self.mode != "graph" or self.pool == "shared":
+            return ()
+        from .runtime.staging import memcpy_runtime
+
+        if not any(args[i].is_cuda for i in tensor_pos) or memcpy_runtime() is None:
+            return ()
+        if not self._graph_can_stage(args, tensor_pos, prog, mutated_state(prog), warn=False):
+            return ()
+        borrowed = [k for k, i in enumerate(tensor_pos) if i in self.borrow]
+        return inputs_to_copy_in(prog, [args[i] for i in tensor_pos], borrowed)
+
+    def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], prog: Program,
+                         mutated: Sequence[int], warn: bool = True) -> bool:
         """Whether a graph can run this signature: not when a tensor argument shares memory with
         closure state and fn writes in place (the graph would read or write the argument in a
         buffer of its own, apart from that state); such calls run in trace mode, with a warning.
-        Capture recorded which inputs share a storage with state (``Program.shared_storage``)."""
-        prog = plan.program
+        Capture recorded which inputs share a storage with state (``Program.shared_storage``);
+        ``mutated``: the values the program writes in place."""
         first_of = dict(prog.shared_storage)  # value -> first value on its storage (inputs come first)
         with_state = {f for v, f in prog.shared_storage if v in prog.state}
         on_state = [tensor_pos[k] for k, v in enumerate(prog.inputs[:len(tensor_pos)])
                     if v in with_state or first_of.get(v) in with_state]
-        if not (on_state and plan.mutated):
+        if not (on_state and mutated):
             return True
+        if not warn:
+            return False
         warnings.warn(
             f"flowexec: tensor argument(s) {', '.join(map(str, on_state))} share memory with tensors fn uses from "
             "its closure (parameters, buffers), and fn writes in place; a CUDA graph would copy them apart, so "

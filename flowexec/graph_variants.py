@@ -83,7 +83,7 @@ class GraphVariants:
     @property
     def static_inputs(self) -> list[Any]:
         """The first graph's input buffers (a borrowed input's is the tensor it was captured with)."""
-        return self.first.static_inputs
+        return self.first.input_buffers()
 
     @property
     def graph_count(self) -> int:

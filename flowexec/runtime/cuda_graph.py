@@ -28,11 +28,17 @@ import torch
 from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
-from .staging import StagingNodes, graph_node_count, memcpy_runtime
+from .staging import CopyInNodes, StagingNodes, graph_node_count, memcpy_runtime
 from ..storage import mark_stable
 
 __all__ = ["CudaGraphRunner", "HandedOutputs", "StagingNodes", "capture_graph", "capture_stream",
            "graph_node_count"]
+
+class CopyInMissing(RuntimeError):
+    """A graph whose program copies an input in (``passes/copy_in.py``) holds no single memcpy
+    node for it: torch copied with a kernel, which reads the captured address for good. The
+    caller plans the program again without the copy."""
+
 
 @dataclass(frozen=True)
 class SharedSpan:
@@ -185,7 +191,10 @@ class CudaGraphRunner:
     None, so that holding a graph does not count as holding another graph's outputs (which
     :meth:`HandedOutputs.saved_held` counts); each call checks their addresses (``moved``).
     ``keep_graph``: keep the captured graph's nodes (``self.graph.raw_cuda_graph()``) for the
-    caller to find and update (runtime/feed_node.py), as in-graph staging does.
+    caller to find and update (runtime/feed_node.py), as in-graph staging does. ``copied_in``:
+    positions the program copies in itself (``passes/copy_in.py``): captured from the caller's
+    tensor, with no buffer of their own, their memcpy nodes re-pointed per call
+    (:class:`CopyInNodes`); raises :class:`CopyInMissing` where a node is not found.
     """
 
     def __init__(
@@ -205,10 +214,13 @@ class CudaGraphRunner:
         stage_in_graph: bool = True,
         keep_borrowed: bool = True,
         keep_graph: bool = False,
+        copied_in: Sequence[int] = (),
     ) -> None:
         self.before_replay = before_replay
         tensors = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
-        self._staged = [i for i in tensors if not borrow[i]]
+        copied = [i for i in copied_in if i in tensors]
+        borrow = [b and i not in copied for i, b in enumerate(borrow)]  # (read through its node, wherever it is)
+        self._staged = [i for i in tensors if not borrow[i] and i not in copied]
         self._borrowed = [(i, example_inputs[i].data_ptr()) for i in tensors if borrow[i]]
         self.borrowed = BorrowedAddresses(example_inputs, borrow)  # the per-call checks, precomputed
         self.static_inputs: list[Any] = list(example_inputs)
@@ -238,7 +250,7 @@ class CudaGraphRunner:
                 for i, a in in_graph.items():
                     static[i].copy_(a)
                 return run(*static)
-            graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph) or keep_graph)
+            graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph) or keep_graph or bool(copied))
             with torch.no_grad():
                 for t, saved in snapshot:
                     t.copy_(saved)
@@ -253,6 +265,18 @@ class CudaGraphRunner:
             else:  # a copy became something other than a memcpy node: stage every input from Python
                 del staging, outs
                 self.graph, outs = capture({})
+        self.copy_in: CopyInNodes | None = None
+        self._copied_layout: dict[int, tuple[Any, ...]] = {}
+        if copied:
+            rt = memcpy_runtime()
+            self.copy_in = CopyInNodes.from_graph(rt, self.graph, {i: example_inputs[i] for i in copied}) if rt else None
+            if self.copy_in is None:
+                raise CopyInMissing(f"flowexec: no single memcpy node copies in the inputs at {copied}")
+            # (the layout alone: holding the example would keep the caller's batch alive)
+            self._copied_layout = {i: (a.shape, a.stride(), a.dtype, a.device)
+                                   for i in copied for a in (example_inputs[i],)}
+            for i in copied:  # (the graph reads them through its nodes: it holds none of them)
+                static[i] = None
         if not keep_borrowed:
             for i, _ in self._borrowed:
                 static[i] = None
@@ -284,6 +308,15 @@ class CudaGraphRunner:
         plain = not (self._staged_ptrs or self._spans or before_replay is not None or self._mutated_inputs)
         self.call: Callable[..., list[Any]] = self._call_plain if plain else self.__call__
 
+    def input_buffers(self) -> list[Any]:
+        """The tensors to fill in place and pass (``Executable.input_buffers``): the static
+        buffers, the borrowed inputs as captured, and for an input the program copies in, a
+        buffer made now in its layout (its node then reads it: one copy inside the graph)."""
+        for i, (shape, stride, dtype, device) in self._copied_layout.items():
+            if self.static_inputs[i] is None:
+                self.static_inputs[i] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        return list(self.static_inputs)
+
     def matches(self, args: Sequence[Any]) -> bool:
         """Whether every borrowed input is still at its captured address."""
         return self.borrowed.matches(args)
@@ -301,6 +334,8 @@ class CudaGraphRunner:
             sp.static.copy_(sp.source(args))
         if self.staging is not None:
             self.staging.point(args)
+        if self.copy_in is not None:
+            self.copy_in.point(args)
         if self.before_replay is not None:
             self.before_replay()
         self._replay()
@@ -316,6 +351,8 @@ class CudaGraphRunner:
         outputs.release(saved_checked)
         if self.staging is not None:
             self.staging.point(args)
+        if self.copy_in is not None:
+            self.copy_in.point(args)
         self._replay()
         return outputs.hand_out()
 

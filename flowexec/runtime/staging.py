@@ -6,6 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..passes.copy_in import dense
+
 
 @functools.lru_cache(maxsize=None)
 def memcpy_runtime() -> Any:
@@ -54,17 +56,9 @@ class StagingNodes:
     def from_graph(cls, rt: Any, graph: torch.cuda.CUDAGraph, statics: dict[int, torch.Tensor],
                    example: dict[int, torch.Tensor]) -> StagingNodes:
         """Find the memcpy node of each staged input by its (static buffer, example) addresses."""
-        g = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
-        err, _, n = rt.cudaGraphGetNodes(g, 0)
-        err, nodes, n = rt.cudaGraphGetNodes(g, n)
-        _check(rt, err, "cudaGraphGetNodes")
         by_addr: dict[tuple[int, int], Any] = {}
-        for node in nodes:
-            err, kind = rt.cudaGraphNodeGetType(node)
-            if err == rt.cudaError_t.cudaSuccess and kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
-                err, prm = rt.cudaGraphMemcpyNodeGetParams(node)
-                if err == rt.cudaError_t.cudaSuccess:
-                    by_addr.setdefault((int(prm.dstPtr.ptr), int(prm.srcPtr.ptr)), node)
+        for node, dst, src, _ in _memcpy_nodes(rt, graph):
+            by_addr.setdefault((dst, src), node)
         entries = []
         for i, st in statics.items():
             node = by_addr.get((st.data_ptr(), example[i].data_ptr()))
@@ -94,6 +88,83 @@ class StagingNodes:
         _check(rt, rt.cudaGraphExecMemcpyNodeSetParams1D(self.exec, self.nodes[k], self.dst[k], ptr, self.nbytes[k],
                                                          self._d2d)[0], "cudaGraphExecMemcpyNodeSetParams1D")
         self.src[k] = ptr
+
+
+class CopyInNodes:
+    """Per-call inputs that the program copies in itself (``passes/copy_in.py``): in the graph
+    the program's ``clone`` of each is a memcpy node from the captured tensor into the graph's
+    pool, where the plan frees the copy after its last reader. A call re-points the node's
+    source at its own tensor (``cudaGraphExecMemcpyNodeSetParams1D``, only future launches see
+    it); a tensor laid out otherwise than the captured one is first copied into that layout, and
+    that copy held until the next call (the replay reads it)."""
+
+    def __init__(self, rt: Any, graph_exec: Any, entries: Sequence[tuple[int, Any, int, torch.Tensor]]) -> None:
+        """``entries``: (argument position, memcpy node, its destination address, example)."""
+        self.rt = rt
+        self.exec = graph_exec
+        self.pairs = [(k, i) for k, (i, _, _, _) in enumerate(entries)]
+        self.index = [i for i, _, _, _ in entries]
+        self.nodes = [node for _, node, _, _ in entries]
+        self.dst = [dst for _, _, dst, _ in entries]
+        self.layout = [(ex.shape, ex.stride(), ex.dtype) for _, _, _, ex in entries]
+        self.nbytes = [ex.numel() * ex.element_size() for _, _, _, ex in entries]
+        self.src = [ex.data_ptr() for _, _, _, ex in entries]
+        self.held: list[torch.Tensor | None] = [None] * len(entries)
+        self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+
+    @classmethod
+    def from_graph(cls, rt: Any, graph: torch.cuda.CUDAGraph, examples: dict[int, torch.Tensor]) -> CopyInNodes | None:
+        """The memcpy node that reads each example (by its address and size), or None when one
+        has none, or more than one (the copy became a kernel: the graph reads the address itself)."""
+        found: dict[int, list[tuple[Any, int]]] = {}
+        for node, dst, src, count in _memcpy_nodes(rt, graph):
+            found.setdefault(src, []).append((node, dst, count))
+        entries = []
+        for i, ex in examples.items():
+            nodes = [(n, d) for n, d, c in found.get(ex.data_ptr(), []) if c == ex.numel() * ex.element_size()]
+            if len(nodes) != 1:
+                return None
+            entries.append((i, nodes[0][0], nodes[0][1], ex))
+        return cls(rt, rt.cudaGraphExec_t(init_value=graph.raw_cuda_graph_exec()), entries)
+
+    def point(self, args: Sequence[Any]) -> None:
+        """Aim every node at this call's argument (hot path: one pointer compare per input)."""
+        src, held = self.src, self.held
+        for k, i in self.pairs:
+            a = args[i]
+            if a.data_ptr() != src[k] or held[k] is not None:
+                self.repoint(k, a)
+
+    def repoint(self, k: int, a: torch.Tensor) -> None:
+        shape, stride, dtype = self.layout[k]
+        if a.stride() == stride and a.dtype == dtype and dense(a):
+            self.held[k] = None
+        else:  # (the signature keeps shape and dtype; strides may differ)
+            a = self.held[k] = torch.empty_strided(shape, stride, dtype=dtype, device=a.device).copy_(a)
+        ptr = a.data_ptr()
+        if ptr != self.src[k]:
+            _check(self.rt, self.rt.cudaGraphExecMemcpyNodeSetParams1D(
+                self.exec, self.nodes[k], self.dst[k], ptr, self.nbytes[k], self._d2d)[0],
+                "cudaGraphExecMemcpyNodeSetParams1D")
+            self.src[k] = ptr
+
+
+def _memcpy_nodes(rt: Any, graph: torch.cuda.CUDAGraph) -> list[tuple[Any, int, int, int]]:
+    """(node, destination, source, bytes) of each 1-D memcpy node of a graph kept with ``keep_graph``."""
+    g = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
+    err, _, n = rt.cudaGraphGetNodes(g, 0)
+    err, nodes, n = rt.cudaGraphGetNodes(g, n)
+    _check(rt, err, "cudaGraphGetNodes")
+    out = []
+    for node in nodes:
+        err, kind = rt.cudaGraphNodeGetType(node)
+        if err != rt.cudaError_t.cudaSuccess or kind != rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
+            continue
+        err, prm = rt.cudaGraphMemcpyNodeGetParams(node)
+        if err == rt.cudaError_t.cudaSuccess:
+            count = int(prm.extent.width) * max(1, int(prm.extent.height)) * max(1, int(prm.extent.depth))
+            out.append((node, int(prm.dstPtr.ptr), int(prm.srcPtr.ptr), count))
+    return out
 
 
 def graph_node_count(graph: torch.cuda.CUDAGraph) -> int | None:

@@ -130,21 +130,23 @@ def test_graph_mode_fuses_lerp_where_measured_faster_and_matches_eager():
 
 
 def test_graph_staging_nodes_follow_every_kind_of_input():
-    """In-graph staging: new addresses, the same address, the static buffer, a strided input."""
+    """In-graph copies of a per-call input (the program's own copy, passes/copy_in.py, where it
+    qualifies; else a staging node): new addresses, the same address, the input buffer, a
+    strided input."""
     w = torch.randn(8, 8, device="cuda")
     exe = flowexec.compile(lambda x: (x @ w).relu(), torch.randn(4, 8, device="cuda"), mode="graph")
     runner = exe._last.runner.first
-    staging = runner.staging
-    if staging is None:
+    nodes = runner.copy_in if runner.copy_in is not None else runner.staging
+    if nodes is None:
         pytest.skip("cuda-bindings is not installed: inputs are staged from Python")
-    assert staging.index == [0]
+    assert nodes.index == [0] and runner.copy_in is not None  # x is read by the product alone: copied in
     x = torch.randn(4, 8, device="cuda")
     for _ in range(2):  # new address, then the same address with new contents
         assert_close_rel(exe(x), (x @ w).relu())
         x.normal_()
     buf = exe.input_buffers[0]
     buf.copy_(x)
-    assert_close_rel(exe(buf), (x @ w).relu())  # the node is disabled: the buffer is read as is
+    assert_close_rel(exe(buf), (x @ w).relu())  # the node reads the buffer
     big = torch.randn(4, 16, device="cuda")
     strided = big[:, ::2]  # same shape, other strides: a new signature is captured
     with pytest.warns(flowexec.RecaptureWarning):

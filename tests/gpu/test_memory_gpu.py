@@ -164,3 +164,36 @@ def test_build_peaks_on_cuda_follow_the_process_peak():
     peaks = exe.build_peaks
     assert list(peaks) == ["capture", "plan", "runner"] and all(isinstance(v, int) for v in peaks.values())
     assert peaks["capture"] <= peaks["plan"] <= peaks["runner"] <= torch.cuda.max_memory_allocated()
+
+
+def test_graph_mode_copies_each_call_s_batch_in_through_its_own_node() -> None:
+    """A per-call batch is copied in by the program itself (passes/copy_in.py): the graph's pool
+    reuses the copy after its last reader (the cast), and the graph holds no buffer of its own
+    for the batch. Each call passes a new channels_last batch, which its replay must read (the
+    memcpy node re-pointed): the losses are eager's. (The peak it saves: benchmarks/scale.py.)"""
+    import copy
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(8, 10)).cuda().to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(net)
+    opt, opt_ref = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step_of(model: torch.nn.Module, o: torch.optim.Optimizer):
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            o.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x.to(torch.bfloat16).float()), y)
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    batches = [(torch.randn(64, 3, 96, 96, device="cuda").to(memory_format=torch.channels_last),
+                torch.randint(0, 10, (64,), device="cuda")) for _ in range(5)]
+    exe, eager = flowexec.compile(step_of(net, opt), mode="graph"), step_of(ref, opt_ref)
+    losses = [exe(x, y).clone() for x, y in batches]
+    want = [eager(x, y) for x, y in batches]
+    assert exe.plan.program.ops[0].name == "aten.clone.default", "the batch should be copied in by the program"
+    graph = exe._last.runner.first
+    assert graph.copy_in is not None and graph.static_inputs[0] is None
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-4, atol=1e-4)
