@@ -337,6 +337,9 @@ class Executable:
             try:
                 runner = GraphVariants(capture_runner, targs, borrow)
             except CopyInMissing:  # torch copied an input with a kernel: the buffer per input instead
+                runner = None
+            if runner is None:  # (outside the handler: its traceback would hold the failed graph)
+                del plan, run, hooks, node, capture_runner
                 return self._plan_and_lower(cap, args, tree, paths, t0, copy_in=False)
         guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
         if guards is not None:  # checked in C++ where the extension is built (the Python check else)
@@ -390,9 +393,10 @@ class Executable:
         """Graph mode: the positions (among ``prog.inputs``) of the per-call CUDA tensors that the
         program copies in itself, so that the graph holds no copy of them past their last reader
         (``passes/copy_in.py``'s :func:`inputs_to_copy_in`); none without CUDA's runtime bindings
-        (no node to re-point), with ``pool="shared"``, or where the signature runs in trace mode."""
-        if self.mode != "graph" or self.pool == "shared":
-            return ()
+        (no node to re-point), with ``pool="shared"`` or ``memory="planned"``, or where the
+        signature runs in trace mode."""
+        if self.mode != "graph" or self.pool == "shared" or self.memory_options.get("memory") == "planned":
+            return ()  # (an arena's views are contiguous: the copy would not keep the input's layout)
         from .runtime.staging import memcpy_runtime
 
         if not any(args[i].is_cuda for i in tensor_pos) or memcpy_runtime() is None:

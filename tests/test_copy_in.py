@@ -4,7 +4,9 @@ node found and re-pointed (a stand-in for CUDA's runtime bindings), and graph mo
 CPU with stand-in graphs (the GPU tests run the real nodes: tests/gpu/test_memory_gpu.py)."""
 from __future__ import annotations
 
+import gc
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -59,6 +61,8 @@ def test_only_plain_dense_unwritten_unshared_inputs_are_copied_in():
     # a written, d strided (not dense), e borrowed by the caller
     assert got == (1, 2, 5)
     assert inputs_to_copy_in(prog, tensors) == ()  # on the CPU: nothing (no node to re-point)
+    lazy = [a, b._neg_view(), c, d, e, f]  # a lazy negation: its copy is a kernel
+    assert inputs_to_copy_in(prog, lazy, borrowed=[4], on_device=lambda t: True) == (2, 5)
 
 
 class FakeRuntime:
@@ -166,7 +170,12 @@ def test_graph_mode_copies_qualifying_inputs_in_and_points_their_nodes(monkeypat
     monkeypatch.setattr(cuda_graph, "memcpy_runtime", lambda: "rt")
     monkeypatch.setattr(cuda_graph, "StagingNodes", types.SimpleNamespace(
         from_graph=lambda *a: types.SimpleNamespace(index=[])))
-    exe = Executable(_fn(w), "graph", "fast", {}).compile_for(x, y)
+    example = x.clone()
+    gone = weakref.ref(example)
+    exe = Executable(_fn(w), "graph", "fast", {}).compile_for(example, y)
+    del example
+    gc.collect()
+    assert gone() is None  # nothing of the graph's holds the batch it was captured with
     assert exe.plan.program.ops[0].name == "aten.clone.default"
     runner = exe._last.runner.first
     assert runner.static_inputs[0] is None  # the graph keeps no buffer (nor the caller's tensor) for x

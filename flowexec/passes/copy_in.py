@@ -87,10 +87,12 @@ def inputs_to_copy_in(prog: Program, tensors: Sequence[Any], borrowed: Iterable[
     """The positions (among ``prog.inputs``; ``tensors``: the call's tensors in that order) that
     graph mode has the program copy in: plain dense tensors on the device that the program
     neither writes nor sees sharing a storage with another input or state, not ``borrowed``
-    (positions the caller reads in place) and not stable (parameters, other graphs' outputs)."""
+    (positions the caller reads in place), not stable (parameters, other graphs' outputs) and
+    without a lazy conjugation or negation (their copy is a kernel, not a memcpy node)."""
     mutated = set(mutated_state(prog))
     shared = {v for pair in prog.shared_storage for v in pair}
     skip = set(borrowed)
     return tuple(k for k, (vid, a) in enumerate(zip(prog.inputs, tensors))
                  if type(a) is torch.Tensor and on_device(a) and vid not in mutated and vid not in shared
-                 and k not in skip and not is_stable(a) and a.numel() > 0 and dense(a))
+                 and k not in skip and not is_stable(a) and a.numel() > 0 and dense(a)
+                 and not a.is_conj() and not a.is_neg())  # (a lazy conj/neg is copied by a kernel)

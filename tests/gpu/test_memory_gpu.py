@@ -3,6 +3,9 @@ statistics, memory="planned" in trace and graph mode and over several streams, g
 several streams, all against eager."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,7 +194,13 @@ def test_graph_mode_copies_each_call_s_batch_in_through_its_own_node() -> None:
     batches = [(torch.randn(64, 3, 96, 96, device="cuda").to(memory_format=torch.channels_last),
                 torch.randint(0, 10, (64,), device="cuda")) for _ in range(5)]
     exe, eager = flowexec.compile(step_of(net, opt), mode="graph"), step_of(ref, opt_ref)
-    losses = [exe(x, y).clone() for x, y in batches]
+    first = batches[0][0].clone()  # the batch it is built with, dropped after: the graph must not hold it
+    gone = weakref.ref(first)
+    losses = [exe(first, batches[0][1]).clone()]
+    del first
+    gc.collect()
+    assert gone() is None
+    losses += [exe(x, y).clone() for x, y in batches[1:]]
     want = [eager(x, y) for x, y in batches]
     assert exe.plan.program.ops[0].name == "aten.clone.default", "the batch should be copied in by the program"
     graph = exe._last.runner.first
