@@ -380,6 +380,8 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         if prof is not None:
             prof.disable()
             res["build_profile"] = top_functions(prof)
+            if os.environ.get("SCALE_PROFILE_DIR"):  # the whole profile, for pstats' callers and callees
+                prof.dump_stats(os.path.join(os.environ["SCALE_PROFILE_DIR"], f"{res['model']}_{variant}_warm.prof"))
         if getattr(exe, "build_seconds", None) is None:
             raise RuntimeError(f"flowexec captured nothing in {calls} calls")
         res["build_what"] = (f"flowexec.compile + {calls} call(s) until captured (capture, fusion, plan"

@@ -434,3 +434,46 @@ def test_capture_leaves_make_fx_metadata_alone_elsewhere() -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function":
             assert "tensor_meta" in node.meta and node.meta["val"].shape == node.meta["tensor_meta"].shape
+
+
+def test_a_capture_s_values_made_on_another_thread_take_its_fake_mode() -> None:
+    """The autograd engine runs a CUDA backward's ops on a thread of its own: while one capture
+    is under way, a value made on any thread takes that capture's fake mode directly (no fake
+    mode of its own, which cost ~2 ms a value); with two under way a thread outside both cannot
+    tell whose it is, and torch's own path makes the value."""
+    import threading
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental import proxy_tensor
+
+    from flowexec.capture import _direct_fake_metas
+
+    def made_elsewhere() -> FakeTensor:
+        box = []
+        th = threading.Thread(target=lambda: box.append(proxy_tensor.extract_val(torch.ones(2, 3).t())))
+        th.start()
+        th.join(timeout=30)
+        return box[0]
+
+    mode, other = FakeTensorMode(), FakeTensorMode()
+    with _direct_fake_metas(mode):
+        val = made_elsewhere()
+        assert isinstance(val, FakeTensor) and val.fake_mode is mode
+        assert (val.shape, val.stride(), val.device) == ((3, 2), (1, 3), torch.device("cpu"))
+        entered, leave = threading.Event(), threading.Event()
+
+        def second_capture() -> None:
+            with _direct_fake_metas(other):
+                entered.set()
+                leave.wait(timeout=30)
+        th = threading.Thread(target=second_capture)
+        th.start()
+        assert entered.wait(timeout=30)
+        try:
+            val = made_elsewhere()
+            assert isinstance(val, FakeTensor) and val.fake_mode not in (mode, other)
+        finally:
+            leave.set()
+            th.join(timeout=30)
+    val = made_elsewhere()  # no capture under way: torch's path
+    assert isinstance(val, FakeTensor) and val.fake_mode is not mode

@@ -254,3 +254,26 @@ def test_a_channels_last_intermediate_stays_out_of_the_arena_and_keeps_its_layou
     why = dict(plan.memory.unplanned)
     assert any("row-major" in w for w in why.values())
     torch.testing.assert_close(lower_trace(plan)(x)[0], fn(x))
+
+
+def test_a_host_snapshot_puts_back_every_tensor_it_saved() -> None:
+    """Capture and graph-mode warm-up undo their writes from a HostSnapshot: every saved tensor
+    (strided views, aliases of one storage, several dtypes) comes back as it was, the saved
+    copies do not alias the originals, and a later write to the original leaves them alone."""
+    from flowexec.runtime.snapshot import HostSnapshot, extent
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    col = base[:, 1::2]  # a strided view of the same storage
+    flags = torch.tensor([True, False, True])
+    ints = torch.arange(5, dtype=torch.int64)
+    want = [t.clone() for t in (base, flags, ints)]
+    snap = HostSnapshot([col, base, flags, ints])
+    assert len(snap) == 4 and extent(col) == 1 + 3 * 6 + 2 * 2
+    with torch.no_grad():
+        base.mul_(-1)
+        flags.logical_not_()
+        ints.add_(7)
+    assert all(saved.data_ptr() != t.data_ptr() for t, saved in snap.pairs)
+    snap.restore()
+    for t, w in zip((base, flags, ints), want):
+        assert torch.equal(t, w)

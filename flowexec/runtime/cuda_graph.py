@@ -28,6 +28,7 @@ import torch
 from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
+from .snapshot import HostSnapshot, extent
 from .staging import CopyInNodes, StagingNodes, graph_node_count, memcpy_runtime
 from ..storage import mark_stable
 
@@ -83,7 +84,7 @@ def staged_buffers(inputs: Sequence[Any], staged: Sequence[int]) -> tuple[dict[i
         starts = [t.storage_offset() * t.element_size() for t in ts]
         align = max(t.element_size() for t in ts)  # every member starts on a whole element of its type
         lo = min(starts) // align * align
-        hi = max(b + _extent(t) * t.element_size() for b, t in zip(starts, ts))
+        hi = max(b + extent(t) * t.element_size() for b, t in zip(starts, ts))
         dev = ts[0].device
         span = torch.empty(0, dtype=torch.uint8, device=dev).set_(ts[0].untyped_storage(), lo, (hi - lo,)).clone()
         for i, t, b in zip(members, ts, starts):
@@ -96,13 +97,6 @@ def staged_buffers(inputs: Sequence[Any], staged: Sequence[int]) -> tuple[dict[i
             out[i] = v
         spans.append(SharedSpan(tuple(members), members[0], starts[0] - lo, span))
     return out, spans
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Elements from a tensor's first to one past its last (its strides' reach)."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -124,26 +118,6 @@ def capture_stream(device: int | None = None) -> torch.cuda.Stream:
     if stream is None:
         stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
-
-
-def host_snapshot(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(tensor, copy)`` pairs to restore ``tensors`` from; copies of CUDA tensors in pinned
-    host memory (restoring them is one copy back each), of others beside them.
-
-    >>> t = torch.ones(2)
-    >>> (orig, saved), = host_snapshot([t]); _ = t.add_(1); _ = orig.copy_(saved); t
-    tensor([1., 1.])
-    """
-    out = []
-    for t in tensors:
-        t = t.detach()
-        if t.is_cuda:
-            saved = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=True)
-            saved.copy_(t)
-        else:
-            saved = t.clone()
-        out.append((t, saved))
-    return out
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
@@ -240,7 +214,7 @@ class CudaGraphRunner:
         # writes in place and restore it after warm-up. The copies wait in host memory: on the
         # GPU they would sit on top of the warm-up's and the capture's peak (a training step's
         # parameters and optimizer state: GPT-2 124M's 1.5 GB).
-        snapshot = host_snapshot(mutated)
+        snapshot = HostSnapshot(mutated)
         static = self.static_inputs
 
         def capture(in_graph: dict[int, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -251,9 +225,7 @@ class CudaGraphRunner:
                     static[i].copy_(a)
                 return run(*static)
             graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph) or keep_graph or bool(copied))
-            with torch.no_grad():
-                for t, saved in snapshot:
-                    t.copy_(saved)
+            snapshot.restore()
             return graph, outs
 
         self.graph, outs = capture(in_graph)

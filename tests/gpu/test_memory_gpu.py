@@ -206,3 +206,28 @@ def test_graph_mode_copies_each_call_s_batch_in_through_its_own_node() -> None:
     graph = exe._last.runner.first
     assert graph.copy_in is not None and graph.static_inputs[0] is None
     torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-4, atol=1e-4)
+
+
+def test_a_host_snapshot_keeps_cuda_copies_in_a_few_pinned_blocks(monkeypatch):
+    """CUDA tensors' copies go to pinned memory cut from shared blocks (one pin per block, not
+    per tensor; one of its own for a tensor larger than a block), are queued on the current
+    stream, and come back exactly, strided views and all."""
+    from flowexec.runtime import snapshot
+
+    monkeypatch.setattr(snapshot, "_BLOCK", 1 << 20)
+    torch.manual_seed(0)
+    ts = [torch.randn(100, 37, device="cuda"), torch.randn(64, 64, device="cuda", dtype=torch.bfloat16).t(),
+          torch.randint(0, 9, (1000,), device="cuda"), torch.randn(600_000, device="cuda"),  # > a block
+          torch.randn(3, 5, device="cuda")[:, ::2], torch.zeros(0, 4, device="cuda")]
+    want = [t.clone() for t in ts]
+    snap = snapshot.HostSnapshot(ts)
+    for t in ts:
+        t.zero_() if t.dtype != torch.int64 else t.add_(5)
+    snap.restore()
+    torch.cuda.synchronize()
+    for t, w in zip(ts, want):
+        assert torch.equal(t, w) and t.stride() == w.stride()
+    saved = [s for _, s in snap.pairs if s.numel()]
+    assert all(s.is_pinned() for s in saved)
+    assert len(snap._blocks) == 1  # the four small copies share one block; the large one has its own
+    assert sum(s.untyped_storage().data_ptr() == snap._blocks[0].data_ptr() for s in saved) == 4

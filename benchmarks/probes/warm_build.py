@@ -1,0 +1,75 @@
+"""Where a warm rebuild's seconds go, and what moves them (issue 36: a few seconds with a warm cache).
+
+For each model: one cold build of a variant (it fills a fresh compile cache), then a warm rebuild
+in a fresh process on that cache for each setting (environment overrides, ``;``-separated; an
+empty one is the default), each recording flowexec's build phases. Each child is
+``benchmarks/scale.py``'s, in its "build" phase (no timed steps).
+
+    python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m \\
+        --settings ";TORCHINDUCTOR_COMPILE_THREADS=1" --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import scale  # noqa: E402  (benchmarks/scale.py: its children, caches and environment record)
+
+
+def _with_env(setting: str):
+    pairs = [kv.split("=", 1) for kv in setting.split(",") if kv.strip()]
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="resnet50,gpt2_124m")
+    ap.add_argument("--variant", default="fx_graph_fused")
+    ap.add_argument("--settings", default="", help="';'-separated settings, each KEY=VAL[,KEY=VAL]; '' = default")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    a = ap.parse_args()
+    a.steps = 5
+    settings = a.settings.split(";") if a.settings else [""]
+    out = {"probe": "warm_build", "command": " ".join([sys.executable] + sys.argv), "commit": os.environ.get(
+        "FLOWEXEC_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "models": {}}
+    logdir = os.path.join(a.out, "warm_build_logs")
+    for m in a.models.split(","):
+        cache = tempfile.mkdtemp(prefix=f"warm_build_{m}_")
+        rec = out["models"][m] = {}
+        try:
+            cold = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
+            rec["cold"] = {k: cold.get(k) for k in ("build_s", "flowexec_build_phases", "process_s", "error")}
+            print(f"{m} cold: {cold.get('build_s')} s {cold.get('flowexec_build_phases')}", flush=True)
+            for setting in settings:
+                saved = dict(os.environ)
+                os.environ.update(_with_env(setting))
+                try:
+                    w = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
+                finally:
+                    os.environ.clear()
+                    os.environ.update(saved)
+                rec[setting or "default"] = {k: w.get(k) for k in ("build_s", "flowexec_build_phases", "process_s",
+                                                                   "error")}
+                print(f"{m} warm [{setting or 'default'}]: {w.get('build_s')} s {w.get('flowexec_build_phases')}",
+                      flush=True)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "warm_build.json")
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
