@@ -219,14 +219,14 @@ def test_a_host_snapshot_keeps_cuda_copies_in_a_few_pinned_blocks(monkeypatch):
     ts = [torch.randn(100, 37, device="cuda"), torch.randn(64, 64, device="cuda", dtype=torch.bfloat16).t(),
           torch.randint(0, 9, (1000,), device="cuda"), torch.randn(600_000, device="cuda"),  # > a block
           torch.randn(3, 5, device="cuda")[:, ::2], torch.zeros(0, 4, device="cuda")]
-    want = [t.clone() for t in ts]
+    want, strides = [t.clone() for t in ts], [t.stride() for t in ts]
     snap = snapshot.HostSnapshot(ts)
     for t in ts:
         t.zero_() if t.dtype != torch.int64 else t.add_(5)
     snap.restore()
     torch.cuda.synchronize()
-    for t, w in zip(ts, want):
-        assert torch.equal(t, w) and t.stride() == w.stride()
+    for t, w, st, (_, s) in zip(ts, want, strides, snap.pairs):
+        assert torch.equal(t, w) and s.stride() == st  # each copy laid out as its tensor
     saved = [s for _, s in snap.pairs if s.numel()]
     assert all(s.is_pinned() for s in saved)
     assert len(snap._blocks) == 1  # the four small copies share one block; the large one has its own
