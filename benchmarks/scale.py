@@ -367,6 +367,12 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["prestep_s"] = time.perf_counter() - t
         # --profile-warm: the warm rebuild under cProfile, where its seconds go (its time then reads ~1.4x)
         prof = cProfile.Profile() if phase == "build-profiled" else None
+        sampler = None
+        if os.environ.get("SCALE_SAMPLE_DIR") and phase.startswith("build"):  # wall time, Inductor's too
+            sys.path.insert(0, os.path.join(HERE, "probes"))
+            from sampler import Sampler
+
+            sampler = Sampler().__enter__()
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -377,6 +383,11 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
             calls += 1
         sync(dev)
         res["build_s"] = time.perf_counter() - t0
+        if sampler is not None:
+            sampler.__exit__(None, None, None)
+            res["build_samples"] = sampler.inclusive(60)
+            with open(os.path.join(os.environ["SCALE_SAMPLE_DIR"], f"{model}_{variant}_{phase}.collapsed"), "w") as fh:
+                fh.write(sampler.collapsed())
         if prof is not None:
             prof.disable()
             res["build_profile"] = top_functions(prof)

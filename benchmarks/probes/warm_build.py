@@ -6,7 +6,7 @@ empty one is the default), each recording flowexec's build phases. Each child is
 ``benchmarks/scale.py``'s, in its "build" phase (no timed steps).
 
     python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m \\
-        --settings ";TORCHINDUCTOR_COMPILE_THREADS=1" --out $OUT
+        --settings ";TORCHINDUCTOR_COMPILE_THREADS=1" --out $OUT [--sample]
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--sample", action="store_true",
+                    help="sample each warm rebuild's stack (probes/sampler.py): functions' shares of its wall "
+                         "time in the JSON, collapsed stacks under OUT/samples")
     a = ap.parse_args()
     a.steps = 5
     settings = a.settings.split(";") if a.settings else [""]
@@ -53,13 +56,16 @@ def main() -> None:
             for setting in settings:
                 saved = dict(os.environ)
                 os.environ.update(_with_env(setting))
+                if a.sample:
+                    os.environ["SCALE_SAMPLE_DIR"] = os.path.join(a.out, "samples", setting.replace("=", "-") or "default")
+                    os.makedirs(os.environ["SCALE_SAMPLE_DIR"], exist_ok=True)
                 try:
                     w = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
                 finally:
                     os.environ.clear()
                     os.environ.update(saved)
                 rec[setting or "default"] = {k: w.get(k) for k in ("build_s", "flowexec_build_phases", "process_s",
-                                                                   "error")}
+                                                                   "error", "build_samples") if k in w}
                 print(f"{m} warm [{setting or 'default'}]: {w.get('build_s')} s {w.get('flowexec_build_phases')}",
                       flush=True)
         finally:
