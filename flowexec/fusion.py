@@ -11,7 +11,8 @@ the CPU); ``False`` never fuses.
 
 :func:`pad_for` runs first (``passes/pad.py``): ``pad=None`` (the default) pads a misaligned
 matrix product on a CUDA device where padding measured faster on that device (both forms timed
-once per shape and dtype in the process), ``True`` pads every misaligned product, ``False`` none.
+once per shape, dtype, device and versions, the verdict kept beside Inductor's cache), ``True``
+pads every misaligned product, ``False`` none.
 
 Under ``FLOWEXEC_DEBUG=1`` every kernel checks its first call against the region's ATen ops on
 copies of the same inputs; a kernel that differs is replaced by those ATen ops for good and
@@ -29,7 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,11 +39,13 @@ from .passes.fuse import FusionReport, fuse_program
 from .passes.pad import PadCase, pad_matrix_products
 from .passes.streams import cuda_devices
 from .program import Program
+from .verdict_cache import VerdictCache, default_directory
 
 FUSE_CHOICES = ("inductor", False, None)
 PAD_CHOICES = (None, True, False)
 _compiler: Any = None
 _pad_verdicts: dict[PadCase, bool] = {}
+_verdict_caches: dict[str, VerdictCache] = {}  # by directory (TORCHINDUCTOR_CACHE_DIR can change)
 
 
 def check_fuse(fuse: Any) -> str | bool | None:
@@ -152,12 +155,36 @@ def pad_for(prog: Program, pad: bool | None) -> Program:
 
 def _measured_faster(case: PadCase) -> bool:
     """On CUDA: whether the padded product, with its operands' pads, timed at most 0.9 of the
-    misaligned one (once per case in this process); elsewhere never."""
+    misaligned one (timed once per case, device and versions: the verdict is kept beside
+    Inductor's cache, :mod:`flowexec.verdict_cache`); elsewhere never."""
     if case.device.type != "cuda" or not torch.cuda.is_available():
         return False
     hit = _pad_verdicts.get(case)
     if hit is None:
-        hit = _pad_verdicts[case] = _time_padded(case) <= 0.9 * _time_plain(case)
+        hit = _pad_verdicts[case] = kept_verdict(case, lambda: _time_padded(case) <= 0.9 * _time_plain(case))
+    return hit
+
+
+def pad_key(case: PadCase) -> str:
+    """What decides a padding verdict: the product's sizes and dtype, the device, torch's and
+    CUDA's versions and whether float32 products may use TF32."""
+    dev = case.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    return (f"{name} | torch {torch.__version__} cuda {torch.version.cuda} tf32 "
+            f"{torch.backends.cuda.matmul.allow_tf32} | {case.kind} batch {case.batch} m {case.m} k {case.k} "
+            f"n {case.n} {case.dtype} -> {case.padded}")
+
+
+def kept_verdict(case: PadCase, measure: Callable[[], bool]) -> bool:
+    """The verdict on ``case`` from the disk cache, else ``measure()``'s, kept there."""
+    cache = _verdict_caches.get(default_directory())
+    if cache is None:
+        cache = _verdict_caches[default_directory()] = VerdictCache("pad_verdicts")
+    key = pad_key(case)
+    hit = cache.get(key)
+    if hit is None:
+        hit = bool(measure())
+        cache.put(key, hit)
     return hit
 
 

@@ -321,3 +321,32 @@ def test_region_kernels_go_through_inductors_cache():
     x = torch.randn(4, 8)
     for k in kernels:
         torch.testing.assert_close(k(x)[0], (torch.tanh(x) * 3).relu() + 1)
+
+
+def test_a_padding_verdict_is_measured_once_and_kept_beside_inductor_s_cache(tmp_path, monkeypatch):
+    """pad=None times a misaligned product once per case, device and versions: a new process
+    (fresh in-memory caches) on the same Inductor cache directory reads the verdict from disk;
+    another case, another directory or an unreadable file measures again, without an error."""
+    from flowexec import fusion
+    from flowexec.passes.pad import PadCase
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setattr(fusion, "_verdict_caches", {})
+    case = PadCase("mm", 0, 8192, 768, 50257, torch.bfloat16, torch.device("cpu"), (8192, 768, 50264))
+    other = PadCase("mm", 0, 8192, 50257, 768, torch.bfloat16, torch.device("cpu"), (8192, 50264, 768))
+    timed = []
+
+    def measure(verdict):
+        return lambda: timed.append(verdict) or verdict
+
+    assert fusion.kept_verdict(case, measure(True)) is True
+    assert fusion.kept_verdict(other, measure(False)) is False
+    monkeypatch.setattr(fusion, "_verdict_caches", {})  # as a new process sees it
+    assert fusion.kept_verdict(case, measure(False)) is True and fusion.kept_verdict(other, measure(True)) is False
+    assert timed == [True, False]
+    assert (tmp_path / "a" / "flowexec" / "pad_verdicts.json").exists()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "b"))  # a cold cache: measured again
+    assert fusion.kept_verdict(case, measure(False)) is False and timed == [True, False, False]
+    (tmp_path / "b" / "flowexec" / "pad_verdicts.json").write_text("{not json")
+    monkeypatch.setattr(fusion, "_verdict_caches", {})
+    assert fusion.kept_verdict(case, measure(True)) is True and timed[-1] is True
