@@ -47,7 +47,7 @@ from .hyperparams import _HOST_READS, Lifter, NO_VALUE
 from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
-from .runtime.snapshot import HostSnapshot
+from .snapshot import HostSnapshot
 from .storage import shared_storage
 
 # What a capture records for its calls to check: nothing (False), guards and fed hyperparameters

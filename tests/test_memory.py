@@ -260,7 +260,7 @@ def test_a_host_snapshot_puts_back_every_tensor_it_saved() -> None:
     """Capture and graph-mode warm-up undo their writes from a HostSnapshot: every saved tensor
     (strided views, aliases of one storage, several dtypes) comes back as it was, the saved
     copies do not alias the originals, and a later write to the original leaves them alone."""
-    from flowexec.runtime.snapshot import HostSnapshot, extent
+    from flowexec.snapshot import HostSnapshot, extent
 
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     col = base[:, 1::2]  # a strided view of the same storage

@@ -28,7 +28,7 @@ import torch
 from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
-from .snapshot import HostSnapshot, extent
+from ..snapshot import HostSnapshot, extent
 from .staging import CopyInNodes, StagingNodes, graph_node_count, memcpy_runtime
 from ..storage import mark_stable
 

@@ -212,7 +212,7 @@ def test_a_host_snapshot_keeps_cuda_copies_in_a_few_pinned_blocks(monkeypatch):
     """CUDA tensors' copies go to pinned memory cut from shared blocks (one pin per block, not
     per tensor; one of its own for a tensor larger than a block), are queued on the current
     stream, and come back exactly, strided views and all."""
-    from flowexec.runtime import snapshot
+    from flowexec import snapshot
 
     monkeypatch.setattr(snapshot, "_BLOCK", 1 << 20)
     torch.manual_seed(0)
