@@ -350,3 +350,16 @@ def test_a_padding_verdict_is_measured_once_and_kept_beside_inductor_s_cache(tmp
     (tmp_path / "b" / "flowexec" / "pad_verdicts.json").write_text("{not json")
     monkeypatch.setattr(fusion, "_verdict_caches", {})
     assert fusion.kept_verdict(case, measure(True)) is True and timed[-1] is True
+
+
+def test_the_verdicts_directory_is_inductor_s_cache_directory_found_without_importing_it(monkeypatch, tmp_path):
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from flowexec.verdict_cache import default_directory
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
+    assert default_directory() == os.path.join(cache_dir(), "flowexec")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert default_directory() == os.path.join(default_cache_dir(), "flowexec")
