@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--sample", action="store_true",
                     help="sample each warm rebuild's stack (probes/sampler.py): functions' shares of its wall "
-                         "time in the JSON, collapsed stacks under OUT/samples")
+                         "time in the JSON, collapsed stacks in OUT/samples_<model>_<variant>_warm_<setting>.collapsed")
     a = ap.parse_args()
     a.steps = 5
     settings = a.settings.split(";") if a.settings else [""]
@@ -56,14 +56,18 @@ def main() -> None:
             for setting in settings:
                 saved = dict(os.environ)
                 os.environ.update(_with_env(setting))
-                if a.sample:
-                    os.environ["SCALE_SAMPLE_DIR"] = os.path.join(a.out, "samples", setting.replace("=", "-") or "default")
-                    os.makedirs(os.environ["SCALE_SAMPLE_DIR"], exist_ok=True)
+                if a.sample:  # (flat under OUT: the device tool leaves deeper folders behind)
+                    os.makedirs(a.out, exist_ok=True)
+                    os.environ["SCALE_SAMPLE_DIR"] = a.out
                 try:
                     w = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
                 finally:
                     os.environ.clear()
                     os.environ.update(saved)
+                made = os.path.join(a.out, f"{m}_{a.variant}_build.collapsed")
+                if a.sample and os.path.exists(made):
+                    tag = "".join(c if c.isalnum() else "-" for c in setting) or "default"
+                    os.replace(made, os.path.join(a.out, f"samples_{m}_{a.variant}_warm_{tag}.collapsed"))
                 rec[setting or "default"] = {k: w.get(k) for k in ("build_s", "flowexec_build_phases", "process_s",
                                                                    "error", "build_samples") if k in w}
                 print(f"{m} warm [{setting or 'default'}]: {w.get('build_s')} s {w.get('flowexec_build_phases')}",
