@@ -102,14 +102,15 @@ def _capture_mode() -> FakeTensorMode | None:
     """The fake mode of the capture this thread's ops belong to, or None.
 
     The autograd engine runs a CUDA backward's ops on its own device thread, where this
-    thread-local stack is empty: with one capture under way in the process, those ops are its
+    thread-local stack is empty: with one capture under way in the process, a backward's ops are its
     (a GPT-2 124M capture made ~1,500 fake modes there, one per value: ~2.5 s on the H200).
     The value stored is the same either way; only its cost differs."""
     modes = getattr(_metas, "modes", None)
     if modes:
         return modes[-1]
     live = _capturing
-    return live[0] if len(live) == 1 else None
+    # (only inside a backward: another thread's own make_fx keeps its own fake mode)
+    return live[0] if len(live) == 1 and torch._C._current_graph_task_id() != -1 else None
 
 
 @contextlib.contextmanager

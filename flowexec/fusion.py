@@ -44,7 +44,7 @@ from .verdict_cache import VerdictCache, default_directory
 FUSE_CHOICES = ("inductor", False, None)
 PAD_CHOICES = (None, True, False)
 _compiler: Any = None
-_pad_verdicts: dict[PadCase, bool] = {}
+_pad_verdicts: dict[str, bool] = {}  # by pad_key
 _verdict_caches: dict[str, VerdictCache] = {}  # by directory (TORCHINDUCTOR_CACHE_DIR can change)
 
 
@@ -159,20 +159,22 @@ def _measured_faster(case: PadCase) -> bool:
     Inductor's cache, :mod:`flowexec.verdict_cache`); elsewhere never."""
     if case.device.type != "cuda" or not torch.cuda.is_available():
         return False
-    hit = _pad_verdicts.get(case)
+    key = pad_key(case)  # (what the disk cache keys by: a process may change TF32 between builds)
+    hit = _pad_verdicts.get(key)
     if hit is None:
-        hit = _pad_verdicts[case] = kept_verdict(case, lambda: _time_padded(case) <= 0.9 * _time_plain(case))
+        hit = _pad_verdicts[key] = kept_verdict(case, lambda: _time_padded(case) <= 0.9 * _time_plain(case))
     return hit
 
 
 def pad_key(case: PadCase) -> str:
     """What decides a padding verdict: the product's sizes and dtype, the device, torch's and
-    CUDA's versions and whether float32 products may use TF32."""
+    CUDA's versions, whether float32 products may use TF32 and half ones reduced-precision sums."""
     dev = case.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
-    return (f"{name} | torch {torch.__version__} cuda {torch.version.cuda} tf32 "
-            f"{torch.backends.cuda.matmul.allow_tf32} | {case.kind} batch {case.batch} m {case.m} k {case.k} "
-            f"n {case.n} {case.dtype} -> {case.padded}")
+    mm = torch.backends.cuda.matmul
+    return (f"{name} | torch {torch.__version__} cuda {torch.version.cuda} tf32 {mm.allow_tf32} reduced "
+            f"fp16 {mm.allow_fp16_reduced_precision_reduction} bf16 {mm.allow_bf16_reduced_precision_reduction} "
+            f"| {case.kind} batch {case.batch} m {case.m} k {case.k} n {case.n} {case.dtype} -> {case.padded}")
 
 
 def kept_verdict(case: PadCase, measure: Callable[[], bool]) -> bool:

@@ -21,12 +21,22 @@ back on the current stream, so both keep the stream's order without waiting on t
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
 
 _BLOCK = 256 << 20  # bytes of pinned memory per block: a power of two, as torch's cache rounds to
 _ALIGN = 256
+
+
+def in_blocks(t: torch.Tensor) -> bool:
+    """Whether a tensor's copy goes to the pinned blocks (a CUDA tensor's) rather than a clone."""
+    return t.is_cuda
+
+
+def _new_block(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def extent(t: torch.Tensor) -> int:
@@ -44,28 +54,37 @@ class HostSnapshot:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._blocks: list[torch.Tensor] = []
         self._used = 0  # bytes taken from the last block
+        self._taking = threading.Lock()  # guards _blocks and _used
         for t in tensors:
             self.save(t)
 
     def save(self, t: torch.Tensor) -> None:
         """Keep a copy of ``t`` as it is now (queued on the current stream for a CUDA tensor)."""
         t = t.detach()
-        if not t.is_cuda:
+        if not in_blocks(t):
             self.pairs.append((t, t.clone()))
             return
-        raw = self._take(extent(t) * t.element_size())
-        saved = raw.view(t.dtype).as_strided(t.shape, t.stride()) if t.numel() else \
-            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        if t.is_conj() or t.is_neg():
+            # Its memory, not its lazily conjugated or negated values: after an async copy torch
+            # applies the flag to the host copy at once, before the copy has landed in it.
+            t = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                     t.shape, t.stride())
+        if not t.numel():  # (no block for nothing)
+            self.pairs.append((t, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)))
+            return
+        with self._taking:  # (the autograd engine's device threads save concurrently, one per GPU)
+            raw = self._take(extent(t) * t.element_size())
+        saved = raw.view(t.dtype).as_strided(t.shape, t.stride())
         saved.copy_(t, non_blocking=True)
         self.pairs.append((t, saved))
 
     def _take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of pinned memory, aligned, from the last block or a new one."""
         if nbytes > _BLOCK:  # a tensor larger than a block has one of its own
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return _new_block(nbytes)
         start = -(-self._used // _ALIGN) * _ALIGN
         if not self._blocks or start + nbytes > _BLOCK:
-            self._blocks.append(torch.empty(_BLOCK, dtype=torch.uint8, pin_memory=True))
+            self._blocks.append(_new_block(_BLOCK))
             start = 0
         self._used = start + nbytes
         return self._blocks[-1][start:start + nbytes]

@@ -76,8 +76,15 @@ class VerdictCache:
                 on_disk = {}
             merged = {**(on_disk if isinstance(on_disk, dict) else {}), **known}
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".verdicts_")
-            with os.fdopen(fd, "w") as fh:
-                json.dump(merged, fh, indent=0, sort_keys=True)
-            os.replace(tmp, self.path)
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(merged, fh, indent=0, sort_keys=True)
+                os.replace(tmp, self.path)
+            except BaseException:  # (no half-written file left behind)
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
         except OSError:
             pass  # a read-only or full disk: this process keeps the verdict in memory

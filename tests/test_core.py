@@ -438,9 +438,9 @@ def test_capture_leaves_make_fx_metadata_alone_elsewhere() -> None:
 
 def test_a_capture_s_values_made_on_another_thread_take_its_fake_mode() -> None:
     """The autograd engine runs a CUDA backward's ops on a thread of its own: while one capture
-    is under way, a value made on any thread takes that capture's fake mode directly (no fake
-    mode of its own, which cost ~2 ms a value); with two under way a thread outside both cannot
-    tell whose it is, and torch's own path makes the value."""
+    is under way, a value made inside a backward on any thread takes that capture's fake mode
+    directly (no fake mode of its own, which cost ~2 ms a value); with two under way a thread
+    outside both cannot tell whose it is, and torch's own path makes the value."""
     import threading
 
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -449,8 +449,20 @@ def test_a_capture_s_values_made_on_another_thread_take_its_fake_mode() -> None:
     from flowexec.capture import _direct_fake_metas
 
     def made_elsewhere() -> FakeTensor:
+        """A value made inside a backward on another thread (as the engine's device thread makes one)."""
         box = []
-        th = threading.Thread(target=lambda: box.append(proxy_tensor.extract_val(torch.ones(2, 3).t())))
+
+        class Made(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                box.append(proxy_tensor.extract_val(torch.ones(2, 3).t()))
+                return g
+
+        th = threading.Thread(target=lambda: Made.apply(torch.ones(1, requires_grad=True)).sum().backward())
         th.start()
         th.join(timeout=30)
         return box[0]
@@ -477,3 +489,33 @@ def test_a_capture_s_values_made_on_another_thread_take_its_fake_mode() -> None:
             th.join(timeout=30)
     val = made_elsewhere()  # no capture under way: torch's path
     assert isinstance(val, FakeTensor) and val.fake_mode is not mode
+
+
+def test_a_make_fx_on_another_thread_keeps_its_own_fake_mode() -> None:
+    """While a capture is under way, another thread's own make_fx (outside any backward) keeps
+    the fake mode of its own tracing context: the capture's mode is for a backward's values."""
+    import threading
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from flowexec.capture import _direct_fake_metas
+
+    capture_mode, mine = FakeTensorMode(), FakeTensorMode()
+    box: list = []
+
+    def other_thread() -> None:
+        try:
+            with torch._guards.tracing(torch._guards.TracingContext(mine)):
+                gm = make_fx(lambda x: x * 2)(torch.randn(3))
+            box.append([n.meta["val"].fake_mode for n in gm.graph.nodes if n.op == "call_function"])
+        except BaseException as e:  # (reported below)
+            box.append(e)
+
+    with _direct_fake_metas(capture_mode):  # one capture under way on this thread
+        th = threading.Thread(target=other_thread)
+        th.start()
+        th.join(timeout=60)
+    modes = box[0]
+    assert not isinstance(modes, BaseException), modes
+    assert modes and all(m is mine for m in modes), "the other thread's values took the capture's fake mode"

@@ -363,3 +363,42 @@ def test_the_verdicts_directory_is_inductor_s_cache_directory_found_without_impo
     assert default_directory() == os.path.join(cache_dir(), "flowexec")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert default_directory() == os.path.join(default_cache_dir(), "flowexec")
+
+
+def test_a_failed_verdict_write_leaves_no_temporary_file(tmp_path, monkeypatch) -> None:
+    import os
+
+    from flowexec import verdict_cache
+
+    cache = verdict_cache.VerdictCache("pad_verdicts", str(tmp_path))
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(verdict_cache.json, "dump", full_disk)
+    cache.put("case", True)  # no error: kept in memory
+    assert cache.get("case") is True and os.listdir(tmp_path) == []
+
+
+def test_a_padding_verdict_follows_tf32_within_a_process(tmp_path, monkeypatch) -> None:
+    """The in-process verdicts are keyed as the disk's: a process that turns TF32 off between
+    builds times the product again (stand-in timings: padding wins only without TF32)."""
+    from flowexec import fusion
+    from flowexec.passes.pad import PadCase
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fusion, "_verdict_caches", {})
+    monkeypatch.setattr(fusion, "_pad_verdicts", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some GPU")
+    monkeypatch.setattr(fusion, "_time_plain", lambda case: 1.0)
+    monkeypatch.setattr(fusion, "_time_padded", lambda case: 2.0 if torch.backends.cuda.matmul.allow_tf32 else 0.5)
+    case = PadCase("mm", 0, 8192, 768, 50257, torch.float32, torch.device("cuda"), (8192, 768, 50264))
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert fusion._measured_faster(case) is False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert fusion._measured_faster(case) is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

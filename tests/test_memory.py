@@ -277,3 +277,66 @@ def test_a_host_snapshot_puts_back_every_tensor_it_saved() -> None:
     snap.restore()
     for t, w in zip((base, flags, ints), want):
         assert torch.equal(t, w)
+
+
+def _cpu_blocks(monkeypatch, block: int = 4096) -> None:
+    """HostSnapshot's block path (a CUDA tensor's) on CPU tensors, with unpinned blocks."""
+    from flowexec import snapshot
+
+    monkeypatch.setattr(snapshot, "_BLOCK", block)
+    monkeypatch.setattr(snapshot, "_new_block", lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(snapshot, "in_blocks", lambda t: True)
+
+
+def test_lazily_negated_or_conjugated_views_come_back_through_the_blocks(monkeypatch) -> None:
+    """A conj or neg view is saved as its memory (on CUDA, torch applies the flag to an async
+    copy's host side before the copy lands), and every view comes back as it was."""
+    from flowexec.snapshot import HostSnapshot
+
+    _cpu_blocks(monkeypatch)
+    z, r = torch.randn(6, dtype=torch.complex64), torch.randn(6)
+    views = [z.conj(), torch._neg_view(r), z.conj().imag]  # (the last: a neg view of z's memory)
+    want, mem = [v.clone() for v in views], [z.clone(), r.clone()]
+    snap = HostSnapshot()
+    for v in views:
+        snap.save(v)
+    assert not any(s.is_conj() or s.is_neg() for _, s in snap.pairs)
+    z.mul_(3), r.add_(1)
+    snap.restore()
+    assert all(torch.equal(v, w) for v, w in zip(views, want))
+    assert torch.equal(z, mem[0]) and torch.equal(r, mem[1])
+
+
+def test_two_threads_saving_at_once_get_disjoint_pieces_of_the_blocks(monkeypatch) -> None:
+    """The autograd engine's device threads (one per GPU) may save at once: each copy gets its
+    own piece of a block, so both come back (without the lock the second thread took the piece
+    the first was about to get)."""
+    import threading
+    import time
+
+    from flowexec.snapshot import HostSnapshot
+
+    _cpu_blocks(monkeypatch)
+    snap = HostSnapshot()
+    b_done = threading.Event()
+
+    class Blocks(list):  # A appends its new block, then B saves whole, then A goes on
+        def append(self, block):
+            super().append(block)
+            if threading.current_thread().name == "saver-a":
+                b_done.wait(timeout=1)  # (with the lock B waits for A instead, and this times out)
+
+    snap._blocks = Blocks()
+    ta, tb = torch.full((700,), 1.0), torch.full((700,), 2.0)
+
+    def b() -> None:
+        time.sleep(0.1)  # A first
+        snap.save(tb)
+        b_done.set()
+
+    threads = [threading.Thread(target=lambda: snap.save(ta), name="saver-a"), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(snap.pairs) == 2 and all(torch.equal(t, s) for t, s in snap.pairs)

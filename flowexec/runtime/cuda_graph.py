@@ -224,8 +224,10 @@ class CudaGraphRunner:
                 for i, a in in_graph.items():
                     static[i].copy_(a)
                 return run(*static)
-            graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph) or keep_graph or bool(copied))
-            snapshot.restore()
+            try:
+                graph, outs = capture_graph(body, warmup, pool, keep_graph=bool(in_graph) or keep_graph or bool(copied))
+            finally:  # (a capture that failed after warm-up must not leave the state stepped)
+                snapshot.restore()
             return graph, outs
 
         self.graph, outs = capture(in_graph)

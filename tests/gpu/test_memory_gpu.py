@@ -231,3 +231,21 @@ def test_a_host_snapshot_keeps_cuda_copies_in_a_few_pinned_blocks(monkeypatch):
     assert all(s.is_pinned() for s in saved)
     assert len(snap._blocks) == 1  # the four small copies share one block; the large one has its own
     assert sum(s.untyped_storage().data_ptr() == snap._blocks[0].data_ptr() for s in saved) == 4
+
+
+def test_a_host_snapshot_of_a_lazily_negated_or_conjugated_view_comes_back():
+    """A conj/neg view is saved as its memory: torch applies the flag to an async copy's host
+    side at once, before the copy lands (queued behind a sleep here, so it lands late)."""
+    from flowexec.snapshot import HostSnapshot
+
+    x = torch.randn(1 << 22, device="cuda")
+    z = torch.randn(1 << 20, dtype=torch.complex64, device="cuda")
+    views = [torch._neg_view(x), z.conj()]
+    want = [v.clone() for v in views]
+    torch.cuda._sleep(int(5e8))  # the saves' copies land long after save() returns
+    snap = HostSnapshot(views)
+    x.zero_()
+    z.zero_()
+    snap.restore()
+    torch.cuda.synchronize()
+    assert all(torch.equal(v, w) for v, w in zip(views, want))
