@@ -96,6 +96,8 @@ class Captured:
 _metas = threading.local()  # per thread: the fake modes of the captures under way, innermost last
 _metas_lock = threading.Lock()
 _capturing: list[FakeTensorMode] = []  # every thread's: the fake modes of the captures under way
+# The autograd graph task this thread runs (-1 outside a backward); a torch without it: any thread's.
+_GRAPH_TASK: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 
 
 def _capture_mode() -> FakeTensorMode | None:
@@ -110,7 +112,7 @@ def _capture_mode() -> FakeTensorMode | None:
         return modes[-1]
     live = _capturing
     # (only inside a backward: another thread's own make_fx keeps its own fake mode)
-    return live[0] if len(live) == 1 and torch._C._current_graph_task_id() != -1 else None
+    return live[0] if len(live) == 1 and _GRAPH_TASK() != -1 else None
 
 
 @contextlib.contextmanager
