@@ -401,10 +401,11 @@ class Executable:
 
         if not any(args[i].is_cuda for i in tensor_pos) or memcpy_runtime() is None:
             return ()
-        if not self._graph_can_stage(args, tensor_pos, prog, mutated_state(prog), warn=False):
+        mutated = mutated_state(prog)
+        if not self._graph_can_stage(args, tensor_pos, prog, mutated, warn=False):
             return ()
         borrowed = [k for k, i in enumerate(tensor_pos) if i in self.borrow]
-        return inputs_to_copy_in(prog, [args[i] for i in tensor_pos], borrowed)
+        return inputs_to_copy_in(prog, [args[i] for i in tensor_pos], borrowed, mutated=mutated)
 
     def _graph_can_stage(self, args: Sequence[Any], tensor_pos: tuple[int, ...], prog: Program,
                          mutated: Sequence[int], warn: bool = True) -> bool:

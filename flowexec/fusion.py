@@ -179,9 +179,10 @@ def pad_key(case: PadCase) -> str:
 
 def kept_verdict(case: PadCase, measure: Callable[[], bool]) -> bool:
     """The verdict on ``case`` from the disk cache, else ``measure()``'s, kept there."""
-    cache = _verdict_caches.get(default_directory())
+    directory = default_directory()
+    cache = _verdict_caches.get(directory)
     if cache is None:
-        cache = _verdict_caches[default_directory()] = VerdictCache("pad_verdicts")
+        cache = _verdict_caches[directory] = VerdictCache("pad_verdicts", directory)
     key = pad_key(case)
     hit = cache.get(key)
     if hit is None:

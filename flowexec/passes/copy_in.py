@@ -83,13 +83,15 @@ def dense(t: torch.Tensor) -> bool:
 
 
 def inputs_to_copy_in(prog: Program, tensors: Sequence[Any], borrowed: Iterable[int] = (),
-                      on_device: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda) -> tuple[int, ...]:
+                      on_device: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda,
+                      mutated: Iterable[int] | None = None) -> tuple[int, ...]:
     """The positions (among ``prog.inputs``; ``tensors``: the call's tensors in that order) that
     graph mode has the program copy in: plain dense tensors on the device that the program
     neither writes nor sees sharing a storage with another input or state, not ``borrowed``
     (positions the caller reads in place), not stable (parameters, other graphs' outputs) and
-    without a lazy conjugation or negation (their copy is a kernel, not a memcpy node)."""
-    mutated = set(mutated_state(prog))
+    without a lazy conjugation or negation (their copy is a kernel, not a memcpy node);
+    ``mutated``: the program's :func:`mutated_state`, where the caller has it."""
+    mutated = set(mutated_state(prog) if mutated is None else mutated)
     shared = {v for pair in prog.shared_storage for v in pair}
     skip = set(borrowed)
     return tuple(k for k, (vid, a) in enumerate(zip(prog.inputs, tensors))

@@ -279,6 +279,8 @@ class CudaGraphRunner:
         # ``call``: this object's call, as the shortest path this graph allows (the common one:
         # inputs staged by graph nodes, nothing copied back, no fence; every check it skips is a
         # constant of this graph).
+        # What re-points the graph's memcpy nodes at each call's tensors, chosen once.
+        self._point = tuple(n.point for n in (self.staging, self.copy_in) if n is not None)
         plain = not (self._staged_ptrs or self._spans or before_replay is not None or self._mutated_inputs)
         self.call: Callable[..., list[Any]] = self._call_plain if plain else self.__call__
 
@@ -306,10 +308,8 @@ class CudaGraphRunner:
             self._stage_from_python(args)
         for sp in self._spans:
             sp.static.copy_(sp.source(args))
-        if self.staging is not None:
-            self.staging.point(args)
-        if self.copy_in is not None:
-            self.copy_in.point(args)
+        for point in self._point:
+            point(args)
         if self.before_replay is not None:
             self.before_replay()
         self._replay()
@@ -323,10 +323,8 @@ class CudaGraphRunner:
         """:meth:`__call__` for a graph that stages in its own nodes and copies nothing back."""
         outputs = self.outputs
         outputs.release(saved_checked)
-        if self.staging is not None:
-            self.staging.point(args)
-        if self.copy_in is not None:
-            self.copy_in.point(args)
+        for point in self._point:
+            point(args)
         self._replay()
         return outputs.hand_out()
 

@@ -27,7 +27,29 @@ def memcpy_runtime() -> Any:
     return runtime
 
 
-class StagingNodes:
+class _MemcpyNodes:
+    """Memcpy nodes of an instantiated graph, one per argument position in ``index``, whose
+    sources a call re-points (``src``: what each reads now): what :class:`StagingNodes` and
+    :class:`CopyInNodes` share."""
+
+    def __init__(self, rt: Any, graph_exec: Any, index: Sequence[int], nodes: Sequence[Any], dst: Sequence[int],
+                 nbytes: Sequence[int], src: Sequence[int]) -> None:
+        self.rt = rt
+        self.exec = graph_exec
+        self.index = list(index)  # argument positions
+        self.nodes, self.dst, self.nbytes, self.src = list(nodes), list(dst), list(nbytes), list(src)
+        self.pairs = list(enumerate(self.index))
+        self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+
+    def _aim(self, k: int, ptr: int) -> None:
+        """Node ``k`` reads ``ptr`` from the graph's next launch on (queued replays keep theirs)."""
+        _check(self.rt, self.rt.cudaGraphExecMemcpyNodeSetParams1D(self.exec, self.nodes[k], self.dst[k], ptr,
+                                                                   self.nbytes[k], self._d2d)[0],
+               "cudaGraphExecMemcpyNodeSetParams1D")
+        self.src[k] = ptr
+
+
+class StagingNodes(_MemcpyNodes):
     """Per-call inputs copied by memcpy nodes inside the graph; a call only re-points them.
 
     Staging an input with a ``copy_`` before each replay costs a launch from Python (about
@@ -40,17 +62,11 @@ class StagingNodes:
     """
 
     def __init__(self, rt: Any, graph_exec: Any, entries: Sequence[tuple[int, Any, torch.Tensor, int]]) -> None:
-        """``entries``: (argument position, memcpy node, static buffer, source address now)."""
-        self.rt = rt
-        self.exec = graph_exec
-        self.index = [i for i, _, _, _ in entries]  # argument positions staged by a node
-        self.nodes = [node for _, node, _, _ in entries]
+        """``entries``: (argument position, memcpy node, static buffer, source address now; -1: disabled)."""
         self.statics = [st for _, _, st, _ in entries]
-        self.dst = [st.data_ptr() for st in self.statics]
-        self.nbytes = [st.numel() * st.element_size() for st in self.statics]
-        self.src = [src for _, _, _, src in entries]  # what each node reads now; -1: disabled
-        self.pairs = list(enumerate(self.index))
-        self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        super().__init__(rt, graph_exec, [i for i, _, _, _ in entries], [node for _, node, _, _ in entries],
+                         [st.data_ptr() for st in self.statics], [st.numel() * st.element_size() for st in self.statics],
+                         [src for _, _, _, src in entries])
 
     @classmethod
     def from_graph(cls, rt: Any, graph: torch.cuda.CUDAGraph, statics: dict[int, torch.Tensor],
@@ -85,12 +101,10 @@ class StagingNodes:
             return
         if self.src[k] == -1 or self.src[k] == self.dst[k]:
             _check(rt, rt.cudaGraphNodeSetEnabled(self.exec, self.nodes[k], 1)[0], "cudaGraphNodeSetEnabled")
-        _check(rt, rt.cudaGraphExecMemcpyNodeSetParams1D(self.exec, self.nodes[k], self.dst[k], ptr, self.nbytes[k],
-                                                         self._d2d)[0], "cudaGraphExecMemcpyNodeSetParams1D")
-        self.src[k] = ptr
+        self._aim(k, ptr)
 
 
-class CopyInNodes:
+class CopyInNodes(_MemcpyNodes):
     """Per-call inputs that the program copies in itself (``passes/copy_in.py``): in the graph
     the program's ``clone`` of each is a memcpy node from the captured tensor into the graph's
     pool, where the plan frees the copy after its last reader. A call re-points the node's
@@ -100,17 +114,11 @@ class CopyInNodes:
 
     def __init__(self, rt: Any, graph_exec: Any, entries: Sequence[tuple[int, Any, int, torch.Tensor]]) -> None:
         """``entries``: (argument position, memcpy node, its destination address, example)."""
-        self.rt = rt
-        self.exec = graph_exec
-        self.pairs = [(k, i) for k, (i, _, _, _) in enumerate(entries)]
-        self.index = [i for i, _, _, _ in entries]
-        self.nodes = [node for _, node, _, _ in entries]
-        self.dst = [dst for _, _, dst, _ in entries]
+        super().__init__(rt, graph_exec, [i for i, _, _, _ in entries], [node for _, node, _, _ in entries],
+                         [dst for _, _, dst, _ in entries], [ex.numel() * ex.element_size() for _, _, _, ex in entries],
+                         [ex.data_ptr() for _, _, _, ex in entries])
         self.layout = [(ex.shape, ex.stride(), ex.dtype) for _, _, _, ex in entries]
-        self.nbytes = [ex.numel() * ex.element_size() for _, _, _, ex in entries]
-        self.src = [ex.data_ptr() for _, _, _, ex in entries]
         self.held: list[torch.Tensor | None] = [None] * len(entries)
-        self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
 
     @classmethod
     def from_graph(cls, rt: Any, graph: torch.cuda.CUDAGraph, examples: dict[int, torch.Tensor]) -> CopyInNodes | None:
@@ -141,12 +149,8 @@ class CopyInNodes:
             self.held[k] = None
         else:  # (the signature keeps shape and dtype; strides may differ)
             a = self.held[k] = torch.empty_strided(shape, stride, dtype=dtype, device=a.device).copy_(a)
-        ptr = a.data_ptr()
-        if ptr != self.src[k]:
-            _check(self.rt, self.rt.cudaGraphExecMemcpyNodeSetParams1D(
-                self.exec, self.nodes[k], self.dst[k], ptr, self.nbytes[k], self._d2d)[0],
-                "cudaGraphExecMemcpyNodeSetParams1D")
-            self.src[k] = ptr
+        if a.data_ptr() != self.src[k]:
+            self._aim(k, a.data_ptr())
 
 
 def _memcpy_nodes(rt: Any, graph: torch.cuda.CUDAGraph) -> list[tuple[Any, int, int, int]]:
