@@ -39,13 +39,12 @@ from .passes.fuse import FusionReport, fuse_program
 from .passes.pad import PadCase, pad_matrix_products
 from .passes.streams import cuda_devices
 from .program import Program
-from .verdict_cache import VerdictCache, default_directory
+from .verdict_cache import shared_cache
 
 FUSE_CHOICES = ("inductor", False, None)
 PAD_CHOICES = (None, True, False)
 _compiler: Any = None
 _pad_verdicts: dict[str, bool] = {}  # by pad_key
-_verdict_caches: dict[str, VerdictCache] = {}  # by directory (TORCHINDUCTOR_CACHE_DIR can change)
 
 
 def check_fuse(fuse: Any) -> str | bool | None:
@@ -179,10 +178,7 @@ def pad_key(case: PadCase) -> str:
 
 def kept_verdict(case: PadCase, measure: Callable[[], bool]) -> bool:
     """The verdict on ``case`` from the disk cache, else ``measure()``'s, kept there."""
-    directory = default_directory()
-    cache = _verdict_caches.get(directory)
-    if cache is None:
-        cache = _verdict_caches[directory] = VerdictCache("pad_verdicts", directory)
+    cache = shared_cache("pad_verdicts")
     key = pad_key(case)
     hit = cache.get(key)
     if hit is None:

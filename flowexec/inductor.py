@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import operator
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ import torch.fx as fx
 
 from .passes.regions import Region
 from .program import Program, Ref, TensorMeta, op_name
+from .verdict_cache import VerdictCache, shared_cache
 
 
 class FusedKernel:
@@ -122,14 +124,17 @@ def _difference(got: Sequence[Any], want: Sequence[Any]) -> str | None:
 
 
 def _example(meta: TensorMeta) -> torch.Tensor:
-    """A tensor of ``meta``'s dtype, shape, strides and device, with harmless contents."""
+    """A tensor of ``meta``'s dtype, shape, strides and device, filled with zeros (valid indices
+    for a region that gathers; a memset, where random values cost seconds on a CPU's logits)."""
     stride = meta.stride if meta.stride is not None else _contiguous(meta.shape)
-    t = torch.empty_strided(meta.shape, stride, dtype=meta.dtype, device=meta.device)
-    if t.is_floating_point():
-        t.normal_()
-    else:
-        t.zero_()
-    return t
+    return torch.empty_strided(meta.shape, stride, dtype=meta.dtype, device=meta.device).zero_()
+
+
+def _fake(meta: TensorMeta) -> torch.Tensor:
+    """``meta`` as a tensor of the ambient fake mode: what Inductor compiles against, with no
+    memory behind it."""
+    stride = meta.stride if meta.stride is not None else _contiguous(meta.shape)
+    return torch.empty_strided(meta.shape, stride, dtype=meta.dtype, device=meta.device)
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
@@ -235,7 +240,7 @@ class InductorCompiler:
         try:
             gm = region_graph(prog, region)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
-                                     [prog.values[v].meta for v in region.computed])
+                                     [prog.values[v].meta for v in region.computed], key=key)
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
             why = self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             return why
@@ -247,28 +252,34 @@ class InductorCompiler:
         return kernel
 
 
-def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequence[TensorMeta] = ()) -> Callable[..., Any]:
+def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequence[TensorMeta] = (),
+                  key: str | None = None) -> Callable[..., Any]:
     """Inductor's compiled function for a region's graph whose inputs have ``metas`` (its
     inference path: no autograd). With ``want`` (the metas the program expects of the returned
-    values), the kernel runs once on the example inputs and a result of another dtype, shape
-    or stride is an error (a decomposition can compute in another dtype than the ATen kernel:
-    CPU batch norm's saved statistics under bf16 autocast came back in bf16, not float32)."""
+    values), the kernel runs once on example inputs and a result of another dtype, shape or
+    stride is an error (a decomposition can compute in another dtype than the ATen kernel: CPU
+    batch norm's saved statistics under bf16 autocast came back in bf16, not float32). With
+    ``key`` (the region's :func:`region_key`) a passed check is kept beside Inductor's cache
+    (:func:`output_check_key`), so a warm build neither allocates examples nor runs kernels."""
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    examples = [_example(m) for m in metas]
     # A tracing context of its own: inside the torch.compile backend, Dynamo's context is
     # active, and Inductor would record this region's output strides there as the strides of
     # the graph AOTAutograd is compiling (its backward then reads them). Its fake mode has a
     # shape environment, without which Inductor bypasses its FX graph cache (every build would
-    # generate every kernel again); the inputs are faked with static shapes, so the kernels
-    # are specialised to the region's sizes as before.
+    # generate every kernel again); the inputs are made with static sizes, so the kernels are
+    # specialised to the region's sizes.
     fake = FakeTensorMode(shape_env=ShapeEnv())
+    with fake:
+        inputs = [_fake(m) for m in metas]
+    kept = output_checks() if want and key is not None else None
+    check = output_check_key(key, [*metas, *want]) if kept is not None else None
     with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):
-        compiled = compile_fx(gm, [fake.from_tensor(x, static_shapes=True) for x in examples])
-        if want:
-            outs = compiled(*examples)
+        compiled = compile_fx(gm, inputs)
+        if want and not (kept is not None and kept.get(check)):
+            outs = compiled(*[_example(m) for m in metas])
             for k, (o, m) in enumerate(zip(outs, want)):
                 got = (o.dtype, tuple(o.shape), tuple(o.stride()) if m.stride is not None and o.numel() > 1 else None)
                 expect = (m.dtype, m.shape, m.stride if m.stride is not None and o.numel() > 1 else None)
@@ -276,7 +287,29 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
                     raise TypeError(f"output {k} came back as {got[0]} {list(got[1])} stride {got[2]}, the program "
                                     f"expects {expect[0]} {list(expect[1])} stride {expect[2]}")
             del outs
+            if kept is not None:
+                kept.put(check, True)
     return compiled
+
+
+def output_checks() -> VerdictCache:
+    """Regions whose compiled outputs were seen to match the program's metas (in the current
+    Inductor cache directory)."""
+    return shared_cache("region_output_checks")
+
+
+def output_check_key(key: str, metas: Sequence[TensorMeta]) -> str:
+    """What decides whether a region's kernel returns what the program expects: the region
+    (:func:`region_key`), its input and output ``metas``, torch's and CUDA's versions, the
+    devices it runs on and Inductor's configuration, hashed to a short key."""
+    from torch._inductor import config
+
+    devices = sorted({torch.device(m.device) for m in metas}, key=str)
+    names = [torch.cuda.get_device_name(d) if d.type == "cuda" else str(d) for d in devices]
+    conf = repr(sorted(config.save_config_portable().items()))
+    text = "\n".join([f"torch {torch.__version__} cuda {torch.version.cuda} on {names}", conf, key,
+                      ";".join(f"{m.dtype}{list(m.shape)}{list(m.stride or ())}" for m in metas)])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @contextlib.contextmanager

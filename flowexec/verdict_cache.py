@@ -2,8 +2,10 @@
 nothing again.
 
 ``pad=None`` times a misaligned matrix product padded and not (``fusion._measured_faster``):
-~1.1 s of a GPT-2 124M build on the H200 (its LM head's three products), in every new process.
-A :class:`VerdictCache` keeps such a verdict under a key naming what decides it (the case, the
+~1.1 s of a GPT-2 124M build on the H200 (its LM head's three products), in every new process;
+a fused region's kernel runs once on example inputs to check what it returns
+(``inductor.compile_graph``): on a CPU, random examples of GPT-2's logits took 5 of a warm
+build's 8 s of fusion. A :class:`VerdictCache` keeps such a verdict under a key naming what decides it (the case, the
 device, torch and CUDA versions) in ``<Inductor's cache dir>/flowexec/<name>.json``, the
 directory ``TORCHINDUCTOR_CACHE_DIR`` sets: a cold Inductor cache is a cold verdict cache too.
 A file that cannot be read or written is no error: the verdict is measured again.
@@ -88,3 +90,16 @@ class VerdictCache:
                 raise
         except OSError:
             pass  # a read-only or full disk: this process keeps the verdict in memory
+
+
+_shared: dict[tuple[str, str], VerdictCache] = {}
+
+
+def shared_cache(name: str) -> VerdictCache:
+    """The process's one :class:`VerdictCache` called ``name`` in the current
+    :func:`default_directory` (``TORCHINDUCTOR_CACHE_DIR`` can change between builds)."""
+    directory = default_directory()
+    cache = _shared.get((name, directory))
+    if cache is None:
+        cache = _shared[name, directory] = VerdictCache(name, directory)
+    return cache

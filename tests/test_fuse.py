@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -134,10 +135,10 @@ def test_equal_regions_share_one_kernel_and_explain_lists_them():
 def test_a_region_inductor_refuses_keeps_its_aten_ops_and_says_why(monkeypatch):
     real = inductor.compile_graph
 
-    def refuse_norms(gm, metas, want=()):
+    def refuse_norms(gm, metas, want=(), key=None):
         if any("layer_norm" in str(n.target) for n in gm.graph.nodes):
             raise NotImplementedError("no kernel for this region (test)")
-        return real(gm, metas, want)
+        return real(gm, metas, want, key)
 
     monkeypatch.setattr(inductor, "compile_graph", refuse_norms)
     monkeypatch.setattr(flowexec.fusion, "_compiler", None)  # a compiler of this test's own
@@ -156,7 +157,7 @@ def test_a_region_inductor_refuses_keeps_its_aten_ops_and_says_why(monkeypatch):
 def test_debug_flag_checks_a_kernel_against_its_aten_ops(monkeypatch):
     real = inductor.compile_graph
 
-    def wrong(gm, metas, want=()):
+    def wrong(gm, metas, want=(), key=None):
         fn = real(gm, metas)  # (no output check: the wrong values must reach the first-call check)
         return lambda *a: [o + 1 for o in fn(*a)]  # a miscompiled kernel
 
@@ -331,7 +332,7 @@ def test_a_padding_verdict_is_measured_once_and_kept_beside_inductor_s_cache(tmp
     from flowexec.passes.pad import PadCase
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))
-    monkeypatch.setattr(fusion, "_verdict_caches", {})
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
     case = PadCase("mm", 0, 8192, 768, 50257, torch.bfloat16, torch.device("cpu"), (8192, 768, 50264))
     other = PadCase("mm", 0, 8192, 50257, 768, torch.bfloat16, torch.device("cpu"), (8192, 50264, 768))
     timed = []
@@ -341,14 +342,14 @@ def test_a_padding_verdict_is_measured_once_and_kept_beside_inductor_s_cache(tmp
 
     assert fusion.kept_verdict(case, measure(True)) is True
     assert fusion.kept_verdict(other, measure(False)) is False
-    monkeypatch.setattr(fusion, "_verdict_caches", {})  # as a new process sees it
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # as a new process sees it
     assert fusion.kept_verdict(case, measure(False)) is True and fusion.kept_verdict(other, measure(True)) is False
     assert timed == [True, False]
     assert (tmp_path / "a" / "flowexec" / "pad_verdicts.json").exists()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "b"))  # a cold cache: measured again
     assert fusion.kept_verdict(case, measure(False)) is False and timed == [True, False, False]
     (tmp_path / "b" / "flowexec" / "pad_verdicts.json").write_text("{not json")
-    monkeypatch.setattr(fusion, "_verdict_caches", {})
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
     assert fusion.kept_verdict(case, measure(True)) is True and timed[-1] is True
 
 
@@ -387,7 +388,7 @@ def test_a_padding_verdict_follows_tf32_within_a_process(tmp_path, monkeypatch) 
     from flowexec.passes.pad import PadCase
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fusion, "_verdict_caches", {})
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
     monkeypatch.setattr(fusion, "_pad_verdicts", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some GPU")
@@ -402,3 +403,51 @@ def test_a_padding_verdict_follows_tf32_within_a_process(tmp_path, monkeypatch) 
         assert fusion._measured_faster(case) is True
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_a_kernel_whose_outputs_differ_from_the_program_s_metas_is_refused():
+    """The build runs a region's kernel once and compares what it returns with the metas the
+    program expects (a decomposition may compute in another dtype than the ATen kernel)."""
+    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
+    (r,) = find_regions(prog)
+    metas = [prog.values[v].meta for v in r.inputs]
+    (out,) = [prog.values[v].meta for v in r.computed]
+    wrong = dataclasses.replace(out, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"output 0 came back as torch.float32 \[4, 8\].*expects torch.float64"):
+        inductor.compile_graph(inductor.region_graph(prog, r), metas, [wrong])
+
+
+def test_a_passed_output_check_is_kept_so_a_warm_build_runs_no_example(tmp_path, monkeypatch):
+    """A region's output check passes once per Inductor cache directory: a new process (fresh
+    in-memory verdicts) on the same directory compiles the region without making example
+    inputs or running the kernel; another directory checks again, and a failed check is never
+    kept."""
+    from flowexec import verdict_cache
+
+    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
+    (r,) = find_regions(prog)
+    metas = [prog.values[v].meta for v in r.inputs]
+    want = [prog.values[v].meta for v in r.computed]
+    key = inductor.region_key(prog, r)
+    gm = inductor.region_graph(prog, r)
+    made = []
+    real_example = inductor._example
+    monkeypatch.setattr(inductor, "_example", lambda m: made.append(m) or real_example(m))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setattr(verdict_cache, "_shared", {})
+    inductor.compile_graph(gm, metas, want, key)
+    assert len(made) == 1  # checked on one example input
+    monkeypatch.setattr(verdict_cache, "_shared", {})  # as a new process sees it
+    kernel = inductor.compile_graph(gm, metas, want, key)
+    assert len(made) == 1  # the kept verdict: nothing made, nothing run
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(kernel(x)[0], (torch.tanh(x) * 3).relu() + 1)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "b"))
+    inductor.compile_graph(gm, metas, want, key)
+    assert len(made) == 2
+    wrong = [dataclasses.replace(want[0], dtype=torch.float64)]
+    for _ in range(2):  # refused each time: a failure is not kept as a pass
+        with pytest.raises(TypeError, match="came back as"):
+            inductor.compile_graph(gm, metas, wrong, key)
+    assert len(made) == 4
+    assert inductor.output_check_key(key, [*metas, *want]) != inductor.output_check_key(key, [*metas, *wrong])
