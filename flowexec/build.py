@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from .fusion import fuse_and_pad
+from .errors import OptionError
+from .fusion import check_fuse, fuse_and_pad, wants_fusion
 from .passes.copy_in import copy_inputs_in
+from .passes.recompute import Recomputed, recompute_activations
 from .plan import ExecutionPlan, build_plan
 from .program import Program
 
@@ -41,12 +43,34 @@ def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> P
 
 def plan_for(prog: Program, mode: str, *, gc: str = "fast", streams: int | str = 1, fuse: str | bool | None = None,
              pad: bool | None = None, fuse_lerp: bool | str | None = None, copied_in: Sequence[int] = (),
-             **plan_options: Any) -> ExecutionPlan:
-    """``prog`` rewritten (lerp, padding, fusion; then the inputs at positions ``copied_in``
-    copied in by the program itself, ``passes/copy_in.py``, which graph mode asks for) and
-    planned for run mode ``mode``; ``plan_options`` go to :func:`~flowexec.plan.build_plan`
-    (memory, order, gc_backlog, ...)."""
-    prog, fusion = fuse_and_pad(rewrite_program(prog, mode, fuse_lerp), fuse, pad, mode)
+             recompute: bool | None = None, **plan_options: Any) -> ExecutionPlan:
+    """``prog`` rewritten (lerp; activations recomputed after the peak, ``recompute``: None
+    where it is fused, :func:`recompute_for`; padding, fusion; then the inputs at positions
+    ``copied_in`` copied in by the program itself, ``passes/copy_in.py``, which graph mode asks
+    for) and planned for run mode ``mode``; ``plan_options`` go to
+    :func:`~flowexec.plan.build_plan` (memory, order, gc_backlog, ...)."""
+    prog = rewrite_program(prog, mode, fuse_lerp)
+    prog, recomputed = recompute_for(prog, recompute, wants_fusion(prog, check_fuse(fuse), mode))
+    prog, fusion = fuse_and_pad(prog, fuse, pad, mode)
     if copied_in:  # (after fusion: the copy must stay a plain copy, the graph's memcpy node)
         prog = copy_inputs_in(prog, copied_in)
-    return dataclasses.replace(build_plan(prog, gc, streams, mode=mode, **plan_options), fusion=fusion)
+    return dataclasses.replace(build_plan(prog, gc, streams, mode=mode, **plan_options), fusion=fusion,
+                               recomputed=recomputed)
+
+
+def check_recompute(recompute: Any) -> bool | None:
+    """``recompute`` checked: None, True or False (an OptionError names the choices)."""
+    if recompute not in (None, True, False) or not isinstance(recompute, (bool, type(None))):
+        raise OptionError(f"recompute={recompute!r} is not a choice; valid: None (default: where the program is fused, "
+                          "recompute cheap activations after the peak where that lowers it), True (also unfused), "
+                          "False (never)")
+    return recompute
+
+
+def recompute_for(prog: Program, recompute: bool | None, fused: bool) -> tuple[Program, tuple[Recomputed, ...]]:
+    """``prog`` with activations recomputed after its peak (``passes/recompute.py``) where
+    ``recompute`` asks: True always, None where the program will be ``fused`` (the recomputing
+    ops join the backward's fused kernels; unfused they are extra kernels), False never."""
+    if not (check_recompute(recompute) or (recompute is None and fused)):
+        return prog, ()
+    return recompute_activations(prog)

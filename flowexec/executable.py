@@ -29,7 +29,7 @@ import torch
 
 from .capture import LazyStateError, capture, fresh_optimizer
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
-from .build import plan_for
+from .build import check_recompute, plan_for
 from .fusion import check_fuse, check_pad
 from .guards import GuardSet
 from .graph_variants import GraphVariants, borrowed_inputs, sharing_positions, worth_parking
@@ -78,6 +78,10 @@ OPTIONS = {
             "(default): Inductor in graph mode on CUDA, ATen ops elsewhere (exe.explain() lists the regions)",
     "pad": "None (default): pad a matrix product whose sizes are not multiples of 16 bytes to aligned sizes (and "
            "slice the result back) on CUDA where that measured faster; True: every such product; False: none",
+    "recompute": "None (default): where the program is fused, activations that are cheap to make again (casts of "
+                 "parameters, GELU's output, a norm's output) are recomputed where the backward reads them instead of "
+                 "held across the step's peak, where that lowers it (plan.stats()['recomputed_bytes']); True: unfused "
+                 "too; False: never",
     "borrow": "graph mode: positions of further tensor arguments to read where they are instead of copying them "
               "in, for tensors passed the same each call (gradients, say); arguments fn writes in place and "
               "parameters are read in place already",
@@ -200,6 +204,7 @@ class Executable:
         self.fuse_lerp: bool | str | None = options.get("fuse_lerp")
         self.fuse = check_fuse(options.get("fuse"))
         self.pad = check_pad(options.get("pad"))
+        self.recompute = check_recompute(options.get("recompute"))
         self.borrow = tuple(options.get("borrow", ()))
         self.park = bool(options.get("park", True))
         self.pool = options.get("pool", "private")
@@ -280,7 +285,7 @@ class Executable:
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         copied = self._copied_in(cap.program, args, tensor_pos) if copy_in else ()
         plan = plan_for(cap.program, self.mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
-                        fuse_lerp=self.fuse_lerp, copied_in=copied, **self.memory_options)
+                        fuse_lerp=self.fuse_lerp, copied_in=copied, recompute=self.recompute, **self.memory_options)
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
         hooks, node = None, None

@@ -90,6 +90,7 @@ class ExecutionPlan:
     gc_backlog_bytes: int = 0  # gc="async": most bytes handed to the worker and not yet dropped
     order: str = "program"
     fusion: FusionReport | None = None  # fuse="inductor": the regions and what became of each (passes/fuse.py)
+    recomputed: tuple[Any, ...] = ()  # passes/recompute.py's Recomputed records (recompute=)
 
     def planned_peak_bytes(self) -> int:
         """The planned peak of the whole call: the arenas plus the peak of what still allocates."""
@@ -123,6 +124,8 @@ class ExecutionPlan:
             "naive_waits": self.event_counts[2],
             "naive_events": self.event_counts[3],
             **(self.fusion.counts() if self.fusion is not None else {}),
+            "recomputed_buffers": len(self.recomputed),
+            "recomputed_bytes": sum(r.nbytes for r in self.recomputed),
         }
 
 

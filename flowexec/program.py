@@ -97,6 +97,9 @@ class Op:
     outputs: tuple[int, ...] = ()
     unpack: bool = False
     source: str = ""  # "file:line" of the user's code that issued it, where known
+    # a second run of an earlier op, where the backward reads its result (passes/recompute.py):
+    # it joins no fused region of ops from before it
+    recomputed: bool = False
     # refs(), walked once: every pass asks for it (capture's program of GPT-2 124M: ~45 times an op)
     _refs: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -176,7 +179,7 @@ def format_op(op: Op, prog: Program) -> str:
     lhs = ", ".join(outs) if outs else "_"
     if op.unpack:
         lhs = f"({lhs})"
-    notes = [n for n in (getattr(op.target, "summary", ""), op.source) if n]  # a fused op: what it runs
+    notes = [n for n in (getattr(op.target, "summary", ""), op.source, "recomputed" * op.recomputed) if n]
     src = f"  # {'; '.join(notes)}" if notes else ""
     return f"{lhs} = {op.name}({', '.join(args)}){src}"
 

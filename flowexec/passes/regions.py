@@ -204,6 +204,7 @@ def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_o
 
     region = [-1] * n
     anc = [0] * n
+    again: list[bool] = []  # per region id: every member is a recomputed op
 
     def up(q: int) -> int:
         if region[q] >= 0:
@@ -223,6 +224,8 @@ def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_o
         for p in sorted(deps[i], reverse=True):  # the latest producer's region first
             if region[p] >= 0 and find(region[p]) not in cands:
                 cands.append(find(region[p]))
+        if op.recomputed:  # (a forward's region would run it in the forward: it would free nothing)
+            cands = [r for r in cands if again[r]]
 
         def allowed(rs: list[int]) -> bool:
             bits = 0
@@ -242,11 +245,14 @@ def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_o
                 parent[r] = root
                 mask[root] |= mask[r]
                 ranc[root] |= ranc[r]
+                again[root] = again[root] and again[r]
+            again[root] = again[root] and op.recomputed
         else:
             root = len(parent)
             parent.append(root)
             mask.append(1 << root)
             ranc.append(0)
+            again.append(op.recomputed)
         region[i] = root
         ranc[root] |= a & ~mask[root]
     members: dict[int, list[int]] = {}

@@ -1,0 +1,177 @@
+"""Activations recomputed after the peak (passes/recompute.py, ``recompute=``): what is chosen,
+that the planned peak drops, that nothing differs from eager, and when it must not happen."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from flowexec.capture import capture
+from flowexec.errors import OptionError
+from flowexec.models import Block, lm_loss
+from flowexec.passes.dependencies import alias_groups
+from flowexec.passes.liveness import analyse_liveness
+from flowexec.passes.recompute import _Round, recompute_activations
+from flowexec.passes.regions import find_regions
+from flowexec.passes.streams import is_view_op
+from helpers import assert_close_rel
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _layers(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    return [(torch.randn(16, 64, requires_grad=True), torch.randn(64, 16, requires_grad=True)) for _ in range(n)]
+
+
+def _mixed_step(layers):
+    """Three layers of ``gelu(x @ w1) @ w2`` with both products in bf16: each layer keeps its
+    GELU output's cast and its bf16 weight for the backward, and the float32 cast of its output
+    for the next layer's."""
+    def step(x):
+        for w1, w2 in layers:
+            x = (F.gelu(x @ w1).to(torch.bfloat16) @ w2.to(torch.bfloat16)).float()
+        x.sum().backward()
+    return step
+
+
+def _peak(prog) -> int:
+    return analyse_liveness(prog, alias_groups(prog)).peak_bytes
+
+
+def test_what_is_recomputed_where_the_backward_reads_it():
+    """Read as a table: bytes freed at the peak, bytes kept alive longer for it, the ops run
+    again (views aside). The last layer's values are read at the peak itself and stay."""
+    prog = capture(_mixed_step(_layers()), (torch.randn(64, 16),)).program
+    new, done = recompute_activations(prog)
+    table = [f"{d.nbytes} {d.kept} " + " ".join(new.ops[i].name.split(".")[1] for i in d.ops
+                                                 if not is_view_op(new.ops[i].target)) for d in done]
+    assert table == [
+        "8192 0 gelu _to_copy",  # layer 1's activation, from its product (which GELU's backward reads)
+        "8192 0 gelu _to_copy",  # layer 2's
+        "4096 2048 _to_copy",  # layer 2's float32 input, from layer 1's bf16 output (kept: 2048 bytes)
+        "4096 2048 _to_copy",
+        "2048 0 _to_copy",  # layer 1's bf16 weight, from the parameter
+        "2048 0 _to_copy",
+    ]
+    assert _peak(new) < _peak(prog)
+    for d in done:  # each copy is made just before the backward's first read, from what is there
+        assert all(i < d.at for i in d.ops) and all(new.ops[i].recomputed for i in d.ops)
+        assert not new.ops[d.at].recomputed
+    assert "recomputed" in str(new)
+
+
+def test_a_source_written_in_place_before_the_backward_is_not_read_again():
+    """A buffer's exp() feeds a product; the step then adds to the buffer in place before the
+    backward: recomputing exp() there would read the new contents. Without the write it is
+    recomputed (so the check is what stops it)."""
+    def make(write: bool):
+        torch.manual_seed(0)
+        buf = torch.randn(64, 64)
+        ws = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
+
+        def step(x):
+            c = (buf * 0.1).exp()
+            for w in ws:
+                x = (x @ w).tanh() @ c
+            if write:
+                buf.add_(1.0)
+            x.sum().backward()
+            return [w.grad for w in ws]
+        return step, buf, ws
+
+    for write in (False, True):
+        step, buf, ws = make(write)
+        prog = capture(step, (torch.randn(64, 64),)).program
+        new, done = recompute_activations(prog)
+        names = {new.ops[i].name for d in done for i in d.ops}
+        assert ("aten.exp.default" in names) is (not write)
+        # and the step's gradients are eager's
+        step_e, buf_e, ws_e = make(write)
+        x = torch.randn(64, 64)
+        want = step_e(x)
+        exe = flowexec.compile(step, recompute=True)
+        for w in ws:
+            w.grad = None
+        got = exe(x)
+        assert_close_rel(got, want, 1e-5, f"write={write}")
+
+
+def _block_twins():
+    torch.manual_seed(0)
+    model = Block(vocab=64, dim=32, heads=4, seq=16)
+    return model, copy.deepcopy(model)
+
+
+def _train(model, fn_of, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(ids, y):
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model(ids), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    f = fn_of(step)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (8, 16), generator=g)
+    losses = [f(ids, ids).item() for _ in range(steps)]
+    return losses, f
+
+
+@pytest.mark.parametrize("fuse", [False, "inductor"])
+def test_a_transformer_block_trains_as_eager_with_a_lower_planned_peak(fuse):
+    """Unfused, the recomputed ops are eager's own ops run again: the same losses and weights.
+    Fused, within float32 tolerance; and the recomputed ops sit in no region with ops from
+    before them (the fusion pass would otherwise run them in the forward again)."""
+    model, ref = _block_twins()
+    want, _ = _train(ref, lambda s: s)
+    other = copy.deepcopy(model)
+    got, exe = _train(model, lambda s: flowexec.compile(s, mode="trace", fuse=fuse, recompute=True))
+    _, plain = _train(other, lambda s: flowexec.compile(s, mode="trace", fuse=fuse, recompute=False))
+    st, st0 = exe.plan.stats(), plain.plan.stats()
+    assert st["recomputed_buffers"] > 0 and st0["recomputed_buffers"] == 0
+    assert st["planned_peak_bytes"] < st0["planned_peak_bytes"]
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close_rel(p.detach(), q.detach(), 1e-5, "weights")
+    if fuse:
+        assert st["fused_regions"] > 0
+
+
+def test_recomputed_ops_join_no_region_of_the_forward():
+    """A recomputed op reads forward values, so the fusion pass could join it to the region that
+    made them and run it in the forward, freeing nothing: it joins only regions of recomputed
+    ops, which the backward's ops then read and join."""
+    model, _ = _block_twins()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(ids, y):
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(ids), y).backward()
+        opt.step()
+    ids = torch.randint(0, 64, (8, 16))
+    prog = capture(step, (ids, ids)).program
+    new, done = recompute_activations(prog)
+    assert done
+    # where the original peak's op is in the new program (the pass only inserts ops)
+    peak = [j for j, op in enumerate(new.ops) if not op.recomputed][_Round(prog).peak_at]
+    mixed = 0
+    for r in find_regions(new):
+        if any(new.ops[i].recomputed for i in r.ops):
+            assert min(r.ops) > peak, r.ops  # a region is ordered at its first op: after the peak
+            mixed += not all(new.ops[i].recomputed for i in r.ops)
+    assert mixed  # (backward ops fuse with the recomputed ops they read)
+
+
+def test_recompute_is_on_where_the_program_is_fused_and_checked():
+    """The default follows fusion (on the CPU: fuse=None fuses nothing, so nothing is
+    recomputed); a bad value names the choices."""
+    model, _ = _block_twins()
+    _, exe = _train(model, lambda s: flowexec.compile(s, mode="trace"), steps=2)
+    assert exe.plan.stats()["recomputed_buffers"] == 0
+    with pytest.raises(OptionError, match="recompute='yes'.*None.*True.*False"):
+        flowexec.compile(lambda x: x + 1, torch.ones(2), recompute="yes")
