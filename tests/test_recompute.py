@@ -142,6 +142,21 @@ def test_a_transformer_block_trains_as_eager_with_a_lower_planned_peak(fuse):
         assert st["fused_regions"] > 0
 
 
+@pytest.mark.parametrize("opts", [{"mode": "threaded", "streams": 2}, {"streams": 2}, {"memory": "planned"},
+                                  {"gc": "async"}], ids=["threaded", "cpu-streams", "planned", "async-gc"])
+def test_a_fused_recomputing_step_equals_eager_in_every_run_mode(opts):
+    """By default a fused program recomputes; with several streams its plan verifies."""
+    model, ref = _block_twins()
+    want, _ = _train(ref, lambda s: s)
+    got, exe = _train(model, lambda s: flowexec.compile(s, fuse="inductor", **opts))
+    assert exe.plan.stats()["recomputed_buffers"] > 0
+    if exe.plan.n_streams > 1:
+        assert flowexec.verify_plan(exe.program, exe.plan) == []
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close_rel(p.detach(), q.detach(), 1e-5, "weights")
+
+
 def test_recomputed_ops_join_no_region_of_the_forward():
     """A recomputed op reads forward values, so the fusion pass could join it to the region that
     made them and run it in the forward, freeing nothing: it joins only regions of recomputed
