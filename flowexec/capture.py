@@ -326,6 +326,10 @@ def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     return out
 
 
+def _storage_address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 class _CaptureGuard(TorchDispatchMode):
     """Sits above make_fx's proxy mode during the capture run.
 
@@ -339,6 +343,11 @@ class _CaptureGuard(TorchDispatchMode):
         self.undo = HostSnapshot()
         self._saved: set[tuple[int, int, tuple, tuple]] = set()
         self.created: dict[int, weakref.ref] = {}
+        # Storages the run allocated (by address: a storage that existed before the run keeps its
+        # address while the run holds it). A view the run made of a tensor that existed before,
+        # such as ``buf.view(-1)[:2]``, is created but its memory is not: a write through it
+        # must be undone.
+        self.created_storages: set[int] = set()
         self.leaves: dict[int, weakref.ref] = {}
         self.sources: list[tuple[Any, str]] = []  # (op, "file:line") in dispatch order
         # Tensors the run made from constants alone (factories, then ops on such tensors): the
@@ -383,7 +392,7 @@ class _CaptureGuard(TorchDispatchMode):
         self.sources.append((func, _caller_line()))
         written = _written_tensors(func, args, kwargs)
         for t in written:
-            if self.is_created(t):
+            if self.is_created(t) and (t.layout != torch.strided or _storage_address(t) in self.created_storages):
                 continue
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
             if key not in self._saved:
@@ -394,11 +403,14 @@ class _CaptureGuard(TorchDispatchMode):
                     # step hold them twice (a large model at a small batch: above eager's peak).
                     self.undo.save(t)
         arg_ids = set()
+        arg_storages = set()
         # (a random draw is no constant, though it reads no tensor)
         from_constants = torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Tensor):
                 arg_ids.add(id(a))
+                if a.layout == torch.strided:
+                    arg_storages.add(_storage_address(a))
                 from_constants = from_constants and self.is_constant(a)
                 if a.requires_grad and a.is_leaf and not self.is_created(a):
                     self.leaves[id(a)] = weakref.ref(a)
@@ -407,6 +419,8 @@ class _CaptureGuard(TorchDispatchMode):
             # In-place ops return their argument: that is not a new tensor.
             if isinstance(o, torch.Tensor) and id(o) not in arg_ids:
                 self.created[id(o)] = weakref.ref(o)
+                if o.layout == torch.strided and _storage_address(o) not in arg_storages:
+                    self.created_storages.add(_storage_address(o))
                 if from_constants:
                     self.constant[id(o)] = weakref.ref(o)
         if not from_constants:
