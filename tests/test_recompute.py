@@ -190,3 +190,38 @@ def test_recompute_is_on_where_the_program_is_fused_and_checked():
     assert exe.plan.stats()["recomputed_buffers"] == 0
     with pytest.raises(OptionError, match="recompute='yes'.*None.*True.*False"):
         flowexec.compile(lambda x: x + 1, torch.ones(2), recompute="yes")
+
+
+def test_an_other_output_of_a_recomputed_op_written_later_keeps_its_write():
+    """The copy of an op with several outputs stands in for all of them after it: recomputing
+    GELU's input ``x - m`` makes ``var_mean`` again (its mean died before the peak), so a later
+    ``v.mul_(2)`` on its variance, which nothing recomputed reads, would write the copy while a
+    view of the original ``v`` is returned. An op is made again only where none of its outputs
+    is written after it."""
+    def make():
+        torch.manual_seed(0)
+        ws = [torch.randn(64, 64, requires_grad=True) for _ in range(4)]
+
+        def step(x):
+            with torch.no_grad():
+                v, m = torch.var_mean(x, dim=1, keepdim=True)
+                flat = v.view(-1)  # (a view of the original, returned after the write)
+            h = (x @ ws[0]) * F.gelu(x - m)  # GELU's output: read again by mul's backward
+            for w in ws[1:]:
+                h = F.gelu(h @ w)
+            h.sum().backward()
+            with torch.no_grad():
+                v.mul_(2)
+            return flat, [w.grad for w in ws]
+        return step, ws
+
+    x = torch.randn(256, 64)
+    want = make()[0](x)
+    step, ws = make()
+    exe = flowexec.compile(step, recompute=True)
+    for w in ws:
+        w.grad = None
+    assert_close_rel(exe(x), want, 1e-5, "variance and gradients")
+    assert exe.plan.stats()["recomputed_buffers"] > 0
+    new, done = recompute_activations(capture(step, (x,)).program)
+    assert done and not any(new.ops[i].name == "aten.var_mean.correction" for d in done for i in d.ops)

@@ -158,8 +158,9 @@ class _Round:
         keep = None if self.groups[v] == freeing else self.available(v, reader, at)
         make = None
         p = self.producer[v]
+        # (every output of the copy stands in for the original's after it: none may be written)
         if keep != 0 and depth < DEPTH and p >= 0 and recomputable(self.prog.ops[p], self.prog) \
-                and not self.written_after(self.groups[v], p):
+                and not any(self.written_after(self.groups[o], p) for o in self.prog.ops[p].outputs if o >= 0):
             trial = dict(plan)
             trial[v] = ("make", 0)
             total: int | None = 0
