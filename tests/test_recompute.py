@@ -225,3 +225,34 @@ def test_an_other_output_of_a_recomputed_op_written_later_keeps_its_write():
     assert exe.plan.stats()["recomputed_buffers"] > 0
     new, done = recompute_activations(capture(step, (x,)).program)
     assert done and not any(new.ops[i].name == "aten.var_mean.correction" for d in done for i in d.ops)
+
+
+def test_an_input_on_the_storage_of_state_written_before_the_backward_is_not_read_again():
+    """The step's input is a view of a state buffer (a different tensor on one storage, which
+    capture records in ``Program.shared_storage``) that the step adds to before the backward:
+    GELU's output, made from the input, cannot be made again there, as the input's contents
+    changed with the buffer's."""
+    def make():
+        torch.manual_seed(0)
+        buf = torch.randn(256 * 64)
+        ws = [torch.randn(64, 64, requires_grad=True) for _ in range(4)]
+
+        def step(x, z):
+            h = (z @ ws[0]) * F.gelu(x * 0.5)  # GELU's output: read again by mul's backward
+            for w in ws[1:]:
+                h = F.gelu(h @ w)
+            buf.add_(1.0)
+            h.sum().backward()
+            return [w.grad for w in ws]
+        return step, buf, ws
+
+    z = torch.randn(256, 64)
+    step, buf, _ = make()
+    want = step(buf.view(256, 64), z)
+    step, buf, ws = make()
+    exe = flowexec.compile(step, recompute=True)
+    for w in ws:
+        w.grad = None
+    assert_close_rel(exe(buf.view(256, 64), z), want, 1e-5, "gradients")
+    assert exe.plan.stats()["recomputed_buffers"] > 0  # (the later layers' GELUs)
+    assert torch.equal(buf, make()[1] + 1.0)

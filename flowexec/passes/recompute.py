@@ -98,7 +98,8 @@ class _Round:
 
     def __init__(self, prog: Program) -> None:
         self.prog = prog
-        self.groups = alias_groups(prog)
+        # (inputs and state on one storage count as one: a write to either changes both)
+        self.groups = alias_groups(prog, shared=True)
         n = len(prog.ops)
         self.n = n
         self.live = analyse_liveness(prog, self.groups)
