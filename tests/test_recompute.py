@@ -256,3 +256,29 @@ def test_an_input_on_the_storage_of_state_written_before_the_backward_is_not_rea
     assert_close_rel(exe(buf.view(256, 64), z), want, 1e-5, "gradients")
     assert exe.plan.stats()["recomputed_buffers"] > 0  # (the later layers' GELUs)
     assert torch.equal(buf, make()[1] + 1.0)
+
+
+def test_an_op_after_the_backward_does_not_pull_a_recomputed_op_into_the_forward():
+    """After the backward, ``a / y`` reads GELU's output ``a``, made again there, and ``y``,
+    which a region of the forward made: the division (not recomputed itself) could merge
+    both regions into one, which runs where the forward's begins, and the recomputed GELU
+    with it. A region that holds recomputed ops holds no op from before them."""
+    torch.manual_seed(0)
+    w0, w1, wy, *ws = [(torch.randn(64, 64) / 8).requires_grad_() for _ in range(7)]
+
+    def step(x):
+        a = F.gelu(x @ w1)
+        y = (x @ wy).sigmoid()
+        h = (x @ w0) * y + a
+        for w in ws:
+            h = F.gelu(h @ w)
+        h.sum().backward()
+        with torch.no_grad():
+            return (a / y).mean()
+    prog = capture(step, (torch.randn(256, 64),)).program
+    new, done = recompute_activations(prog)
+    assert any(new.ops[d.at].name == "aten.div.Tensor" for d in done)
+    peak = [j for j, op in enumerate(new.ops) if not op.recomputed][_Round(prog).peak_at]
+    for r in find_regions(new):
+        if any(new.ops[i].recomputed for i in r.ops):
+            assert min(r.ops) > peak, [new.ops[i].name for i in r.ops]

@@ -204,7 +204,12 @@ def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_o
 
     region = [-1] * n
     anc = [0] * n
-    again: list[bool] = []  # per region id: every member is a recomputed op
+    # A region holds no op from before the batch of recomputed ops (those inserted together
+    # before one op) of any recomputed op it holds: it runs where its first op is, and a
+    # forward's region would run the recomputation in the forward, freeing nothing
+    first: list[int] = []  # per region id: its first op
+    floor: list[int] = []  # per region id: the start of the latest batch of recomputed ops it holds (-1: none)
+    batch = -1
 
     def up(q: int) -> int:
         if region[q] >= 0:
@@ -214,6 +219,9 @@ def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_o
 
     for op in prog.ops:
         i = op.index
+        if op.recomputed and not (i > 0 and prog.ops[i - 1].recomputed):
+            batch = i
+        own = batch if op.recomputed else -1
         a = 0
         for p in deps[i]:
             a |= up(p)
@@ -224,10 +232,10 @@ def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_o
         for p in sorted(deps[i], reverse=True):  # the latest producer's region first
             if region[p] >= 0 and find(region[p]) not in cands:
                 cands.append(find(region[p]))
-        if op.recomputed:  # (a forward's region would run it in the forward: it would free nothing)
-            cands = [r for r in cands if again[r]]
 
         def allowed(rs: list[int]) -> bool:
+            if min(first[r] for r in rs) < max([own] + [floor[r] for r in rs]):
+                return False  # (an op from before a batch of recomputed ops it would hold)
             bits = 0
             for r in rs:
                 bits |= mask[r]
@@ -245,14 +253,16 @@ def _grow(prog: Program, deps: Sequence[Sequence[int]], exclude: set[int], min_o
                 parent[r] = root
                 mask[root] |= mask[r]
                 ranc[root] |= ranc[r]
-                again[root] = again[root] and again[r]
-            again[root] = again[root] and op.recomputed
+                first[root] = min(first[root], first[r])
+                floor[root] = max(floor[root], floor[r])
+            floor[root] = max(floor[root], own)
         else:
             root = len(parent)
             parent.append(root)
             mask.append(1 << root)
             ranc.append(0)
-            again.append(op.recomputed)
+            first.append(i)
+            floor.append(own)
         region[i] = root
         ranc[root] |= a & ~mask[root]
     members: dict[int, list[int]] = {}
