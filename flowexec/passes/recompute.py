@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from ..program import Op, Program, Ref, Role, Value, lint, written_args
-from .dependencies import alias_groups, read_write_sets
+from .dependencies import read_write_sets
 from .liveness import analyse_liveness
 from .regions import fusible
-from .streams import is_view_op
+from .streams import is_view_op, stream_groups
 
 _UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 DEPTH = 3  # how many ops back a source may be recomputed rather than kept
@@ -98,8 +98,10 @@ class _Round:
 
     def __init__(self, prog: Program) -> None:
         self.prog = prog
-        # (inputs and state on one storage count as one: a write to either changes both)
-        self.groups = alias_groups(prog, shared=True)
+        # One group per storage: inputs and state on one storage count as one (a write to either
+        # changes both), and so do ``_unsafe_view`` and split results with their source, which
+        # alias_groups leaves apart (their schemas hide the alias)
+        self.groups = stream_groups(prog, shared=True)
         n = len(prog.ops)
         self.n = n
         self.live = analyse_liveness(prog, self.groups)
