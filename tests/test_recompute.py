@@ -316,3 +316,17 @@ def test_a_source_on_the_storage_of_a_temporary_written_later_is_not_read_again(
             w.grad = None
         got = flowexec.compile(step, recompute=True)(x)
         assert_close_rel(got, want, 1e-5, f"write={write}")
+
+
+def test_a_recomputed_op_follows_the_op_before_its_batch_in_every_order():
+    """Its sources are ready in the forward; the edge from the op before its batch keeps
+    ``order_with_regions`` from running it there whatever waits on it."""
+    from flowexec.passes.regions import edges
+
+    new, done = recompute_activations(capture(_mixed_step(_layers()), (torch.randn(64, 16),)).program)
+    deps = edges(new)
+    for d in done:
+        start = min(d.ops)
+        while new.ops[start - 1].recomputed:  # (the batch: every copy made before the same op)
+            start -= 1
+        assert all(start - 1 in deps[i] for i in d.ops)

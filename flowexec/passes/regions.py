@@ -132,12 +132,22 @@ def _pointwise_functional(target: torch._ops.OpOverload) -> bool:
 
 def edges(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
     """Per op, the ops it must follow: the dependency pass's edges (over alias groups) plus the
-    producer of every value it reads (a view's reader follows the view op itself)."""
+    producer of every value it reads (a view's reader follows the view op itself); a recomputed
+    op (passes/recompute.py) also follows the op before its batch, so that no order of regions
+    runs it before the peak it was moved past (its sources are ready long before)."""
     groups = groups if groups is not None else alias_groups(prog)
     deps = dependencies(prog, groups)
     producer = {o: op.index for op in prog.ops for o in op.outputs if o >= 0}
-    return tuple(tuple(sorted(set(deps[op.index]) | {producer[r] for r in op.refs() if r in producer}))
-                 for op in prog.ops)
+    out = []
+    before = -1  # the last op that is not recomputed
+    for op in prog.ops:
+        d = set(deps[op.index]) | {producer[r] for r in op.refs() if r in producer}
+        if op.recomputed and before >= 0:
+            d.add(before)
+        elif not op.recomputed:
+            before = op.index
+        out.append(tuple(sorted(d)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
