@@ -199,6 +199,11 @@ class _Round:
         if not late or self.written_after(g, buf.start):
             return
         at = min(p for p, _ in late)
+        # Made before the run of fusible ops that ends in the first read (after the peak): the
+        # region the backward grows there then starts with the copies, and takes them in
+        while at - 1 > self.peak_at and not self.prog.ops[at - 1].recomputed \
+                and fusible(self.prog.ops[at - 1], self.prog):
+            at -= 1
         early = [p for p, _ in reads if p < self.peak_at]
         plan: dict[int, tuple[str, int]] = {}
         total = 0
