@@ -12,7 +12,8 @@ is most of why its GPT-2 124M step peaks at 8.9 GiB where eager's peaks at 12.2.
 the fusion pass puts each recomputation into the region of the backward op that reads it. It
 takes the program's peak position (the storages live there, :mod:`.liveness`), and for each
 storage live across it but read by no op at it, largest first, it asks whether the values the
-backward reads from it can be made again just before the backward's first read of it: by
+backward reads from it can be made again just before the backward's first read of it (before
+the run of fusible ops that ends in that read, whose region then takes them in): by
 repeating the (cheap, deterministic, writing nothing: :func:`recomputable`) ops that made them,
 from values that are available at that point — inputs, state, or intermediates alive there
 anyway, or themselves recomputed, up to a few ops deep, or kept alive until then at the cost
