@@ -48,7 +48,7 @@ from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .snapshot import HostSnapshot
-from .storage import shared_storage
+from .storage import shared_storage, storage_key
 
 # What a capture records for its calls to check: nothing (False), guards and fed hyperparameters
 # with gradients as inputs (True, an Executable's), or only the guards of what it read ("reads",
@@ -326,10 +326,6 @@ def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     return out
 
 
-def _storage_address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 class _CaptureGuard(TorchDispatchMode):
     """Sits above make_fx's proxy mode during the capture run.
 
@@ -347,7 +343,7 @@ class _CaptureGuard(TorchDispatchMode):
         # address while the run holds it). A view the run made of a tensor that existed before,
         # such as ``buf.view(-1)[:2]``, is created but its memory is not: a write through it
         # must be undone.
-        self.created_storages: set[int] = set()
+        self.created_storages: set[int] = {0}  # (storage_key's for none: nothing to undo)
         self.leaves: dict[int, weakref.ref] = {}
         self.sources: list[tuple[Any, str]] = []  # (op, "file:line") in dispatch order
         # Tensors the run made from constants alone (factories, then ops on such tensors): the
@@ -392,7 +388,7 @@ class _CaptureGuard(TorchDispatchMode):
         self.sources.append((func, _caller_line()))
         written = _written_tensors(func, args, kwargs)
         for t in written:
-            if self.is_created(t) and (t.layout != torch.strided or _storage_address(t) in self.created_storages):
+            if self.is_created(t) and storage_key(t) in self.created_storages:  # (0: no storage of its own)
                 continue
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
             if key not in self._saved:
@@ -409,8 +405,7 @@ class _CaptureGuard(TorchDispatchMode):
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Tensor):
                 arg_ids.add(id(a))
-                if a.layout == torch.strided:
-                    arg_storages.add(_storage_address(a))
+                arg_storages.add(storage_key(a))
                 from_constants = from_constants and self.is_constant(a)
                 if a.requires_grad and a.is_leaf and not self.is_created(a):
                     self.leaves[id(a)] = weakref.ref(a)
@@ -419,8 +414,8 @@ class _CaptureGuard(TorchDispatchMode):
             # In-place ops return their argument: that is not a new tensor.
             if isinstance(o, torch.Tensor) and id(o) not in arg_ids:
                 self.created[id(o)] = weakref.ref(o)
-                if o.layout == torch.strided and _storage_address(o) not in arg_storages:
-                    self.created_storages.add(_storage_address(o))
+                if storage_key(o) not in arg_storages:
+                    self.created_storages.add(storage_key(o))
                 if from_constants:
                     self.constant[id(o)] = weakref.ref(o)
         if not from_constants:

@@ -44,7 +44,6 @@ from .verdict_cache import shared_cache
 FUSE_CHOICES = ("inductor", False, None)
 PAD_CHOICES = (None, True, False)
 _compiler: Any = None
-_pad_verdicts: dict[str, bool] = {}  # by pad_key
 
 
 def check_fuse(fuse: Any) -> str | bool | None:
@@ -158,11 +157,7 @@ def _measured_faster(case: PadCase) -> bool:
     Inductor's cache, :mod:`flowexec.verdict_cache`); elsewhere never."""
     if case.device.type != "cuda" or not torch.cuda.is_available():
         return False
-    key = pad_key(case)  # (what the disk cache keys by: a process may change TF32 between builds)
-    hit = _pad_verdicts.get(key)
-    if hit is None:
-        hit = _pad_verdicts[key] = kept_verdict(case, lambda: _time_padded(case) <= 0.9 * _time_plain(case))
-    return hit
+    return kept_verdict(case, lambda: _time_padded(case) <= 0.9 * _time_plain(case))
 
 
 def pad_key(case: PadCase) -> str:
@@ -177,7 +172,9 @@ def pad_key(case: PadCase) -> str:
 
 
 def kept_verdict(case: PadCase, measure: Callable[[], bool]) -> bool:
-    """The verdict on ``case`` from the disk cache, else ``measure()``'s, kept there."""
+    """The verdict on ``case`` from the process's verdicts (read once from the disk), else
+    ``measure()``'s, kept there (keyed by :func:`pad_key`: a process may change TF32 between
+    builds)."""
     cache = shared_cache("pad_verdicts")
     key = pad_key(case)
     hit = cache.get(key)

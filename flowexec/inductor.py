@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .passes.metas import fake_tensor
 from .passes.regions import Region
 from .program import Program, Ref, TensorMeta, op_name
 from .verdict_cache import VerdictCache, shared_cache
@@ -128,13 +129,6 @@ def _example(meta: TensorMeta) -> torch.Tensor:
     for a region that gathers; a memset, where random values cost seconds on a CPU's logits)."""
     stride = meta.stride if meta.stride is not None else _contiguous(meta.shape)
     return torch.empty_strided(meta.shape, stride, dtype=meta.dtype, device=meta.device).zero_()
-
-
-def _fake(meta: TensorMeta) -> torch.Tensor:
-    """``meta`` as a tensor of the ambient fake mode: what Inductor compiles against, with no
-    memory behind it."""
-    stride = meta.stride if meta.stride is not None else _contiguous(meta.shape)
-    return torch.empty_strided(meta.shape, stride, dtype=meta.dtype, device=meta.device)
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
@@ -272,8 +266,7 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     # generate every kernel again); the inputs are made with static sizes, so the kernels are
     # specialised to the region's sizes.
     fake = FakeTensorMode(shape_env=ShapeEnv())
-    with fake:
-        inputs = [_fake(m) for m in metas]
+    inputs = [fake_tensor(m, fake) for m in metas]
     kept = output_checks() if want and key is not None else None
     check = output_check_key(key, [*metas, *want]) if kept is not None else None
     with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):

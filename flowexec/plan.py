@@ -24,6 +24,7 @@ from .passes.dependencies import alias_groups, dependencies, mutated_state
 from .passes.fuse import FusionReport
 from .passes.liveness import Liveness, analyse_liveness, peak_of
 from .passes.memory import MemoryPlan
+from .passes.recompute import Recomputed
 from .passes.streams import (add_copy_streams, assign_auto, assign_streams, cross_edges, cuda_devices, data_edges,
                              exit_uses, naive_events, plan_events, release_streams, side_outputs, stream_dependencies,
                              stream_groups, stream_uses, value_edges)
@@ -90,7 +91,7 @@ class ExecutionPlan:
     gc_backlog_bytes: int = 0  # gc="async": most bytes handed to the worker and not yet dropped
     order: str = "program"
     fusion: FusionReport | None = None  # fuse="inductor": the regions and what became of each (passes/fuse.py)
-    recomputed: tuple[Any, ...] = ()  # passes/recompute.py's Recomputed records (recompute=)
+    recomputed: tuple[Recomputed, ...] = ()  # what passes/recompute.py recomputed (recompute=)
 
     def planned_peak_bytes(self) -> int:
         """The planned peak of the whole call: the arenas plus the peak of what still allocates."""

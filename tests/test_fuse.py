@@ -389,7 +389,6 @@ def test_a_padding_verdict_follows_tf32_within_a_process(tmp_path, monkeypatch) 
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("flowexec.verdict_cache._shared", {})
-    monkeypatch.setattr(fusion, "_pad_verdicts", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some GPU")
     monkeypatch.setattr(fusion, "_time_plain", lambda case: 1.0)

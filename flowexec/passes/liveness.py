@@ -89,18 +89,25 @@ def buffer_lifetimes(prog: Program, groups: tuple[int, ...], last_use: list[int]
                  for g, r in sorted(info.items(), key=lambda kv: kv[1][0]))
 
 
-def peak_of(buffers: tuple[Buffer, ...] | list[Buffer], n_ops: int) -> int:
-    """The largest sum of bytes of buffers live at one op (a buffer is live from ``start`` to
-    ``end`` inclusive, so an op's inputs and outputs count together)."""
+def peak_position(buffers: tuple[Buffer, ...] | list[Buffer], n_ops: int) -> tuple[int, int]:
+    """(the first position where it is reached, bytes) of the largest sum of bytes of buffers
+    live at one op (a buffer is live from ``start`` to ``end`` inclusive, so an op's inputs and
+    outputs count together; one that outlives the ops is live at the last)."""
     delta = [0] * (n_ops + 2)
     for b in buffers:
         delta[b.start] += b.nbytes
         delta[b.end + 1] -= b.nbytes
-    peak = cur = 0
-    for d in delta:
-        cur += d
-        peak = max(peak, cur)
-    return peak
+    at = peak = cur = 0
+    for i in range(n_ops):
+        cur += delta[i]
+        if cur > peak:
+            at, peak = i, cur
+    return at, peak
+
+
+def peak_of(buffers: tuple[Buffer, ...] | list[Buffer], n_ops: int) -> int:
+    """The largest sum of bytes of buffers live at one op (:func:`peak_position`)."""
+    return peak_position(buffers, n_ops)[1]
 
 
 def analyse_liveness(prog: Program, groups: tuple[int, ...], drop: bool = True) -> Liveness:

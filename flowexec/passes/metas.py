@@ -25,7 +25,9 @@ import torch
 from ..program import Program, Ref, TensorMeta
 
 
-def _fake(meta: TensorMeta, mode: Any) -> torch.Tensor:
+def fake_tensor(meta: TensorMeta, mode: Any) -> torch.Tensor:
+    """A tensor of fake mode ``mode`` with ``meta``'s dtype, shape, strides (contiguous where
+    unknown) and device."""
     stride = meta.stride
     if stride is None:
         stride = tuple(torch.empty(meta.shape, device="meta").stride())
@@ -51,7 +53,7 @@ def propagate_metas(prog: Program) -> Program:
     env: dict[int, Any] = {}
     for vid in (*prog.inputs, *prog.state):
         m = prog.values[vid].meta
-        env[vid] = _fake(m, mode) if m is not None else None
+        env[vid] = fake_tensor(m, mode) if m is not None else None
     for vid, c in prog.consts.items():
         env[vid] = c
 

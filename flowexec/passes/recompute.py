@@ -44,7 +44,7 @@ import torch
 
 from ..program import Op, Program, Ref, Role, Value, lint, written_args
 from .dependencies import read_write_sets
-from .liveness import analyse_liveness
+from .liveness import Buffer, analyse_liveness, peak_position
 from .regions import fusible
 from .streams import is_view_op, stream_groups
 
@@ -80,20 +80,6 @@ def recomputable(op: Op, prog: Program) -> bool:
     return not (name in _UNINITIALIZED or name.startswith("_foreach_") or written_args(target))
 
 
-def _peak_position(buffers: Any, n_ops: int) -> tuple[int, int]:
-    """(position, bytes) of the program's largest live bytes (the first such position)."""
-    delta = [0] * (n_ops + 2)
-    for b in buffers:
-        delta[b.start] += b.nbytes
-        delta[b.end + 1] -= b.nbytes
-    cur, best, at = 0, -1, 0
-    for i in range(n_ops):
-        cur += delta[i]
-        if cur > best:
-            best, at = cur, i
-    return at, best
-
-
 class _Round:
     """One round's facts about the program and the recomputations it has chosen so far."""
 
@@ -106,7 +92,7 @@ class _Round:
         n = len(prog.ops)
         self.n = n
         self.live = analyse_liveness(prog, self.groups)
-        self.peak_at, self.peak = _peak_position(self.live.buffers, n)
+        self.peak_at, self.peak = peak_position(self.live.buffers, n)
         self.producer = [-1] * len(prog.values)
         self.reads: dict[int, list[tuple[int, int]]] = {}  # group -> (position, value) of each read
         self.writes: dict[int, list[int]] = {}  # group -> positions writing it in place
@@ -129,7 +115,7 @@ class _Round:
         self.nbytes = {b.group: b.nbytes for b in self.live.buffers}
         self.freed: dict[int, int] = {}  # group -> position after which its original is gone
         self.copies: dict[int, int] = {}  # value -> position its recomputed copy is made at
-        self.chosen: list[tuple[int, tuple[int, ...], Any]] = []  # (position, ops, buffer)
+        self.chosen: list[tuple[int, tuple[int, ...], Buffer, int]] = []  # (position, ops, buffer, bytes kept)
 
     def written_between(self, g: int, lo: int, hi: int) -> bool:
         return any(lo < w < hi for w in self.writes.get(g, ()))
@@ -160,7 +146,6 @@ class _Round:
         if v in plan:
             return 0  # (counted once)
         keep = None if self.groups[v] == freeing else self.available(v, reader, at)
-        make = None
         p = self.producer[v]
         # (every output of the copy stands in for the original's after it: none may be written)
         if keep != 0 and depth < DEPTH and p >= 0 and recomputable(self.prog.ops[p], self.prog) \
@@ -190,7 +175,7 @@ class _Round:
         return sum(self.prog.values[r].meta.nbytes for i in ops if not is_view_op(self.prog.ops[i].target)
                    for r in dict.fromkeys(self.prog.ops[i].refs()) if self.prog.values[r].meta is not None)
 
-    def consider(self, buf: Any) -> None:
+    def consider(self, buf: Buffer) -> None:
         """Recompute ``buf``'s values read after the peak, where that frees more than it keeps."""
         g = buf.group
         reads = self.reads.get(g, [])
@@ -228,7 +213,7 @@ class _Round:
         self.chosen.append((at, made, buf, total))
 
 
-def _rewrite(prog: Program, chosen: list[Any]) -> tuple[Program, tuple[Recomputed, ...], dict[int, int]]:
+def _rewrite(prog: Program, chosen: list[tuple[int, tuple[int, ...], Buffer, int]]) -> tuple[Program, tuple[Recomputed, ...], dict[int, int]]:
     """``prog`` with each chosen recomputation's ops repeated before its position, every later
     read of a recomputed value reading the copy; what was recomputed, and where each of
     ``prog``'s ops went."""
