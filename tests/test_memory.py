@@ -256,6 +256,71 @@ def test_a_channels_last_intermediate_stays_out_of_the_arena_and_keeps_its_layou
     torch.testing.assert_close(lower_trace(plan)(x)[0], fn(x))
 
 
+def test_unsafe_split_pieces_keep_their_base_buffer_alive_and_out_of_reuse():
+    """``unsafe_split``'s schema marks no alias, though its pieces view their input (a GRU's
+    gates on the CPU): the arena reused the input's block while the pieces were still read,
+    and a GRU trained differently under memory="planned"."""
+    split = torch.ops.aten.unsafe_split.Tensor
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a, b = split(x * 2, 4)
+        c = (a + 1) * 3  # allocated after the split: it took the input's block
+        return (c + b).sum()
+
+    x = torch.randn(8)
+    plan = build_plan(capture(fn, (x,)).program, memory="planned")
+    base = next(b for b in plan.liveness.buffers if b.start == 0)
+    assert base.end >= 3  # alive while b is read (the add), not only until the split
+    from flowexec.runtime.interpreter import lower_trace
+
+    run = lower_trace(plan)
+    for _ in range(2):
+        torch.testing.assert_close(run(x)[0], fn(x))
+
+
+def test_an_intermediate_whose_shape_changes_in_place_stays_out_of_the_arena():
+    """An arena view is made once for every call: ``transpose_`` on it (a batch_first GRU's
+    output) left the next call's ``cat.out`` a tensor of the transposed shape."""
+    from flowexec.runtime.interpreter import lower_trace
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([x, y], 1)
+        h.transpose_(0, 1)
+        return (h.contiguous() * torch.arange(h.shape[1], dtype=h.dtype)).sum(0)
+
+    x, y = torch.randn(3, 2), torch.randn(3, 4)
+    plan = build_plan(capture(fn, (x, y)).program, memory="planned")
+    assert any("changed in place (aten.transpose_.default)" in w for _, w in plan.memory.unplanned)
+    run = lower_trace(plan)
+    for _ in range(3):
+        torch.testing.assert_close(run(x, y)[0], fn(x, y))
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_first_gru_trains_like_eager_with_planned_memory():
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e, self.rnn, self.o = torch.nn.Embedding(20, 8), torch.nn.GRU(8, 16, batch_first=True), torch.nn.Linear(16, 20)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.o(self.rnn(self.e(x))[0])
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    (m1, o1), (m2, o2) = twin(Net(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    eager, mine = make_step(m1, o1, loss_fn), make_step(m2, o2, loss_fn)
+    data = [(x, x) for x in torch.randint(0, 20, (4, 3, 6))]
+    eager(*data[0]), mine(*data[0])
+    exe = flowexec.compile(mine, memory="planned")
+    for x, y in data[1:]:
+        assert_close_rel(exe(x, y), eager(x, y), what="loss")
+    assert_same_state(m1, m2)
+
+
 def test_a_host_snapshot_puts_back_every_tensor_it_saved() -> None:
     """Capture and graph-mode warm-up undo their writes from a HostSnapshot: every saved tensor
     (strided views, aliases of one storage, several dtypes) comes back as it was, the saved

@@ -47,10 +47,19 @@ def _is_list(t: Any) -> bool:
     return isinstance(t, torch.ListType)
 
 
+# Ops whose results may share their input's storage although their schema does not say so:
+# ``_unsafe_view`` returns a view of a contiguous input, the ``unsafe_split`` family views of
+# its pieces (a GRU's gates on the CPU). Their results join their first argument's group: an
+# arena block or a freed buffer under them would be overwritten while they are read.
+UNANNOTATED_ALIASES = frozenset({"aten._unsafe_view.default", "aten.unsafe_split.Tensor",
+                                 "aten.unsafe_split_with_sizes.default", "aten.unsafe_chunk.default"})
+
+
 def alias_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
-    """A group id per value: equal ids share (or may share) memory. ``shared``: also the inputs
-    and state whose example tensors shared a storage at capture (``Program.shared_storage``),
-    which several streams must order although program order covers them on one."""
+    """A group id per value: equal ids share (or may share) memory (views by their schema, and
+    :data:`UNANNOTATED_ALIASES`). ``shared``: also the inputs and state whose example tensors
+    shared a storage at capture (``Program.shared_storage``), which several streams must order
+    although program order covers them on one."""
     parent = list(range(len(prog.values)))
 
     def union(a: int, b: int) -> None:
@@ -70,6 +79,11 @@ def alias_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
     for op in prog.ops:
         schema = getattr(op.target, "_schema", None)
         if schema is None:
+            continue
+        if op.name in UNANNOTATED_ALIASES and isinstance(op.args[0], Ref):
+            for vid in op.outputs:
+                if vid >= 0:
+                    union(op.args[0].id, vid)
             continue
         args = _arg_values(op.args, op.kwargs, schema)
         rets = list(zip(schema.returns, op.outputs))

@@ -22,8 +22,10 @@ Which buffers are planned: the lowering makes an op write into its arena view th
 argument, the other arguments as the functional op's) and returns one tensor. The others
 allocate as usual and are listed in :attr:`MemoryPlan.unplanned` with the reason: ops with
 several outputs (``native_layer_norm``, ``native_batch_norm``, ``nll_loss_forward`` …), ops
-without an ``out=`` overload, outputs of the program (they outlive the call), and buffers some op
-reads through explicit strides (``as_strided``: an arena view is laid out contiguously).
+without an ``out=`` overload, outputs of the program (they outlive the call), buffers some op
+reads through explicit strides (``as_strided``: an arena view is laid out contiguously), and
+buffers whose shape or strides an op changes in place (``transpose_``: the arena view, made once,
+would keep the change into the next call).
 
 Example::
 
@@ -40,7 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..program import Program
+from ..program import Program, Ref
 from .liveness import Buffer, peak_of
 
 CPU_ALIGNMENT = 64  # a cache line; also every dtype's alignment
@@ -50,36 +52,12 @@ _STRIDED_READERS = frozenset({"aten.as_strided.default", "aten.as_strided_.defau
                               "aten.resize_.default", "aten.as_strided_scatter.default"})
 
 
-# Ops whose result may share its input's storage although their schema does not say so
-# (``_unsafe_view`` returns a view of a contiguous input): for the arena they join its group,
-# or a program output made by one would be a view into the arena.
-_UNANNOTATED_ALIASES = frozenset({"aten._unsafe_view.default"})
-
-
-def arena_groups(prog: Program, groups: Sequence[int]) -> tuple[int, ...]:
-    """``groups`` with the results of unannotated aliasing ops joined to their input's group."""
-    parent = list(groups)
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for op in prog.ops:
-        if op.name in _UNANNOTATED_ALIASES and op.outputs and op.outputs[0] >= 0:
-            a, b = find(next(op.refs())), find(op.outputs[0])
-            if a != b:
-                parent[max(a, b)] = min(a, b)
-    return tuple(find(i) for i in range(len(parent)))
-
-
 def arena_buffers(prog: Program, groups: Sequence[int], last_use: Sequence[int]) -> tuple[tuple[int, ...], tuple[Buffer, ...]]:
-    """(the arena's alias groups, the buffers it plans over): lifetimes end at the last use
-    whatever the collector, since an arena block needs no free."""
+    """(the arena's alias groups — the plan's, ``alias_groups`` — and the buffers it plans over):
+    lifetimes end at the last use whatever the collector, since an arena block needs no free."""
     from .liveness import buffer_lifetimes
 
-    g = arena_groups(prog, groups)
+    g = tuple(groups)
     return g, buffer_lifetimes(prog, g, list(last_use), drop=True)
 
 
@@ -250,6 +228,12 @@ def plan_memory(prog: Program, groups: Sequence[int], buffers: Sequence[Buffer],
     """Place every plannable buffer of ``prog`` in its device's arena (see the module docstring).
     ``order``: when the plan has several streams, its happens-before (:func:`instruction_order`)."""
     strided = {groups[r] for op in prog.ops if op.name in _STRIDED_READERS for r in op.refs()}
+    # An arena view is one tensor object, made once for every call: an op that changes its
+    # shape or strides in place (transpose_, t_, squeeze_ …: torch's inplace_view tag) would
+    # leave the next call's out= writing a tensor of the wrong shape (a GRU's batch_first
+    # output, cat then transpose_).
+    reshaped = {groups[op.args[0].id]: op.name for op in prog.ops
+                if torch.Tag.inplace_view in getattr(op.target, "tags", ()) and op.args and isinstance(op.args[0], Ref)}
     values = prog.values
     root_op = {o: op for op in prog.ops for o in op.outputs if o >= 0}
     planned: list[tuple[Buffer, Any]] = []
@@ -267,6 +251,8 @@ def plan_memory(prog: Program, groups: Sequence[int], buffers: Sequence[Buffer],
             why = f"{op.name} returns several values (no single out= overload)"
         elif b.group in strided:
             why = "read through explicit strides (as_strided): an arena view is contiguous"
+        elif b.group in reshaped:
+            why = f"its shape or strides are changed in place ({reshaped[b.group]}): an arena view is made once"
         elif meta.nbytes != _numel(meta.shape) * _itemsize(meta.dtype):
             why = "its storage is not one contiguous tensor of its shape"
         elif meta.stride is not None and not _row_major(meta.shape, meta.stride):

@@ -217,22 +217,20 @@ def cuda_devices(prog: Program) -> set:
 # -- view-only ops, value edges, the naive plan ---------------------------------------------
 
 _VIEW_CACHE: dict = {}
-# views at run time whose schemas do not say so (their results share the argument's storage)
-_UNANNOTATED_VIEWS = {"_unsafe_view", "_reshape_alias"}
 
 
 def stream_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
-    """:func:`~flowexec.passes.dependencies.alias_groups`, with every result of a view-only op
-    (:func:`is_view_op`) joined to the storage of its first tensor argument: every element of
-    ``split`` / ``chunk`` / ``unbind`` (whose one list return the schema zip pairs with the first
-    element only) and ``_unsafe_view`` (no alias annotation). One stream never needed this;
-    several do, since a view's consumer must be ordered after whoever wrote the storage."""
+    """:func:`~flowexec.passes.dependencies.alias_groups` (which also joins ``_unsafe_view`` and
+    the ``unsafe_split`` family, ``UNANNOTATED_ALIASES``), with every result of a view-only op
+    (:func:`is_view_op`) joined to the storage of its first tensor argument. One stream never
+    needed this; several do, since a view's consumer must be ordered after whoever wrote the
+    storage."""
     from .dependencies import _find, alias_groups
 
     base = alias_groups(prog, shared=shared)
     parent = list(base)
     for op in prog.ops:
-        if not (is_view_op(op.target) or _dispatcher_write_view(op.target)):
+        if not is_view_op(op.target):
             continue
         src = next(op.refs(), None)
         if src is None:
@@ -261,10 +259,13 @@ def is_view_op(target: object) -> bool:
 
 
 def _dispatcher_write_view(target: object) -> bool:
-    """A view at run time whose schema has no alias annotation (``_unsafe_view``): its result
-    shares its argument's storage, and the CUDA sanitizer, which reads schemas, counts the op as
-    writing that storage (argument and result)."""
-    return getattr(target, "__name__", "").split(".")[0] in _UNANNOTATED_VIEWS and not is_view_op(target)
+    """A view at run time whose schema has no alias annotation (``_unsafe_view``, ``unsafe_split``:
+    ``dependencies.UNANNOTATED_ALIASES``): its results share its argument's storage, and the
+    CUDA sanitizer, which reads schemas, counts the op as writing that storage (argument and
+    results)."""
+    from .dependencies import UNANNOTATED_ALIASES
+
+    return str(target) in UNANNOTATED_ALIASES
 
 
 def stream_rw_sets(prog: Program, groups: Sequence[int]) -> tuple[tuple[frozenset[int], frozenset[int]], ...]:

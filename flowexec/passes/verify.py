@@ -200,9 +200,7 @@ def arena_cells(program: Program, plan: Any, groups: Sequence[int]) -> dict[int,
     mem = getattr(plan, "memory", None)
     if mem is None or not mem.placements:
         return {}
-    from .memory import arena_groups
-
-    agroups = arena_groups(program, plan.groups)
+    agroups = plan.groups
     by_agroup: dict[int, list[tuple[str, int, int]]] = {}
     for k in range(len(mem.devices)):
         ps = [p for p in mem.placements if p.arena == k]

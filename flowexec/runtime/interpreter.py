@@ -34,9 +34,28 @@ from .arena import bind_arenas, out_call
 _counter = itertools.count()
 
 
+# Ops whose kernel reads grad mode, not only its arguments: the CPU LSTM's ``mkldnn_rnn_layer``
+# makes the workspace its backward reads only where grad mode is on, as it is in eager's forward.
+# A program runs with grad mode off (it holds its backward already), so these run with it on,
+# over detached arguments: no autograd graph is built.
+GRAD_MODE_OPS = frozenset({"aten.mkldnn_rnn_layer.default"})
+
+
 def callable_of(target: Callable[..., Any]) -> Callable[..., Any]:
-    """The cheapest entry point of an op: the C++ overload behind an ``OpOverload``."""
-    return getattr(target, "_op", target)
+    """The cheapest entry point of an op: the C++ overload behind an ``OpOverload`` (with grad
+    mode on for :data:`GRAD_MODE_OPS`)."""
+    fn = getattr(target, "_op", target)
+    if str(target) in GRAD_MODE_OPS:
+        return _with_grad_mode(fn)
+    return fn
+
+
+def _with_grad_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        with torch.enable_grad():
+            return fn(*args, **kwargs)
+    return call
 
 
 def _slot(vid: int) -> str:
