@@ -492,6 +492,9 @@ class Recorder:
         d = object.__getattribute__(module, "__dict__")
         if id(d) in self._ignored:
             return
+        if isinstance(value, torch.Tensor) and any(value is d.get(t, {}).get(name, _MISSING)
+                                                   for t in ("_parameters", "_buffers")) or value is d.get(name, _MISSING):
+            return  # the object already there (spectral_norm's ``self._u = normalize(..., out=self._u)``)
         if isinstance(value, torch.Tensor) or (name in d.get("_parameters", {}) or name in d.get("_buffers", {})):
             self.module_tensor_writes.append(f"{self.name_of(module, type(module).__name__)}.{name}")
             return

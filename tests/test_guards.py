@@ -391,6 +391,34 @@ def test_python_names_fn_assigns_are_replayed_and_tensors_refused() -> None:
         flowexec.compile(picks, torch.ones(2))
 
 
+@pytest.mark.timeout(120)
+def test_a_module_rebinding_a_buffer_to_itself_trains_like_eager() -> None:
+    """spectral_norm's power iteration writes ``self._u = normalize(..., out=self._u)``: the same
+    buffer, written in place. It was refused as a tensor bound to a Python name."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(spectral_norm(torch.nn.Linear(6, 8)), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def stepper(m: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    (m1, o1), (m2, o2) = make(), make()
+    eager, exe = stepper(m1, o1), flowexec.compile(stepper(m2, o2))
+    for x in torch.randn(4, 5, 6):
+        torch.testing.assert_close(exe(x), eager(x))
+    for (n, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=n)
+
+
 def test_a_counter_on_a_plain_object_is_refused_not_frozen() -> None:
     class Counter:
         def __init__(self) -> None:
