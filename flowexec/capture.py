@@ -48,6 +48,7 @@ from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .snapshot import HostSnapshot
+from .rng import install as install_rng_ops
 from .storage import shared_storage, storage_key
 
 # What a capture records for its calls to check: nothing (False), guards and fed hyperparameters
@@ -432,14 +433,17 @@ class _CaptureGuard(TorchDispatchMode):
 
 
 def _rng_states() -> tuple[Any, Any]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+    # (the generators themselves: torch.get_rng_state and torch.cuda's become program ops while a
+    # capture runs, flowexec/rng.py)
+    cuda = ([g.get_state() for g in torch.cuda.default_generators]
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    return torch.default_generator.get_state(), cuda
 
 
 def _set_rng_states(states: tuple[Any, Any]) -> None:
-    torch.set_rng_state(states[0])
-    if states[1] is not None:
-        torch.cuda.set_rng_state_all(states[1])
+    torch.default_generator.set_state(states[0])
+    for g, state in zip(torch.cuda.default_generators if states[1] is not None else (), states[1] or ()):
+        g.set_state(state)
 
 
 _DATA_DEPENDENT_HINT = (
@@ -635,6 +639,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     # the cost of a symbolized traceback per node)
     kw: dict[str, Any] = {}
     rng = _rng_states()
+    install_rng_ops(lambda: _capture_mode() is not None)  # (once: the generators' state as program ops)
     failed = True
     try:
         # make_fx stores a fake copy of every value in its node's meta; with no fake mode to find

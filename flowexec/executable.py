@@ -36,6 +36,7 @@ from .graph_variants import GraphVariants, borrowed_inputs, sharing_positions, w
 from .parking import ParkedGrads
 from .plan import ExecutionPlan, check_gc, check_streams
 from .program import Program, Ref
+from .rng import holds_rng_state_ops
 from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
 from .runtime.lower import lower_for
@@ -416,9 +417,16 @@ class Executable:
                          mutated: Sequence[int], warn: bool = True) -> bool:
         """Whether a graph can run this signature: not when a tensor argument shares memory with
         closure state and fn writes in place (the graph would read or write the argument in a
-        buffer of its own, apart from that state); such calls run in trace mode, with a warning.
+        buffer of its own, apart from that state), nor when the program saves or restores a
+        generator's state (flowexec/rng.py); such calls run in trace mode, with a warning.
         Capture recorded which inputs share a storage with state (``Program.shared_storage``);
         ``mutated``: the values the program writes in place."""
+        if holds_rng_state_ops(prog):
+            if warn:
+                warnings.warn("flowexec: fn saves and restores the random generator's state (torch.utils.checkpoint "
+                              "around a region with random ops does), which a CUDA graph cannot replay; calls with "
+                              "this signature run in trace mode", stacklevel=5)
+            return False
         first_of = dict(prog.shared_storage)  # value -> first value on its storage (inputs come first)
         with_state = {f for v, f in prog.shared_storage if v in prog.state}
         on_state = [tensor_pos[k] for k, v in enumerate(prog.inputs[:len(tensor_pos)])

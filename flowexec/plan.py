@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import OptionError, whole_number
-from .passes.dependencies import alias_groups, dependencies, mutated_state
+from .passes.dependencies import alias_groups, chain_ordered_anyway, dependencies, mutated_state
 from .passes.fuse import FusionReport
 from .passes.liveness import Liveness, analyse_liveness, peak_of
 from .passes.memory import MemoryPlan
@@ -202,6 +202,8 @@ def _build(prog: Program, gc: str, streams: int | str, mode: str, prune: bool, w
     if streams != 1 or workers:  # a view's results on its argument's storage, every one of them
         sgroups = stream_groups(prog, shared)
         deps = stream_dependencies(prog, sgroups)
+        if workers:  # (threads draw in any order: random ops keep their captured one)
+            deps = chain_ordered_anyway(prog, deps)
     live = analyse_liveness(prog, groups, drop=(gc != "none"))
     if streams == 1 and not workers:
         instrs = tuple(Instruction(op, deps[op.index], frees=live.frees[op.index]) for op in prog.ops)

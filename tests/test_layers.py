@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plan", "fusion"),  # the passes composed into an ExecutionPlan; the fuse= option's regions compiled
     ("inductor",),  # a region's FX graph compiled by Inductor into one op
     ("passes",),  # pure functions over a Program
-    ("fetch", "kernels"),  # scalar readback; fused ops (torch.library)
+    ("fetch", "kernels", "rng"),  # scalar readback; fused ops (torch.library); the generator's state as ops
     ("program", "signature", "storage", "guards", "hyperparams", "parking", "_cuda_native", "verdict_cache", "snapshot"),  # the IR's records; leaf helpers
     ("errors",),
 )

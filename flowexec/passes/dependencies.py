@@ -160,3 +160,28 @@ def mutated_state(prog: Program, groups: tuple[int, ...] | None = None) -> tuple
     for _, w in read_write_sets(prog, groups):
         written |= w
     return tuple(v.id for v in prog.values if v.role in (Role.STATE, Role.INPUT) and groups[v.id] in written)
+
+
+def ordered_anyway(prog: Program) -> list[int]:
+    """Ops whose relative order must stay as captured although no buffer says so: random ops
+    (they draw from one generator; also ``flowexec::get_rng_state`` / ``set_rng_state``, which
+    carry the same tag) and ops without a schema (opaque callables)."""
+    keep = []
+    for op in prog.ops:
+        tags = getattr(op.target, "tags", ())
+        if getattr(op.target, "_schema", None) is None or torch.Tag.nondeterministic_seeded in tags:
+            keep.append(op.index)
+    return keep
+
+
+def chain_ordered_anyway(prog: Program, deps: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """``deps`` with each of :func:`ordered_anyway`'s ops depending on the one before it: what
+    ops on several worker threads need (one thread, or CUDA streams issued from one host thread
+    in program order, draw in captured order without it)."""
+    chain = ordered_anyway(prog)
+    out = [tuple(d) for d in deps]
+    for a, b in zip(chain, chain[1:]):
+        if a not in out[b]:
+            out[b] = tuple(sorted((*out[b], a)))
+    return tuple(out)
+

@@ -28,19 +28,8 @@ import dataclasses
 import torch
 
 from ..program import Program, lint
-from .dependencies import alias_groups, dependencies
+from .dependencies import alias_groups, dependencies, ordered_anyway
 from .liveness import analyse_liveness, buffer_lifetimes, peak_of
-
-
-def _ordered_anyway(prog: Program) -> list[int]:
-    """Ops whose relative order must stay as captured although no buffer says so: random ops
-    (they draw from one generator) and ops without a schema (opaque callables)."""
-    keep = []
-    for op in prog.ops:
-        tags = getattr(op.target, "tags", ())
-        if getattr(op.target, "_schema", None) is None or torch.Tag.nondeterministic_seeded in tags:
-            keep.append(op.index)
-    return keep
 
 
 def order_constraints(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
@@ -52,7 +41,7 @@ def order_constraints(prog: Program, groups: tuple[int, ...] | None = None) -> t
     producer = {o: op.index for op in prog.ops for o in op.outputs if o >= 0}
     for op in prog.ops:
         deps[op.index].update(producer[r] for r in op.refs() if r in producer)
-    chain = _ordered_anyway(prog)
+    chain = ordered_anyway(prog)
     for a, b in zip(chain, chain[1:]):
         deps[b].add(a)
     return tuple(tuple(sorted(d)) for d in deps)

@@ -338,3 +338,37 @@ def test_graphs_warm_up_and_capture_on_one_stream_sharing_its_cublas_workspace()
     for graph, out in [first, *more]:
         graph.replay()
         assert_close_rel(out, x @ w)
+
+
+@pytest.mark.parametrize("mode", ["trace", "graph"])
+def test_checkpointed_dropout_trains_like_eager_on_cuda(mode: str) -> None:
+    """torch.utils.checkpoint restores the CUDA generator's state before its recompute
+    (flowexec/rng.py): trace mode runs that as ops; graph mode cannot, and says so (trace mode
+    for that signature)."""
+    import torch.utils.checkpoint as ckpt
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(0.3),
+                                             torch.nn.Linear(64, 32))
+            self.out = torch.nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(x + ckpt.checkpoint(self.block, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(Net().cuda(), lambda p: torch.optim.SGD(p, lr=0.1))
+    eager, mine = make_step(m1, o1, F.cross_entropy), make_step(m2, o2, F.cross_entropy)
+    x, y = torch.randn(16, 32, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exe = flowexec.compile(mine, mode=mode)
+        for k in range(4):
+            torch.manual_seed(k)
+            want = eager(x, y)
+            torch.manual_seed(k)
+            assert_close_rel(exe(x, y), want, what="loss")
+    assert_same_state(m1, m2)
+    said = [str(w.message) for w in caught if "random generator's state" in str(w.message)]
+    assert bool(said) == (mode == "graph")

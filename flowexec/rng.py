@@ -1,0 +1,145 @@
+"""The random generator's state as ops of a program: ``torch.utils.checkpoint``'s recompute.
+
+A checkpointed region (``torch.utils.checkpoint``, Hugging Face's gradient checkpointing)
+saves the generator's state before its forward and, in the backward, restores it before
+running the forward again, so that dropout draws the same mask twice; ``torch.random.fork_rng``
+then puts the later state back. Those calls (``torch.get_rng_state``, ``torch.set_rng_state``
+and ``torch.cuda``'s) are no ATen ops: a capture did not see them, and every call of the program
+drew a fresh mask in the recompute — gradients silently unlike eager's.
+
+While a capture runs, they go through two ops instead, which the program keeps in place:
+``flowexec::get_rng_state(Device device) -> Tensor`` and ``flowexec::set_rng_state(Tensor
+state, Device device) -> ()``. Both carry torch's ``nondeterministic_seeded`` tag, so every pass
+treats them as random ops: their captured order with the draws stays (``passes/order.py``,
+several streams), fusion leaves them out (``passes/regions.py``) and recomputation never repeats
+one. Outside a capture the torch functions are untouched.
+
+A CUDA graph cannot save or restore the generator's state from the host (a replay would not
+run the host call): a signature whose program holds one of these ops runs in trace mode, with a
+warning (``Executable._graph_can_stage``), and the op refuses to run under a CUDA graph capture.
+
+Example::
+
+    >>> import torch, flowexec
+    >>> drop = torch.nn.Dropout(0.5)
+    >>> def fn(x):
+    ...     state = torch.get_rng_state()
+    ...     a = drop(x)
+    ...     torch.set_rng_state(state)  # the same mask again, as a checkpoint's recompute
+    ...     return a - drop(x)
+    >>> exe = flowexec.compile(fn, torch.ones(64))
+    >>> bool((exe(torch.ones(64)) == 0).all())
+    True
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["install", "holds_rng_state_ops", "RNG_STATE_OPS"]
+
+_LIB = torch.library.Library("flowexec", "FRAGMENT")
+_TAGS = (torch.Tag.nondeterministic_seeded,)
+_LIB.define("get_rng_state(Device device) -> Tensor", tags=_TAGS)
+_LIB.define("set_rng_state(Tensor state, Device device) -> ()", tags=_TAGS)
+
+RNG_STATE_OPS = frozenset({"flowexec.get_rng_state.default", "flowexec.set_rng_state.default"})
+
+# the torch functions before install() wrapped them (the ops' kernels call these)
+_ORIGINAL: dict[str, Callable[..., Any]] = {}
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return _ORIGINAL["torch.get_rng_state"]()
+    _refuse_in_graph(device, "save")
+    return _ORIGINAL["torch.cuda.get_rng_state"](device)
+
+
+def _set_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cpu":
+        _ORIGINAL["torch.set_rng_state"](state)
+        return
+    _refuse_in_graph(device, "restore")
+    _ORIGINAL["torch.cuda.set_rng_state"](state, device)
+
+
+def _refuse_in_graph(device: torch.device, what: str) -> None:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"flowexec: a CUDA graph cannot {what} the random generator's state (the step does, as "
+                           "torch.utils.checkpoint does for a region with dropout): use mode='trace'")
+
+
+_LIB.impl("get_rng_state", _get_state, "CompositeExplicitAutograd")
+_LIB.impl("set_rng_state", _set_state, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flowexec::get_rng_state")
+def _fake_get(device: torch.device) -> torch.Tensor:
+    # the state is a host tensor on every device: mt19937's 5,056 bytes on the CPU, a CUDA
+    # generator's seed and offset (16 bytes)
+    return torch.empty(5056 if device.type == "cpu" else 16, dtype=torch.uint8)
+
+
+@torch.library.register_fake("flowexec::set_rng_state")
+def _fake_set(state: torch.Tensor, device: torch.device) -> None:
+    return None
+
+
+def _cuda_device(device: Any) -> torch.device:
+    """torch.cuda's ``device`` argument ('cuda', an index, a torch.device) as a torch.device with its index."""
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+_lock = threading.Lock()
+
+
+def install(capturing: Callable[[], bool]) -> None:
+    """Route ``torch.get_rng_state`` / ``set_rng_state`` (also ``torch.random``'s) and
+    ``torch.cuda``'s through the ops above wherever ``capturing()`` is true (once, for good;
+    elsewhere each calls the original)."""
+    import torch.cuda
+    import torch.cuda.random
+    import torch.random
+
+    with _lock:
+        if _ORIGINAL:
+            return
+        _ORIGINAL["torch.get_rng_state"] = torch.random.get_rng_state
+        _ORIGINAL["torch.set_rng_state"] = torch.random.set_rng_state
+        _ORIGINAL["torch.cuda.get_rng_state"] = torch.cuda.random.get_rng_state
+        _ORIGINAL["torch.cuda.set_rng_state"] = torch.cuda.random.set_rng_state
+        cpu = torch.device("cpu")
+
+        def get_rng_state() -> torch.Tensor:
+            if capturing():
+                return torch.ops.flowexec.get_rng_state(cpu)
+            return _ORIGINAL["torch.get_rng_state"]()
+
+        def set_rng_state(new_state: torch.Tensor) -> None:
+            if capturing():
+                return torch.ops.flowexec.set_rng_state(new_state, cpu)
+            return _ORIGINAL["torch.set_rng_state"](new_state)
+
+        def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+            if capturing():
+                return torch.ops.flowexec.get_rng_state(_cuda_device(device))
+            return _ORIGINAL["torch.cuda.get_rng_state"](device)
+
+        def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+            if capturing():
+                return torch.ops.flowexec.set_rng_state(new_state, _cuda_device(device))
+            return _ORIGINAL["torch.cuda.set_rng_state"](new_state, device)
+
+        for mod in (torch, torch.random):
+            mod.get_rng_state, mod.set_rng_state = get_rng_state, set_rng_state
+        for mod in (torch.cuda, torch.cuda.random):
+            mod.get_rng_state, mod.set_rng_state = cuda_get_rng_state, cuda_set_rng_state
+
+
+def holds_rng_state_ops(prog: Any) -> bool:
+    """Whether a program saves or restores a generator's state (graph mode cannot)."""
+    return any(op.name in RNG_STATE_OPS for op in prog.ops)
