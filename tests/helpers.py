@@ -188,3 +188,42 @@ def state_heavy_step(device: str = "cuda") -> tuple[torch.nn.Module, Callable[..
     step = zero_first_step(model, opt)
     step(x)
     return model, step, x
+
+
+def assert_rnn_trains_like_eager(rnn: torch.nn.Module, **options: Any) -> None:
+    """A token model around ``rnn`` (batch_first, 8 features in, 16 out) trained by SGD with
+    momentum, eager against ``flowexec.compile(step, **options)``: losses and state agree."""
+    import torch.nn.functional as F
+
+    import flowexec
+    from flowexec.models import make_step
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e, self.rnn, self.o = torch.nn.Embedding(20, 8), rnn, torch.nn.Linear(16, 20)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.o(self.rnn(self.e(x))[0])
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    (m1, o1), (m2, o2) = twin(Net(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    eager, mine = make_step(m1, o1, loss_fn), make_step(m2, o2, loss_fn)
+    data = [(x, x) for x in torch.randint(0, 20, (4, 3, 6))]
+    eager(*data[0]), mine(*data[0])
+    exe = flowexec.compile(mine, **options)
+    for x, y in data[1:]:
+        assert_close_rel(exe(x, y), eager(x, y), what="loss")
+    assert_same_state(m1, m2)
+
+
+def assert_seeded_calls_match(eager: Callable[..., Any], exe: Callable[..., Any], *args: Any, calls: int = 4) -> None:
+    """Call ``k`` of ``exe`` equals eager's after the same ``torch.manual_seed(k)`` (random ops)."""
+    for k in range(calls):
+        torch.manual_seed(k)
+        want = eager(*args)
+        torch.manual_seed(k)
+        assert_close_rel(exe(*args), want, what=f"call {k}")
+

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import flowexec
 from flowexec.models import Block, ConvNet, lm_loss, make_lm_step, make_mlp, make_step
-from helpers import assert_close_rel, assert_same_state, record_graph_programs, twin
+from helpers import assert_close_rel, assert_rnn_trains_like_eager, assert_same_state, record_graph_programs, twin
 
 torch.backends.mkldnn.enabled = True
 
@@ -556,25 +556,5 @@ def test_a_two_layer_lstm_trains_like_eager(mode: str) -> None:
     """The CPU LSTM's forward (``mkldnn_rnn_layer``) makes the workspace its backward reads only
     with grad mode on, which a program runs without: its backward failed on a missing tensor."""
     torch.manual_seed(0)
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.e = torch.nn.Embedding(20, 8)
-            self.rnn = torch.nn.LSTM(8, 16, num_layers=2, batch_first=True)
-            self.o = torch.nn.Linear(16, 20)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.o(self.rnn(self.e(x))[0])
-
-    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-    (m1, o1), (m2, o2) = twin(Net(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    eager, mine = make_step(m1, o1, loss_fn), make_step(m2, o2, loss_fn)
-    data = [(x, x) for x in torch.randint(0, 20, (4, 3, 6))]
-    eager(*data[0]), mine(*data[0])
-    exe = flowexec.compile(mine, mode=mode, streams=2 if mode == "threaded" else 1)
-    for x, y in data[1:]:
-        assert_close_rel(exe(x, y), eager(x, y), what="loss")
-    assert_same_state(m1, m2)
+    assert_rnn_trains_like_eager(torch.nn.LSTM(8, 16, num_layers=2, batch_first=True), mode=mode,
+                                 streams=2 if mode == "threaded" else 1)

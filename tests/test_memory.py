@@ -18,7 +18,7 @@ from flowexec.passes.memory import (ArenaError, MemoryPlan, Placement, assign_of
 from flowexec.plan import build_plan
 from flowexec.runtime.gc import collector
 from flowexec.runtime.memtrack import StorageTracker, measure_memory
-from helpers import assert_close_rel, assert_same_state, twin
+from helpers import assert_close_rel, assert_rnn_trains_like_eager, assert_same_state, twin
 from test_core import CASES
 
 pytestmark = pytest.mark.timeout(300)
@@ -299,26 +299,7 @@ def test_an_intermediate_whose_shape_changes_in_place_stays_out_of_the_arena():
 @pytest.mark.timeout(120)
 def test_a_batch_first_gru_trains_like_eager_with_planned_memory():
     torch.manual_seed(0)
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.e, self.rnn, self.o = torch.nn.Embedding(20, 8), torch.nn.GRU(8, 16, batch_first=True), torch.nn.Linear(16, 20)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.o(self.rnn(self.e(x))[0])
-
-    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-    (m1, o1), (m2, o2) = twin(Net(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    eager, mine = make_step(m1, o1, loss_fn), make_step(m2, o2, loss_fn)
-    data = [(x, x) for x in torch.randint(0, 20, (4, 3, 6))]
-    eager(*data[0]), mine(*data[0])
-    exe = flowexec.compile(mine, memory="planned")
-    for x, y in data[1:]:
-        assert_close_rel(exe(x, y), eager(x, y), what="loss")
-    assert_same_state(m1, m2)
+    assert_rnn_trains_like_eager(torch.nn.GRU(8, 16, batch_first=True), memory="planned")
 
 
 def test_a_host_snapshot_puts_back_every_tensor_it_saved() -> None:

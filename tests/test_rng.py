@@ -10,7 +10,7 @@ import torch.utils.checkpoint as ckpt
 
 import flowexec
 from flowexec.capture import capture
-from helpers import assert_close_rel, assert_same_state, twin
+from helpers import assert_same_state, assert_seeded_calls_match, twin
 
 
 class Checkpointed(torch.nn.Module):
@@ -47,12 +47,7 @@ def test_checkpointed_dropout_recomputes_the_forward_s_masks(options: dict) -> N
     torch.manual_seed(0)
     (m1, o1), (m2, o2) = twin(Checkpointed(reentrant=False), lambda p: torch.optim.AdamW(p, lr=1e-2))
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
-    eager, exe = _step(m1, o1), flowexec.compile(_step(m2, o2), **options)
-    for k in range(4):
-        torch.manual_seed(k)
-        want = eager(x, y)
-        torch.manual_seed(k)
-        assert_close_rel(exe(x, y), want, what="loss")
+    assert_seeded_calls_match(_step(m1, o1), flowexec.compile(_step(m2, o2), **options), x, y)
     assert_same_state(m1, m2)
 
 
@@ -98,8 +93,4 @@ def test_random_ops_on_worker_threads_draw_in_captured_order() -> None:
     x = torch.randn(64, 64)
     exe = flowexec.compile(fn, x, mode="threaded", streams=2)
     assert exe.plan.n_streams == 2
-    for k in range(8):
-        torch.manual_seed(k)
-        want = fn(x)
-        torch.manual_seed(k)
-        torch.testing.assert_close(exe(x), want)
+    assert_seeded_calls_match(fn, exe, x, calls=8)

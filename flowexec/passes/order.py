@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from ..program import Program, lint
 from .dependencies import alias_groups, dependencies, ordered_anyway
 from .liveness import analyse_liveness, buffer_lifetimes, peak_of

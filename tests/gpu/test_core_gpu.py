@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import flowexec
 from flowexec.models import make_lm_step, make_mlp, make_step
 
-from helpers import assert_close_rel, assert_same_state, block_adam_twins, twin
+from helpers import assert_close_rel, assert_same_state, assert_seeded_calls_match, block_adam_twins, twin
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -363,12 +363,7 @@ def test_checkpointed_dropout_trains_like_eager_on_cuda(mode: str) -> None:
     x, y = torch.randn(16, 32, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        exe = flowexec.compile(mine, mode=mode)
-        for k in range(4):
-            torch.manual_seed(k)
-            want = eager(x, y)
-            torch.manual_seed(k)
-            assert_close_rel(exe(x, y), want, what="loss")
+        assert_seeded_calls_match(eager, flowexec.compile(mine, mode=mode), x, y)
     assert_same_state(m1, m2)
     said = [str(w.message) for w in caught if "random generator's state" in str(w.message)]
     assert bool(said) == (mode == "graph")
