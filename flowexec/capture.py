@@ -481,9 +481,14 @@ def _host_read_hint(tb: Any) -> str:
         return (f"torch.amp.GradScaler reads found_inf on the host at {where} for an optimizer that is not "
                 "fused: pass fused=True to the optimizer (Adam, AdamW, SGD, Adagrad), whose step takes the scale "
                 "and found_inf as tensors, or leave the scaler out of the compiled function.")
-    return (f"the optimizer reads a value computed from its state on the host at {where}, which one static "
-            "program cannot capture: pass foreach=True (or fused=True) to the optimizer, whose step keeps "
-            "such values on the device.")
+    if f.name.startswith("_single_tensor"):
+        return (f"the optimizer reads a value computed from its state on the host at {where}, which one static "
+                "program cannot capture: pass foreach=True (or fused=True) to the optimizer, whose step keeps "
+                "such values on the device.")
+    return (f"the optimizer reads a value computed from its state on the host at {where} (in {f.name}: "
+            "this optimizer's foreach path reads it too), which one static program cannot capture: call "
+            "opt.step() outside the compiled function, or compile with torch.compile(fn, backend=\"flowexec\"), "
+            "whose graph breaks run it eagerly.")
 
 
 class HostReadError(CaptureError):

@@ -561,3 +561,27 @@ def test_an_interrupted_upload_is_taken_back_and_made_by_the_next_call(monkeypat
         feeds.refresh()
     monkeypatch.setattr(Feeds, "upload", upload)
     assert feeds.refresh() == -1 and buf.item() == 0.2 and feeds.slots[0].last == 0.2
+
+
+@pytest.mark.parametrize("make, hint", [
+    (lambda p: torch.optim.Adagrad(p, lr=0.1, foreach=False), "pass foreach=True"),
+    (lambda p: torch.optim.Adafactor(p, lr=0.01), r"call opt\.step\(\) outside the compiled function"),
+], ids=["adagrad_single_tensor", "adafactor_foreach"])
+def test_an_optimizer_reading_its_state_on_the_host_says_what_to_do(make, hint: str) -> None:
+    """Adagrad's single-tensor path reads its step count where its foreach path does not; Adafactor's
+    foreach path reads it too, so foreach=True is no advice there."""
+    if not hasattr(torch.optim, "Adafactor") and "outside" in hint:
+        pytest.skip("torch.optim.Adafactor is newer than this torch")
+    net = torch.nn.Linear(4, 2)
+    opt = make(net.parameters())
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = net(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    step(torch.randn(3, 4))  # (the state exists)
+    with pytest.raises(flowexec.CaptureError, match=hint):
+        flowexec.compile(step, torch.randn(3, 4))
