@@ -1,4 +1,4 @@
-"""The random generator's state as ops of a program: ``torch.utils.checkpoint``'s recompute.
+"""The random generator's state as ops of a program: ``torch.utils.checkpoint``'s recompute, seeding.
 
 A checkpointed region (``torch.utils.checkpoint``, Hugging Face's gradient checkpointing)
 saves the generator's state before its forward and, in the backward, restores it before
@@ -9,7 +9,10 @@ drew a fresh mask in the recompute — gradients silently unlike eager's.
 
 While a capture runs, they go through two ops instead, which the program keeps in place:
 ``flowexec::get_rng_state(Device device) -> Tensor`` and ``flowexec::set_rng_state(Tensor
-state, Device device) -> ()``. Both carry torch's ``nondeterministic_seeded`` tag, so every pass
+state, Device device) -> ()``; so does seeding (``torch.manual_seed``, ``torch.cuda.manual_seed``
+and ``manual_seed_all``: ``flowexec::manual_seed``, ``flowexec::cuda_manual_seed``), which
+eager does on every call. (A ``torch.Generator`` of the caller's own, seeded or set by its
+methods inside ``fn``, is not seen: those are methods of a C type.) Both carry torch's ``nondeterministic_seeded`` tag, so every pass
 treats them as random ops: their captured order with the draws stays (``passes/order.py``,
 several streams), fusion leaves them out (``passes/regions.py``) and recomputation never repeats
 one. Outside a capture the torch functions are untouched.
@@ -33,8 +36,9 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -44,8 +48,12 @@ _LIB = torch.library.Library("flowexec", "FRAGMENT")
 _TAGS = (torch.Tag.nondeterministic_seeded,)
 _LIB.define("get_rng_state(Device device) -> Tensor", tags=_TAGS)
 _LIB.define("set_rng_state(Tensor state, Device device) -> ()", tags=_TAGS)
+# torch.manual_seed (the CPU's and every CUDA device's generators); torch.cuda's (device -1: all)
+_LIB.define("manual_seed(int seed) -> ()", tags=_TAGS)
+_LIB.define("cuda_manual_seed(int seed, int device) -> ()", tags=_TAGS)
 
-RNG_STATE_OPS = frozenset({"flowexec.get_rng_state.default", "flowexec.set_rng_state.default"})
+RNG_STATE_OPS = frozenset({"flowexec.get_rng_state.default", "flowexec.set_rng_state.default",
+                           "flowexec.manual_seed.default", "flowexec.cuda_manual_seed.default"})
 
 # the torch functions before install() wrapped them (the ops' kernels call these)
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
@@ -67,13 +75,44 @@ def _set_state(state: torch.Tensor, device: torch.device) -> None:
 
 
 def _refuse_in_graph(device: torch.device, what: str) -> None:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"flowexec: a CUDA graph cannot {what} the random generator's state (the step does, as "
                            "torch.utils.checkpoint does for a region with dropout): use mode='trace'")
 
 
+def _manual_seed(seed: int) -> None:
+    _refuse_in_graph(torch.device("cuda"), "seed")
+    with _originals():  # (torch.manual_seed calls torch.cuda.manual_seed_all by name)
+        _ORIGINAL["torch.manual_seed"](seed)
+
+
+def _cuda_manual_seed(seed: int, device: int) -> None:
+    _refuse_in_graph(torch.device("cuda"), "seed")
+    with _originals():
+        if device < 0:
+            _ORIGINAL["torch.cuda.manual_seed_all"](seed)
+        else:
+            with torch.cuda.device(device):
+                _ORIGINAL["torch.cuda.manual_seed"](seed)
+
+
+_inside = threading.local()
+
+
+@contextlib.contextmanager
+def _originals() -> Iterator[None]:
+    """While an op's kernel runs torch's own function, the routed names call torch's too."""
+    _inside.on = True
+    try:
+        yield
+    finally:
+        _inside.on = False
+
+
 _LIB.impl("get_rng_state", _get_state, "CompositeExplicitAutograd")
 _LIB.impl("set_rng_state", _set_state, "CompositeExplicitAutograd")
+_LIB.impl("manual_seed", _manual_seed, "CompositeExplicitAutograd")
+_LIB.impl("cuda_manual_seed", _cuda_manual_seed, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("flowexec::get_rng_state")
@@ -85,6 +124,16 @@ def _fake_get(device: torch.device) -> torch.Tensor:
 
 @torch.library.register_fake("flowexec::set_rng_state")
 def _fake_set(state: torch.Tensor, device: torch.device) -> None:
+    return None
+
+
+@torch.library.register_fake("flowexec::manual_seed")
+def _fake_seed(seed: int) -> None:
+    return None
+
+
+@torch.library.register_fake("flowexec::cuda_manual_seed")
+def _fake_cuda_seed(seed: int, device: int) -> None:
     return None
 
 
@@ -112,32 +161,55 @@ def install(capturing: Callable[[], bool]) -> None:
         _ORIGINAL["torch.set_rng_state"] = torch.random.set_rng_state
         _ORIGINAL["torch.cuda.get_rng_state"] = torch.cuda.random.get_rng_state
         _ORIGINAL["torch.cuda.set_rng_state"] = torch.cuda.random.set_rng_state
+        _ORIGINAL["torch.manual_seed"] = torch.random.manual_seed
+        _ORIGINAL["torch.cuda.manual_seed"] = torch.cuda.random.manual_seed
+        _ORIGINAL["torch.cuda.manual_seed_all"] = torch.cuda.random.manual_seed_all
         cpu = torch.device("cpu")
 
+        def routed() -> bool:
+            return capturing() and not getattr(_inside, "on", False)
+
         def get_rng_state() -> torch.Tensor:
-            if capturing():
+            if routed():
                 return torch.ops.flowexec.get_rng_state(cpu)
             return _ORIGINAL["torch.get_rng_state"]()
 
         def set_rng_state(new_state: torch.Tensor) -> None:
-            if capturing():
+            if routed():
                 return torch.ops.flowexec.set_rng_state(new_state, cpu)
             return _ORIGINAL["torch.set_rng_state"](new_state)
 
         def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
-            if capturing():
+            if routed():
                 return torch.ops.flowexec.get_rng_state(_cuda_device(device))
             return _ORIGINAL["torch.cuda.get_rng_state"](device)
 
         def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-            if capturing():
+            if routed():
                 return torch.ops.flowexec.set_rng_state(new_state, _cuda_device(device))
             return _ORIGINAL["torch.cuda.set_rng_state"](new_state, device)
 
+        def manual_seed(seed: int) -> torch.Generator:
+            if routed():
+                torch.ops.flowexec.manual_seed(int(seed))
+                return torch.default_generator
+            return _ORIGINAL["torch.manual_seed"](seed)
+
+        def cuda_manual_seed(seed: int) -> None:
+            if routed():
+                return torch.ops.flowexec.cuda_manual_seed(int(seed), torch.cuda.current_device())
+            return _ORIGINAL["torch.cuda.manual_seed"](seed)
+
+        def cuda_manual_seed_all(seed: int) -> None:
+            if routed():
+                return torch.ops.flowexec.cuda_manual_seed(int(seed), -1)
+            return _ORIGINAL["torch.cuda.manual_seed_all"](seed)
+
         for mod in (torch, torch.random):
-            mod.get_rng_state, mod.set_rng_state = get_rng_state, set_rng_state
+            mod.get_rng_state, mod.set_rng_state, mod.manual_seed = get_rng_state, set_rng_state, manual_seed
         for mod in (torch.cuda, torch.cuda.random):
             mod.get_rng_state, mod.set_rng_state = cuda_get_rng_state, cuda_set_rng_state
+            mod.manual_seed, mod.manual_seed_all = cuda_manual_seed, cuda_manual_seed_all
 
 
 def holds_rng_state_ops(prog: Any) -> bool:

@@ -94,3 +94,19 @@ def test_random_ops_on_worker_threads_draw_in_captured_order() -> None:
     exe = flowexec.compile(fn, x, mode="threaded", streams=2)
     assert exe.plan.n_streams == 2
     assert_seeded_calls_match(fn, exe, x, calls=8)
+
+
+def test_seeding_inside_fn_seeds_every_call_as_eager_does() -> None:
+    """``torch.manual_seed`` in fn (a step seeding its augmentation) was not seen: every call
+    after the first drew on from where the last one stopped."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(7)
+        return x + F.dropout(torch.ones(16), 0.5)
+
+    exe = flowexec.compile(fn, torch.zeros(16))
+    want = fn(torch.zeros(16))
+    for _ in range(3):
+        torch.rand(5)  # (the generator moves between calls)
+        torch.testing.assert_close(exe(torch.zeros(16)), want)
+    assert "flowexec.manual_seed.default(7)" in str(exe.program)
+    assert torch.manual_seed(3) is torch.default_generator  # (outside a capture: torch's own)
