@@ -352,6 +352,10 @@ class _CaptureGuard(TorchDispatchMode):
         self.constant: dict[int, weakref.ref] = {}
         self.read_under_flag = False  # torch.compiler.is_compiling() at the last host read
         self.parked = ParkedGrads({})  # last step's gradients, in host memory until an op reads them
+        # torch.Generator objects of fn's own that random ops draw from: id -> (generator, its
+        # state at the first draw, its state after the last). The default generators are saved
+        # and put back whole (_rng_states); these are put back by restore().
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor, torch.Tensor]] = {}
 
     def is_created(self, t: torch.Tensor) -> bool:
         ref = self.created.get(id(t))
@@ -410,7 +414,13 @@ class _CaptureGuard(TorchDispatchMode):
                 from_constants = from_constants and self.is_constant(a)
                 if a.requires_grad and a.is_leaf and not self.is_created(a):
                     self.leaves[id(a)] = weakref.ref(a)
+        gens = [g for g in pytree.tree_leaves((args, kwargs)) if isinstance(g, torch.Generator)]
+        for g in gens:
+            self._before_draw(g, func)
         out = func(*args, **kwargs)
+        for g in gens:
+            first = self.generators[id(g)][1]
+            self.generators[id(g)] = (g, first, g.get_state())
         for o in pytree.tree_leaves(out):
             # In-place ops return their argument: that is not a new tensor.
             if isinstance(o, torch.Tensor) and id(o) not in arg_ids:
@@ -426,9 +436,25 @@ class _CaptureGuard(TorchDispatchMode):
             lifter.propagate(func, args, kwargs, out)
         return out
 
+    def _before_draw(self, g: torch.Generator, func: Any) -> None:
+        """Note ``g``'s state before a draw: its first (restore() puts it back: the capture's
+        run must not move a generator of fn's own), or a refusal where something other than a
+        recorded draw moved it since the last (``g.manual_seed``, ``g.set_state`` inside fn: a
+        compiled call would not repeat that)."""
+        state = g.get_state()
+        seen = self.generators.get(id(g))
+        if seen is None:
+            self.generators[id(g)] = (g, state, state)
+        elif not torch.equal(seen[2], state):
+            raise CaptureError(f"fn seeds or sets the state of a torch.Generator of its own between its draws (before "
+                               f"{func}{' at ' + self.sources[-1][1] if self.sources and self.sources[-1][1] else ''}): a compiled call would not do that again. Seed it outside "
+                               "fn, or draw from torch's default generator (torch.manual_seed inside fn is repeated)")
+
     def restore(self) -> None:
         with _disable_current_modes():
             self.undo.restore()
+            for g, first, _ in self.generators.values():
+                g.set_state(first)
         self.undo = HostSnapshot()
 
 

@@ -110,3 +110,29 @@ def test_seeding_inside_fn_seeds_every_call_as_eager_does() -> None:
         torch.testing.assert_close(exe(torch.zeros(16)), want)
     assert "flowexec.manual_seed.default(7)" in str(exe.program)
     assert torch.manual_seed(3) is torch.default_generator  # (outside a capture: torch's own)
+
+
+def test_a_generator_of_fn_s_own_is_not_moved_by_the_capture() -> None:
+    """The capture's run drew from it and left it moved: every compiled call drew one call ahead of
+    eager (the default generators were put back, this one was not)."""
+    g = torch.Generator().manual_seed(5)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand(3, generator=g)
+
+    want = [fn(torch.zeros(3)) for _ in range(3)]
+    g.manual_seed(5)
+    exe = flowexec.compile(fn, torch.zeros(3))
+    torch.testing.assert_close(torch.stack([exe(torch.zeros(3)) for _ in range(3)]), torch.stack(want))
+
+
+def test_seeding_a_generator_of_fn_s_own_between_its_draws_is_refused() -> None:
+    g = torch.Generator().manual_seed(5)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a = torch.rand(3, generator=g)
+        g.manual_seed(1)  # a method of a C type: no compiled call would repeat it
+        return x + a + torch.rand(3, generator=g)
+
+    with pytest.raises(flowexec.CaptureError, match="seeds or sets the state of a torch.Generator"):
+        flowexec.compile(fn, torch.zeros(3))
