@@ -581,19 +581,32 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     are inputs wait in host memory while fn runs (:mod:`flowexec.parking`; None: none);
     ``unfused``: ids of param groups that step through the foreach path instead of their fused
     kernel (:class:`~flowexec.hyperparams.Lifter`)."""
-    try:
-        return _trace(fn, args, guarded, everywhere=False, park=park, unfused=unfused)
-    except HostReadError as e:
-        if not e.retry_with_flag:
-            raise
-    # The failed run's frames (held in a cycle through its traceback) still hold its tensors and
-    # references to the gradients, which would stop them being parked: collected first.
-    gc.collect()
-    return _trace(fn, args, guarded, everywhere=True, park=park, unfused=unfused)
+    everywhere, hooks = False, True
+    for _ in range(3):
+        try:
+            return _trace(fn, args, guarded, everywhere=everywhere, park=park, unfused=unfused, saved_hooks=hooks)
+        except HostReadError as e:
+            if not e.retry_with_flag or everywhere:
+                raise
+            everywhere = True
+        except CaptureError as e:
+            # torch.func's grad and vjp refuse to run under saved-tensor hooks, which only tell
+            # tensors an autograd graph saved from state fn left behind: traced again without.
+            if not hooks or _NO_SAVED_HOOKS not in str(e):
+                raise
+            hooks = False
+        # The failed run's frames (held in a cycle through its traceback) still hold its tensors
+        # and references to the gradients, which would stop them being parked: collected first.
+        gc.collect()
+    raise AssertionError("unreachable")
+
+
+_NO_SAVED_HOOKS = "don't yet support saved tensor hooks"
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
-           park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset()) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+           park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
+           saved_hooks: bool = True) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
     fed = guarded is True  # hyperparameters lifted, gradients as inputs
@@ -622,8 +635,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             saved_ids.add(id(t))
             return t
 
-        with guard, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder, lifter, \
-                lifter.rewrite_mode():
+        saved = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_hooks else contextlib.nullcontext()
+        with guard, saved, recorder, lifter, lifter.rewrite_mode():
             out = fn(*full)
         # The graph returns a flat list: fn's containers (dict, namedtuple, ...) are rebuilt
         # around the outputs per call, so the graph never records their constructors.

@@ -558,3 +558,21 @@ def test_a_two_layer_lstm_trains_like_eager(mode: str) -> None:
     torch.manual_seed(0)
     assert_rnn_trains_like_eager(torch.nn.LSTM(8, 16, num_layers=2, batch_first=True), mode=mode,
                                  streams=2 if mode == "threaded" else 1)
+
+
+def test_torch_func_transforms_inside_fn_capture() -> None:
+    """torch.func's grad refuses to run under saved-tensor hooks, which the capture used to tell
+    tensors an autograd graph saved from state fn left behind: it captures again without them."""
+    from torch.func import grad, vmap
+
+    w = torch.randn(8, 3)
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (x @ w).square().sum()
+
+    def per_sample_norms(x: torch.Tensor) -> torch.Tensor:
+        return vmap(grad(loss), in_dims=(None, 0))(w, x).norm(dim=(1, 2))
+
+    x = torch.randn(5, 8)
+    exe = flowexec.compile(per_sample_norms, x)
+    torch.testing.assert_close(exe(x), per_sample_norms(x))
