@@ -407,6 +407,7 @@ class _CaptureGuard(TorchDispatchMode):
         arg_storages = set()
         # (a random draw is no constant, though it reads no tensor)
         from_constants = torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
+        gens = []  # (a torch.Generator of fn's own that this op draws from)
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Tensor):
                 arg_ids.add(id(a))
@@ -414,9 +415,9 @@ class _CaptureGuard(TorchDispatchMode):
                 from_constants = from_constants and self.is_constant(a)
                 if a.requires_grad and a.is_leaf and not self.is_created(a):
                     self.leaves[id(a)] = weakref.ref(a)
-        gens = [g for g in pytree.tree_leaves((args, kwargs)) if isinstance(g, torch.Generator)]
-        for g in gens:
-            self._before_draw(g, func)
+            elif isinstance(a, torch.Generator):
+                gens.append(a)
+                self._before_draw(a, func)
         out = func(*args, **kwargs)
         for g in gens:
             first = self.generators[id(g)][1]
@@ -446,9 +447,11 @@ class _CaptureGuard(TorchDispatchMode):
         if seen is None:
             self.generators[id(g)] = (g, state, state)
         elif not torch.equal(seen[2], state):
+            line = self.sources[-1][1] if self.sources else ""
             raise CaptureError(f"fn seeds or sets the state of a torch.Generator of its own between its draws (before "
-                               f"{func}{' at ' + self.sources[-1][1] if self.sources and self.sources[-1][1] else ''}): a compiled call would not do that again. Seed it outside "
-                               "fn, or draw from torch's default generator (torch.manual_seed inside fn is repeated)")
+                               f"{func}{' at ' + line if line else ''}): a compiled call would not do that again. Seed "
+                               "it outside fn, or draw from torch's default generator (torch.manual_seed inside fn is "
+                               "repeated)")
 
     def restore(self) -> None:
         with _disable_current_modes():

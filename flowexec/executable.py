@@ -423,9 +423,9 @@ class Executable:
         ``mutated``: the values the program writes in place."""
         if holds_rng_state_ops(prog):
             if warn:
-                warnings.warn("flowexec: fn saves and restores the random generator's state (torch.utils.checkpoint "
-                              "around a region with random ops does), which a CUDA graph cannot replay; calls with "
-                              "this signature run in trace mode", stacklevel=5)
+                warnings.warn("flowexec: fn saves, restores or seeds the random generator's state "
+                              "(torch.utils.checkpoint around a region with random ops, torch.manual_seed), which a "
+                              "CUDA graph cannot replay; calls with this signature run in trace mode", stacklevel=5)
             return False
         first_of = dict(prog.shared_storage)  # value -> first value on its storage (inputs come first)
         with_state = {f for v, f in prog.shared_storage if v in prog.state}
