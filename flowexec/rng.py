@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Iterator
 
@@ -169,37 +170,44 @@ def install(capturing: Callable[[], bool]) -> None:
         def routed() -> bool:
             return capturing() and not getattr(_inside, "on", False)
 
+        @functools.wraps(_ORIGINAL["torch.get_rng_state"])
         def get_rng_state() -> torch.Tensor:
             if routed():
                 return torch.ops.flowexec.get_rng_state(cpu)
             return _ORIGINAL["torch.get_rng_state"]()
 
+        @functools.wraps(_ORIGINAL["torch.set_rng_state"])
         def set_rng_state(new_state: torch.Tensor) -> None:
             if routed():
                 return torch.ops.flowexec.set_rng_state(new_state, cpu)
             return _ORIGINAL["torch.set_rng_state"](new_state)
 
+        @functools.wraps(_ORIGINAL["torch.cuda.get_rng_state"])
         def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
             if routed():
                 return torch.ops.flowexec.get_rng_state(_cuda_device(device))
             return _ORIGINAL["torch.cuda.get_rng_state"](device)
 
+        @functools.wraps(_ORIGINAL["torch.cuda.set_rng_state"])
         def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
             if routed():
                 return torch.ops.flowexec.set_rng_state(new_state, _cuda_device(device))
             return _ORIGINAL["torch.cuda.set_rng_state"](new_state, device)
 
+        @functools.wraps(_ORIGINAL["torch.manual_seed"])
         def manual_seed(seed: int) -> torch.Generator:
             if routed():
                 torch.ops.flowexec.manual_seed(int(seed))
                 return torch.default_generator
             return _ORIGINAL["torch.manual_seed"](seed)
 
+        @functools.wraps(_ORIGINAL["torch.cuda.manual_seed"])
         def cuda_manual_seed(seed: int) -> None:
             if routed():
                 return torch.ops.flowexec.cuda_manual_seed(int(seed), torch.cuda.current_device())
             return _ORIGINAL["torch.cuda.manual_seed"](seed)
 
+        @functools.wraps(_ORIGINAL["torch.cuda.manual_seed_all"])
         def cuda_manual_seed_all(seed: int) -> None:
             if routed():
                 return torch.ops.flowexec.cuda_manual_seed(int(seed), -1)
