@@ -16,6 +16,7 @@ constant shift) are amplified by Adam into ±lr steps either way; those are repo
 
     PYTHONPATH=. python3 benchmarks/probes/model_sweep.py --device cpu --variants trace,fused --out /tmp
     PYTHONPATH=. python3 benchmarks/probes/model_sweep.py --device cuda --variants graph,graph_fused --out $OUT
+    PYTHONPATH=. python3 benchmarks/probes/model_sweep.py --device cuda --autocast bf16 --variants graph_fused
 """
 from __future__ import annotations
 
@@ -144,9 +145,11 @@ def batch(kind: str, dev: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(dev) for k, v in b.items()}
 
 
-def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: int) -> tuple[list[float], list[tuple[str, torch.Tensor]]]:
-    """``steps`` AdamW steps of case ``name`` (eager where ``options`` is None): the losses and
-    the final parameters and buffers by name."""
+def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: int,
+          autocast: torch.dtype | None = None) -> tuple[list[float], list[tuple[str, torch.Tensor]]]:
+    """``steps`` AdamW steps of case ``name`` (eager where ``options`` is None; the forward and
+    loss under ``torch.autocast`` to ``autocast`` where given): the losses and the final
+    parameters and buffers by name."""
     torch.manual_seed(0)
     if name in HF:
         make, kind = HF[name]
@@ -161,7 +164,8 @@ def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: i
 
     def step(b: dict[str, torch.Tensor]) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(b)
+        with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = loss_of(b)
         loss.backward()
         opt.step()
         return loss.detach()
@@ -190,16 +194,37 @@ def compare(eager: Any, mine: Any, tol: float) -> dict[str, Any]:
             "noise": noise}
 
 
+def compare_to_reference(ref: Any, eager: Any, mine: Any, slack: float = 2.0) -> dict[str, Any]:
+    """Under autocast a fused program keeps float32 between kernels where eager rounds each op's
+    result to bfloat16, so the two differ by bfloat16 rounding (Adam turns a gradient's rounding
+    into up to ±lr a step): each is compared with float32 eager (``ref``) instead, and the
+    program passes where its distance from it is at most ``slack`` times eager's own, for the
+    losses and for the parameters and buffers (root of the summed squares, over all of them)."""
+    def dist(run: Any) -> tuple[float, float]:
+        (rl, rs), (l, st) = ref, run
+        loss = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(rl, l))
+        state = sum(float((a - b).double().square().sum()) for (_, a), (_, b) in zip(rs, st)) ** 0.5
+        return loss, state
+    (el, es), (ml, ms) = dist(eager), dist(mine)
+    ok = ml <= slack * el + 2e-4 and ms <= slack * es + 1e-6  # (a loss 2e-4 apart: far inside bf16's 8e-3)
+    return {"verdict": "OK" if ok else "BAD", "loss_rel": ml, "eager_loss_rel": el, "state_dist": ms,
+            "eager_state_dist": es, "worst_state": "", "worst_abs": ms, "noise": [],
+            "against": "float32 eager: the program's distance / eager's own"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--cases", default="", help=f"comma-separated from {', '.join([*HF, *MODULES])} (default all)")
     ap.add_argument("--variants", default="trace,fused", help=f"comma-separated from {', '.join(VARIANTS)}")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--tol", type=float, default=1e-5, help="largest absolute difference of a parameter or buffer")
+    ap.add_argument("--tol", type=float, default=1e-5, help="largest absolute difference of a parameter or buffer "
+                    "(without --autocast; with it, each run is measured from float32 eager)")
+    ap.add_argument("--autocast", choices=("bf16", "fp16"), default=None, help="forward and loss under torch.autocast")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     a = ap.parse_args()
     dev = torch.device(a.device)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[a.autocast]
     cases = a.cases.split(",") if a.cases else [*HF, *MODULES]
     variants = a.variants.split(",")
     for v in variants:
@@ -209,7 +234,8 @@ def main() -> None:
     for name in cases:
         rec = results[name] = {}
         try:
-            eager = train(name, dev, None, a.steps)
+            eager = train(name, dev, None, a.steps, autocast)
+            ref = train(name, dev, None, a.steps) if autocast else None
         except Exception as e:  # (a model this transformers cannot build)
             rec["eager"] = f"ERR {type(e).__name__}: {e}"[:400]
             print(f"{name:22s} eager ERR {type(e).__name__}: {e}"[:300], flush=True)
@@ -217,21 +243,28 @@ def main() -> None:
         for v in variants:
             t = time.perf_counter()
             try:
-                rec[v] = compare(eager, train(name, dev, VARIANTS[v], a.steps), a.tol)
+                mine = train(name, dev, VARIANTS[v], a.steps, autocast)
+                rec[v] = compare_to_reference(ref, eager, mine) if autocast else compare(eager, mine, a.tol)
             except Exception as e:
                 rec[v] = {"verdict": "ERR", "error": f"{type(e).__name__}: {e}"[:600],
                           "where": traceback.format_exc(limit=-2)[-600:]}
             rec[v]["seconds"] = round(time.perf_counter() - t, 1)
             r = rec[v]
-            print(f"{name:22s} {v:12s} {r['verdict']} " + (r.get("error", "")[:200] if r["verdict"] == "ERR" else
-                  f"loss rel {r['loss_rel']:.1e}, worst {r['worst_state']} {r['worst_abs']:.1e}"
-                  + (f", noise {len(r['noise'])}" if r["noise"] else "")), flush=True)
+            if r["verdict"] == "ERR":
+                said = r["error"][:200]
+            elif autocast:
+                said = (f"from float32: loss rel {r['loss_rel']:.1e} (eager {r['eager_loss_rel']:.1e}), state "
+                        f"{r['state_dist']:.1e} (eager {r['eager_state_dist']:.1e})")
+            else:
+                said = (f"loss rel {r['loss_rel']:.1e}, worst {r['worst_state']} {r['worst_abs']:.1e}"
+                        + (f", noise {len(r['noise'])}" if r["noise"] else ""))
+            print(f"{name:22s} {v:12s} {r['verdict']} {said}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     out = {"probe": "model_sweep", "command": " ".join([sys.executable] + sys.argv), "device": str(dev),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "steps": a.steps, "tol": a.tol, "results": results}
-    path = os.path.join(a.out, f"model_sweep_{dev.type}.json")
+           "steps": a.steps, "tol": a.tol, "autocast": a.autocast, "results": results}
+    path = os.path.join(a.out, f"model_sweep_{dev.type}{'_' + a.autocast if a.autocast else ''}.json")
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)
     bad = [f"{n}/{v}" for n, r in results.items() for v, x in r.items() if isinstance(x, dict) and x["verdict"] != "OK"]

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 from ..program import Op, Program, Ref
-from .dependencies import alias_groups, dependencies, read_write_sets
+from .dependencies import alias_groups, chain_ordered_anyway, dependencies, read_write_sets
 from .streams import is_view_op
 
 # Fusible ops that carry no `pointwise` or `reduction` tag (by overload packet name).
@@ -134,9 +134,12 @@ def edges(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[i
     """Per op, the ops it must follow: the dependency pass's edges (over alias groups) plus the
     producer of every value it reads (a view's reader follows the view op itself); a recomputed
     op (passes/recompute.py) also follows the op before its batch, so that no order of regions
-    runs it before the peak it was moved past (its sources are ready long before)."""
+    runs it before the peak it was moved past (its sources are ready long before); and random
+    ops (with the generator-state ops of flowexec/rng.py) follow the one captured before them,
+    which no buffer orders: regions placed in another order drew a checkpoint's recompute mask
+    before its generator state was restored."""
     groups = groups if groups is not None else alias_groups(prog)
-    deps = dependencies(prog, groups)
+    deps = chain_ordered_anyway(prog, dependencies(prog, groups))
     producer = {o: op.index for op in prog.ops for o in op.outputs if o >= 0}
     out = []
     before = -1  # the last op that is not recomputed
