@@ -61,34 +61,35 @@ _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
+    _refuse_in_graph("save")
     if device.type == "cpu":
         return _ORIGINAL["torch.get_rng_state"]()
-    _refuse_in_graph(device, "save")
     return _ORIGINAL["torch.cuda.get_rng_state"](device)
 
 
 def _set_state(state: torch.Tensor, device: torch.device) -> None:
+    _refuse_in_graph("restore")
     if device.type == "cpu":
         _ORIGINAL["torch.set_rng_state"](state)
         return
-    _refuse_in_graph(device, "restore")
     _ORIGINAL["torch.cuda.set_rng_state"](state, device)
 
 
-def _refuse_in_graph(device: torch.device, what: str) -> None:
-    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+def _refuse_in_graph(what: str) -> None:
+    # (also the CPU's generator: a replay would not run the host call either)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"flowexec: a CUDA graph cannot {what} the random generator's state (the step does, as "
                            "torch.utils.checkpoint does for a region with dropout): use mode='trace'")
 
 
 def _manual_seed(seed: int) -> None:
-    _refuse_in_graph(torch.device("cuda"), "seed")
+    _refuse_in_graph("seed")
     with _originals():  # (torch.manual_seed calls torch.cuda.manual_seed_all by name)
         _ORIGINAL["torch.manual_seed"](seed)
 
 
 def _cuda_manual_seed(seed: int, device: int) -> None:
-    _refuse_in_graph(torch.device("cuda"), "seed")
+    _refuse_in_graph("seed")
     with _originals():
         if device < 0:
             _ORIGINAL["torch.cuda.manual_seed_all"](seed)
