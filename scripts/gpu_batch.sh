@@ -66,7 +66,7 @@ for step in "$@"; do
                  --out "$R" ;;  # issue 36's warm build, phases and sampled stacks (results/probes/warm_build_*)
     recompute-peak) run_step $step 400 python3 benchmarks/probes/recompute_peak.py --model gpt2_124m --batch 8 \
                  --seq 1024 --mode graph --out "$R" ;;  # recompute off/on: planned and measured peaks, losses
-    sweep)     run_step $step 560 python3 benchmarks/probes/model_sweep.py --device cuda --variants trace,graph,graph_fused \
+    sweep)     run_step $step 560 python3 benchmarks/probes/model_sweep.py --device cuda --variants trace,graph,graph_fused,backend_graph \
                  --out "$R" ;;  # models no issue names: eager against flowexec, every parameter
     regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default
     pipeline-cpu) CUDA_VISIBLE_DEVICES= run_step $step 560 python3 benchmarks/pipeline_gloo.py --rounds 4 \

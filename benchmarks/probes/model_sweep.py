@@ -41,6 +41,8 @@ VARIANTS = {
     "threaded": dict(mode="threaded", streams=2), "planned": dict(mode="trace", memory="planned", gc="async"),
     "recompute": dict(mode="trace", recompute=True),
     "graph": dict(mode="graph"), "graph_fused": dict(mode="graph", fuse="inductor"),
+    # the model through torch.compile's backend (Dynamo's graphs; the step around it eager)
+    "backend": dict(backend=dict(mode="trace")), "backend_graph": dict(backend=dict(mode="graph")),
 }
 
 
@@ -154,10 +156,16 @@ def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: i
     if name in HF:
         make, kind = HF[name]
         model = make().to(dev)
-        loss_of = lambda b: model(**b).loss  # noqa: E731
     else:
         model, kind = MODULES[name]().to(dev), "tokens"
-        loss_of = lambda b: F.cross_entropy(model(b["x"]).flatten(0, 1), b["y"].flatten())  # noqa: E731
+    backend = (options or {}).get("backend")
+    if backend is not None:
+        torch._dynamo.reset()  # (a fresh cache per case: Dynamo's recompile limits are per process)
+    f = torch.compile(model, backend="flowexec", options=backend) if backend is not None else model
+    if name in HF:
+        loss_of = lambda b: f(**b).loss  # noqa: E731
+    else:
+        loss_of = lambda b: F.cross_entropy(f(b["x"]).flatten(0, 1), b["y"].flatten())  # noqa: E731
     model.train()
     b = batch(kind, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -170,7 +178,7 @@ def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: i
         opt.step()
         return loss.detach()
 
-    call = step if options is None else flowexec.compile(step, **options)
+    call = step if options is None or backend is not None else flowexec.compile(step, **options)
     losses = []
     for k in range(steps):
         torch.manual_seed(100 + k)
