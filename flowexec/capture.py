@@ -48,7 +48,7 @@ from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .snapshot import HostSnapshot
-from .rng import install as install_rng_ops
+from .rng import install as install_rng_ops, lower_rng_hops
 from .storage import shared_storage, storage_key
 
 # What a capture records for its calls to check: nothing (False), guards and fed hyperparameters
@@ -875,6 +875,7 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
     Placeholders become inputs, ``get_attr`` tensors become state bound by reference,
     ``getitem`` on multi-output ops folds into the producing op, profiler markers are dropped.
     """
+    lower_rng_hops(gm)  # (AOTAutograd's checkpointed draws: flowexec/rng.py)
     values: list[Value] = []
     env: dict[fx.Node, Any] = {}  # node -> Ref | constant | ("multi", op_pos)
     ops: list[dict[str, Any]] = []

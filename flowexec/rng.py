@@ -42,8 +42,10 @@ import threading
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.cuda.random
+import torch.random
 
-__all__ = ["install", "holds_rng_state_ops", "RNG_STATE_OPS"]
+__all__ = ["install", "holds_rng_state_ops", "lower_rng_hops", "RNG_STATE_OPS"]
 
 _LIB = torch.library.Library("flowexec", "FRAGMENT")
 _TAGS = (torch.Tag.nondeterministic_seeded,)
@@ -56,8 +58,14 @@ _LIB.define("cuda_manual_seed(int seed, int device) -> ()", tags=_TAGS)
 RNG_STATE_OPS = frozenset({"flowexec.get_rng_state.default", "flowexec.set_rng_state.default",
                            "flowexec.manual_seed.default", "flowexec.cuda_manual_seed.default"})
 
-# the torch functions before install() wrapped them (the ops' kernels call these)
-_ORIGINAL: dict[str, Callable[..., Any]] = {}
+# torch's own functions, read when this module is imported (before install() wraps them): the
+# ops' kernels call these, also in a process that never captured (the backend's programs)
+_ORIGINAL: dict[str, Callable[..., Any]] = {
+    "torch.get_rng_state": torch.random.get_rng_state, "torch.set_rng_state": torch.random.set_rng_state,
+    "torch.manual_seed": torch.random.manual_seed, "torch.cuda.get_rng_state": torch.cuda.random.get_rng_state,
+    "torch.cuda.set_rng_state": torch.cuda.random.set_rng_state, "torch.cuda.manual_seed": torch.cuda.random.manual_seed,
+    "torch.cuda.manual_seed_all": torch.cuda.random.manual_seed_all}
+_installed: list[bool] = []
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -152,20 +160,10 @@ def install(capturing: Callable[[], bool]) -> None:
     """Route ``torch.get_rng_state`` / ``set_rng_state`` (also ``torch.random``'s) and
     ``torch.cuda``'s through the ops above wherever ``capturing()`` is true (once, for good;
     elsewhere each calls the original)."""
-    import torch.cuda
-    import torch.cuda.random
-    import torch.random
-
     with _lock:
-        if _ORIGINAL:
+        if _installed:
             return
-        _ORIGINAL["torch.get_rng_state"] = torch.random.get_rng_state
-        _ORIGINAL["torch.set_rng_state"] = torch.random.set_rng_state
-        _ORIGINAL["torch.cuda.get_rng_state"] = torch.cuda.random.get_rng_state
-        _ORIGINAL["torch.cuda.set_rng_state"] = torch.cuda.random.set_rng_state
-        _ORIGINAL["torch.manual_seed"] = torch.random.manual_seed
-        _ORIGINAL["torch.cuda.manual_seed"] = torch.cuda.random.manual_seed
-        _ORIGINAL["torch.cuda.manual_seed_all"] = torch.cuda.random.manual_seed_all
+        _installed.append(True)
         cpu = torch.device("cpu")
 
         def routed() -> bool:
@@ -224,3 +222,53 @@ def install(capturing: Callable[[], bool]) -> None:
 def holds_rng_state_ops(prog: Any) -> bool:
     """Whether a program saves or restores a generator's state (graph mode cannot)."""
     return any(op.name in RNG_STATE_OPS for op in prog.ops)
+
+
+def lower_rng_hops(gm: Any) -> None:
+    """Rewrite, in place, AOTAutograd's functionalized generator state in ``gm``'s graph into
+    the ops above: ``run_and_save_rng_state(op, *args)`` (a checkpointed region's forward draw,
+    with the state before it) becomes ``get_rng_state`` then ``op``; ``run_with_rng_state(state,
+    op, *args)`` (its recompute) becomes ``get_rng_state``, ``set_rng_state(state)``, ``op``,
+    ``set_rng_state`` of what it read — torch's own CPU and CUDA implementations of the two
+    (``torch/_prims/rng_prims.py``), as program ops."""
+    import operator
+
+    hops = {"run_and_save_rng_state", "run_with_rng_state"}
+    for node in list(gm.graph.nodes):
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name not in hops:
+            continue
+        saving = name == "run_and_save_rng_state"
+        state, (op, *args) = (None, node.args) if saving else (node.args[0], node.args[1:])
+        device = _device_of(args, node.kwargs)
+        val = node.meta.get("val")
+        g = gm.graph
+        with g.inserting_before(node):
+            before = g.call_function(torch.ops.flowexec.get_rng_state.default, (device,))
+            before.meta["val"] = _fake_get(device)
+            if not saving:
+                g.call_function(torch.ops.flowexec.set_rng_state.default, (state, device))
+            drawn = g.call_function(op, tuple(args), dict(node.kwargs))
+            drawn.meta["val"] = val[1] if saving and isinstance(val, (tuple, list)) else val
+            if not saving:
+                g.call_function(torch.ops.flowexec.set_rng_state.default, (before, device))
+        if saving:  # (state, result): its getitems become the two nodes
+            for user in list(node.users):
+                if user.target is operator.getitem:
+                    user.replace_all_uses_with(before if user.args[1] == 0 else drawn)
+                    g.erase_node(user)
+        else:
+            node.replace_all_uses_with(drawn)
+        g.erase_node(node)
+    gm.graph.lint()
+
+
+def _device_of(args: Any, kwargs: Any) -> torch.device:
+    """The device a wrapped random op draws on: its first tensor argument's (its ``device=``
+    for a factory), else the CPU (as the higher-order op's dispatch decides)."""
+    for a in list(args) + list(kwargs.values()):
+        v = getattr(a, "meta", {}).get("val") if hasattr(a, "meta") else None
+        if isinstance(v, torch.Tensor):
+            return v.device
+    dev = kwargs.get("device")
+    return torch.device(dev) if dev is not None else torch.device("cpu")

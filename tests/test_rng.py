@@ -164,3 +164,26 @@ def test_fusion_keeps_the_captured_order_of_draws_and_generator_state() -> None:
     assert exe.plan.stats()["fused_regions"] > 0
     assert kinds == ["get_rng_state", "bernoulli_"] * 2 + ["get_rng_state", "set_rng_state", "bernoulli_",
                                                             "set_rng_state"] * 2
+
+
+@pytest.mark.timeout(240)
+def test_checkpointed_dropout_through_the_backend_draws_eager_s_masks() -> None:
+    """AOTAutograd hands a checkpointed draw over as ``run_and_save_rng_state`` and its recompute
+    as ``run_with_rng_state``, which the backend refused; they become the generator-state ops."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(Checkpointed(reentrant=False), lambda p: torch.optim.AdamW(p, lr=1e-2))
+    compiled = torch.compile(m2, backend="flowexec", options={"mode": "trace"})
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+
+    def stepper(f: torch.nn.Module, opt: torch.optim.Optimizer):
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(f(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    assert_seeded_calls_match(stepper(m1, o1), stepper(compiled, o2), x, y)
+    assert_same_state(m1, m2)
