@@ -190,9 +190,9 @@ def state_heavy_step(device: str = "cuda") -> tuple[torch.nn.Module, Callable[..
     return model, step, x
 
 
-def assert_rnn_trains_like_eager(rnn: torch.nn.Module, **options: Any) -> None:
-    """A token model around ``rnn`` (batch_first, 8 features in, 16 out) trained by SGD with
-    momentum, eager against ``flowexec.compile(step, **options)``: losses and state agree."""
+def assert_rnn_trains_like_eager(rnn: torch.nn.Module, device: str = "cpu", **options: Any) -> None:
+    """A token model around ``rnn`` (batch_first, 8 features in, 16 out) on ``device`` trained by
+    SGD with momentum, eager against ``flowexec.compile(step, **options)``: losses and state agree."""
     import torch.nn.functional as F
 
     import flowexec
@@ -209,9 +209,9 @@ def assert_rnn_trains_like_eager(rnn: torch.nn.Module, **options: Any) -> None:
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
-    (m1, o1), (m2, o2) = twin(Net(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    (m1, o1), (m2, o2) = twin(Net().to(device), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     eager, mine = make_step(m1, o1, loss_fn), make_step(m2, o2, loss_fn)
-    data = [(x, x) for x in torch.randint(0, 20, (4, 3, 6))]
+    data = [(x, x) for x in torch.randint(0, 20, (4, 3, 6), device=device)]
     eager(*data[0]), mine(*data[0])
     exe = flowexec.compile(mine, **options)
     for x, y in data[1:]:

@@ -367,3 +367,16 @@ def test_checkpointed_dropout_trains_like_eager_on_cuda(mode: str) -> None:
     assert_same_state(m1, m2)
     said = [str(w.message) for w in caught if "random generator's state" in str(w.message)]
     assert bool(said) == (mode == "graph")
+
+
+@pytest.mark.parametrize("mode", ["trace", "graph"])
+@pytest.mark.parametrize("rnn", ["gru", "lstm2"])
+def test_recurrent_models_train_like_eager_on_cuda(rnn: str, mode: str) -> None:
+    """cuDNN's RNN kernels on CUDA (on the CPU: GRU's unsafe_split, LSTM's grad-mode workspace,
+    tests/test_core.py and tests/test_memory.py)."""
+    from helpers import assert_rnn_trains_like_eager
+
+    torch.manual_seed(0)
+    module = (torch.nn.GRU(8, 16, batch_first=True) if rnn == "gru"
+              else torch.nn.LSTM(8, 16, num_layers=2, batch_first=True))
+    assert_rnn_trains_like_eager(module, device="cuda", mode=mode)
