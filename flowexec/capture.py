@@ -504,6 +504,12 @@ def _host_read_hint(tb: Any) -> str:
     """What to use instead, where a library (not the user) read a tensor on the host."""
     f = _optimizer_frame(tb)
     if f is None:
+        frames = traceback.extract_tb(tb)
+        if frames and any("/torch/nn/modules/batchnorm.py" in g.filename and "num_batches_tracked" in (g.line or "")
+                          for g in frames):
+            return ("BatchNorm with momentum=None (a cumulative average) reads num_batches_tracked on the host "
+                    "on every step, which one static program cannot capture: give it a momentum (0.1 is torch's "
+                    "default), or compile with torch.compile(fn, backend=\"flowexec\").")
         return _DATA_DEPENDENT_HINT
     where = f"torch/{f.filename.rsplit('/torch/', 1)[-1]}:{f.lineno} ({(f.line or '').strip()})"
     if "grad_scaler" in f.filename:

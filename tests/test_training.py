@@ -585,3 +585,10 @@ def test_an_optimizer_reading_its_state_on_the_host_says_what_to_do(make, hint: 
     step(torch.randn(3, 4))  # (the state exists)
     with pytest.raises(flowexec.CaptureError, match=hint):
         flowexec.compile(step, torch.randn(3, 4))
+
+
+def test_batch_norm_with_a_cumulative_average_says_what_to_do() -> None:
+    """``momentum=None`` reads ``num_batches_tracked`` on the host every step."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(flowexec.CaptureError, match="give it a momentum"):
+        flowexec.compile(lambda x: m(x).sum(), torch.randn(8, 4))
