@@ -327,6 +327,15 @@ def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     return out
 
 
+def _refuse_layout(func: Any, t: torch.Tensor, line: str) -> None:
+    """A sparse (or otherwise unstrided) tensor: a program's values, liveness and memory plan are
+    strided storages, and the capture would fail further on with torch's own message."""
+    raise CaptureError(f"flowexec captures strided tensors only: {func}{' at ' + line if line else ''} takes a "
+                       f"{t.layout} tensor of shape {tuple(t.shape)}. nn.Embedding(sparse=True) and "
+                       "EmbeddingBag(sparse=True) make sparse gradients: pass sparse=False; run other sparse or "
+                       "nested tensors outside the compiled function.")
+
+
 class _CaptureGuard(TorchDispatchMode):
     """Sits above make_fx's proxy mode during the capture run.
 
@@ -410,6 +419,8 @@ class _CaptureGuard(TorchDispatchMode):
         gens = []  # (a torch.Generator of fn's own that this op draws from)
         for a in pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Tensor):
+                if a.layout is not torch.strided:
+                    _refuse_layout(func, a, self.sources[-1][1] if self.sources else "")
                 arg_ids.add(id(a))
                 arg_storages.add(storage_key(a))
                 from_constants = from_constants and self.is_constant(a)
@@ -629,7 +640,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     # this tensor object would miss.
     grad_params = recorder.grad_inputs() if fed else ()
     # (decided before make_fx holds them: the recorder's is the one reference known here)
-    parkable = tuple(p for p in grad_params if park is not None and held_by_grad_alone(p, known=1) and park(p.grad))
+    parkable = tuple(p for p in grad_params if park is not None and p.grad.layout is torch.strided
+                     and held_by_grad_alone(p, known=1) and park(p.grad))
 
     def traced(*tensors: torch.Tensor) -> Any:
         tensors = tensors[:len(tensor_pos)]  # (the rest: the gradients, reached through p.grad)

@@ -592,3 +592,22 @@ def test_batch_norm_with_a_cumulative_average_says_what_to_do() -> None:
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
     with pytest.raises(flowexec.CaptureError, match="give it a momentum"):
         flowexec.compile(lambda x: m(x).sum(), torch.randn(8, 4))
+
+
+def test_sparse_gradients_are_refused_saying_what_to_do() -> None:
+    """nn.Embedding(sparse=True) failed deep in the capture with torch's "Cannot access storage
+    of SparseTensorImpl"."""
+    emb, head = torch.nn.Embedding(30, 8, sparse=True), torch.nn.Linear(8, 3)
+    opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = head(emb(x).mean(1)).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    exe = flowexec.compile(step)
+    with pytest.raises(flowexec.CaptureError, match="strided tensors only.*sparse=False"):
+        for _ in range(2):  # (a gradient exists from the second call on)
+            exe(torch.randint(0, 30, (6, 4)))
