@@ -29,6 +29,7 @@ import sys
 import threading
 import traceback
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Literal, Sequence, Union
@@ -775,11 +776,25 @@ def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = Fal
     (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park`` and
     ``unfused``: see :func:`trace`)."""
     gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused)
+    _warn_fast_paths(sources)
     try:
         return _captured(gm, bindings, n_user, sources, out_tree, reads, args, guarded)
     except BaseException:
         reads.parked.restore()
         raise
+
+
+def _warn_fast_paths(sources: Sequence[tuple[Any, str]]) -> None:
+    """Say where torch took another path under the capture than eager takes: TransformerEncoder's
+    nested-tensor fast path (eval, a padding mask) does not run under make_fx (nor under
+    torch.compile), and its other path computes the padded positions where eager returns zeros."""
+    for func, line in sources:
+        if func is torch.ops.aten._nested_tensor_from_mask_left_aligned.default:
+            warnings.warn(f"flowexec: at {line or '<unknown>'}, nn.TransformerEncoder's nested-tensor fast path (eval, "
+                          "src_key_padding_mask) does not run under capture (nor under torch.compile): the program "
+                          "computes the padded positions, where eager returns zeros. Mask them yourself, or build "
+                          "the encoder with enable_nested_tensor=False so that eager does the same.", stacklevel=4)
+            return
 
 
 def _captured(gm: fx.GraphModule, bindings: list[tuple[torch.Tensor, int]], n_user: int, sources: Any,

@@ -576,3 +576,30 @@ def test_torch_func_transforms_inside_fn_capture() -> None:
     x = torch.randn(5, 8)
     exe = flowexec.compile(per_sample_norms, x)
     torch.testing.assert_close(exe(x), per_sample_norms(x))
+
+
+def test_a_transformer_encoder_s_nested_fast_path_is_named_where_capture_cannot_take_it() -> None:
+    """In eval with a padding mask, eager runs nn.TransformerEncoder through nested tensors and
+    returns zeros at the padded positions; under capture (as under torch.compile) torch takes its
+    other path, which computes them: said, and equal to eager elsewhere and with
+    enable_nested_tensor=False."""
+    import warnings
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False, False, False, True, True]])
+    for nested in (True, False):
+        enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
+                                          enable_nested_tensor=nested).eval()
+
+        def f(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return enc(x, src_key_padding_mask=mask)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exe = flowexec.compile(f, x, mask)
+        said = [w for w in caught if "nested-tensor fast path" in str(w.message)]
+        assert bool(said) == nested
+        got, want = exe(x, mask), f(x, mask)
+        kept = ~mask.unsqueeze(-1).expand_as(want) if nested else torch.ones_like(want, dtype=torch.bool)
+        torch.testing.assert_close(got[kept], want[kept])
