@@ -369,6 +369,8 @@ def test_checkpointed_dropout_trains_like_eager_on_cuda(mode: str) -> None:
     assert bool(said) == (mode == "graph")
 
 
+@pytest.mark.xfail(strict=True, reason="H200, 2cea1de: cuDNN's RNN path hands make_fx an UntypedStorage "
+                   "(its packed weights): CaptureError 'argument of type UntypedStorage' on CUDA")
 @pytest.mark.parametrize("mode", ["trace", "graph"])
 @pytest.mark.parametrize("rnn", ["gru", "lstm2"])
 def test_recurrent_models_train_like_eager_on_cuda(rnn: str, mode: str) -> None:
