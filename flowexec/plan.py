@@ -177,8 +177,8 @@ def build_plan(prog: Program, gc: str = "fast", streams: int | str = 1, mode: st
 
         # Lifetimes end at the last use whatever the collector: an arena block needs no free.
         # Over streams a block is reused only after what the events order (not the deps).
-        groups, buffers = arena_buffers(prog, plan.groups, plan.liveness.last_use)
-        extra["memory"] = plan_memory(prog, groups, buffers, instruction_order(plan.instructions))
+        buffers = arena_buffers(prog, plan.groups, plan.liveness.last_use)
+        extra["memory"] = plan_memory(prog, plan.groups, buffers, instruction_order(plan.instructions))
     plan = dataclasses.replace(plan, **extra)
     if memory == "planned" and plan.n_streams > 1 and os.environ.get("FLOWEXEC_DEBUG") == "1":
         from .passes.verify import check_plan

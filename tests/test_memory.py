@@ -138,7 +138,7 @@ def test_real_plans_pass_the_validator_and_name_what_allocates_normally():
     plan = flowexec.compile(step, *data[0], memory="planned").plan
     from flowexec.passes.memory import arena_buffers
 
-    check_arena(plan.memory, arena_buffers(plan.program, plan.groups, plan.liveness.last_use)[1])
+    check_arena(plan.memory, arena_buffers(plan.program, plan.groups, plan.liveness.last_use))
     reasons = {why for _, why in plan.memory.unplanned}
     assert "aten.native_layer_norm.default returns several values (no single out= overload)" in reasons
     assert "an output of the program (outlives the call)" in reasons

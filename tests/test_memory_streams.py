@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _check(prog, plan):
-    groups, bufs = arena_buffers(prog, plan.groups, plan.liveness.last_use)
+    groups, bufs = plan.groups, arena_buffers(prog, plan.groups, plan.liveness.last_use)
     check_arena(plan.memory, bufs, instruction_order(plan.instructions), metadata_ops(prog))
     assert verify_plan(prog, plan) == []
 
@@ -45,7 +45,7 @@ def test_planned_arenas_on_random_programs_leave_no_hazard(recipe, n_streams, wo
 
 def _old_rule(prog, plan):
     """The arena as planned before the fix: reuse ordered by the dependency edges."""
-    groups, bufs = arena_buffers(prog, plan.groups, plan.liveness.last_use)
+    groups, bufs = plan.groups, arena_buffers(prog, plan.groups, plan.liveness.last_use)
     anc = happens_before([i.deps for i in plan.instructions], [i.stream for i in plan.instructions])
     return dataclasses.replace(plan, memory=plan_memory(prog, groups, bufs, anc))
 

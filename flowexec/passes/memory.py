@@ -52,13 +52,12 @@ _STRIDED_READERS = frozenset({"aten.as_strided.default", "aten.as_strided_.defau
                               "aten.resize_.default", "aten.as_strided_scatter.default"})
 
 
-def arena_buffers(prog: Program, groups: Sequence[int], last_use: Sequence[int]) -> tuple[tuple[int, ...], tuple[Buffer, ...]]:
-    """(the arena's alias groups — the plan's, ``alias_groups`` — and the buffers it plans over):
-    lifetimes end at the last use whatever the collector, since an arena block needs no free."""
+def arena_buffers(prog: Program, groups: Sequence[int], last_use: Sequence[int]) -> tuple[Buffer, ...]:
+    """The buffers the arena plans over, by the plan's alias groups: lifetimes end at the last
+    use whatever the collector, since an arena block needs no free."""
     from .liveness import buffer_lifetimes
 
-    g = tuple(groups)
-    return g, buffer_lifetimes(prog, g, list(last_use), drop=True)
+    return buffer_lifetimes(prog, tuple(groups), list(last_use), drop=True)
 
 
 @dataclass(frozen=True, slots=True)

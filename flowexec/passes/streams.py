@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from ..program import Program, Role
+from .dependencies import UNANNOTATED_ALIASES
 
 
 def assign_streams(deps: Sequence[Sequence[int]], n_streams: int) -> tuple[int, ...]:
@@ -263,8 +264,6 @@ def _dispatcher_write_view(target: object) -> bool:
     ``dependencies.UNANNOTATED_ALIASES``): its results share its argument's storage, and the
     CUDA sanitizer, which reads schemas, counts the op as writing that storage (argument and
     results)."""
-    from .dependencies import UNANNOTATED_ALIASES
-
     return str(target) in UNANNOTATED_ALIASES
 
 

@@ -57,7 +57,7 @@ def test_planned_memory_on_cuda_trains_like_eager(mode, gc, streams):
     m1, m2, s1, s2, data = block_adam_twins(4)
     exe = flowexec.compile(s2, *data[0], mode=mode, gc=gc, memory="planned", streams=streams)
     plan = exe.plan
-    check_arena(plan.memory, arena_buffers(plan.program, plan.groups, plan.liveness.last_use)[1],
+    check_arena(plan.memory, arena_buffers(plan.program, plan.groups, plan.liveness.last_use),
                 instruction_order(plan.instructions), metadata_ops(plan.program))
     assert verify_plan(plan.program, plan) == []  # arena blocks count as shared storage
     assert plan.stats()["planned_buffers"] > 0
