@@ -64,6 +64,8 @@ for step in "$@"; do
                  --timeout 200 -o "$R/scale_resnet50_peak.json" ;;  # issue 36's memory figure (and warm build)
     warm-build) run_step $step 420 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m --sample \
                  --out "$R" ;;  # issue 36's warm build, phases and sampled stacks (results/probes/warm_build_*)
+    warm-build-peers) run_step $step 300 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m \
+                 --variant inductor --out "$R/peers" ;;  # torch.compile's warm build in the same run
     recompute-peak) run_step $step 400 python3 benchmarks/probes/recompute_peak.py --model gpt2_124m --batch 8 \
                  --seq 1024 --mode graph --out "$R" ;;  # recompute off/on: planned and measured peaks, losses
     sweep)     run_step $step 560 python3 benchmarks/probes/model_sweep.py --device cuda --variants trace,graph,graph_fused,backend_graph \
