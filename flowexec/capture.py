@@ -48,7 +48,7 @@ from .hyperparams import _HOST_READS, Lifter, NO_VALUE
 from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
-from .snapshot import HostSnapshot
+from .snapshot import DeviceRoom, HostSnapshot
 from .rng import install as install_rng_ops, lower_rng_hops
 from .storage import shared_storage, storage_key
 
@@ -347,7 +347,7 @@ class _CaptureGuard(TorchDispatchMode):
     def __init__(self, lifter: Lifter | None = None) -> None:
         super().__init__()
         self.lifter = lifter
-        self.undo = HostSnapshot()
+        self.undo = HostSnapshot(device_room=DeviceRoom())
         self._saved: set[tuple[int, int, tuple, tuple]] = set()
         self.created: dict[int, weakref.ref] = {}
         # Storages the run allocated (by address: a storage that existed before the run keeps its
@@ -409,9 +409,11 @@ class _CaptureGuard(TorchDispatchMode):
             if key not in self._saved:
                 self._saved.add(key)
                 with _disable_current_modes():  # the snapshot must not be traced
-                    # A device's snapshot waits in host memory: parameters and optimizer state
-                    # cloned beside themselves on the GPU would make the capture's optimizer
-                    # step hold them twice (a large model at a small batch: above eager's peak).
+                    # A device's snapshot stays on it only within the room below the peak the
+                    # device has reached (snapshot.DeviceRoom), else waits in host memory: the
+                    # parameters and optimizer state cloned beside themselves would make the
+                    # capture's optimizer step hold them twice (a large model at a small batch:
+                    # above eager's peak).
                     self.undo.save(t)
         arg_ids = set()
         arg_storages = set()
@@ -470,7 +472,7 @@ class _CaptureGuard(TorchDispatchMode):
             self.undo.restore()
             for g, first, _ in self.generators.values():
                 g.set_state(first)
-        self.undo = HostSnapshot()
+        self.undo = HostSnapshot(device_room=DeviceRoom())
 
 
 def _rng_states() -> tuple[Any, Any]:

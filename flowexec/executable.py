@@ -315,6 +315,8 @@ class Executable:
             targs = all_targs
             bound = {i for _, i in cap.grad_bindings} | set(fetch)
 
+            run_bytes = plan.planned_peak_bytes()
+
             def capture_runner(targs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> CudaGraphRunner:
                 # Warm-up must leave the caller's tensors as they were: borrowed inputs the
                 # program writes are snapshotted with the state.
@@ -322,7 +324,7 @@ class Executable:
                 r = CudaGraphRunner(run, targs, mutated, borrow=borrow, state=prog.state.values(),
                                     mutated_inputs=mutated_inputs, unprotected_outputs=bound, warmup=self.warmup,
                                     before_replay=self._fence if fetch else None, keep_graph=node is not None,
-                                    copied_in=copied)
+                                    copied_in=copied, run_bytes=run_bytes)
                 if node is not None:  # its fed values' kernel node, rewritten when they change
                     node.bind(r.graph)
                 return r

@@ -334,6 +334,38 @@ def _cpu_blocks(monkeypatch, block: int = 4096) -> None:
     monkeypatch.setattr(snapshot, "in_blocks", lambda t: True)
 
 
+def test_copies_stay_on_the_device_within_half_its_room_below_the_peak(monkeypatch) -> None:
+    """A snapshot keeps a copy on its tensor's device while the copies fit in half the room
+    between what is allocated there and the peak, less what the run ahead allocates; the rest
+    go to the (pinned) blocks, and every tensor comes back either way."""
+    from flowexec.snapshot import DeviceRoom, HostSnapshot
+
+    _cpu_blocks(monkeypatch)
+    reads = []
+
+    def room(device: torch.device) -> int:
+        reads.append(device)
+        return 1000 + 4 * 100  # (1000 of room, plus the 100-byte copy it holds at the re-read)
+
+    snap = HostSnapshot(device_room=DeviceRoom(ahead=200, room=room))
+    ts = [torch.full((25,), float(k)) for k in range(4)]  # 100 bytes each
+    for t in ts:
+        snap.save(t)
+    # budget (1400 - 200) // 2 = 600 at the first read: all four fit, kept beside themselves
+    assert snap.on_device == 400 and not snap._blocks
+    big = torch.arange(300.0)  # 1,200 bytes: no room (a re-read: 600 + 600 = 1,200 < 1,600), a block
+    snap.save(big)
+    assert snap.on_device == 400 and len(snap._blocks) == 1 and len(reads) == 2
+    for t in (*ts, big):
+        t.add_(7)
+    snap.restore()
+    assert all(torch.equal(t, torch.full((25,), float(k))) for k, t in enumerate(ts))
+    assert torch.equal(big, torch.arange(300.0))
+    never = HostSnapshot(device_room=DeviceRoom(ahead=10**9, room=room))  # the run ahead fills the room
+    never.save(ts[0])
+    assert never.on_device == 0 and len(never._blocks) == 1
+
+
 def test_lazily_negated_or_conjugated_views_come_back_through_the_blocks(monkeypatch) -> None:
     """A conj or neg view is saved as its memory (on CUDA, torch applies the flag to an async
     copy's host side before the copy lands), and every view comes back as it was."""

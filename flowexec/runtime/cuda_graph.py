@@ -28,7 +28,7 @@ import torch
 from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
-from ..snapshot import HostSnapshot, extent
+from ..snapshot import DeviceRoom, HostSnapshot, extent
 from .staging import CopyInNodes, StagingNodes, graph_node_count, memcpy_runtime
 from ..storage import mark_stable
 
@@ -169,6 +169,8 @@ class CudaGraphRunner:
     positions the program copies in itself (``passes/copy_in.py``): captured from the caller's
     tensor, with no buffer of their own, their memcpy nodes re-pointed per call
     (:class:`CopyInNodes`); raises :class:`CopyInMissing` where a node is not found.
+    ``run_bytes``: what a run of ``run`` allocates at its peak (the plan's), so that the
+    warm-up's snapshot may stay on the device below the peak it has reached; None: in host memory.
     """
 
     def __init__(
@@ -189,6 +191,7 @@ class CudaGraphRunner:
         keep_borrowed: bool = True,
         keep_graph: bool = False,
         copied_in: Sequence[int] = (),
+        run_bytes: int | None = None,
     ) -> None:
         self.before_replay = before_replay
         tensors = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)]
@@ -211,10 +214,11 @@ class CudaGraphRunner:
                     if rt is not None and example_inputs[i].is_contiguous() and i not in self._mutated_inputs
                     and i not in in_span}
         # Replays and warm-up must not change the caller's state: snapshot what the program
-        # writes in place and restore it after warm-up. The copies wait in host memory: on the
-        # GPU they would sit on top of the warm-up's and the capture's peak (a training step's
-        # parameters and optimizer state: GPT-2 124M's 1.5 GB).
-        snapshot = HostSnapshot(mutated)
+        # writes in place and restore it after warm-up. The copies wait in host memory, or on the
+        # GPU where they fit below the peak it has reached with the run's own ``run_bytes`` on
+        # top (snapshot.DeviceRoom; a training step's parameters and optimizer state: GPT-2
+        # 124M's 1.5 GB, whose pinning cost 0.9 s).
+        snapshot = HostSnapshot(mutated, device_room=None if run_bytes is None else DeviceRoom(ahead=run_bytes))
         static = self.static_inputs
 
         def capture(in_graph: dict[int, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, Any]:

@@ -249,3 +249,30 @@ def test_a_host_snapshot_of_a_lazily_negated_or_conjugated_view_comes_back():
     snap.restore()
     torch.cuda.synchronize()
     assert all(torch.equal(v, w) for v, w in zip(views, want))
+
+
+def test_a_snapshot_keeps_cuda_copies_on_the_device_below_the_peak_it_reached():
+    """With room below the peak the device has reached (a step's activations, freed by the time
+    the optimizer writes), a snapshot's copies stay on the device: the peak does not move and
+    every tensor comes back. With no room (the peak reset just now) they go to pinned memory."""
+    from flowexec.snapshot import DeviceRoom, HostSnapshot
+
+    torch.manual_seed(0)
+    ts = [torch.randn(1000, 37, device="cuda"), torch.randn(256, 64, device="cuda").t()]
+    want = [t.clone() for t in ts]
+    torch.cuda.synchronize()
+    big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # the "activations": 64 MiB
+    del big
+    peak = torch.cuda.max_memory_allocated()
+    snap = HostSnapshot(ts, device_room=DeviceRoom())
+    for t in ts:
+        t.zero_()
+    snap.restore()
+    torch.cuda.synchronize()
+    assert all(torch.equal(t, w) for t, w in zip(ts, want))
+    assert snap.on_device > 0 and all(s.is_cuda for _, s in snap.pairs) and not snap._blocks
+    assert torch.cuda.max_memory_allocated() == peak
+    del snap
+    torch.cuda.reset_peak_memory_stats()
+    none = HostSnapshot(ts, device_room=DeviceRoom())
+    assert none.on_device == 0 and all(s.is_pinned() for _, s in none.pairs)
