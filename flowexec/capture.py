@@ -93,6 +93,8 @@ class Captured:
     # The discarded gradients still parked in host memory (flowexec.parking): the caller keeps
     # them there while it plans, and lets them go with its run's zero_grad.
     parked: ParkedGrads | None = None
+    # How fn ran: "fake" (fake tensors: nothing computed), or "real" and why a fake run could not
+    run: str = "real"
 
 
 _metas = threading.local()  # per thread: the fake modes of the captures under way, innermost last
@@ -328,6 +330,12 @@ def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     return out
 
 
+def _returns_written_args(func: Any) -> bool:
+    """Whether every output of ``func`` is an argument it writes (an in-place or out= op)."""
+    rets = getattr(getattr(func, "_schema", None), "returns", ())
+    return bool(rets) and all(r.alias_info is not None and r.alias_info.is_write for r in rets)
+
+
 def _refuse_layout(func: Any, t: torch.Tensor, line: str) -> None:
     """A sparse (or otherwise unstrided) tensor: a program's values, liveness and memory plan are
     strided storages, and the capture would fail further on with torch's own message."""
@@ -356,12 +364,18 @@ class _CaptureGuard(TorchDispatchMode):
         # must be undone.
         self.created_storages: set[int] = {0}  # (storage_key's for none: nothing to undo)
         self.leaves: dict[int, weakref.ref] = {}
+        self.grads0: dict[int, Any] = {}  # id(leaf) -> its .grad when the run first used it
         self.sources: list[tuple[Any, str]] = []  # (op, "file:line") in dispatch order
         # Tensors the run made from constants alone (factories, then ops on such tensors): the
         # only ones whose host read has the same answer on every call.
         self.constant: dict[int, weakref.ref] = {}
         self.read_under_flag = False  # torch.compiler.is_compiling() at the last host read
         self.parked = ParkedGrads({})  # last step's gradients, in host memory until an op reads them
+        # A fake run (FLOWEXEC_FAKE_CAPTURE) writes no real tensor, so it keeps no undo log; the
+        # tensors it makes from constants alone get a real twin (id -> tensor), which answers
+        # their host reads as eager would.
+        self.fake = False
+        self.shadows: dict[int, torch.Tensor] = {}
         # torch.Generator objects of fn's own that random ops draw from: id -> (generator, its
         # state at the first draw, its state after the last). The default generators are saved
         # and put back whole (_rng_states); these are put back by restore().
@@ -399,10 +413,18 @@ class _CaptureGuard(TorchDispatchMode):
                 # the read data-dependent: HF's packed-sequence check on an arange of positions,
                 # whose retry under the compiling flag built an explicit causal mask.)
                 with _disable_current_modes():
-                    return func(*args, **kwargs)
+                    return func(*self._real(args), **self._real(kwargs)) if self.fake else func(*args, **kwargs)
         self.sources.append((func, _caller_line()))
         written = _written_tensors(func, args, kwargs)
-        for t in written:
+        if self.fake:
+            # The fake mode writes its fake copies of real arguments, but runs an op of real
+            # tensors and fake constants alone (a CPU step count plus torch.tensor(1.0)) for real.
+            fakes = [a for a in pytree.tree_leaves((args, kwargs)) if is_fake_tensor(a)]
+            undone = [] if any(getattr(a, "constant", None) is None for a in fakes) else \
+                [t for t in written if not is_fake_tensor(t)]
+        else:
+            undone = written
+        for t in undone:
             if self.is_created(t) and storage_key(t) in self.created_storages:  # (0: no storage of its own)
                 continue
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
@@ -428,6 +450,8 @@ class _CaptureGuard(TorchDispatchMode):
                 arg_storages.add(storage_key(a))
                 from_constants = from_constants and self.is_constant(a)
                 if a.requires_grad and a.is_leaf and not self.is_created(a):
+                    if self.fake and id(a) not in self.leaves:
+                        self.grads0[id(a)] = a.grad
                     self.leaves[id(a)] = weakref.ref(a)
             elif isinstance(a, torch.Generator):
                 gens.append(a)
@@ -436,20 +460,51 @@ class _CaptureGuard(TorchDispatchMode):
         for g in gens:
             first = self.generators[id(g)][1]
             self.generators[id(g)] = (g, first, g.get_state())
+        # In-place ops return their argument: that is not a new tensor (nor, in a fake run, the
+        # fake copy that stands for a real argument).
+        in_place = self.fake and _returns_written_args(func)
         for o in pytree.tree_leaves(out):
-            # In-place ops return their argument: that is not a new tensor.
-            if isinstance(o, torch.Tensor) and id(o) not in arg_ids:
+            if isinstance(o, torch.Tensor) and id(o) not in arg_ids and not in_place:
                 self.created[id(o)] = weakref.ref(o)
                 if storage_key(o) not in arg_storages:
                     self.created_storages.add(storage_key(o))
                 if from_constants:
                     self.constant[id(o)] = weakref.ref(o)
+        if self.fake and from_constants:
+            self._shadow(func, args, kwargs, out)
         if not from_constants:
             for t in written:
                 self.constant.pop(id(t), None)
         if lifter is not None:
             lifter.propagate(func, args, kwargs, out)
         return out
+
+    def shadows_get(self, t: torch.Tensor) -> torch.Tensor | None:
+        return self.shadows.get(id(t))
+
+    def _real(self, tree: Any) -> Any:
+        """``tree`` with each fake tensor replaced by its real twin (a tensor made from constants)."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        def real(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and is_fake(a):
+                twin = self.shadows.get(id(a))
+                if twin is None:
+                    raise RuntimeError("a host read of a tensor with no real value in a fake capture")
+                return twin
+            return a
+        return pytree.tree_map(real, tree)
+
+    def _shadow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Run an op of constants on their real twins, and keep its outputs' twins."""
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                real_out = func(*self._real(args), **self._real(kwargs))
+        except Exception:  # (no twin: its host reads fail as data-dependent, and the capture runs for real)
+            return
+        for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
+            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor):
+                self.shadows[id(o)] = r
 
     def _before_draw(self, g: torch.Generator, func: Any) -> None:
         """Note ``g``'s state before a draw: its first (restore() puts it back: the capture's
@@ -605,19 +660,33 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     ``unfused``: ids of param groups that step through the foreach path instead of their fused
     kernel (:class:`~flowexec.hyperparams.Lifter`)."""
     everywhere, hooks = False, True
-    for _ in range(3):
+    # A fake run (the default: _FAKE_CAPTURE) computes nothing: no activations held, no undo log
+    # of what the step writes. Whatever it cannot do (an op with no fake kernel, a host read of
+    # a value it does not have, an argument on closure state's storage), a real run decides.
+    fake = _FAKE_CAPTURE and guarded is True
+    why = ""
+    for _ in range(4):
         try:
-            return _trace(fn, args, guarded, everywhere=everywhere, park=park, unfused=unfused, saved_hooks=hooks)
-        except HostReadError as e:
-            if not e.retry_with_flag or everywhere:
+            out = _trace(fn, args, guarded, everywhere=everywhere, park=park, unfused=unfused, saved_hooks=hooks,
+                         fake=fake)
+            out[-1].run = "fake" if fake else f"real (a fake run could not: {why})" if why else "real"
+            return out
+        except Exception as e:
+            if isinstance(e, LazyStateError) and not fake:
                 raise
-            everywhere = True
-        except CaptureError as e:
-            # torch.func's grad and vjp refuse to run under saved-tensor hooks, which only tell
-            # tensors an autograd graph saved from state fn left behind: traced again without.
-            if not hooks or _NO_SAVED_HOOKS not in str(e):
+            if fake:
+                fake = False
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            elif isinstance(e, HostReadError):
+                if not e.retry_with_flag or everywhere:
+                    raise
+                everywhere = True
+            elif isinstance(e, CaptureError) and hooks and _NO_SAVED_HOOKS in str(e):
+                # torch.func's grad and vjp refuse to run under saved-tensor hooks, which only
+                # tell tensors an autograd graph saved from state fn left behind: traced again without.
+                hooks = False
+            else:
                 raise
-            hooks = False
         # The failed run's frames (held in a cycle through its traceback) still hold its tensors
         # and references to the gradients, which would stop them being parked: collected first.
         gc.collect()
@@ -625,11 +694,41 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
 
 
 _NO_SAVED_HOOKS = "don't yet support saved tensor hooks"
+_FAKE_CAPTURE = os.environ.get("FLOWEXEC_FAKE_CAPTURE", "1") not in ("", "0")
+
+
+class _FakeAliasing(CaptureError):
+    """A fake run read closure state on an argument's storage: its fake copy of the state
+    stood for the argument, which a real run keeps apart."""
+
+
+@functools.lru_cache(maxsize=None)
+def _fake_optimizer_kernels() -> None:
+    """Fake kernels for the fused optimizer steps torch has none for (``_fused_adamw_`` with a
+    tensor learning rate, as flowexec feeds it): they write their arguments in place and return
+    nothing, so the fake one does nothing."""
+    from torch._subclasses import fake_impls
+
+    ops = set()
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            op = getattr(packet, overload)
+            if not op._schema.returns and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+                ops.add(op)
+    if ops:
+        fake_impls.register_op_impl(lambda func: func in ops)(lambda fake_mode, func, *args, **kwargs: None)
+
+
+def is_fake_tensor(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(t, torch.Tensor) and is_fake(t)
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
            park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
-           saved_hooks: bool = True) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+           saved_hooks: bool = True, fake: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
     fed = guarded is True  # hyperparameters lifted, gradients as inputs
@@ -646,7 +745,18 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     parkable = tuple(p for p in grad_params if park is not None and p.grad.layout is torch.strided
                      and held_by_grad_alone(p, known=1) and park(p.grad))
 
+    fake_run = fake
+    guard.fake = fake_run
+    if fake:
+        lifter.real_of = guard.shadows_get  # (dropped after the run: the lifter outlives the guard)
+        _fake_optimizer_kernels()
+    if fake_run:
+        parkable = ()  # (a fake run allocates no activations: the gradients can stay)
+
     def traced(*tensors: torch.Tensor) -> Any:
+        if fake_run:  # fn reaches the gradients through p.grad: the fake placeholders stand there
+            for p, g in zip(grad_params, tensors[len(tensor_pos):]):
+                p.grad = g
         tensors = tensors[:len(tensor_pos)]  # (the rest: the gradients, reached through p.grad)
         full = list(args)
         for i, t in zip(tensor_pos, tensors):
@@ -709,14 +819,30 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     rng = _rng_states()
     install_rng_ops(lambda: _capture_mode() is not None)  # (once: the generators' state as program ops)
     failed = True
+    grads0 = [p.grad for p in grad_params] if fake_run else []
     try:
         # make_fx stores a fake copy of every value in its node's meta; with no fake mode to find
         # it builds a FakeTensorMode per value, each recording its creation stack (half the
         # capture's time on a small model). One mode, in a tracing context, serves them all.
-        mode = FakeTensorMode(allow_fallback_kernels=True)
+        # (a fake run takes no fallback kernel: it would run the real op on real arguments)
+        mode = FakeTensorMode(allow_fallback_kernels=not fake_run, allow_non_fake_inputs=fake_run)
         fake = torch._guards.TracingContext(mode)
-        with _library_compiling(everywhere), torch._guards.tracing(fake), _direct_fake_metas(mode):
-            gm = make_fx(traced, **kw)(*[args[i] for i in tensor_pos], *[p.grad for p in grad_params])
+        real_inputs = [*[args[i] for i in tensor_pos], *[p.grad for p in grad_params]]
+        if fake_run:
+            kw = {"tracing_mode": "fake", "_allow_non_fake_inputs": True}
+            real_inputs = [mode.from_tensor(t) for t in real_inputs]
+        try:
+            with _library_compiling(everywhere), torch._guards.tracing(fake), _direct_fake_metas(mode):
+                gm = make_fx(traced, **kw)(*real_inputs)
+        finally:
+            for p, g in zip(grad_params, grads0):
+                if fake_run and p.grad is not g and is_fake_tensor(p.grad):
+                    p.grad = g
+        if fake_run:
+            inputs = {storage_key(args[i]) for i in tensor_pos} | {storage_key(g) for g in grads0}
+            consts = (getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
+            if any(isinstance(c, torch.Tensor) and storage_key(c) in inputs - {0} for c in consts):
+                raise _FakeAliasing("closure state on an argument's storage")
         failed = False
     except CaptureError:
         raise
@@ -744,6 +870,15 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             for p, _ in bindings:
                 if id(p) not in recorder.grads:
                     p.grad = None
+            if fake_run:  # no fake gradient is left on a real parameter (the backward's, or a placeholder)
+                real0 = {id(p): g for p, g in zip(grad_params, grads0)}
+                for key, ref in guard.leaves.items():
+                    p = ref()
+                    if p is not None and is_fake_tensor(p.grad):
+                        g0 = real0.get(key, guard.grads0.get(key))
+                        p.grad = None if is_fake_tensor(g0) else g0
+                guard.grads0.clear()  # (held no longer than the run: a gradient the step discards is freed)
+                lifter.real_of = lambda t: None
             settled = not failed
         finally:
             # A failed capture gives its parked gradients back (once the run's own are let go:
@@ -768,6 +903,7 @@ class _Reads:
     grad_params: tuple[torch.Tensor, ...] = ()
     cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None
     parked: ParkedGrads = field(default_factory=lambda: ParkedGrads({}))  # gradients no op read
+    run: str = "real"  # Captured.run
 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
@@ -816,7 +952,7 @@ def _captured(gm: fx.GraphModule, bindings: list[tuple[torch.Tensor, int]], n_us
     reads.parked.restore(keep={id(p.grad) for p in discarded if p.grad is not None})
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + [p.grad for p in read], sources)
     return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded,
-                    reads.parked)
+                    reads.parked, reads.run)
 
 
 def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[torch.Tensor],

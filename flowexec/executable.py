@@ -153,6 +153,7 @@ class _Compiled:
     build_phases: dict[str, float] = field(default_factory=dict)
     # torch.cuda.max_memory_allocated() after capture, plan and runner (None off CUDA)
     build_peaks: dict[str, int | None] = field(default_factory=dict)
+    capture_run: str = "real"  # Captured.run: how the capture ran fn
 
     def tensors(self, leaves: Sequence[Any]) -> list[Any] | None:
         """The program's tensor inputs for a call with these leaves; None where a parameter whose
@@ -360,7 +361,7 @@ class Executable:
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          t4 - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
                          runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs),
-                         tuple(cap.discarded_grads), build_phases=phases, build_peaks=peaks)
+                         tuple(cap.discarded_grads), build_phases=phases, build_peaks=peaks, capture_run=cap.run)
 
     def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
                        fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -842,6 +843,19 @@ class Executable:
         ['capture', 'plan', 'runner']
         """
         return dict(self._captured("build_peaks").build_peaks)
+
+    @property
+    def capture_run(self) -> str:
+        """How the last build's capture ran fn: ``"fake"`` (on fake tensors: nothing computed,
+        nothing to undo, no activations held), or ``"real (a fake run could not: ...)"`` where
+        a fake run failed (an op with no fake kernel, a host read of a value it does not have,
+        an argument on closure state's storage) and fn ran for real, as eager runs it.
+
+        >>> import torch, flowexec
+        >>> flowexec.compile(lambda x: (x * 2).sum(), torch.ones(3), mode="trace").capture_run
+        'fake'
+        """
+        return self._captured("capture_run").capture_run
 
     def __repr__(self) -> str:
         return f"<flowexec.Executable {getattr(self.fn, '__name__', 'fn')} mode={self.mode} gc={self.gc} signatures={len(self._cache)} programs={sum(map(len, self._cache.values()))}>"

@@ -66,6 +66,12 @@ class Call:
     kwargs: tuple
 
 
+def _is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(t, torch.Tensor) and is_fake(t)
+
+
 def evaluate(expr: Any, values: Sequence[float], memo: dict[int, Any] | None = None) -> Any:
     """``expr`` computed again on CPU tensors, with ``values[k]`` for ``Slot(k)``."""
     memo = {} if memo is None else memo
@@ -377,6 +383,8 @@ class Lifter:
         self._buffers: dict[torch.device, list[float]] = {}
         self._made: dict[torch.device, torch.Tensor] = {}
         self._handles: list[Any] = []
+        # (a fake capture's: the real twin of a fake tensor made from constants, or None)
+        self.real_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda t: None
 
     # hooks
     def __enter__(self) -> Lifter:
@@ -493,9 +501,12 @@ class Lifter:
         tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         if not tensors or not all(self.lifted(t) for t in tensors):
             return NO_VALUE
-        with _disable_current_modes():
-            value = func(*args, **kwargs)
         expr = Call(func, self._template(args), tuple(self._template(kwargs).items()))
+        if any(_is_fake(t) for t in tensors):  # (a fake capture: computed again from the lifted numbers)
+            value = evaluate(expr, [self._buffers[lift.slot.device][lift.slot.position] for lift in self._lifts.values()])
+        else:
+            with _disable_current_modes():
+                value = func(*args, **kwargs)
         self.reads.append(HostRead(expr, value, _torch_line(), frozenset()))
         return value
 
@@ -513,8 +524,11 @@ class Lifter:
             return
         if not tensors:
             for o in outs:
+                real = self.real_of(o) if _is_fake(o) else o  # (a fake capture's: its real twin)
+                if real is None:
+                    continue
                 with _disable_current_modes():
-                    self._prov[id(o)] = (weakref.ref(o), Const(o.detach().clone()))
+                    self._prov[id(o)] = (weakref.ref(o), Const(real.detach().clone()))
             return
         expr = Call(func, self._template(args), tuple(self._template(kwargs).items()))
         multi = isinstance(out, (list, tuple))

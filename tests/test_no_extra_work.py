@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flowexec
+import flowexec.capture
 import flowexec.executable
 import flowexec.parking
 from flowexec.capture import HostReadError, capture
@@ -287,6 +288,7 @@ def test_capture_parks_last_steps_gradients_off_the_device_until_the_run_reads_t
     freed them by the forward. Capture parks them in host memory (on CPU parking saves nothing,
     so here it is forced on); the step equals eager's."""
     monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    monkeypatch.setattr(flowexec.capture, "_FAKE_CAPTURE", False)  # (a fake capture holds no activations: it parks nothing)
     model, step, ref_step, x, y = _sgd_pair()
     exe = flowexec.compile(step)
     torch.testing.assert_close(exe(x, y), ref_step(x, y))  # eager: momentum buffers, gradients
@@ -305,6 +307,7 @@ def test_the_gradients_a_new_program_discards_stay_parked_through_planning_and_g
     holder may rely on its address (a CUDA graph writing its outputs there). compile_for, which
     takes no step, gives back what it parked."""
     monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    monkeypatch.setattr(flowexec.capture, "_FAKE_CAPTURE", False)  # (a fake capture holds no activations: it parks nothing)
     model, step, ref_step, x, y = _sgd_pair()
     exe = flowexec.compile(step)
     torch.testing.assert_close(exe(x, y), ref_step(x, y))  # eager: momentum buffers, gradients
@@ -341,6 +344,7 @@ def test_a_call_that_raises_after_capture_gives_its_parked_gradients_back(monkey
     import warnings
 
     monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    monkeypatch.setattr(flowexec.capture, "_FAKE_CAPTURE", False)  # (a fake capture holds no activations: it parks nothing)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
@@ -382,6 +386,7 @@ def test_a_gradient_at_an_address_a_graph_writes_is_not_parked(monkeypatch) -> N
     from flowexec.storage import mark_stable
 
     monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    monkeypatch.setattr(flowexec.capture, "_FAKE_CAPTURE", False)  # (a fake capture holds no activations: it parks nothing)
     model, step, ref_step, x, y = _sgd_pair()
     exe = flowexec.compile(step)
     torch.testing.assert_close(exe(x, y), ref_step(x, y))
@@ -396,6 +401,7 @@ def test_a_parked_gradient_the_step_accumulates_into_comes_back_before_it_is_rea
     """Without zero_grad the step adds to last step's gradients and clips them: each comes back
     from host memory at the first op that reads it, and the step equals eager's."""
     monkeypatch.setattr(flowexec.parking, "on_a_device", lambda t: True)
+    monkeypatch.setattr(flowexec.capture, "_FAKE_CAPTURE", False)  # (a fake capture holds no activations: it parks nothing)
     torch.manual_seed(0)
     model, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
     ref.load_state_dict(model.state_dict())
