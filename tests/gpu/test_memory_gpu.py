@@ -276,3 +276,38 @@ def test_a_snapshot_keeps_cuda_copies_on_the_device_below_the_peak_it_reached():
     torch.cuda.reset_peak_memory_stats()
     none = HostSnapshot(ts, device_room=DeviceRoom())
     assert none.on_device == 0 and all(s.is_pinned() for _, s in none.pairs)
+
+
+def test_a_fake_capture_holds_no_activations_and_a_real_one_holds_eager_s():
+    """A fake capture (the default) computes nothing: what it allocates on the device stays far
+    below one eager step's activations (an activation-heavy MLP at batch 8192), where a real
+    capture (FLOWEXEC_FAKE_CAPTURE=0's) peaks as eager does. Both train as eager."""
+    import flowexec.capture as capture
+
+    def run(fake: bool) -> tuple[int, int, str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = make_mlp(1024, 4).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        step = make_step(model, opt, F.cross_entropy)
+        x, y = torch.randn(8192, 1024, device="cuda"), torch.randint(0, 10, (8192,), device="cuda")
+        step(x, y)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(x, y)
+        torch.cuda.synchronize()
+        eager = torch.cuda.max_memory_allocated() - base
+        old, capture._FAKE_CAPTURE = capture._FAKE_CAPTURE, fake
+        try:
+            exe = flowexec.compile(step, mode="trace")
+            torch.cuda.reset_peak_memory_stats()
+            loss = exe(x, y)
+        finally:
+            capture._FAKE_CAPTURE = old
+        return exe.build_peaks["capture"] - base, eager, exe.capture_run, loss
+
+    fake_peak, eager, how, loss_fake = run(True)
+    real_peak, _, how_real, loss_real = run(False)
+    assert how == "fake" and how_real == "real"
+    assert fake_peak < 0.25 * eager and real_peak > 0.5 * eager, (fake_peak, real_peak, eager)
+    torch.testing.assert_close(loss_fake, loss_real)

@@ -1,0 +1,110 @@
+"""Capture on fake tensors (the default): fn runs on fake tensors, so the capture computes
+nothing, writes nothing and holds no activations; what a fake run cannot do, a real run does."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+import flowexec
+import flowexec.capture as capture
+from helpers import assert_close_rel
+
+
+class _Seen(torch.nn.Module):
+    """A linear layer that notes whether each forward saw a fake tensor (F) or a real one (R),
+    in a text sink: state the capture's guards do not take for what fn reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.seen = io.StringIO()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.write("F" if is_fake(x) else "R")
+        return self.lin(x)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer):
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_training_step_is_captured_on_fake_tensors_and_trains_as_eager(fused) -> None:
+    torch.manual_seed(0)
+    model, ref = _Seen(), _Seen()
+    ref.load_state_dict(model.state_dict())
+    exe = flowexec.compile(_step(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)))
+    ref_step = _step(ref, torch.optim.AdamW(ref.parameters(), lr=0.1, fused=fused))
+    data = [(torch.randn(16, 8), torch.randint(0, 4, (16,))) for _ in range(4)]
+    for x, y in data:
+        assert_close_rel(exe(x, y), ref_step(x, y), 1e-5, "loss")
+    assert exe.capture_run == "fake"
+    assert model.seen.getvalue() == "RF"  # the first call eager (AdamW's state made), the capture fake
+    assert_close_rel(model.lin.weight, ref.lin.weight, 1e-5, "weight")
+
+
+def test_what_a_fake_run_cannot_do_a_real_run_does_and_says_why() -> None:
+    """An op with no fake kernel (a custom op registered without one): the fake run fails, the
+    real run captures it, ``capture_run`` names the reason, and the answer is eager's; the failed
+    fake run leaves no fake gradient on a parameter."""
+    lib = torch.library.Library("flowexec_test_fake", "FRAGMENT")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CPU")
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 4))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        w.grad = None
+        loss = (torch.ops.flowexec_test_fake.twice(x) @ w).square().mean()
+        loss.backward()
+        return w.grad.clone()
+
+    exe = flowexec.compile(step)
+    x = torch.randn(3, 8)
+    got = exe(x)
+    assert exe.capture_run.startswith("real (a fake run could not:") and "twice" in exe.capture_run
+    assert w.grad is None or not is_fake(w.grad)
+    torch.testing.assert_close(got, step(x))
+
+
+def test_host_reads_of_constants_and_of_lifted_hyperparameters_are_answered_in_a_fake_run() -> None:
+    """A value made from constants alone (an arange) read on the host, and AdamW's host reads of
+    its lifted hyperparameters (``weight_decay != 0``): answered from real twins and from the
+    numbers, so the run stays fake, and trains as eager."""
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    ref.load_state_dict(model.state_dict())
+
+    def make(m: torch.nn.Module):
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.01, foreach=True)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            n = int(torch.arange(4).sum().item())  # 6, every call
+            loss = m(x).square().mean() * n
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    exe, ref_step = flowexec.compile(make(model)), make(ref)
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        assert_close_rel(exe(x), ref_step(x), 1e-5, "loss")
+    assert exe.capture_run == "fake"
+
+
+def test_a_real_capture_is_one_switch_away(monkeypatch) -> None:
+    monkeypatch.setattr(capture, "_FAKE_CAPTURE", False)
+    exe = flowexec.compile(lambda x: (x * 2).sum(), torch.ones(3), mode="trace")
+    assert exe.capture_run == "real"
