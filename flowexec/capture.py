@@ -702,6 +702,22 @@ class _FakeAliasing(CaptureError):
     stood for the argument, which a real run keeps apart."""
 
 
+@contextlib.contextmanager
+def _quiet_fake_mode(on: bool) -> Iterator[None]:
+    """A fake run that fails gives way to a real one: the fake mode's own log of the failure (a
+    meta kernel that raised) is not the user's concern."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    if on:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 @functools.lru_cache(maxsize=None)
 def _fake_optimizer_kernels() -> None:
     """Fake kernels for the fused optimizer steps torch has none for (``_fused_adamw_`` with a
@@ -832,7 +848,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             kw = {"tracing_mode": "fake", "_allow_non_fake_inputs": True}
             real_inputs = [mode.from_tensor(t) for t in real_inputs]
         try:
-            with _library_compiling(everywhere), torch._guards.tracing(fake), _direct_fake_metas(mode):
+            with _library_compiling(everywhere), torch._guards.tracing(fake), _direct_fake_metas(mode), \
+                    _quiet_fake_mode(fake_run):
                 gm = make_fx(traced, **kw)(*real_inputs)
         finally:
             for p, g in zip(grad_params, grads0):

@@ -183,7 +183,11 @@ def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: i
     for k in range(steps):
         torch.manual_seed(100 + k)
         losses.append(float(call(b)))
+    CAPTURE_RUN[0] = getattr(call, "capture_run", None) if call is not step else None
     return losses, [(n, t.detach().float().cpu().clone()) for n, t in list(model.named_parameters()) + list(model.named_buffers())]
+
+
+CAPTURE_RUN: list[str | None] = [None]  # the last train()'s Executable.capture_run (fake or real, and why)
 
 
 def compare(eager: Any, mine: Any, tol: float) -> dict[str, Any]:
@@ -253,6 +257,7 @@ def main() -> None:
             try:
                 mine = train(name, dev, VARIANTS[v], a.steps, autocast)
                 rec[v] = compare_to_reference(ref, eager, mine) if autocast else compare(eager, mine, a.tol)
+                rec[v]["capture_run"] = CAPTURE_RUN[0]
             except Exception as e:
                 rec[v] = {"verdict": "ERR", "error": f"{type(e).__name__}: {e}"[:600],
                           "where": traceback.format_exc(limit=-2)[-600:]}
@@ -266,7 +271,8 @@ def main() -> None:
             else:
                 said = (f"loss rel {r['loss_rel']:.1e}, worst {r['worst_state']} {r['worst_abs']:.1e}"
                         + (f", noise {len(r['noise'])}" if r["noise"] else ""))
-            print(f"{name:22s} {v:12s} {r['verdict']} {said}", flush=True)
+            run = r.get("capture_run")
+            print(f"{name:22s} {v:12s} {r['verdict']} {said}" + (f" [capture {run[:70]}]" if run else ""), flush=True)
     os.makedirs(a.out, exist_ok=True)
     out = {"probe": "model_sweep", "command": " ".join([sys.executable] + sys.argv), "device": str(dev),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
