@@ -33,7 +33,7 @@ from .build import check_recompute, plan_for
 from .fusion import check_fuse, check_pad
 from .guards import GuardSet
 from .graph_variants import GraphVariants, borrowed_inputs, sharing_positions, worth_parking
-from .parking import ParkedGrads
+from .parking import ParkedGrads, held_by_grad_alone
 from .plan import ExecutionPlan, check_gc, check_streams
 from .program import Program, Ref
 from .rng import holds_rng_state_ops
@@ -275,6 +275,21 @@ class Executable:
             self._parked.release(gone)
         self._give_back_parked()
 
+    def _park_for_warm_up(self, discarded: Sequence[torch.Tensor], run_bytes: int) -> None:
+        """A fake capture parks nothing, but graph mode's warm-up runs the program while last
+        step's gradients that it discards are still held (eager's zero_grad has freed them by
+        then): they wait in host memory where the warm-up's ``run_bytes`` on top of what is
+        allocated would lift the device above the peak it has reached."""
+        params = [p for p in discarded if p.grad is not None and p.grad.is_cuda and held_by_grad_alone(p)
+                  and worth_parking(p.grad)]
+        if not params:
+            return
+        dev = params[0].grad.device
+        if torch.cuda.memory_allocated(dev) + run_bytes <= torch.cuda.max_memory_allocated(dev):
+            return
+        self._parked = ParkedGrads.park(p.grad for p in params)
+        weakref.finalize(self, self._parked.restore)
+
     def _give_back_parked(self) -> None:
         if self._parked is not None:
             self._parked.restore()
@@ -290,6 +305,8 @@ class Executable:
                         fuse_lerp=self.fuse_lerp, copied_in=copied, recompute=self.recompute, **self.memory_options)
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
+        if self.mode == "graph" and self.park and cap.run == "fake" and self._parked is None:
+            self._park_for_warm_up(cap.discarded_grads, plan.planned_peak_bytes())
         hooks, node = None, None
         if self.mode == "graph" and self.pool != "shared" and cap.guards is not None and cap.guards.feeds is not None:
             from .runtime.feed_node import node_hooks  # a schedule's values written by the graph itself

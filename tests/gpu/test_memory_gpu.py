@@ -311,3 +311,22 @@ def test_a_fake_capture_holds_no_activations_and_a_real_one_holds_eager_s():
     assert how == "fake" and how_real == "real"
     assert fake_peak < 0.25 * eager and real_peak > 0.5 * eager, (fake_peak, real_peak, eager)
     torch.testing.assert_close(loss_fake, loss_real)
+
+
+def test_a_graph_mode_build_after_a_fake_capture_stays_within_eager_s_peak():
+    """A fake capture parks nothing; graph mode's warm-up then runs while last step's gradients,
+    which the step discards, are still held. Where the state outweighs the activations they
+    would lift the build above eager's peak: they wait in host memory instead, and the steps
+    train as eager."""
+    model, step, x = state_heavy_step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(x)
+    torch.cuda.synchronize()
+    eager_peak = torch.cuda.max_memory_allocated()
+    exe = flowexec.compile(step, mode="graph")
+    torch.cuda.reset_peak_memory_stats()
+    exe(x)
+    torch.cuda.synchronize()
+    assert exe.capture_run == "fake"
+    assert torch.cuda.max_memory_allocated() <= eager_peak + 16 * 2**20, (torch.cuda.max_memory_allocated(), eager_peak)
