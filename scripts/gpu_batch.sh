@@ -42,7 +42,7 @@ for step in "$@"; do
     schedule-gaps-prime) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --prime --out "$R/prime" ;;
     scale-llama-peers) run_step $step 400 python3 benchmarks/scale.py --models llama_207m \
                  --variants eager,inductor,fx_graph_fused --no-warm --timeout 240 -o "$R/scale_llama_207m.json" ;;
-    scale-gpt2-peers) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m \
+    scale-gpt2-peers) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m \
                  --variants eager,inductor,fx_graph_fused --no-warm --timeout 200 -o "$R/scale_gpt2_124m.json" ;;
     first-graph) run_step $step 240 bash -c "python3 benchmarks/probes/first_graph.py --out '$R/fg' && \
                  python3 benchmarks/probes/first_graph.py --no-stage-in-graph --out '$R/fg_python' && \
@@ -67,7 +67,9 @@ for step in "$@"; do
     warm-build) run_step $step 420 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m --sample \
                  --out "$R" ;;  # issue 36's warm build, phases and sampled stacks (results/probes/warm_build_*)
     warm-build-fake) run_step $step 420 python3 benchmarks/probes/warm_build.py --models gpt2_124m,resnet50 \
-                 --settings ";FLOWEXEC_FAKE_CAPTURE=0" --out "$R/fake" ;;  # the fake capture (default) against a real one
+                 --settings "FLOWEXEC_FAKE_CAPTURE=1;FLOWEXEC_FAKE_CAPTURE=0" --out "$R/fake" ;;  # fake capture against real
+    tests-fake) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu \
+                 --junitxml="$R/$step.xml" ;;  # the CUDA tests with the fake capture (on CUDA its default once they pass)
     warm-build-peers) run_step $step 300 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m \
                  --variant inductor --out "$R/peers" ;;  # torch.compile's warm build in the same run
     recompute-peak) run_step $step 400 python3 benchmarks/probes/recompute_peak.py --model gpt2_124m --batch 8 \

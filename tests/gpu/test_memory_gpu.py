@@ -321,10 +321,13 @@ def test_a_fake_capture_holds_no_activations_and_a_real_one_holds_eager_s():
     torch.testing.assert_close(loss_fake, loss_real)
 
 
-def test_a_graph_mode_build_after_a_fake_capture_stays_within_eager_s_peak():
+def test_a_graph_mode_build_after_a_fake_capture_stays_within_eager_s_peak(monkeypatch):
     """A fake capture parks nothing; graph mode's warm-up then runs while last step's gradients,
     which the step discards, are still held. Where the state outweighs the activations they
     would lift the build above eager's peak: they wait in host memory instead."""
+    import flowexec.capture as capture
+
+    monkeypatch.setattr(capture, "_FAKE_CAPTURE", True)  # (on CUDA not yet the default)
     _, step, x = state_heavy_step()
     eager_peak = _peak_of(step, x)
     exe = flowexec.compile(step, mode="graph")
