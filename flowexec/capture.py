@@ -49,6 +49,7 @@ from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .snapshot import DeviceRoom, HostSnapshot
+from .fake_run import cuda_in_use, is_fake_tensor, quiet_fake_mode, register_fake_optimizer_kernels
 from .rng import install as install_rng_ops, lower_rng_hops
 from .storage import shared_storage, storage_key
 
@@ -663,7 +664,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     # A fake run (_FAKE_CAPTURE: the default off CUDA) computes nothing: no activations held, no undo log
     # of what the step writes. Whatever it cannot do (an op with no fake kernel, a host read of
     # a value it does not have, an argument on closure state's storage), a real run decides.
-    fake = guarded is True and (_FAKE_CAPTURE is True or (_FAKE_CAPTURE == "cpu" and not _cuda_in_use()))
+    fake = guarded is True and (_FAKE_CAPTURE is True or (_FAKE_CAPTURE == "cpu" and not cuda_in_use()))
     why = ""
     for _ in range(4):
         try:
@@ -700,54 +701,9 @@ _NO_SAVED_HOOKS = "don't yet support saved tensor hooks"
 _FAKE_CAPTURE: bool | str = {"1": True, "0": False, "": False}.get(os.environ.get("FLOWEXEC_FAKE_CAPTURE", "cpu"), "cpu")
 
 
-def _cuda_in_use() -> bool:
-    """Whether this process has started CUDA (a step on a GPU has, by its first eager call)."""
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
 class _FakeAliasing(CaptureError):
     """A fake run read closure state on an argument's storage: its fake copy of the state
     stood for the argument, which a real run keeps apart."""
-
-
-@contextlib.contextmanager
-def _quiet_fake_mode(on: bool) -> Iterator[None]:
-    """A fake run that fails gives way to a real one: the fake mode's own log of the failure (a
-    meta kernel that raised) is not the user's concern."""
-    import logging
-
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    if on:
-        log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-@functools.lru_cache(maxsize=None)
-def _fake_optimizer_kernels() -> None:
-    """Fake kernels for the fused optimizer steps torch has none for (``_fused_adamw_`` with a
-    tensor learning rate, as flowexec feeds it): they write their arguments in place and return
-    nothing, so the fake one does nothing."""
-    from torch._subclasses import fake_impls
-
-    ops = set()
-    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
-        packet = getattr(torch.ops.aten, name, None)
-        for overload in packet.overloads() if packet is not None else ():
-            op = getattr(packet, overload)
-            if not op._schema.returns and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
-                ops.add(op)
-    if ops:
-        fake_impls.register_op_impl(lambda func: func in ops)(lambda fake_mode, func, *args, **kwargs: None)
-
-
-def is_fake_tensor(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return isinstance(t, torch.Tensor) and is_fake(t)
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
@@ -769,12 +725,10 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     parkable = tuple(p for p in grad_params if park is not None and p.grad.layout is torch.strided
                      and held_by_grad_alone(p, known=1) and park(p.grad))
 
-    fake_run = fake
-    guard.fake = fake_run
-    if fake:
-        lifter.real_of = guard.shadows_get  # (dropped after the run: the lifter outlives the guard)
-        _fake_optimizer_kernels()
+    fake_run = guard.fake = fake
     if fake_run:
+        lifter.real_of = guard.shadows_get  # (dropped after the run: the lifter outlives the guard)
+        register_fake_optimizer_kernels()
         parkable = ()  # (a fake run allocates no activations: the gradients can stay)
 
     def traced(*tensors: torch.Tensor) -> Any:
@@ -850,14 +804,14 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         # capture's time on a small model). One mode, in a tracing context, serves them all.
         # (a fake run takes no fallback kernel: it would run the real op on real arguments)
         mode = FakeTensorMode(allow_fallback_kernels=not fake_run, allow_non_fake_inputs=fake_run)
-        fake = torch._guards.TracingContext(mode)
+        context = torch._guards.TracingContext(mode)
         real_inputs = [*[args[i] for i in tensor_pos], *[p.grad for p in grad_params]]
         if fake_run:
             kw = {"tracing_mode": "fake", "_allow_non_fake_inputs": True}
             real_inputs = [mode.from_tensor(t) for t in real_inputs]
         try:
-            with _library_compiling(everywhere), torch._guards.tracing(fake), _direct_fake_metas(mode), \
-                    _quiet_fake_mode(fake_run):
+            with _library_compiling(everywhere), torch._guards.tracing(context), _direct_fake_metas(mode), \
+                    quiet_fake_mode(fake_run):
                 gm = make_fx(traced, **kw)(*real_inputs)
         finally:
             for p, g in zip(grad_params, grads0):
