@@ -356,7 +356,7 @@ class _CaptureGuard(TorchDispatchMode):
     def __init__(self, lifter: Lifter | None = None) -> None:
         super().__init__()
         self.lifter = lifter
-        self.undo = HostSnapshot(device_room=DeviceRoom())
+        self.undo = HostSnapshot(device_room=DeviceRoom(open=False))
         self._saved: set[tuple[int, int, tuple, tuple]] = set()
         self.created: dict[int, weakref.ref] = {}
         # Storages the run allocated (by address: a storage that existed before the run keeps its
@@ -377,6 +377,7 @@ class _CaptureGuard(TorchDispatchMode):
         # their host reads as eager would.
         self.fake = False
         self.shadows: dict[int, torch.Tensor] = {}
+        self.backward_seen = False  # an op of an autograd backward has run (snapshot.DeviceRoom.open)
         # torch.Generator objects of fn's own that random ops draw from: id -> (generator, its
         # state at the first draw, its state after the last). The default generators are saved
         # and put back whole (_rng_states); these are put back by restore().
@@ -417,6 +418,11 @@ class _CaptureGuard(TorchDispatchMode):
                     return func(*self._real(args), **self._real(kwargs)) if self.fake else func(*args, **kwargs)
         self.sources.append((func, _caller_line()))
         written = _written_tensors(func, args, kwargs)
+        # Copies of what the run writes may stay on the device only once its backward is over
+        # (the optimizer's writes): one made before would sit under the activations to come.
+        task = _GRAPH_TASK()
+        self.backward_seen = self.backward_seen or task != -1
+        self.undo.device_room.open = self.backward_seen and task == -1
         if self.fake:
             # The fake mode writes its fake copies of real arguments, but runs an op of real
             # tensors and fake constants alone (a CPU step count plus torch.tensor(1.0)) for real.
@@ -528,7 +534,7 @@ class _CaptureGuard(TorchDispatchMode):
             self.undo.restore()
             for g, first, _ in self.generators.values():
                 g.set_state(first)
-        self.undo = HostSnapshot(device_room=DeviceRoom())
+        self.undo = HostSnapshot(device_room=DeviceRoom(open=False))
 
 
 def _rng_states() -> tuple[Any, Any]:

@@ -63,6 +63,8 @@ class DeviceRoom:
     top (graph mode's warm-up: the plan's peak). The other half is left for what the rest of
     the run allocates beside the copies (an optimizer's temporaries after its first in-place
     write). The room is read again when a copy does not fit, at most once every 16 misses.
+    While ``open`` is False every copy goes to host memory (a capture opens it once its
+    backward is over).
 
     A training step's capture saves the parameters and optimizer state at the optimizer step,
     after the backward freed the activations that set the peak: GPT-2 124M at 8 x 1024 has
@@ -75,15 +77,20 @@ class DeviceRoom:
         False
     """
 
-    def __init__(self, ahead: int = 0, room: Callable[[torch.device], int] = _room_on) -> None:
+    def __init__(self, ahead: int = 0, room: Callable[[torch.device], int] = _room_on, open: bool = True) -> None:
         self.ahead = ahead
         self._room = room
+        # (a capture opens it once its backward is over: a copy made earlier would sit under the
+        # activations still to come, which take the room up to the peak again)
+        self.open = open
         self._budget: dict[torch.device, int] = {}
         self._used: dict[torch.device, int] = {}
         self._misses = 0
 
     def take(self, device: torch.device, nbytes: int) -> bool:
         """Whether a copy of ``nbytes`` may go on ``device`` (counted against it if so)."""
+        if not self.open:
+            return False
         used = self._used.get(device, 0)
         budget = self._budget.get(device)
         if budget is None or (used + nbytes > budget and self._misses % 16 == 0):

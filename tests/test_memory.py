@@ -364,6 +364,12 @@ def test_copies_stay_on_the_device_within_half_its_room_below_the_peak(monkeypat
     never = HostSnapshot(device_room=DeviceRoom(ahead=10**9, room=room))  # the run ahead fills the room
     never.save(ts[0])
     assert never.on_device == 0 and len(never._blocks) == 1
+    shut = HostSnapshot(device_room=DeviceRoom(room=room, open=False))  # (a capture before its backward ends)
+    shut.save(ts[0])
+    assert shut.on_device == 0 and len(shut._blocks) == 1
+    shut.device_room.open = True
+    shut.save(ts[1])
+    assert shut.on_device == 100
 
 
 def test_lazily_negated_or_conjugated_views_come_back_through_the_blocks(monkeypatch) -> None:
@@ -418,3 +424,36 @@ def test_two_threads_saving_at_once_get_disjoint_pieces_of_the_blocks(monkeypatc
     for t in threads:
         t.join(timeout=30)
     assert len(snap.pairs) == 2 and all(torch.equal(t, s) for t, s in snap.pairs)
+
+
+def test_a_real_capture_keeps_copies_on_the_device_only_after_its_backward(monkeypatch) -> None:
+    """A capture's undo copies may stay on the device (snapshot.DeviceRoom) only once its
+    backward is over: batch norm's running statistics, written in the forward, would sit under
+    the activations still to come; the optimizer's writes come after the activations are gone."""
+    import flowexec.capture as capture
+    from flowexec import snapshot
+
+    monkeypatch.setattr(capture, "_FAKE_CAPTURE", False)
+    seen: list[tuple[tuple[int, ...], bool]] = []
+    save = snapshot.HostSnapshot.save
+
+    def noting(self, t):
+        if self.device_room is not None:
+            seen.append((tuple(t.shape), self.device_room.open))
+        return save(self, t)
+
+    monkeypatch.setattr(snapshot.HostSnapshot, "save", noting)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    x = torch.randn(8, 6)
+    flowexec.compile(step)(x)
+    fives = [o for s, o in seen if s == (5,)]  # running mean and var (forward), then biases and BN's affine
+    assert fives[:2] == [False, False] and all(fives[2:])
+    assert any(s == (3, 5) and o for s, o in seen)  # the optimizer's write of the last weight
