@@ -681,7 +681,9 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
         except Exception as e:
             if isinstance(e, LazyStateError) and not fake:
                 raise
-            if fake:
+            if fake and isinstance(e, HostReadError) and e.retry_with_flag and not everywhere:
+                everywhere = True  # (as a real run would be retried: the fake one first)
+            elif fake:
                 fake = False
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             elif isinstance(e, HostReadError):
