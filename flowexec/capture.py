@@ -733,14 +733,14 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     parkable = tuple(p for p in grad_params if park is not None and p.grad.layout is torch.strided
                      and held_by_grad_alone(p, known=1) and park(p.grad))
 
-    fake_run = guard.fake = fake
-    if fake_run:
+    guard.fake = fake
+    if fake:
         lifter.real_of = guard.shadows_get  # (dropped after the run: the lifter outlives the guard)
         register_fake_optimizer_kernels()
         parkable = ()  # (a fake run allocates no activations: the gradients can stay)
 
     def traced(*tensors: torch.Tensor) -> Any:
-        if fake_run:  # fn reaches the gradients through p.grad: the fake placeholders stand there
+        if fake:  # fn reaches the gradients through p.grad: the fake placeholders stand there
             for p, g in zip(grad_params, tensors[len(tensor_pos):]):
                 p.grad = g
         tensors = tensors[:len(tensor_pos)]  # (the rest: the gradients, reached through p.grad)
@@ -805,27 +805,22 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     rng = _rng_states()
     install_rng_ops(lambda: _capture_mode() is not None)  # (once: the generators' state as program ops)
     failed = True
-    grads0 = [p.grad for p in grad_params] if fake_run else []
+    grads0 = [p.grad for p in grad_params] if fake else []
     try:
         # make_fx stores a fake copy of every value in its node's meta; with no fake mode to find
         # it builds a FakeTensorMode per value, each recording its creation stack (half the
         # capture's time on a small model). One mode, in a tracing context, serves them all.
         # (a fake run takes no fallback kernel: it would run the real op on real arguments)
-        mode = FakeTensorMode(allow_fallback_kernels=not fake_run, allow_non_fake_inputs=fake_run)
+        mode = FakeTensorMode(allow_fallback_kernels=not fake, allow_non_fake_inputs=fake)
         context = torch._guards.TracingContext(mode)
         real_inputs = [*[args[i] for i in tensor_pos], *[p.grad for p in grad_params]]
-        if fake_run:
+        if fake:
             kw = {"tracing_mode": "fake", "_allow_non_fake_inputs": True}
             real_inputs = [mode.from_tensor(t) for t in real_inputs]
-        try:
-            with _library_compiling(everywhere), torch._guards.tracing(context), _direct_fake_metas(mode), \
-                    quiet_fake_mode(fake_run):
-                gm = make_fx(traced, **kw)(*real_inputs)
-        finally:
-            for p, g in zip(grad_params, grads0):
-                if fake_run and p.grad is not g and is_fake_tensor(p.grad):
-                    p.grad = g
-        if fake_run:
+        with _library_compiling(everywhere), torch._guards.tracing(context), _direct_fake_metas(mode), \
+                quiet_fake_mode(fake):
+            gm = make_fx(traced, **kw)(*real_inputs)
+        if fake:
             inputs = {storage_key(args[i]) for i in tensor_pos} | {storage_key(g) for g in grads0}
             consts = (getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
             if any(isinstance(c, torch.Tensor) and storage_key(c) in inputs - {0} for c in consts):
@@ -857,12 +852,13 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             for p, _ in bindings:
                 if id(p) not in recorder.grads:
                     p.grad = None
-            if fake_run:  # no fake gradient is left on a real parameter (the backward's, or a placeholder)
-                real0 = {id(p): g for p, g in zip(grad_params, grads0)}
+            if fake:  # no fake gradient is left on a real parameter (the backward's, or a placeholder)
+                before = {id(p): (p, g) for p, g in zip(grad_params, grads0)}
                 for key, ref in guard.leaves.items():
-                    p = ref()
-                    if p is not None and is_fake_tensor(p.grad):
-                        g0 = real0.get(key, guard.grads0.get(key))
+                    if (p := ref()) is not None:
+                        before.setdefault(key, (p, guard.grads0.get(key)))
+                for p, g0 in before.values():
+                    if is_fake_tensor(p.grad):
                         p.grad = None if is_fake_tensor(g0) else g0
                 guard.grads0.clear()  # (held no longer than the run: a gradient the step discards is freed)
                 lifter.real_of = lambda t: None

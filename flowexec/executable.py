@@ -305,8 +305,9 @@ class Executable:
                         fuse_lerp=self.fuse_lerp, copied_in=copied, recompute=self.recompute, **self.memory_options)
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
+        run_bytes = plan.planned_peak_bytes()  # (what graph mode's warm-up allocates on top)
         if self.mode == "graph" and self.park and cap.run == "fake" and self._parked is None:
-            self._park_for_warm_up(cap.discarded_grads, plan.planned_peak_bytes())
+            self._park_for_warm_up(cap.discarded_grads, run_bytes)
         hooks, node = None, None
         if self.mode == "graph" and self.pool != "shared" and cap.guards is not None and cap.guards.feeds is not None:
             from .runtime.feed_node import node_hooks  # a schedule's values written by the graph itself
@@ -332,8 +333,6 @@ class Executable:
             mutated_inputs = [input_index[v] for v in plan.mutated if v in input_index]
             targs = all_targs
             bound = {i for _, i in cap.grad_bindings} | set(fetch)
-
-            run_bytes = plan.planned_peak_bytes()
 
             def capture_runner(targs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> CudaGraphRunner:
                 # Warm-up must leave the caller's tensors as they were: borrowed inputs the
