@@ -67,7 +67,7 @@ for step in "$@"; do
     warm-build) run_step $step 420 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m --sample \
                  --out "$R" ;;  # issue 36's warm build, phases and sampled stacks (results/probes/warm_build_*)
     warm-build-fake) run_step $step 420 python3 benchmarks/probes/warm_build.py --models gpt2_124m,resnet50 \
-                 --settings "FLOWEXEC_FAKE_CAPTURE=1;FLOWEXEC_FAKE_CAPTURE=0" --out "$R/fake" ;;  # fake capture against real
+                 --settings "FLOWEXEC_FAKE_CAPTURE=1;FLOWEXEC_FAKE_CAPTURE=0" --sample --out "$R/fake" ;;  # fake capture against real
     tests-fake) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu \
                  --junitxml="$R/$step.xml" ;;  # the CUDA tests with the fake capture (on CUDA its default once they pass)
     warm-build-peers) run_step $step 300 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m \
