@@ -49,7 +49,7 @@ from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .snapshot import DeviceRoom, HostSnapshot
-from .fake_run import cuda_in_use, is_fake_tensor, quiet_fake_mode, register_fake_optimizer_kernels
+from .fake_run import cuda_in_use, is_fake_tensor, quiet_fake_mode, register_fake_optimizer_kernels, runs_for_real
 from .rng import install as install_rng_ops, lower_rng_hops
 from .storage import shared_storage, storage_key
 
@@ -424,11 +424,10 @@ class _CaptureGuard(TorchDispatchMode):
         self.backward_seen = self.backward_seen or task != -1
         self.undo.device_room.open = self.backward_seen and task == -1
         if self.fake:
-            # The fake mode writes its fake copies of real arguments, but runs an op of real
-            # tensors and fake constants alone (a CPU step count plus torch.tensor(1.0)) for real.
+            # The fake mode writes its fake copies of real arguments, but runs an op of constants
+            # alone for real (a CPU step count += 1): only those writes are undone.
             fakes = [a for a in pytree.tree_leaves((args, kwargs)) if is_fake_tensor(a)]
-            undone = [] if any(getattr(a, "constant", None) is None for a in fakes) else \
-                [t for t in written if not is_fake_tensor(t)]
+            undone = [t for t in written if not is_fake_tensor(t)] if runs_for_real(func, fakes) else []
         else:
             undone = written
         for t in undone:

@@ -30,6 +30,47 @@ def is_fake_tensor(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and is_fake(t)
 
 
+def runs_for_real(func: Any, fakes: list[torch.Tensor]) -> bool:
+    """Whether torch's fake mode may run ``func`` on its real arguments, writing those it writes
+    in place, where ``fakes`` are its fake arguments. It runs an op for real only where no
+    argument is fake and the op takes Python numbers as tensors (``step += 1`` on a CPU step
+    count) or is a lift (``torch.tensor``). With a fake argument, even a constant one
+    (``torch.tensor(2.0)`` made in the run), the real arguments are converted to fake ones that
+    are no constants, and the op runs on those; so does an op of real arguments alone that
+    takes no numbers as tensors (``_foreach_mul_`` of the parameters and a number). An op a
+    tracer may decompose (CompositeImplicitAutograd) counts as run for real: its parts are what
+    the fake mode sees.
+
+        >>> import torch
+        >>> runs_for_real(torch.ops.aten.add_.Tensor, []), runs_for_real(torch.ops.aten._foreach_mul_.Scalar, [])
+        (True, False)
+    """
+    return not fakes and (_numbers_as_tensors(func) or _decomposable(func))
+
+
+@functools.lru_cache(maxsize=None)
+def _numbers_as_tensors(func: Any) -> bool:
+    """The fake mode's constant propagation: a lift (``torch.tensor``) or an op that binds
+    Python numbers to tensors runs for real where no argument is fake."""
+    from torch._subclasses.fake_tensor import should_allow_numbers_as_tensors
+
+    aten = torch.ops.aten
+    if func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
+        return True
+    try:
+        return should_allow_numbers_as_tensors(func)
+    except (AttributeError, RuntimeError):  # (not an ATen OpOverload: count it as run for real)
+        return True
+
+
+@functools.lru_cache(maxsize=None)
+def _decomposable(func: Any) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    except (AttributeError, RuntimeError):  # (not an ATen OpOverload: count it as run for real)
+        return True
+
+
 @contextlib.contextmanager
 def quiet_fake_mode(on: bool) -> Iterator[None]:
     """A fake run that fails gives way to a real one: the fake mode's own log of the failure (a

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 import flowexec
 import flowexec.capture as capture
@@ -108,3 +108,59 @@ def test_a_real_capture_is_one_switch_away(monkeypatch) -> None:
     monkeypatch.setattr(capture, "_FAKE_CAPTURE", False)
     exe = flowexec.compile(lambda x: (x * 2).sum(), torch.ones(3), mode="trace")
     assert exe.capture_run == "real"
+
+
+_ATEN = torch.ops.aten
+# (op, a real tensor it writes in place, its other arguments; None: a constant made in the run)
+_WRITES = [
+    (_ATEN.add_.Tensor, torch.tensor(5.0), (1,)),  # a CPU step count += 1: run for real
+    (_ATEN.add_.Tensor, torch.tensor(5.0), (None,)),  # ... plus torch.tensor(2.0): on a fake copy
+    (_ATEN.mul_.Tensor, torch.ones(3), (None,)),
+    (_ATEN.mul_.Scalar, torch.ones(3), (2.0,)),
+    (_ATEN._foreach_mul_.Scalar, [torch.ones(3), torch.ones(2)], (2.0,)),
+    (_ATEN._foreach_mul_.Tensor, [torch.ones(3), torch.ones(2)], (None,)),
+    (_ATEN._foreach_add_.Scalar, [torch.tensor(5.0)], (1,)),
+    (_ATEN.lerp_.Scalar, torch.ones(3), (torch.zeros(3), 0.5)),
+    (_ATEN.zero_.default, torch.ones(3), ()),
+]
+
+
+@pytest.mark.parametrize("op, written, rest", _WRITES, ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "")
+def test_fake_run_knows_which_ops_the_fake_mode_runs_on_real_tensors(op, written, rest) -> None:
+    """``runs_for_real`` against torch's fake mode itself: where it says an op of real tensors
+    runs on fake copies, the real tensor keeps its value (the capture keeps no undo copy of
+    it); where the op does write it, it says so (the capture's undo log puts it back)."""
+    from flowexec.fake_run import runs_for_real
+
+    tensors = written if isinstance(written, list) else [written]
+    before = [t.clone() for t in tensors]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [torch.tensor(2.0) if a is None else a for a in rest]
+        fakes = [a for a in args if isinstance(a, torch.Tensor) and is_fake(a)]
+        op(written, *args)
+    changed = any(not torch.equal(t, b) for t, b in zip(tensors, before))
+    assert not changed or runs_for_real(op, fakes), f"{op} wrote a real tensor that runs_for_real calls untouched"
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, weight_decay=0.01, foreach=True),
+], ids=["adamw_foreach", "sgd_momentum_foreach"])
+def test_a_fake_capture_of_a_foreach_optimizer_keeps_no_undo_copies(make_opt, monkeypatch) -> None:
+    """The foreach steps' writes of parameters and state (weight decay, the second moment's
+    decay) run on fake copies: the capture copies nothing to put back, and trains as eager."""
+    from flowexec import snapshot
+
+    saved = io.StringIO()  # (a sink the capture's guards do not take for what fn reads)
+    real_save = snapshot.HostSnapshot.save
+    monkeypatch.setattr(snapshot.HostSnapshot, "save", lambda self, t: (saved.write("s"), real_save(self, t))[1])
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    ref.load_state_dict(model.state_dict())
+    exe, ref_step = flowexec.compile(_step(model, make_opt(model.parameters()))), _step(ref, make_opt(ref.parameters()))
+    for _ in range(4):
+        x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+        assert_close_rel(exe(x, y), ref_step(x, y), 1e-5, "loss")
+    assert exe.capture_run == "fake"
+    assert saved.getvalue() == ""
+    assert_close_rel(model.weight, ref.weight, 1e-5, "weight")
