@@ -424,10 +424,10 @@ class _CaptureGuard(TorchDispatchMode):
         self.backward_seen = self.backward_seen or task != -1
         self.undo.device_room.open = self.backward_seen and task == -1
         if self.fake:
-            # The fake mode writes its fake copies of real arguments, but runs an op of constants
-            # alone for real (a CPU step count += 1): only those writes are undone.
-            fakes = [a for a in pytree.tree_leaves((args, kwargs)) if is_fake_tensor(a)]
-            undone = [t for t in written if not is_fake_tensor(t)] if runs_for_real(func, fakes) else []
+            # The fake mode writes its fake copies of real arguments, but an op of constants and
+            # untraced state runs for real (a CPU step count += 1): only those writes are undone.
+            tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            undone = [t for t in written if not is_fake_tensor(t)] if runs_for_real(func, tensors) else []
         else:
             undone = written
         for t in undone:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -30,22 +30,37 @@ def is_fake_tensor(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and is_fake(t)
 
 
-def runs_for_real(func: Any, fakes: list[torch.Tensor]) -> bool:
-    """Whether torch's fake mode may run ``func`` on its real arguments, writing those it writes
-    in place, where ``fakes`` are its fake arguments. It runs an op for real only where no
-    argument is fake and the op takes Python numbers as tensors (``step += 1`` on a CPU step
-    count) or is a lift (``torch.tensor``). With a fake argument, even a constant one
-    (``torch.tensor(2.0)`` made in the run), the real arguments are converted to fake ones that
-    are no constants, and the op runs on those; so does an op of real arguments alone that
-    takes no numbers as tensors (``_foreach_mul_`` of the parameters and a number). An op a
-    tracer may decompose (CompositeImplicitAutograd) counts as run for real: its parts are what
-    the fake mode sees.
+def runs_for_real(func: Any, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a fake capture may run ``func``, whose tensor arguments are ``tensors``, on real
+    tensors, writing those it writes in place. Two places propagate constants for real:
+
+    - make_fx's proxy mode, for an op whose traced arguments are all constants and one at
+      least is (``torch.tensor(1.0)`` made in the run); tensors it does not trace (closure state
+      no earlier op of the run produced or lifted) do not count against that: Adam's CPU step
+      counts in ``_foreach_add_(steps, torch.tensor(1.0))``;
+    - torch's fake mode, for an op with no fake argument that takes Python numbers as tensors
+      (``step += 1``) or is a lift (``torch.tensor``); an op a tracer may decompose
+      (CompositeImplicitAutograd) counts too, since its parts are what the mode sees.
+
+    Otherwise the real arguments are converted to fake ones and only those are written (a
+    foreach optimizer's weight decay of its traced parameters, ``_foreach_mul_(params, factor)``).
+    Outside a make_fx trace only the second applies.
 
         >>> import torch
         >>> runs_for_real(torch.ops.aten.add_.Tensor, []), runs_for_real(torch.ops.aten._foreach_mul_.Scalar, [])
         (True, False)
     """
-    return not fakes and (_numbers_as_tensors(func) or _decomposable(func))
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    proxy = get_proxy_mode()
+    if proxy is not None:
+        slots = [s for s in (get_proxy_slot(t, proxy.tracer, None) for t in tensors) if s is not None]
+        constants = [getattr(s, "constant", None) is not None for s in slots]
+        if constants and all(constants) and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+            return True
+    if any(is_fake_tensor(t) for t in tensors):
+        return False
+    return _numbers_as_tensors(func) or _decomposable(func)
 
 
 @functools.lru_cache(maxsize=None)

@@ -114,32 +114,43 @@ _ATEN = torch.ops.aten
 # (op, a real tensor it writes in place, its other arguments; None: a constant made in the run)
 _WRITES = [
     (_ATEN.add_.Tensor, torch.tensor(5.0), (1,)),  # a CPU step count += 1: run for real
-    (_ATEN.add_.Tensor, torch.tensor(5.0), (None,)),  # ... plus torch.tensor(2.0): on a fake copy
+    (_ATEN.add_.Tensor, torch.tensor(5.0), (None,)),
+    (_ATEN._foreach_add_.Tensor, [torch.tensor(5.0), torch.tensor(6.0)], (None,)),  # Adam's CPU step counts
+    (_ATEN._foreach_add_.Scalar, [torch.tensor(5.0)], (1,)),
     (_ATEN.mul_.Tensor, torch.ones(3), (None,)),
     (_ATEN.mul_.Scalar, torch.ones(3), (2.0,)),
-    (_ATEN._foreach_mul_.Scalar, [torch.ones(3), torch.ones(2)], (2.0,)),
+    (_ATEN._foreach_mul_.Scalar, [torch.ones(3), torch.ones(2)], (2.0,)),  # foreach weight decay
     (_ATEN._foreach_mul_.Tensor, [torch.ones(3), torch.ones(2)], (None,)),
-    (_ATEN._foreach_add_.Scalar, [torch.tensor(5.0)], (1,)),
     (_ATEN.lerp_.Scalar, torch.ones(3), (torch.zeros(3), 0.5)),
     (_ATEN.zero_.default, torch.ones(3), ()),
 ]
 
 
 @pytest.mark.parametrize("op, written, rest", _WRITES, ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "")
-def test_fake_run_knows_which_ops_the_fake_mode_runs_on_real_tensors(op, written, rest) -> None:
-    """``runs_for_real`` against torch's fake mode itself: where it says an op of real tensors
-    runs on fake copies, the real tensor keeps its value (the capture keeps no undo copy of
-    it); where the op does write it, it says so (the capture's undo log puts it back)."""
+def test_fake_run_knows_which_ops_a_fake_trace_runs_on_real_tensors(op, written, rest) -> None:
+    """``runs_for_real`` against make_fx's fake tracing itself (as a capture runs it: closure
+    tensors real, constants made in the run): where it says an op of real tensors runs on fake
+    copies, the real tensor keeps its value (the capture keeps no undo copy of it); where the
+    op does write it, it says so (the capture's undo log puts it back)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     from flowexec.fake_run import runs_for_real
 
     tensors = written if isinstance(written, list) else [written]
     before = [t.clone() for t in tensors]
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    said = []
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
         args = [torch.tensor(2.0) if a is None else a for a in rest]
-        fakes = [a for a in args if isinstance(a, torch.Tensor) and is_fake(a)]
+        said.append(runs_for_real(op, [*tensors, *(a for a in args if isinstance(a, torch.Tensor))]))
         op(written, *args)
+        return x + 1
+
+    # (the capture's fake mode: no fallback kernels, which would run the real op on real tensors)
+    mode = FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=True)
+    make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(mode.from_tensor(torch.zeros(2)))
     changed = any(not torch.equal(t, b) for t, b in zip(tensors, before))
-    assert not changed or runs_for_real(op, fakes), f"{op} wrote a real tensor that runs_for_real calls untouched"
+    assert not changed or said[0], f"{op} wrote a real tensor that runs_for_real calls untouched"
 
 
 @pytest.mark.parametrize("make_opt", [
