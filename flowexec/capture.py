@@ -952,8 +952,8 @@ def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[to
         gm.graph.erase_node(node)
         if id(p) in replaced:
             discarded.append(p)
-    if len(read) < len(grad_params):
-        gm.recompile()
+    # (no gm.recompile(): the program is read from the graph's nodes, and the module's Python
+    # code, 0.2 s for a 2,000-node step, is never run)
     return tuple(read), tuple(discarded)
 
 
