@@ -2,7 +2,8 @@
 
 ``flowexec.compile`` (executable.py), the ``torch.compile`` backend (backend.py) and pipeline
 stages (pipeline/compiled.py) hand :func:`plan_for` the program they captured; it applies the
-program rewrites — the fused lerp where it measured faster (:func:`rewrite_program`), padded
+program rewrites — ops whose results nothing uses dropped (``passes/dead_code.py``), the fused
+lerp where it measured faster (:func:`rewrite_program`), padded
 matrix products and fused regions (``fusion.fuse_and_pad``) — and plans the result
 (``plan.build_plan``), keeping the fusion report on the plan. A new rewrite or pass goes here
 once and reaches all three.
@@ -23,6 +24,7 @@ from typing import Any, Sequence
 from .errors import OptionError
 from .fusion import check_fuse, fuse_and_pad, wants_fusion
 from .passes.copy_in import copy_inputs_in
+from .passes.dead_code import drop_dead_ops
 from .passes.recompute import Recomputed, recompute_activations
 from .plan import ExecutionPlan, build_plan
 from .program import Program
@@ -44,12 +46,12 @@ def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> P
 def plan_for(prog: Program, mode: str, *, gc: str = "fast", streams: int | str = 1, fuse: str | bool | None = None,
              pad: bool | None = None, fuse_lerp: bool | str | None = None, copied_in: Sequence[int] = (),
              recompute: bool | None = None, **plan_options: Any) -> ExecutionPlan:
-    """``prog`` rewritten (lerp; activations recomputed after the peak, ``recompute``: None
-    where it is fused, :func:`recompute_for`; padding, fusion; then the inputs at positions
+    """``prog`` rewritten (dead ops dropped; lerp; activations recomputed after the peak,
+    ``recompute``: None where it is fused, :func:`recompute_for`; padding, fusion; then the inputs at positions
     ``copied_in`` copied in by the program itself, ``passes/copy_in.py``, which graph mode asks
     for) and planned for run mode ``mode``; ``plan_options`` go to
     :func:`~flowexec.plan.build_plan` (memory, order, gc_backlog, ...)."""
-    prog = rewrite_program(prog, mode, fuse_lerp)
+    prog = rewrite_program(drop_dead_ops(prog), mode, fuse_lerp)
     prog, recomputed = recompute_for(prog, recompute, wants_fusion(prog, check_fuse(fuse), mode))
     prog, fusion = fuse_and_pad(prog, fuse, pad, mode)
     if copied_in:  # (after fusion: the copy must stay a plain copy, the graph's memcpy node)

@@ -500,3 +500,65 @@ def test_an_output_record_a_step_makes_is_not_kept_as_guarded_state() -> None:
     for _ in range(3):
         exe(x)
     assert exe.build_seconds is not None  # captured, not refused as tensors left in Python state
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.2),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=True),
+], ids=["sgd", "sgd_momentum_wd", "adamw_foreach"])
+def test_a_whole_step_runs_no_op_whose_result_nothing_uses(make_opt) -> None:
+    """The host reads an optimizer makes of its lifted hyperparameters (``lr != 0``) are answered
+    from their numbers; the comparisons they traced (and a fake capture's constants before them)
+    are not run per step: every op of the program is read by a later op, returned or writes
+    state."""
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    ref.load_state_dict(model.state_dict())
+    exe, ref_step = zero_first_step(model, make_opt(model.parameters())), zero_first_step(ref, make_opt(ref.parameters()))
+    exe = flowexec.compile(exe)
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(exe(x), ref_step(x), rtol=1e-5, atol=1e-6)
+    prog = exe.program
+    read = {r for op in prog.ops for r in op.refs()} | {o.id for o in prog.outputs if isinstance(o, flowexec.program.Ref)}
+    for op in prog.ops:
+        outs = [o for o in op.outputs if o >= 0]
+        writes = flowexec.program.written_args(op.target) if hasattr(op.target, "_schema") else ()
+        assert writes or not outs or any(o in read for o in outs), f"{op.name}: nothing uses its result"
+    assert "aten.ne.Scalar" not in {op.name for op in prog.ops}
+
+
+def _dropped(fn, *args) -> list[str]:
+    from flowexec.passes.dead_code import drop_dead_ops
+
+    prog = capture(fn, args).program
+    kept = {id(op.target) for op in drop_dead_ops(prog).ops}
+    return [op.name for op in prog.ops if id(op.target) not in kept]
+
+
+def test_dropping_unused_ops_keeps_writes_others_see_random_draws_and_assertions() -> None:
+    def unused_sum(x):
+        x.sum()
+        return x * 2
+
+    def write_to_input(x):
+        x.add_(1)  # its result unused; the caller's x changes
+        return x.sum()
+
+    def write_through_a_view_read_later(x):
+        t = x * 2
+        v = t.view(-1)
+        t.add_(1)  # v, returned, sees it
+        return v
+
+    def unused_draw(x):
+        torch.rand(3)  # advances the generator: the next draw depends on it
+        return x + torch.rand(3)
+
+    assert _dropped(unused_sum, torch.ones(3)) == ["aten.sum.default"]
+    assert _dropped(write_to_input, torch.ones(3)) == []
+    assert _dropped(write_through_a_view_read_later, torch.ones(3)) == []
+    assert "aten.rand.default" not in _dropped(unused_draw, torch.ones(3))
+    x = torch.ones(3)
+    torch.testing.assert_close(flowexec.compile(write_through_a_view_read_later)(x), (x * 2 + 1).view(-1))
