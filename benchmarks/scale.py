@@ -400,6 +400,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["calls_to_capture"] = calls
         res["flowexec_build_seconds"] = exe.build_seconds
         res["flowexec_build_phases"] = exe.build_phases  # where a warm build's seconds go
+        res["flowexec_plan_passes"] = dict(exe.plan.pass_seconds)  # the plan phase by step (fuse: with compiles)
         res["flowexec_build_peaks"] = exe.build_peaks  # after which phase the peak grew
         st = exe.plan.stats()
         res["plan"] = {k: st[k] for k in ("ops", "fused_regions", "fused_kernels", "fusion_fallbacks",

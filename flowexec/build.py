@@ -4,8 +4,8 @@
 stages (pipeline/compiled.py) hand :func:`plan_for` the program they captured; it applies the
 program rewrites — ops whose results nothing uses dropped (``passes/dead_code.py``), the fused
 lerp where it measured faster (:func:`rewrite_program`), padded
-matrix products and fused regions (``fusion.fuse_and_pad``) — and plans the result
-(``plan.build_plan``), keeping the fusion report on the plan. A new rewrite or pass goes here
+matrix products and fused regions (``fusion.pad_for``, ``fusion.fuse_for``) — and plans the result
+(``plan.build_plan``), keeping the fusion report and each step's seconds (``pass_seconds``) on the plan. A new rewrite or pass goes here
 once and reaches all three.
 
 Example::
@@ -19,10 +19,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 from .errors import OptionError
-from .fusion import check_fuse, fuse_and_pad, wants_fusion
+from .fusion import check_fuse, fuse_for, pad_for, wants_fusion
 from .passes.copy_in import copy_inputs_in
 from .passes.dead_code import drop_dead_ops
 from .passes.recompute import Recomputed, recompute_activations
@@ -51,13 +52,30 @@ def plan_for(prog: Program, mode: str, *, gc: str = "fast", streams: int | str =
     ``copied_in`` copied in by the program itself, ``passes/copy_in.py``, which graph mode asks
     for) and planned for run mode ``mode``; ``plan_options`` go to
     :func:`~flowexec.plan.build_plan` (memory, order, gc_backlog, ...)."""
-    prog = rewrite_program(drop_dead_ops(prog), mode, fuse_lerp)
-    prog, recomputed = recompute_for(prog, recompute, wants_fusion(prog, check_fuse(fuse), mode))
-    prog, fusion = fuse_and_pad(prog, fuse, pad, mode)
+    clock = _Clock()
+    prog = clock("dead_code", drop_dead_ops(prog))
+    prog = clock("lerp", rewrite_program(prog, mode, fuse_lerp))
+    prog, recomputed = clock("recompute", recompute_for(prog, recompute, wants_fusion(prog, check_fuse(fuse), mode)))
+    prog = clock("pad", pad_for(prog, pad))
+    prog, fusion = clock("fuse", fuse_for(prog, fuse, mode))
     if copied_in:  # (after fusion: the copy must stay a plain copy, the graph's memcpy node)
-        prog = copy_inputs_in(prog, copied_in)
-    return dataclasses.replace(build_plan(prog, gc, streams, mode=mode, **plan_options), fusion=fusion,
-                               recomputed=recomputed)
+        prog = clock("copy_in", copy_inputs_in(prog, copied_in))
+    plan = clock("build_plan", build_plan(prog, gc, streams, mode=mode, **plan_options))
+    return dataclasses.replace(plan, fusion=fusion, recomputed=recomputed, pass_seconds=tuple(clock.seconds))
+
+
+class _Clock:
+    """Seconds since the previous call, kept under a name: ``clock(name, result)`` returns result."""
+
+    def __init__(self) -> None:
+        self.seconds: list[tuple[str, float]] = []
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str, result: Any) -> Any:
+        now = time.perf_counter()
+        self.seconds.append((name, round(now - self._last, 6)))
+        self._last = now
+        return result
 
 
 def check_recompute(recompute: Any) -> bool | None:

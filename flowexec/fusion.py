@@ -218,11 +218,3 @@ def _gpu_time(fn: Any, reps: int = 10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
-
-
-def fuse_and_pad(prog: Program, fuse: str | bool | None, pad: bool | None,
-                 mode: str = "graph") -> tuple[Program, FusionReport | None]:
-    """:func:`pad_for` then :func:`fuse_for`: what every front door applies to a captured
-    program before planning (``mode``: the run mode it is planned for)."""
-    return fuse_for(pad_for(prog, pad), fuse, mode)
-

@@ -92,6 +92,9 @@ class ExecutionPlan:
     order: str = "program"
     fusion: FusionReport | None = None  # fuse="inductor": the regions and what became of each (passes/fuse.py)
     recomputed: tuple[Recomputed, ...] = ()  # what passes/recompute.py recomputed (recompute=)
+    # seconds of each rewrite build.plan_for applied and of build_plan itself (where a build's
+    # "plan" phase went); fuse's includes Inductor's compiles (the report's compile_seconds)
+    pass_seconds: tuple[tuple[str, float], ...] = ()
 
     def planned_peak_bytes(self) -> int:
         """The planned peak of the whole call: the arenas plus the peak of what still allocates."""

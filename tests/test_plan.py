@@ -88,3 +88,12 @@ def test_trace_runner_frees_tensors_at_last_use():
     run = [c.cell_contents for c in src if callable(getattr(c.cell_contents, "source", None)) or hasattr(c.cell_contents, "source")][0]
     assert "del v1" in run.source and "del v2" in run.source
 
+
+
+def test_a_plan_says_where_its_building_went_step_by_step() -> None:
+    """``pass_seconds``: each rewrite ``build.plan_for`` applied, in order, and ``build_plan``
+    (graph mode adds ``copy_in`` where the program copies an input in itself)."""
+    exe = flowexec.compile(lambda x: (x * 2).relu().sum(), torch.randn(4))
+    names = [name for name, _ in exe.plan.pass_seconds]
+    assert names == ["dead_code", "lerp", "recompute", "pad", "fuse", "build_plan"]
+    assert all(s >= 0 for _, s in exe.plan.pass_seconds)

@@ -51,7 +51,8 @@ def main() -> None:
         rec = out["models"][m] = {}
         try:
             cold = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
-            rec["cold"] = {k: cold.get(k) for k in ("build_s", "flowexec_build_phases", "process_s", "error")}
+            rec["cold"] = {k: cold.get(k) for k in ("build_s", "flowexec_build_phases", "flowexec_plan_passes",
+                                                    "process_s", "error")}
             print(f"{m} cold: {cold.get('build_s')} s {cold.get('flowexec_build_phases')}", flush=True)
             for setting in settings:
                 saved = dict(os.environ)
@@ -69,7 +70,8 @@ def main() -> None:
                     tag = "".join(c if c.isalnum() else "-" for c in setting) or "default"
                     os.replace(made, os.path.join(a.out, f"samples_{m}_{a.variant}_warm_{tag}.collapsed"))
                 rec[setting or "default"] = {k: w.get(k) for k in ("build_s", "flowexec_build_phases", "process_s",
-                                                                   "error", "build_samples") if k in w}
+                                                                   "flowexec_plan_passes", "error", "build_samples")
+                                             if k in w}
                 print(f"{m} warm [{setting or 'default'}]: {w.get('build_s')} s {w.get('flowexec_build_phases')}",
                       flush=True)
         finally:
