@@ -104,7 +104,11 @@ class Op:
     _refs: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_refs", (*_iter_refs(self.args), *_iter_refs(tuple(v for _, v in self.kwargs))))
+        refs: list[int] = []
+        _collect_refs(self.args, refs)
+        for _, v in self.kwargs:
+            _collect_refs(v, refs)
+        object.__setattr__(self, "_refs", tuple(refs))
 
     @property
     def name(self) -> str:
@@ -115,12 +119,14 @@ class Op:
         return iter(self._refs)
 
 
-def _iter_refs(obj: Any) -> Iterator[int]:
+def _collect_refs(obj: Any, into: list[int]) -> None:
+    """Append the ids of the Refs in ``obj`` (nested lists and tuples), in order. (A plain
+    recursion: a capture builds thousands of ops, and generators cost three times as much.)"""
     if isinstance(obj, Ref):
-        yield obj.id
+        into.append(obj.id)
     elif isinstance(obj, (list, tuple)):
         for o in obj:
-            yield from _iter_refs(o)
+            _collect_refs(o, into)
 
 
 def op_name(target: Callable[..., Any]) -> str:
