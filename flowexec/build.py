@@ -3,10 +3,10 @@
 ``flowexec.compile`` (executable.py), the ``torch.compile`` backend (backend.py) and pipeline
 stages (pipeline/compiled.py) hand :func:`plan_for` the program they captured; it applies the
 program rewrites — ops whose results nothing uses dropped (``passes/dead_code.py``), the fused
-lerp where it measured faster (:func:`rewrite_program`), padded
-matrix products and fused regions (``fusion.pad_for``, ``fusion.fuse_for``) — and plans the result
-(``plan.build_plan``), keeping the fusion report and each step's seconds (``pass_seconds``) on the plan. A new rewrite or pass goes here
-once and reaches all three.
+lerp where it measured faster (:func:`rewrite_program`), padded matrix products and fused
+regions (``fusion.pad_for``, ``fusion.fuse_for``) — and plans the result (``plan.build_plan``),
+keeping the fusion report and each step's seconds (``pass_seconds``) on the plan. A new
+rewrite or pass goes here once and reaches all three.
 
 Example::
 
@@ -48,9 +48,9 @@ def plan_for(prog: Program, mode: str, *, gc: str = "fast", streams: int | str =
              pad: bool | None = None, fuse_lerp: bool | str | None = None, copied_in: Sequence[int] = (),
              recompute: bool | None = None, **plan_options: Any) -> ExecutionPlan:
     """``prog`` rewritten (dead ops dropped; lerp; activations recomputed after the peak,
-    ``recompute``: None where it is fused, :func:`recompute_for`; padding, fusion; then the inputs at positions
-    ``copied_in`` copied in by the program itself, ``passes/copy_in.py``, which graph mode asks
-    for) and planned for run mode ``mode``; ``plan_options`` go to
+    ``recompute``: None where it is fused, :func:`recompute_for`; padding, fusion; then the
+    inputs at positions ``copied_in`` copied in by the program itself, ``passes/copy_in.py``,
+    which graph mode asks for) and planned for run mode ``mode``; ``plan_options`` go to
     :func:`~flowexec.plan.build_plan` (memory, order, gc_backlog, ...)."""
     clock = _Clock()
     prog = clock("dead_code", drop_dead_ops(prog))

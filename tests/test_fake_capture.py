@@ -126,7 +126,8 @@ _WRITES = [
 ]
 
 
-@pytest.mark.parametrize("op, written, rest", _WRITES, ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "")
+@pytest.mark.parametrize("op, written, rest", _WRITES,
+                         ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "")
 def test_fake_run_knows_which_ops_a_fake_trace_runs_on_real_tensors(op, written, rest) -> None:
     """``runs_for_real`` against make_fx's fake tracing itself (as a capture runs it: closure
     tensors real, constants made in the run): where it says an op of real tensors runs on fake
