@@ -23,6 +23,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 import scale  # noqa: E402  (benchmarks/scale.py: its children, caches and environment record)
 
 
+# what each build's record keeps of its child's figures
+RECORDED = ("build_s", "flowexec_build_phases", "flowexec_plan_passes", "process_s", "error")
+
+
 def _with_env(setting: str):
     pairs = [kv.split("=", 1) for kv in setting.split(",") if kv.strip()]
     return {k.strip(): v.strip() for k, v in pairs}
@@ -51,8 +55,7 @@ def main() -> None:
         rec = out["models"][m] = {}
         try:
             cold = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
-            rec["cold"] = {k: cold.get(k) for k in ("build_s", "flowexec_build_phases", "flowexec_plan_passes",
-                                                    "process_s", "error")}
+            rec["cold"] = {k: cold.get(k) for k in RECORDED if k in cold}
             print(f"{m} cold: {cold.get('build_s')} s {cold.get('flowexec_build_phases')}", flush=True)
             for setting in settings:
                 saved = dict(os.environ)
@@ -69,9 +72,7 @@ def main() -> None:
                 if a.sample and os.path.exists(made):
                     tag = "".join(c if c.isalnum() else "-" for c in setting) or "default"
                     os.replace(made, os.path.join(a.out, f"samples_{m}_{a.variant}_warm_{tag}.collapsed"))
-                rec[setting or "default"] = {k: w.get(k) for k in ("build_s", "flowexec_build_phases", "process_s",
-                                                                   "flowexec_plan_passes", "error", "build_samples")
-                                             if k in w}
+                rec[setting or "default"] = {k: w.get(k) for k in (*RECORDED, "build_samples") if k in w}
                 print(f"{m} warm [{setting or 'default'}]: {w.get('build_s')} s {w.get('flowexec_build_phases')}",
                       flush=True)
         finally:

@@ -12,8 +12,8 @@ An op is dropped only where that cannot change what the program computes:
 - its target is an ATen op that draws no random numbers and is not an assertion or another op
   run for its effect (:data:`KEPT`);
 - it produces at least one value, and none of them is read later or returned;
-- every tensor it writes in place (``detach_`` of a temporary) is a temporary of the program
-  whose alias group no later op reads, and that group holds no input, state or output.
+- no later op reads what it writes in place (``detach_`` of a temporary: its alias group), and
+  that group holds no input, state or output.
 
 Example::
 
@@ -32,8 +32,8 @@ import dataclasses
 
 import torch
 
-from ..program import Op, Program, Ref, Role, written_args
-from .dependencies import alias_groups
+from ..program import Op, Program, Ref
+from .dependencies import alias_groups, read_write_sets
 
 # ATen ops run for what they do, not for what they return: never dropped.
 KEPT = ("aten._assert", "aten._functional_assert", "aten.sym_constrain_range", "aten._print", "aten.record_stream",
@@ -44,39 +44,27 @@ def drop_dead_ops(prog: Program) -> Program:
     """``prog`` without the ops whose results nothing uses (see the module's docstring); the
     same object where there is none."""
     groups = alias_groups(prog, shared=True)
+    writes = [w for _, w in read_write_sets(prog, groups)]
     used = {o.id for o in prog.outputs if isinstance(o, Ref)}
-    pinned = {groups[v] for v in (*prog.inputs, *prog.state, *used)}  # (written: visible outside)
-    live = set(pinned)  # alias groups read later (or visible outside)
-    keep: list[bool] = [True] * len(prog.ops)
+    # alias groups read later, or seen outside the call (inputs, state, outputs: their writes stay)
+    live = {groups[v] for v in (*prog.inputs, *prog.state, *used)}
+    keep = [True] * len(prog.ops)
     for k in range(len(prog.ops) - 1, -1, -1):
         op = prog.ops[k]
-        if _droppable(op, prog, groups, used, live):
+        if _droppable(op) and not any(o in used for o in op.outputs) and not writes[k] & live:
             keep[k] = False
             continue
-        for r in op.refs():
-            used.add(r)
-            live.add(groups[r])
-        for o in op.outputs:  # (an in-place op's result aliases what it writes)
-            if o >= 0 and o in used:
-                live.add(groups[o])
+        used.update(op.refs())
+        live.update(groups[r] for r in op.refs())
     if all(keep):
         return prog
     ops = [op for op, k in zip(prog.ops, keep) if k]
     return dataclasses.replace(prog, ops=tuple(dataclasses.replace(op, index=i) for i, op in enumerate(ops)))
 
 
-def _droppable(op: Op, prog: Program, groups: tuple[int, ...], used: set[int], live: set[int]) -> bool:
+def _droppable(op: Op) -> bool:
+    """An ATen op that draws no random numbers, is not run for its effect and makes a value."""
     target = op.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
-        return False
-    if op.name.startswith(KEPT) or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    outs = [o for o in op.outputs if o >= 0]
-    if not outs or any(o in used for o in outs):
-        return False
-    for pos in written_args(target):
-        arg = op.args[pos] if pos < len(op.args) else dict(op.kwargs).get(target._schema.arguments[pos].name)
-        for r in (arg if isinstance(arg, (list, tuple)) else [arg]):
-            if isinstance(r, Ref) and (prog.values[r.id].role is not Role.TEMP or groups[r.id] in live):
-                return False
-    return True
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+            and not op.name.startswith(KEPT) and torch.Tag.nondeterministic_seeded not in target.tags
+            and any(o >= 0 for o in op.outputs))
