@@ -242,6 +242,36 @@ def test_pad_true_aligns_products_keeps_answers_and_output_strides_and_pads_a_gr
     assert "constant_pad_nd" not in str(flowexec.compile(f, x, g).program)  # on the CPU nothing is padded by default
 
 
+def test_metas_after_padding_rerun_only_what_the_rewrite_changed():
+    """After padding a language model's head, propagate_metas re-derives what running every op
+    on fake tensors gives, and an op whose inputs kept their metas is not run again: a stride
+    planted on an unrelated value stays, where running everything corrects it."""
+    from flowexec.passes.metas import propagate_metas
+    from flowexec.passes.pad import _rewrite, pad_cases
+
+    torch.manual_seed(0)
+    model = Block(vocab=50, dim=32, heads=4, seq=16)
+    step = make_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lm_loss)
+    ids = torch.randint(0, 50, (3, 16))
+    step(ids, ids)  # the optimizer's state
+    prog = flowexec.compile(step, ids, ids, pad=False, fuse=False).program
+    cases = dict(pad_cases(prog))
+    assert cases  # the vocabulary of 50 is misaligned
+    rewritten, _ = _rewrite(prog, cases, set())
+    every = propagate_metas(rewritten, everything=True)
+    assert [v.meta for v in propagate_metas(rewritten).values] == [v.meta for v in every.values]
+    first = next(op for op in prog.ops if op.outputs[0] >= 0 and prog.values[op.outputs[0]].meta is not None
+                 and len(prog.values[op.outputs[0]].meta.shape) == 2)
+    vid = first.outputs[0]
+    meta = prog.values[vid].meta
+    planted = dataclasses.replace(meta, stride=(1, meta.shape[0]))  # not what the op makes
+    values = list(rewritten.values)
+    values[vid] = dataclasses.replace(values[vid], meta=planted)
+    wrong = dataclasses.replace(rewritten, values=tuple(values))
+    assert propagate_metas(wrong).values[vid].meta == planted
+    assert propagate_metas(wrong, everything=True).values[vid].meta == meta
+
+
 def test_fused_convnet_with_batch_norm_updates_running_stats_as_eager():
     from flowexec.models import ConvNet
 
