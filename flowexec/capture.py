@@ -19,6 +19,7 @@ Example::
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -96,6 +97,9 @@ class Captured:
     parked: ParkedGrads | None = None
     # How fn ran: "fake" (fake tensors: nothing computed), or "real" and why a fake run could not
     run: str = "real"
+    # make_state (an optimizer's first step as a program): after the run the caller sets
+    # ``optimizer.state[param][key]`` to output ``idx``, for each (optimizer, param, key, idx)
+    made_state: tuple[tuple[Any, Any, str, int], ...] = ()
 
 
 _metas = threading.local()  # per thread: the fake modes of the captures under way, innermost last
@@ -187,14 +191,13 @@ class LazyStateError(CaptureError):
 
 
 def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
-    """A torch.optim optimizer that ``fn`` reaches (through closures, the globals its code
-    names, a bound method's object, partials, attributes and containers, three steps deep, at
-    most 64 entries of a container and 2,000 objects in all) and that has made no state yet,
-    though its first step will (not SGD without momentum); None if there is none, or if looking
-    raised (a property, a ``__getattr__``: the capture then finds lazy state itself).
+    """A torch.optim optimizer that ``fn`` reaches (:func:`reachable`) and that has made no
+    state yet, though its first step will (not SGD without momentum); None if there is none,
+    or if looking raised (a property, a ``__getattr__``: the capture then finds lazy state itself).
 
-    A capture of such a step would find the state made and be discarded (:class:`LazyStateError`)
-    after tracing the whole step: an Executable asks this before its first capture.
+    A capture of such a step would find the state made: an Executable asks this before its
+    first capture, and captures that first step as a program of its own that makes the state
+    (``first_step="planned"``) or runs it eagerly.
 
         >>> import torch
         >>> net = torch.nn.Linear(2, 2)
@@ -203,8 +206,30 @@ def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
         'AdamW'
         >>> fresh_optimizer(lambda x: torch.optim.SGD(net.parameters(), lr=0.1))  # made in the call: not reached
     """
+    try:
+        for obj in reachable(fn):
+            if isinstance(obj, torch.optim.Optimizer):
+                stateless_sgd = isinstance(obj, torch.optim.SGD) and all(not g.get("momentum") for g in obj.param_groups)
+                trainable = any(p.requires_grad for g in obj.param_groups for p in g["params"])
+                if type(obj).__module__.startswith("torch.optim") and not stateless_sgd and trainable and not obj.state:
+                    return type(obj).__name__
+    except Exception:  # a user's object answered oddly: no verdict (the capture still finds lazy state)
+        return None
+    return None
+
+
+def reachable(fn: Callable[..., Any], depth: int = 3, budget: int = 2000) -> Iterator[Any]:
+    """The objects ``fn`` reaches, each once: through closures, the globals its code names, a
+    bound method's object, partials, attributes and containers, ``depth`` steps deep, at most 64
+    entries of a container and ``budget`` objects in all (an optimizer's insides are not walked).
+
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 2)
+        >>> any(o is net for o in reachable(lambda x: net(x)))
+        True
+    """
     seen: set[int] = set()
-    budget = [2000]
+    left = [budget]
 
     def names(code: types.CodeType) -> Iterator[str]:
         yield from code.co_names
@@ -212,26 +237,23 @@ def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
             if isinstance(c, types.CodeType):
                 yield from names(c)
 
-    def visit(obj: Any, depth: int) -> str | None:
-        if id(obj) in seen or budget[0] <= 0:
-            return None
+    def visit(obj: Any, depth: int) -> Iterator[Any]:
+        if id(obj) in seen or left[0] <= 0:
+            return
         seen.add(id(obj))
-        budget[0] -= 1
-        if isinstance(obj, torch.optim.Optimizer):
-            stateless_sgd = isinstance(obj, torch.optim.SGD) and all(not g.get("momentum") for g in obj.param_groups)
-            trainable = any(p.requires_grad for g in obj.param_groups for p in g["params"])
-            if type(obj).__module__.startswith("torch.optim") and not stateless_sgd and trainable and not obj.state:
-                return type(obj).__name__
-            return None
-        if depth == 0 or isinstance(obj, (type, types.ModuleType, torch.Tensor, str, bytes)):
-            return None
+        left[0] -= 1
+        yield obj
+        if depth == 0 or isinstance(obj, (type, types.ModuleType, torch.Tensor, str, bytes, torch.optim.Optimizer)):
+            return
         found: list[Any] = []
         if isinstance(obj, (list, tuple)):
             found += obj[:64]
         elif isinstance(obj, dict):
             found += itertools.islice(obj.values(), 64)
         elif isinstance(obj, types.MethodType):
-            return visit(obj.__func__, depth) or visit(obj.__self__, depth - 1)
+            yield from visit(obj.__func__, depth)
+            yield from visit(obj.__self__, depth - 1)
+            return
         elif isinstance(obj, types.FunctionType):
             found += [c.cell_contents for c in obj.__closure__ or () if _cell_filled(c)]
             found += [obj.__globals__[n] for n in names(obj.__code__) if n in obj.__globals__]
@@ -244,14 +266,58 @@ def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
             except Exception:  # no __dict__ (slots, builtins), or one that raises
                 pass
         for o in found:
-            if o is not None and (hit := visit(o, depth - 1)):
-                return hit
-        return None
+            if o is not None:
+                yield from visit(o, depth - 1)
 
+    yield from visit(fn, depth)
+
+
+def object_attributes(fn: Callable[..., Any]) -> list[tuple[Any, Any]]:
+    """The attributes of the plain objects ``fn`` reaches (:func:`reachable`; not modules,
+    whose attribute writes the capture's recorder undoes, nor optimizers), as they are now, with
+    the contents of the dicts and lists among them (two levels): what :func:`put_back_attributes`
+    restores after a capture run that is discarded (a GradScaler's scale, made lazily on a first
+    step, must not stay behind as a fake tensor, nor its record of a step taken)."""
+    out = []
     try:
-        return visit(fn, 3)
-    except Exception:  # a user's object answered oddly: no verdict (the capture still finds lazy state)
-        return None
+        for obj in reachable(fn, depth=4):  # (an Executable's fn is a wrapper around the user's)
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, type, types.ModuleType,
+                                types.FunctionType, types.MethodType, functools.partial)):
+                continue
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict):
+                out.append((obj, _contents(d, 3)))
+    except Exception:  # a user's object answered oddly: what was recorded so far
+        pass
+    return out
+
+
+def _contents(v: Any, depth: int) -> Any:
+    """``v`` with a copy of what a dict or list holds, ``depth`` levels down (else ``v`` alone)."""
+    if depth and type(v) in (dict, list) or depth and isinstance(v, collections.defaultdict):
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        return (v, [(k, _contents(x, depth - 1)) for k, x in items])
+    return (v, None)
+
+
+def _put_back(saved: Any) -> Any:
+    v, items = saved
+    if items is not None:  # the same container, its contents as they were
+        if isinstance(v, dict):
+            v.clear()
+            v.update((k, _put_back(x)) for k, x in items)
+        else:
+            v[:] = [_put_back(x) for _, x in items]
+    return v
+
+
+def put_back_attributes(saved: list[tuple[Any, Any]]) -> None:
+    """Set each object's attributes back to ``saved`` (:func:`object_attributes`): those added
+    since go, those replaced come back, and the dicts and lists among them hold what they held."""
+    for obj, attrs in saved:
+        _put_back(attrs)
+
+
 
 
 def _cell_filled(cell: Any) -> bool:
@@ -650,7 +716,8 @@ def _library_compiling(everywhere: bool) -> Iterator[None]:
 
 
 def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
-          park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset()) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+          park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
+          make_state: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
     (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
@@ -664,8 +731,11 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     flag set throughout (:func:`_library_compiling`). ``park``: which of the gradients that
     are inputs wait in host memory while fn runs (:mod:`flowexec.parking`; None: none);
     ``unfused``: ids of param groups that step through the foreach path instead of their fused
-    kernel (:class:`~flowexec.hyperparams.Lifter`)."""
+    kernel (:class:`~flowexec.hyperparams.Lifter`); ``make_state``: a first step's program, whose
+    outputs include the state entries the stepped optimizers make (:attr:`Captured.made_state`).
+    """
     everywhere, hooks = False, True
+    saved = object_attributes(fn) if make_state else None  # (a first step's lazy state: put back on failure)
     # A fake run (_FAKE_CAPTURE: the default off CUDA) computes nothing: no activations held, no undo log
     # of what the step writes. Whatever it cannot do (an op with no fake kernel, a host read of
     # a value it does not have, an argument on closure state's storage), a real run decides.
@@ -674,11 +744,13 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     for _ in range(4):
         try:
             out = _trace(fn, args, guarded, everywhere=everywhere, park=park, unfused=unfused, saved_hooks=hooks,
-                         fake=fake)
+                         fake=fake, make_state=make_state)
             out[-1].run = "fake" if fake else f"real (a fake run could not: {why})" if why else "real"
             return out
         except Exception as e:
-            if isinstance(e, LazyStateError) and not fake:
+            if saved is not None:
+                put_back_attributes(saved)
+            if isinstance(e, LazyStateError) and (not fake or make_state):
                 raise
             if fake and isinstance(e, HostReadError) and e.retry_with_flag and not everywhere:
                 everywhere = True  # (as a real run would be retried: the fake one first)
@@ -715,7 +787,7 @@ class _FakeAliasing(CaptureError):
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
            park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
-           saved_hooks: bool = True, fake: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+           saved_hooks: bool = True, fake: bool = False, make_state: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
     fed = guarded is True  # hyperparameters lifted, gradients as inputs
@@ -724,6 +796,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     guard = _CaptureGuard(lifter if fed else None)
     n_user = [0]
     out_tree: list[Any] = [None]
+    made: list[tuple[torch.optim.Optimizer, Any, str, int]] = []  # make_state: (optimizer, param, key, output)
     # The .grad each parameter fn reaches has now is an input of the program, read at each call:
     # gradient accumulation makes a new one per cycle (zero_grad sets None), which a binding to
     # this tensor object would miss.
@@ -783,6 +856,14 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                     and guard.is_created(t) and not any(t is a for a in tensors)
                     and (t._base is None or id(t._base) not in out_ids) and id(t) not in out_bases]
 
+        if make_state:  # the optimizers' new state entries are outputs, bound by the caller after the run
+            for opt, param, key, t in _new_state(lifter, guard):
+                at = next((i for i, o in enumerate(flat + extra) if o is t), None)
+                if at is None:
+                    at = len(flat) + len(extra)
+                    extra.append(t)
+                    out_ids.add(id(t))
+                made.append((opt, param, key, at))
         escaped = left_behind()
         if escaped:  # garbage in reference cycles (a model's output object, its KV cache) is no state
             del escaped
@@ -870,8 +951,10 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         if failed:  # a discarded capture leaves Python state as it found it
             lifter.restore_state()
             recorder.undo_writes()
+        elif made:  # the run's state (fake, or to be made again by the program) goes
+            lifter.restore_state()
     return gm, bindings, n_user[0], guard.sources, out_tree[0], _Reads(recorder, lifter, guard.leaves, grad_params,
-                                                                       cleared, guard.parked)
+                                                                       cleared, guard.parked, made=tuple(made))
 
 
 @dataclass
@@ -886,16 +969,36 @@ class _Reads:
     cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None
     parked: ParkedGrads = field(default_factory=lambda: ParkedGrads({}))  # gradients no op read
     run: str = "real"  # Captured.run
+    made: tuple[tuple[Any, Any, str, int], ...] = ()  # Captured.made_state
+
+
+def _new_state(lifter: Lifter, guard: Any) -> list[tuple[torch.optim.Optimizer, Any, str, torch.Tensor]]:
+    """The entries the stepped optimizers' state gained during the run, in the order they were
+    made: (optimizer, parameter, key, tensor). A :class:`LazyStateError` where one is not a
+    tensor the run created (a program cannot make a Python number, nor a tensor it did not)."""
+    out = []
+    for opt, before in lifter.state_snapshots.values():
+        for param, entries in opt.state.items():
+            old = before.get(param, {})
+            for key, value in entries.items():
+                if key in old and old[key] is value:
+                    continue
+                if not (isinstance(value, torch.Tensor) and guard.is_created(value)):
+                    raise LazyStateError(f"{type(opt).__name__}'s first step made state entry {key!r} as "
+                                         f"{type(value).__name__}, which a program cannot make")
+                out.append((opt, param, key, value))
+    return out
 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
-            park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset()) -> Captured:
+            park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
+            make_state: bool = False) -> Captured:
     """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
     The program's inputs are the tensors of ``args``, then (``guarded=True``) ``p.grad`` for
     each parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards
     (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park`` and
-    ``unfused``: see :func:`trace`)."""
-    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused)
+    ``unfused``, ``make_state``: see :func:`trace`)."""
+    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused, make_state)
     _warn_fast_paths(sources)
     try:
         return _captured(gm, bindings, n_user, sources, out_tree, reads, args, guarded)
@@ -934,7 +1037,7 @@ def _captured(gm: fx.GraphModule, bindings: list[tuple[torch.Tensor, int]], n_us
     reads.parked.restore(keep={id(p.grad) for p in discarded if p.grad is not None})
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + [p.grad for p in read], sources)
     return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded,
-                    reads.parked, reads.run)
+                    reads.parked, reads.run, reads.made)
 
 
 def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[torch.Tensor],

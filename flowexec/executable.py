@@ -70,6 +70,10 @@ OPTIONS = {
              "planned peak (branches depth-first, large buffers die early)",
     "gc_backlog": "gc='async': bound on the bytes handed to the collector and not yet freed, as bytes (int) or a "
                   "fraction of the planned peak (float, default 0.1); past it the caller frees itself",
+    "first_step": "'planned' (default) or 'eager': how a first call runs when fn's optimizer has no state yet, "
+                  "which its first step makes. 'planned': as a program of its own in trace mode (this executable's "
+                  "fusion, padding, recomputation and memory options), which also makes the state; the second "
+                  "call captures the steps that follow. 'eager': fn itself runs (its peak memory is eager's)",
     "pool": "graph mode: 'private' (default: each CUDA graph keeps a memory pool of its own and holds its outputs) "
             "or 'shared' (every graph of a device in one pool, through PyTorch's CUDA-graph trees; outputs are not "
             "held once dropped; docs/memory.md)",
@@ -154,6 +158,7 @@ class _Compiled:
     # torch.cuda.max_memory_allocated() after capture, plan and runner (None off CUDA)
     build_peaks: dict[str, int | None] = field(default_factory=dict)
     capture_run: str = "real"  # Captured.run: how the capture ran fn
+    made_state: tuple[tuple[Any, Any, str, int], ...] = ()  # Captured.made_state: a first step's program
 
     def tensors(self, leaves: Sequence[Any]) -> list[Any] | None:
         """The program's tensor inputs for a call with these leaves; None where a parameter whose
@@ -210,6 +215,10 @@ class Executable:
         self.borrow = tuple(options.get("borrow", ()))
         self.park = bool(options.get("park", True))
         self.pool = options.get("pool", "private")
+        self.first_step = options.get("first_step", "planned")
+        if self.first_step not in ("planned", "eager"):
+            raise OptionError(f"first_step={self.first_step!r}: choose 'planned' (the first step as a program of its "
+                              "own, which makes the optimizer's state) or 'eager' (fn runs eagerly once)")
         self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
         if self.borrow and mode != "graph":
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
@@ -224,6 +233,8 @@ class Executable:
         self._eager_next = False
         self._asked_fresh = False  # whether capture.fresh_optimizer was asked (before the first capture)
         self._deferred: str | None = None
+        self.first_step_program: ExecutionPlan | None = None  # the plan a first_step="planned" call ran
+        self.first_step_fallback: str | None = None  # why a first step ran eagerly instead
         # Last step's gradients the new program discards, parked in host memory from capture to
         # the call's run, which drops them (planning's kernel timings and graph mode's warm-up
         # and capture need not hold them); compile_for, which takes no step, gives them back.
@@ -249,18 +260,20 @@ class Executable:
             self._variadic = True
 
     # -- building -------------------------------------------------------------------------
-    def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str]) -> _Compiled:
-        # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of)
+    def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str], first_step: bool = False) -> _Compiled:
+        # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of);
+        # first_step: the program of a step that makes its optimizers' state, run once in trace mode
         t0 = time.perf_counter()
         self._give_back_parked()
         fastcall.load()  # (where built, its C frame tracer serves the capture's guards.Recorder)
         cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
-                      park=worth_parking if self.park else None, unfused=frozenset(self._unfused))
+                      park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
+                      make_state=first_step)
         self._parked = cap.parked or None
         if self._parked is not None:  # (an executable dropped while they wait gives them back)
             weakref.finalize(self, self._parked.restore)
         try:
-            return self._plan_and_lower(cap, args, tree, paths, t0)
+            return self._plan_and_lower(cap, args, tree, paths, t0, mode="trace" if first_step else self.mode)
         except BaseException:
             self._give_back_parked()
             raise
@@ -296,35 +309,36 @@ class Executable:
             self._parked = None
 
     def _plan_and_lower(self, cap: Any, args: Sequence[Any], tree: Any, paths: Sequence[str], t0: float,
-                        copy_in: bool = True) -> _Compiled:
+                        copy_in: bool = True, mode: str | None = None) -> _Compiled:
+        mode = mode or self.mode
         t1 = time.perf_counter()  # (t0: the build's start; capture took t1 - t0)
         capture_peak = _cuda_peak()
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        copied = self._copied_in(cap.program, args, tensor_pos) if copy_in else ()
-        plan = plan_for(cap.program, self.mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
+        copied = self._copied_in(cap.program, args, tensor_pos) if copy_in and mode == "graph" else ()
+        plan = plan_for(cap.program, mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
                         fuse_lerp=self.fuse_lerp, copied_in=copied, recompute=self.recompute, **self.memory_options)
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
         run_bytes = plan.planned_peak_bytes()  # (what graph mode's warm-up allocates on top)
-        if self.mode == "graph" and self.park and cap.run == "fake" and self._parked is None:
+        if mode == "graph" and self.park and cap.run == "fake" and self._parked is None:
             self._park_for_warm_up(cap.discarded_grads, run_bytes)
         hooks, node = None, None
-        if self.mode == "graph" and self.pool != "shared" and cap.guards is not None and cap.guards.feeds is not None:
+        if mode == "graph" and self.pool != "shared" and cap.guards is not None and cap.guards.feeds is not None:
             from .runtime.feed_node import node_hooks  # a schedule's values written by the graph itself
 
             made = node_hooks(plan, cap.guards.feeds)
             if made is not None:
                 hooks, node = made
-        run = lower_for(plan, self.mode, *self._worker_opts, hooks=hooks)
+        run = lower_for(plan, mode, *self._worker_opts, hooks=hooks)
         t3 = time.perf_counter()
         fetch = self._fetch_indices(cap.program, cap.n_user_outputs)
         runner: Callable[[Sequence[Any]], list[Any]] = lambda targs: run(*targs)
         all_targs = [args[i] for i in tensor_pos] + [p.grad for p in cap.grad_inputs]
-        if self.mode == "graph" and not self._graph_can_stage(args, tensor_pos, plan.program, plan.mutated):
+        if mode == "graph" and not self._graph_can_stage(args, tensor_pos, plan.program, plan.mutated):
             pass  # trace mode for this signature (said in a warning)
-        elif self.mode == "graph" and self.pool == "shared":
+        elif mode == "graph" and self.pool == "shared":
             runner = self._shared_runner(run, plan, all_targs, cap, fetch, tensor_pos, runner)
-        elif self.mode == "graph":
+        elif mode == "graph":
             from .runtime.cuda_graph import CopyInMissing, CudaGraphRunner
 
             prog = plan.program
@@ -365,7 +379,7 @@ class Executable:
                 runner = None
             if runner is None:  # (outside the handler: its traceback would hold the failed graph)
                 del plan, run, hooks, node, capture_runner
-                return self._plan_and_lower(cap, args, tree, paths, t0, copy_in=False)
+                return self._plan_and_lower(cap, args, tree, paths, t0, copy_in=False, mode=mode)
         guards = cap.guards if cap.guards is not None and (len(cap.guards) or cap.guards.feeds) else None
         if guards is not None:  # checked in C++ where the extension is built (the Python check else)
             guards.attach(fastcall.guard_checker(guards))
@@ -377,7 +391,8 @@ class Executable:
         return _Compiled(plan, runner, tensor_pos, builder(cap.out_tree), cap.grad_bindings,
                          t4 - t0, fetch, tensor_pos == tuple(range(len(args))), tree, tuple(paths),
                          runner if isinstance(runner, GraphVariants) else None, guards, tuple(cap.grad_inputs),
-                         tuple(cap.discarded_grads), build_phases=phases, build_peaks=peaks, capture_run=cap.run)
+                         tuple(cap.discarded_grads), build_phases=phases, build_peaks=peaks, capture_run=cap.run,
+                         made_state=cap.made_state)
 
     def _shared_runner(self, run: Callable[..., list[Any]], plan: ExecutionPlan, targs: list[Any], cap: Any,
                        fetch: tuple[int, ...], tensor_pos: tuple[int, ...], fallback: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -686,7 +701,7 @@ class Executable:
             # may no longer fit (a host read of a hyperparameter now answers otherwise).
             self._native = None
         if self._eager_next:  # compile()'s examples found state fn makes on its first step
-            return self._run_eagerly(args, kwargs)
+            return self._run_first_step(args, kwargs)
         leaves, key = flatten(args, kwargs)
         c = None
         entries = self._fast.get(key)
@@ -715,7 +730,7 @@ class Executable:
             try:
                 c = self._lookup_leaves(leaves, key, args, kwargs)
                 if c is None:
-                    return self._run_eagerly(args, kwargs)
+                    return self._run_first_step(args, kwargs)
                 targs = c.tensors(leaves)
                 run = c.runner
             except BaseException:  # (a new program's parked gradients come back: no step was taken)
@@ -723,12 +738,41 @@ class Executable:
                 raise
         return self._finish(c, run, targs)
 
-    def _run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """fn itself, once, so that the state it makes on a first step exists for the capture
-        of the next call (as CUDA-graph tools warm up)."""
+    def _run_first_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A step that makes the state fn's optimizers keep, once, so that it exists for the
+        capture of the next call: with ``first_step="planned"`` a program of its own (trace
+        mode) that returns the new state entries too, bound into the optimizers after its run;
+        fn itself where that program cannot be had (state it cannot make, ``first_step="eager"``).
+        """
         self._eager_next = False
-        self._ran_eagerly = True
-        return self.fn(*args, **kwargs)
+        c = self._first_step_program(args, kwargs) if self.first_step == "planned" else None
+        if c is None:
+            self._ran_eagerly = True
+            return self.fn(*args, **kwargs)
+        leaves, _ = flatten(args, kwargs)
+        try:
+            out = self._finish(c, c.runner, c.tensors(leaves))
+        finally:
+            self._give_back_parked()
+        self._ran_eagerly = True  # (the first step is taken: state made again on a call is an error)
+        self.first_step_program = c.plan  # (kept for inspection: what the first step ran)
+        return out
+
+    def _first_step_program(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Compiled | None:
+        """The first step's program (see :meth:`_run_first_step`), or None where a capture of it
+        failed (``first_step_fallback`` says why; fn then runs eagerly and the next call
+        captures, and raises, as it would have)."""
+        leaves, _ = flatten(args, kwargs)
+        tree, _, paths = tree_of(args, kwargs)
+        try:
+            c = self._build(leaves, tree, paths, first_step=True)
+        except CaptureError as e:  # (LazyStateError among them: state a program cannot make)
+            self.first_step_fallback = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return None
+        if c.tensors(leaves) is None:
+            self.first_step_fallback = "a gradient the program reads is missing"
+            return None
+        return c
 
     def _native_for(self, c: _Compiled, run: Any, borrowed: Any, forbidden: frozenset[int] | None,
                     leaves: Sequence[Any], targs: Sequence[Any]) -> Any:
@@ -758,6 +802,8 @@ class Executable:
             g = flat[idx]
             if p.grad is not g:
                 p.grad = g
+        for opt, p, key, idx in c.made_state:  # (a first step's program: the state its optimizers made)
+            opt.state[p][key] = flat[idx]
         if c.fetch:
             self._submit(flat, c.fetch)
         return c.out_build(flat)
@@ -779,8 +825,10 @@ class Executable:
     def _captured(self, what: str) -> _Compiled:
         if self._last is None:
             if self._deferred is not None:
-                raise NotCapturedError(f"{what}: nothing is captured yet — {self._deferred}; the first call runs fn "
-                                       "eagerly so that this state exists, and a later call captures")
+                how = ("as a program of its own that makes this state" if self.first_step == "planned"
+                       else "fn eagerly so that this state exists")
+                raise NotCapturedError(f"{what}: nothing is captured yet — {self._deferred}; the first call runs "
+                                       f"{how}, and a later call captures")
             raise NotCapturedError(f"{what}: nothing is captured yet — this Executable captures fn on its first "
                                    "call (or call exe.compile_for(*example_args) first)")
         return self._last

@@ -38,18 +38,22 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer):
     return step
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_training_step_is_captured_on_fake_tensors_and_trains_as_eager(fused) -> None:
+@pytest.mark.parametrize("fused,first_step,seen", [(False, "planned", "FF"), (True, "planned", "FF"),
+                                                   (False, "eager", "RF")])
+def test_a_training_step_is_captured_on_fake_tensors_and_trains_as_eager(fused, first_step, seen) -> None:
+    """Both programs (the first step's, which makes AdamW's state, and the steps') are captured
+    on fake tensors; with ``first_step="eager"`` the first call runs the model for real."""
     torch.manual_seed(0)
     model, ref = _Seen(), _Seen()
     ref.load_state_dict(model.state_dict())
-    exe = flowexec.compile(_step(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)))
+    exe = flowexec.compile(_step(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)),
+                           first_step=first_step)
     ref_step = _step(ref, torch.optim.AdamW(ref.parameters(), lr=0.1, fused=fused))
     data = [(torch.randn(16, 8), torch.randint(0, 4, (16,))) for _ in range(4)]
     for x, y in data:
         assert_close_rel(exe(x, y), ref_step(x, y), 1e-5, "loss")
     assert exe.capture_run == "fake"
-    assert model.seen.getvalue() == "RF"  # the first call eager (AdamW's state made), the capture fake
+    assert model.seen.getvalue() == seen
     assert_close_rel(model.lin.weight, ref.lin.weight, 1e-5, "weight")
 
 

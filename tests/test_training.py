@@ -19,6 +19,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 import flowexec
 from helpers import assert_close_rel
@@ -377,9 +378,11 @@ def test_schedule_is_fed_not_captured_again() -> None:
     assert {s.name for s in feeds.slots} >= {"opt.param_groups[0]['lr']", "opt.param_groups[0]['betas'][0]"}
 
 
-def test_compile_with_examples_defers_lazy_state_to_the_second_call() -> None:
+@pytest.mark.parametrize("first_step", ["planned", "eager"])
+def test_compile_with_examples_defers_lazy_state_to_the_second_call(first_step) -> None:
     """``compile(fn, *examples)`` takes no step: where the step makes optimizer state, nothing is
-    captured yet (``program`` says why), the first call runs eagerly and the second captures."""
+    captured yet (``program`` says why); the first call runs a program of its own that makes the
+    state (or fn eagerly), and the second captures the steps."""
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     twin_model = _mlp()
@@ -389,7 +392,7 @@ def test_compile_with_examples_defers_lazy_state_to_the_second_call() -> None:
     real = flowexec.executable.capture
     flowexec.executable.capture = lambda *a, **k: captures.append(1) or real(*a, **k)
     try:
-        exe = flowexec.compile(_step_of(model, opt), *data[0])
+        exe = flowexec.compile(_step_of(model, opt), *data[0], first_step=first_step)
         with pytest.raises(flowexec.executable.NotCapturedError, match=r"an optimizer \(AdamW\) that has no state yet"):
             exe.program
         assert not opt.state and captures == []  # the fresh optimizer was seen: no capture to discard
@@ -397,10 +400,12 @@ def test_compile_with_examples_defers_lazy_state_to_the_second_call() -> None:
         for k, (x, y) in enumerate(data[:4]):
             a, b = exe(x, y), eager(x, y)
             assert abs(float(a.detach()) - float(b.detach())) <= 1e-5, k
-            assert (exe._cache == {}) == (k == 0)  # the first call ran eagerly; the second captured
+            assert (exe._cache == {}) == (k == 0)  # the first step's program is not kept; the second captured
+            assert (exe.first_step_program is not None) == (first_step == "planned")
     finally:
         flowexec.executable.capture = real
-    assert captures == [1]
+    assert captures == ([1, 1] if first_step == "planned" else [1])
+    assert not any(is_fake(t) for s in opt.state.values() for t in s.values())
     for p, q in zip(model.parameters(), twin_model.parameters()):
         assert_close_rel(p, q, what="parameter")
 

@@ -97,3 +97,48 @@ def test_a_schedule_is_written_by_the_graph_and_each_replay_reads_its_own_values
     want = -30.0 * torch.cat([torch.zeros(1, dtype=torch.float64), lrs.cumsum(0)[:-1]])
     torch.testing.assert_close(run(False).double().cpu(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(run(True).double().cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_planned_first_step_makes_adamw_s_state_within_eager_s_peak(fused: bool) -> None:
+    """Graph mode with a fresh AdamW: the first call runs the first step's program (trace mode on
+    the device), which makes the moments and step counts; the steps after replay the graph. The
+    losses, parameters and state are eager's, and the first call's peak is at most eager's first
+    step's."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from flowexec.models import make_step
+    from helpers import assert_close_rel
+
+    torch.manual_seed(0)
+    m1 = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
+                                                   torch.nn.Linear(2048, 512)) for _ in range(4)]).cuda()
+    m2 = copy.deepcopy(m1)
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-3, fused=fused)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3, fused=fused)
+    eager = make_step(m1, o1, F.mse_loss)
+    exe = flowexec.compile(make_step(m2, o2, F.mse_loss), mode="graph")
+    data = [(torch.randn(256, 512, device="cuda"), torch.randn(256, 512, device="cuda")) for _ in range(4)]
+    peaks = []
+    for k, (x, y) in enumerate(data):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        a = eager(x, y)
+        torch.cuda.synchronize()
+        eager_peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        b = exe(x, y)
+        torch.cuda.synchronize()
+        peaks.append((eager_peak, torch.cuda.max_memory_allocated() - base))
+        assert_close_rel(b, a, 1e-5, f"loss {k}")
+    assert exe.first_step_program is not None, exe.first_step_fallback
+    assert peaks[0][1] <= peaks[0][0], peaks
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert_close_rel(q, p, 1e-5, "parameter")
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        for key in o1.state[p]:
+            assert_close_rel(o2.state[q][key], o1.state[p][key], 1e-5, key)
