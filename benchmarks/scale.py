@@ -17,11 +17,12 @@ Variants (one fresh process each, with a fresh TORCHINDUCTOR_CACHE_DIR / TRITON_
   the model compiled, the optimizer eager, as in the anchors;
 - ``fx_trace``, ``fx_trace_fused``, ``fx_graph``, ``fx_graph_fused``: ``flowexec.compile`` of the
   whole step function (zero_grad, forward, backward, optimizer step) in trace / graph mode with
-  ``fuse=False`` / ``fuse="inductor"``, after one eager step of the same function (the optimizer
-  state must exist before capture; a flowexec whose first call runs eagerly just takes one more).
+  ``fuse=False`` / ``fuse="inductor"``. Its first call makes AdamW's state with the first
+  step's program (``first_step="planned"``; ``SCALE_FIRST_STEP=eager``: fn eagerly, as every run
+  before b730040), timed as ``first_call_s``; the second call captures the steps.
 
 Per variant: median step (ms); build time (s): torch.compile's 3 warm-up steps, eager's too, and
-for flowexec compile() plus the first call(s) up to the one that captured (capture, fusion, plan,
+for flowexec the calls after the first up to the one that captured (capture, fusion, plan,
 CUDA-graph capture), on a cold compile cache; for ``inductor`` and the fused flowexec variants
 also ``build_s_warm``, the same build in another fresh process on the cache the cold one filled;
 peak memory (``torch.cuda.max_memory_allocated`` over the process, read after the timed steps);
@@ -334,7 +335,8 @@ def env_meta(dev: Any) -> dict[str, Any]:
 
 def flowexec_options(variant: str) -> dict[str, Any]:
     _, mode, *fused = variant.split("_")
-    return {"mode": mode, "fuse": "inductor" if fused else False}
+    return {"mode": mode, "fuse": "inductor" if fused else False,
+            "first_step": os.environ.get("SCALE_FIRST_STEP", "planned")}
 
 
 def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res: dict[str, Any],
@@ -361,10 +363,16 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         opts = flowexec_options(variant)
         res["options"] = opts
         step = make_step(w, m, opt, dev)
+        exe = flowexec.compile(step, **opts)
         t = time.perf_counter()
-        losses.append(step(x, y).clone())  # the optimizer's state exists before capture
+        # The first call makes AdamW's state: the first step's program (first_step="planned",
+        # flowexec's default), or fn eagerly (SCALE_FIRST_STEP=eager); the build timed below is
+        # the second call's, which captures the steps.
+        losses.append(exe(x, y).clone())
         sync(dev)
-        res["prestep_s"] = time.perf_counter() - t
+        res["first_call_s"] = time.perf_counter() - t
+        res["first_step"] = ("planned" if exe.first_step_program is not None else
+                             f"eager{f' ({exe.first_step_fallback})' if exe.first_step_fallback else ''}")
         # --profile-warm: the warm rebuild under cProfile, where its seconds go (its time then reads ~1.4x)
         prof = cProfile.Profile() if phase == "build-profiled" else None
         sampler = None
@@ -376,7 +384,6 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
-        exe = flowexec.compile(step, **opts)
         calls = 0
         while getattr(exe, "build_seconds", None) is None and calls < 3:  # (a first call may run eagerly)
             losses.append(exe(x, y).clone())
@@ -396,7 +403,8 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         if getattr(exe, "build_seconds", None) is None:
             raise RuntimeError(f"flowexec captured nothing in {calls} calls")
         res["build_what"] = (f"flowexec.compile + {calls} call(s) until captured (capture, fusion, plan"
-                             f"{', CUDA-graph capture' if opts['mode'] == 'graph' else ''}); an eager step before")
+                             f"{', CUDA-graph capture' if opts['mode'] == 'graph' else ''}); after the first call "
+                             f"(first_call_s: the first step, {res['first_step']})")
         res["calls_to_capture"] = calls
         res["flowexec_build_seconds"] = exe.build_seconds
         res["flowexec_build_phases"] = exe.build_phases  # where a warm build's seconds go

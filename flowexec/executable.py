@@ -30,7 +30,7 @@ import torch
 from .capture import LazyStateError, capture, fresh_optimizer
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
 from .build import check_recompute, plan_for
-from .fusion import check_fuse, check_pad
+from .fusion import check_fuse, check_pad, wants_fusion
 from .guards import GuardSet
 from .graph_variants import GraphVariants, borrowed_inputs, sharing_positions, worth_parking
 from .parking import ParkedGrads, held_by_grad_alone
@@ -315,7 +315,10 @@ class Executable:
         capture_peak = _cuda_peak()
         tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         copied = self._copied_in(cap.program, args, tensor_pos) if copy_in and mode == "graph" else ()
-        plan = plan_for(cap.program, mode, gc=self.gc, streams=self.streams, fuse=self.fuse, pad=self.pad,
+        fuse = self.fuse
+        if mode != self.mode:  # a first step's program (trace mode) is fused as the steps' program will be
+            fuse = "inductor" if wants_fusion(cap.program, self.fuse, self.mode) else False
+        plan = plan_for(cap.program, mode, gc=self.gc, streams=self.streams, fuse=fuse, pad=self.pad,
                         fuse_lerp=self.fuse_lerp, copied_in=copied, recompute=self.recompute, **self.memory_options)
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
