@@ -183,8 +183,8 @@ class Executable:
     the capture read (a module's ``training`` flag, ``self.temperature``, a number in a global
     dict, ``requires_grad``: its guards, ``exe.guards``), while optimizer hyperparameters are
     fed to the program at each call, so an LR schedule captures nothing again. A first call
-    that makes state (an optimizer's first step) runs ``fn`` eagerly and the next captures
-    (docs/training.md). Attributes ``program`` and ``plan`` show the most recently built
+    that makes state (an optimizer's first step) runs as a program of its own that makes it
+    (``first_step="planned"``), or ``fn`` eagerly, and the next captures (docs/training.md). Attributes ``program`` and ``plan`` show the most recently built
     signature.
 
     >>> import torch, flowexec
@@ -226,9 +226,9 @@ class Executable:
         # Per signature, the programs captured for it, most recently used first: they differ in
         # the values their guards check (a model in training and in eval mode, say).
         self._cache: OrderedDict[tuple[Any, ...], list[_Compiled]] = OrderedDict()
-        # Lazy state: a capture that finds fn creating state (optimizer moments on a first step)
-        # is discarded and the call runs fn eagerly; True while the last call did that, or
-        # when compile()'s examples found it (the first call then runs eagerly outright).
+        # Lazy state: a call that makes state (optimizer moments on a first step) runs the first
+        # step's program or fn eagerly (_run_first_step); _ran_eagerly: True once the last call
+        # did that, _eager_next: compile()'s examples found it (the first call then does it outright).
         self._ran_eagerly = False
         self._eager_next = False
         self._asked_fresh = False  # whether capture.fresh_optimizer was asked (before the first capture)
@@ -584,7 +584,8 @@ class Executable:
                      kwargs: dict[str, Any], failed: tuple[_Compiled, int] | None = None) -> _Compiled | None:
         """Capture for a new signature, or for a known one whose programs' guards all failed
         (``failed``: the most recent one and what failed). None: fn creates state on its first
-        step, so this call runs it eagerly (or, for compile()'s examples, the next one does)."""
+        step, so this call runs that step by itself (:meth:`_run_first_step`; for compile()'s
+        examples, the next call does)."""
         tree, _, paths = tree_of(args, kwargs)
         first = self._first
         n_programs = sum(len(v) for v in self._cache.values())
@@ -993,7 +994,7 @@ def compile(fn: Callable[..., Any] | None = None, *example_args: Any, mode: str 
 
     - ``compile(fn, *example_args, example_kwargs={...}, **options)`` captures now, on the examples
       (no step is taken: where ``fn`` makes optimizer state on its first step, the first call runs
-      it eagerly and the second captures);
+      that step as a program of its own that makes it, and the second captures);
     - ``compile(fn, **options)`` captures on the first call;
     - ``@compile`` and ``@compile(mode="graph", ...)`` decorate a function (capture on first call).
 
