@@ -294,7 +294,7 @@ def object_attributes(fn: Callable[..., Any]) -> list[tuple[Any, Any]]:
 
 def _contents(v: Any, depth: int) -> Any:
     """``v`` with a copy of what a dict or list holds, ``depth`` levels down (else ``v`` alone)."""
-    if depth and type(v) in (dict, list) or depth and isinstance(v, collections.defaultdict):
+    if depth and (type(v) in (dict, list) or isinstance(v, collections.defaultdict)):
         items = v.items() if isinstance(v, dict) else enumerate(v)
         return (v, [(k, _contents(x, depth - 1)) for k, x in items])
     return (v, None)
@@ -857,13 +857,13 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                     and (t._base is None or id(t._base) not in out_ids) and id(t) not in out_bases]
 
         if make_state:  # the optimizers' new state entries are outputs, bound by the caller after the run
+            position = {id(o): i for i, o in enumerate(flat + extra)}
             for opt, param, key, t in _new_state(lifter, guard):
-                at = next((i for i, o in enumerate(flat + extra) if o is t), None)
-                if at is None:
-                    at = len(flat) + len(extra)
+                if id(t) not in position:
+                    position[id(t)] = len(flat) + len(extra)
                     extra.append(t)
                     out_ids.add(id(t))
-                made.append((opt, param, key, at))
+                made.append((opt, param, key, position[id(t)]))
         escaped = left_behind()
         if escaped:  # garbage in reference cycles (a model's output object, its KV cache) is no state
             del escaped

@@ -754,8 +754,15 @@ class Executable:
             self._ran_eagerly = True
             return self.fn(*args, **kwargs)
         leaves, _ = flatten(args, kwargs)
+
+        def run_and_bind(targs: Sequence[Any]) -> list[Any]:
+            flat = c.runner(targs)
+            for opt, p, key, idx in c.made_state:  # the state its optimizers made, where eager keeps it
+                opt.state[p][key] = flat[idx]
+            return flat
+
         try:
-            out = self._finish(c, c.runner, c.tensors(leaves))
+            out = self._finish(c, run_and_bind, c.tensors(leaves))
         finally:
             self._give_back_parked()
         self._ran_eagerly = True  # (the first step is taken: state made again on a call is an error)
@@ -806,8 +813,6 @@ class Executable:
             g = flat[idx]
             if p.grad is not g:
                 p.grad = g
-        for opt, p, key, idx in c.made_state:  # (a first step's program: the state its optimizers made)
-            opt.state[p][key] = flat[idx]
         if c.fetch:
             self._submit(flat, c.fetch)
         return c.out_build(flat)
