@@ -47,6 +47,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from . import frame_starts
+
 _MISSING = object()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
@@ -314,6 +316,7 @@ class Recorder:
     _seen_objects: set = field(default_factory=set)  # ids of the plain objects guarded whole
     _active: bool = False
     _prev_trace: Any = None
+    _hook: str = ""  # how frames reach the recorder: "monitoring" (frame_starts) or "trace" (sys.settrace)
     _objects: list[Any] = field(default_factory=list)  # keeps ids in `guards` / `names` valid
 
     # -- set-up: names for the objects fn reaches, and its parameters' grads --
@@ -601,10 +604,17 @@ class Recorder:
             torch.nn.Module.__getattr__ = _recording_getattr  # type: ignore[method-assign]
             _ORIGINAL["init"] = torch.nn.Module.__init__
             torch.nn.Module.__init__ = _recording_init  # type: ignore[method-assign]
-        # A global trace function sees each Python frame once, when it starts (returning None
-        # leaves the frame untraced): a profile function would also see every C call and return,
-        # which doubled the capture time of a transformer block. A tracer the user runs (a
-        # debugger, coverage) pauses for the capture: its frames are flowexec's tracing.
+        # Before Python 3.12, a global trace function sees each Python frame once, when it starts
+        # (returning None leaves the frame untraced): a profile function would also see every C
+        # call and return, which doubled the capture time of a transformer block. A tracer the
+        # user runs (a debugger, coverage) pauses for the capture: its frames are flowexec's
+        # tracing. From 3.12, sys.monitoring reports each code's first frame alone, and leaves a
+        # user's tracer running.
+        if _FRAME_HOOK != "trace" and frame_starts.available():  # Python 3.12+: each code's first frame only
+            frame_starts.start(self)
+            self._hook = "monitoring"
+            return self
+        self._hook = "trace"
         self._prev_trace = sys.gettrace()
         native = _NATIVE_TRACER.get("make")
         if native is not None:  # the same tracer in C (runtime/csrc/codetracer.cpp): a quarter of the capture less
@@ -616,8 +626,9 @@ class Recorder:
     def __exit__(self, *exc: Any) -> None:
         if not self.active:
             return
-        prev = self._prev_trace
-        if isinstance(prev, _NATIVE_TRACER.get("type", ())):  # an outer capture's C tracer
+        if self._hook == "monitoring":
+            frame_starts.stop(self)
+        elif isinstance(prev := self._prev_trace, _NATIVE_TRACER.get("type", ())):  # an outer capture's C tracer
             prev.install()
         else:
             sys.settrace(prev)
@@ -796,6 +807,9 @@ _ORIGINAL: dict[str, Any] = {}
 # The native extension's C trace function (runtime/fastcall.py registers it when the extension
 # loads): "make" builds one (seen, per_object, on_new, on_object), "type" is its class.
 _NATIVE_TRACER: dict[str, Any] = {}
+# "trace": a trace function even where sys.monitoring is there (Python 3.12+), which it
+# otherwise delivers the frames through (flowexec.frame_starts)
+_FRAME_HOOK = os.environ.get("FLOWEXEC_FRAME_HOOK", "")
 
 
 def use_native_tracer(make: Callable[..., Any], kind: type) -> None:

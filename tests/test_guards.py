@@ -494,11 +494,14 @@ class _Scaler:
         return x ** self.power  # a plain object's attribute, read through its method's self
 
 
-def _traced_guards(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[str]:
+def _traced_guards(monkeypatch: pytest.MonkeyPatch, hook: str) -> list[str]:
+    """The guards of one capture whose frames reach the recorder by ``hook``: "native" (the C
+    trace function), "python" (a Python one) or "monitoring" (sys.monitoring, Python 3.12+)."""
     from flowexec import guards
     from flowexec.capture import capture
 
-    if not native:
+    monkeypatch.setattr(guards, "_FRAME_HOOK", "" if hook == "monitoring" else "trace")
+    if hook == "python":
         monkeypatch.setattr(guards, "_NATIVE_TRACER", {})
     _reset_globals()
     w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
@@ -516,6 +519,9 @@ def _traced_guards(monkeypatch: pytest.MonkeyPatch, native: bool) -> list[str]:
     return sorted(g.name for g in cap.guards.guards)
 
 
+_NEEDS_MONITORING = pytest.mark.skipif(sys.version_info < (3, 12), reason="sys.monitoring is Python 3.12's")
+
+
 def test_native_frame_tracer_records_what_the_python_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """The C trace function (runtime/csrc/codetracer.cpp) guards the same globals, closure
     values and helper objects as the Python one, and leaves the caller's trace function set."""
@@ -525,19 +531,31 @@ def test_native_frame_tracer_records_what_the_python_one_does(monkeypatch: pytes
     if fastcall.load() is None:
         pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
     assert guards._NATIVE_TRACER.get("make") is not None
-    native = _traced_guards(monkeypatch, native=True)
-    python = _traced_guards(monkeypatch, native=False)
+    native = _traced_guards(monkeypatch, "native")
+    python = _traced_guards(monkeypatch, "python")
     assert native == python
     assert any("G_TABLE" in n for n in native) and any("power" in n for n in native), native
 
 
-def test_native_frame_tracer_restores_an_outer_one() -> None:
+@_NEEDS_MONITORING
+def test_frame_starts_by_monitoring_record_what_a_trace_function_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through sys.monitoring (each code's first frame, then only those of codes whose first
+    argument is guarded) a capture guards what the trace function's does: the same globals,
+    closure values and both helper objects of one class."""
+    python = _traced_guards(monkeypatch, "python")
+    by_events = _traced_guards(monkeypatch, "monitoring")
+    assert by_events == python
+    assert sum("power" in n for n in by_events) >= 3, by_events  # G_OPTS and both _Scaler objects
+
+
+def test_native_frame_tracer_restores_an_outer_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """A recorder inside another (a capture during a capture) hands the outer's C tracer back."""
     from flowexec import guards
     from flowexec.runtime import fastcall
 
     if fastcall.load() is None:
         pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    monkeypatch.setattr(guards, "_FRAME_HOOK", "trace")
     outer, inner = guards.Recorder(lambda: None, active=True), guards.Recorder(lambda: None, active=True)
     before = sys.gettrace()
     with outer:
@@ -549,3 +567,55 @@ def test_native_frame_tracer_restores_an_outer_one() -> None:
         g_helper(torch.ones(1))  # still traced: the outer recorder scans the helper's code
     assert sys.gettrace() is before
     assert g_helper.__code__ in outer._seen_code
+
+
+@_NEEDS_MONITORING
+def test_frame_starts_reach_the_innermost_recorder_then_the_outer_again() -> None:
+    """With sys.monitoring: a code the inner recorder saw (and disabled) starts again for the
+    outer one once the inner ends; a user's trace function stays set throughout; the tool id
+    is given back after the last recorder."""
+    from flowexec import frame_starts, guards
+
+    outer, inner = guards.Recorder(lambda: None, active=True), guards.Recorder(lambda: None, active=True)
+    users = []
+
+    def user_tracer(frame: Any, event: str, arg: Any) -> None:  # a debugger's, say
+        users.append(frame.f_code.co_name)
+
+    sys.settrace(user_tracer)
+    try:
+        with outer:
+            assert outer._hook == "monitoring"
+            with inner:
+                g_helper(torch.ones(1))
+            assert g_helper.__code__ in inner._seen_code and g_helper.__code__ not in outer._seen_code
+            g_helper(torch.ones(1))
+            assert g_helper.__code__ in outer._seen_code
+            assert sys.gettrace() is user_tracer
+    finally:
+        sys.settrace(None)
+    assert "g_helper" in users  # the user's tracer ran during the recording
+    assert not frame_starts._TOOL and not frame_starts._RECORDERS
+    assert sys.monitoring.get_tool(3) != "flowexec capture" and sys.monitoring.get_tool(4) != "flowexec capture"
+
+
+@_NEEDS_MONITORING
+def test_frame_starts_of_another_thread_are_not_the_recorder_s() -> None:
+    """sys.monitoring reports every thread's frames: another thread's first frame of a code is
+    passed over, so the recording thread still scans that code when it runs it."""
+    import threading
+
+    from flowexec import guards
+
+    rec = guards.Recorder(lambda: None, active=True)
+
+    def other_helper(x: torch.Tensor) -> torch.Tensor:
+        return x * G_SCALE
+
+    with rec:
+        t = threading.Thread(target=other_helper, args=(torch.ones(1),))
+        t.start()
+        t.join(timeout=30)
+        assert other_helper.__code__ not in rec._seen_code
+        other_helper(torch.ones(1))
+        assert other_helper.__code__ in rec._seen_code

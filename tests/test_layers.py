@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("passes",),  # pure functions over a Program
     ("fetch", "kernels", "rng"),  # scalar readback; fused ops (torch.library); the generator's state as ops
     ("program", "signature", "storage", "guards", "hyperparams", "parking", "_cuda_native", "verdict_cache", "snapshot", "fake_run"),  # the IR's records; leaf helpers
+    ("frame_starts",),  # the frames a capture starts, for the guards' recorder
     ("errors",),
 )
 FACE = {"__init__", "cli", "demo", "models"}

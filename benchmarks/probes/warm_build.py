@@ -24,7 +24,10 @@ import scale  # noqa: E402  (benchmarks/scale.py: its children, caches and envir
 
 
 # what each build's record keeps of its child's figures
-RECORDED = ("build_s", "flowexec_build_phases", "flowexec_plan_passes", "process_s", "error")
+# (first_call_s: a flowexec variant's first call, the first step's program where it makes optimizer
+# state; build_s: the second call's, which captures the steps)
+RECORDED = ("build_s", "first_call_s", "first_step", "flowexec_build_phases", "flowexec_plan_passes", "process_s",
+            "error")
 
 
 def _with_env(setting: str):
