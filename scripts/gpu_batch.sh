@@ -17,6 +17,7 @@ run_step() {  # name, seconds, command...
   timeout -k 10 "$limit" "$@" > "$R/$name.log" 2>&1
   local rc=$?
   echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E 'passed|failed|error|Error' "$R/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+  pack  # (after each step: a call cut off at its limit still brings back the steps it finished)
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0])"
