@@ -361,12 +361,19 @@ def _library_frame(tb: Any) -> str:
 def _caller_line() -> str:
     """``file:line`` of the innermost calling frame of the user's."""
     f = sys._getframe(2)
+    users = _USER_FILES
     while f is not None:
         name = f.f_code.co_filename
-        if _users(name):
+        mine = users.get(name)
+        if mine is None:  # (once per file: every op of a capture walks ~30 frames of torch's)
+            mine = users[name] = _users(name)
+        if mine:
             return f"{os.path.basename(name)}:{f.f_lineno}"
         f = f.f_back
     return ""
+
+
+_USER_FILES: dict[str, bool] = {}  # file name -> _users(file name)
 
 
 def _source_of(node: fx.Node) -> str:
@@ -397,6 +404,7 @@ def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _returns_written_args(func: Any) -> bool:
     """Whether every output of ``func`` is an argument it writes (an in-place or out= op)."""
     rets = getattr(getattr(func, "_schema", None), "returns", ())
@@ -489,11 +497,12 @@ class _CaptureGuard(TorchDispatchMode):
         task = _GRAPH_TASK()
         self.backward_seen = self.backward_seen or task != -1
         self.undo.device_room.open = self.backward_seen and task == -1
+        leaves = pytree.tree_leaves((args, kwargs))
         if self.fake:
             # The fake mode writes its fake copies of real arguments, but an op of constants and
             # untraced state runs for real (a CPU step count += 1): only those writes are undone.
-            tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            undone = [t for t in written if not is_fake_tensor(t)] if runs_for_real(func, tensors) else []
+            tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
+            undone = [t for t in written if not is_fake_tensor(t)] if written and runs_for_real(func, tensors) else []
         else:
             undone = written
         for t in undone:
@@ -514,7 +523,7 @@ class _CaptureGuard(TorchDispatchMode):
         # (a random draw is no constant, though it reads no tensor)
         from_constants = torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
         gens = []  # (a torch.Generator of fn's own that this op draws from)
-        for a in pytree.tree_leaves((args, kwargs)):
+        for a in leaves:
             if isinstance(a, torch.Tensor):
                 if a.layout is not torch.strided:
                     _refuse_layout(func, a, self.sources[-1][1] if self.sources else "")
