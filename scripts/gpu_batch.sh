@@ -69,9 +69,8 @@ for step in "$@"; do
                  --out "$R" ;;  # issue 36's warm build, phases and sampled stacks (results/probes/warm_build_*)
     warm-build-fake) run_step $step 420 python3 benchmarks/probes/warm_build.py --models gpt2_124m,resnet50 \
                  --settings "FLOWEXEC_FAKE_CAPTURE=1;FLOWEXEC_FAKE_CAPTURE=0" --sample --out "$R/fake" ;;  # fake capture against real
-    warm-build-gpt2) run_step $step 400 bash -c "python3 benchmarks/probes/warm_build.py --models gpt2_124m \
-                 --settings 'FLOWEXEC_FAKE_CAPTURE=1' --sample --out '$R/fx' && python3 benchmarks/probes/warm_build.py \
-                 --models gpt2_124m --variant inductor --out '$R/peers'" ;;  # flowexec's (fake capture) and torch.compile's
+    warm-build-gpt2) run_step $step 300 python3 benchmarks/probes/warm_build.py --models gpt2_124m \
+                 --settings 'FLOWEXEC_FAKE_CAPTURE=1' --sample --out "$R/fx" ;;  # flowexec's, fake capture (peers: warm-build-peers)
     tests-fake) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/test_guards.py \
                  --junitxml="$R/$step.xml" ;;  # the CUDA tests with the fake capture (on CUDA its default once they pass)
     warm-build-peers) run_step $step 300 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m \
