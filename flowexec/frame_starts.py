@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 _TOOL_NAME = "flowexec capture"
 # thread id -> the recorders started on it, innermost last (only the innermost records, as a
 # trace function set by an inner capture stands in for the outer's until it ends)
 _RECORDERS: dict[int, list[Any]] = {}
 _TOOL: list[int] = []  # the sys.monitoring tool id held while any recorder runs
+_USER_FILES: dict[str, bool] = {}  # file name -> whether its code is the user's (then scanned)
+_user_file: Any = None  # guards.user_code, set by start() (this module sits below guards)
 
 
 def available() -> bool:
@@ -48,9 +50,13 @@ def _free_tool(mon: Any) -> int | None:
     return None
 
 
-def start(recorder: Any) -> None:
+def start(recorder: Any, user_file: Callable[[str], bool]) -> None:
     """Deliver the frames this thread starts to ``recorder`` (``_new_code(frame)`` for a code
-    it has not seen, ``_object_code(frame)`` for one in its ``_per_object``) until :func:`stop`."""
+    it has not seen, ``_object_code(frame)`` for one in its ``_per_object``) until :func:`stop`;
+    ``user_file(name)``: whether code in that file is the user's (other code is never scanned,
+    and its event is disabled at its first frame)."""
+    global _user_file
+    _user_file = user_file
     mon = sys.monitoring
     if not _TOOL:
         tool = _free_tool(mon)
@@ -83,6 +89,12 @@ def stop(recorder: Any) -> None:
 
 
 def _on_start(code: Any, offset: int) -> Any:
+    name = code.co_filename
+    users = _USER_FILES.get(name)
+    if users is None:
+        users = _USER_FILES[name] = _user_file(name)
+    if not users:  # no recorder scans library code, on any thread (the autograd engine's device threads run
+        return sys.monitoring.DISABLE  # the backward's fake and proxy kernels): done with for good
     stack = _RECORDERS.get(threading.get_ident())
     alone = len(_RECORDERS) == 1
     if not stack:  # another thread's frame: a code done with for the one recorder is so for good

@@ -611,7 +611,7 @@ class Recorder:
         # tracing. From 3.12, sys.monitoring reports each code's first frame alone, and leaves a
         # user's tracer running.
         if _FRAME_HOOK != "trace" and frame_starts.available():  # Python 3.12+: each code's first frame only
-            frame_starts.start(self)
+            frame_starts.start(self, user_code)
             self._hook = "monitoring"
             return self
         self._hook = "trace"
