@@ -10,10 +10,11 @@ fake capture (4.3 s against 1.7 s on a 2-core CPU, C tracer). ``sys.monitoring``
 event instead reaches :func:`_on_start` once per code object: a code the recorder has done with
 is disabled (``sys.monitoring.DISABLE``) and its later frames cost nothing.
 
-The event is process-wide where a trace function is per-thread: frames of another thread reach
-the callback too and are passed over, and a code is disabled only while recorders run on one
-thread alone (each new or ending recorder restarts the disabled events, so that none misses a
-code another disabled).
+Library code (torch's, the standard library's, flowexec's) is never scanned: its event is
+disabled at its first frame, on any thread. The event is process-wide where a trace function is
+per-thread: the user's frames of another thread reach the callback too and are passed over, and
+a user's code is disabled only while recorders run on one thread alone (each new or ending
+recorder restarts the disabled events, so that none misses a code another disabled).
 
     >>> import sys
     >>> from flowexec import frame_starts
