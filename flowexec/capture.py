@@ -361,19 +361,12 @@ def _library_frame(tb: Any) -> str:
 def _caller_line() -> str:
     """``file:line`` of the innermost calling frame of the user's."""
     f = sys._getframe(2)
-    users = _USER_FILES
     while f is not None:
         name = f.f_code.co_filename
-        mine = users.get(name)
-        if mine is None:  # (once per file: every op of a capture walks ~30 frames of torch's)
-            mine = users[name] = _users(name)
-        if mine:
+        if _users(name):
             return f"{os.path.basename(name)}:{f.f_lineno}"
         f = f.f_back
     return ""
-
-
-_USER_FILES: dict[str, bool] = {}  # file name -> _users(file name)
 
 
 def _source_of(node: fx.Node) -> str:

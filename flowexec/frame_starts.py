@@ -32,8 +32,7 @@ _TOOL_NAME = "flowexec capture"
 # trace function set by an inner capture stands in for the outer's until it ends)
 _RECORDERS: dict[int, list[Any]] = {}
 _TOOL: list[int] = []  # the sys.monitoring tool id held while any recorder runs
-_USER_FILES: dict[str, bool] = {}  # file name -> whether its code is the user's (then scanned)
-_user_file: Any = None  # guards.user_code, set by start() (this module sits below guards)
+_user_file: Any = None  # guards.user_code (cached per file), set by start(): this module sits below guards
 
 
 def available() -> bool:
@@ -90,11 +89,7 @@ def stop(recorder: Any) -> None:
 
 
 def _on_start(code: Any, offset: int) -> Any:
-    name = code.co_filename
-    users = _USER_FILES.get(name)
-    if users is None:
-        users = _USER_FILES[name] = _user_file(name)
-    if not users:  # no recorder scans library code, on any thread (the autograd engine's device threads run
+    if not _user_file(code.co_filename):  # no recorder scans library code, on any thread (the autograd engine's device threads run
         return sys.monitoring.DISABLE  # the backward's fake and proxy kernels): done with for good
     stack = _RECORDERS.get(threading.get_ident())
     alone = len(_RECORDERS) == 1

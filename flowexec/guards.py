@@ -184,6 +184,7 @@ def is_scalar(v: Any) -> bool:
     return type(v) is tuple and all(is_scalar(e) for e in v)  # (compared whole: one guard)
 
 
+@functools.lru_cache(maxsize=None)  # (asked per frame: a capture's op walks ~30 of torch's)
 def user_code(filename: str) -> bool:
     """Whether a code object's file is the user's (not torch's, flowexec's or the standard library's)."""
     return (not filename.startswith((_TORCH_DIR, _OWN_DIR, *_STDLIB)) and not filename.startswith("<frozen")
