@@ -314,10 +314,8 @@ def _put_back(saved: Any) -> Any:
 def put_back_attributes(saved: list[tuple[Any, Any]]) -> None:
     """Set each object's attributes back to ``saved`` (:func:`object_attributes`): those added
     since go, those replaced come back, and the dicts and lists among them hold what they held."""
-    for obj, attrs in saved:
+    for _, attrs in saved:
         _put_back(attrs)
-
-
 
 
 def _cell_filled(cell: Any) -> bool:

@@ -749,11 +749,11 @@ class Executable:
         fn itself where that program cannot be had (state it cannot make, ``first_step="eager"``).
         """
         self._eager_next = False
-        c = self._first_step_program(args, kwargs) if self.first_step == "planned" else None
+        leaves, _ = flatten(args, kwargs)
+        c = self._first_step_program(leaves, args, kwargs) if self.first_step == "planned" else None
         if c is None:
             self._ran_eagerly = True
             return self.fn(*args, **kwargs)
-        leaves, _ = flatten(args, kwargs)
 
         def run_and_bind(targs: Sequence[Any]) -> list[Any]:
             flat = c.runner(targs)
@@ -769,11 +769,10 @@ class Executable:
         self.first_step_program = c.plan  # (kept for inspection: what the first step ran)
         return out
 
-    def _first_step_program(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Compiled | None:
-        """The first step's program (see :meth:`_run_first_step`), or None where a capture of it
-        failed (``first_step_fallback`` says why; fn then runs eagerly and the next call
-        captures, and raises, as it would have)."""
-        leaves, _ = flatten(args, kwargs)
+    def _first_step_program(self, leaves: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Compiled | None:
+        """The first step's program for the call's ``leaves`` (see :meth:`_run_first_step`), or
+        None where a capture of it failed (``first_step_fallback`` says why; fn then runs
+        eagerly and the next call captures, and raises, as it would have)."""
         tree, _, paths = tree_of(args, kwargs)
         try:
             c = self._build(leaves, tree, paths, first_step=True)

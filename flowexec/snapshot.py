@@ -27,7 +27,7 @@ a copy on the device costs microseconds, and the peak does not move.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -46,9 +46,14 @@ def _new_block(nbytes: int) -> torch.Tensor:
 
 def extent(t: torch.Tensor) -> int:
     """Elements from a tensor's first to one past its last (its strides' reach)."""
-    if t.numel() == 0:
+    return strided_extent(t.shape, t.stride())
+
+
+def strided_extent(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements from the first to one past the last of a strided layout (0 where it holds none)."""
+    if not all(shape):
         return 0
-    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
 
 
 def _room_on(device: torch.device) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..program import Program, Ref, TensorMeta
+from ..snapshot import strided_extent
 
 
 def fake_tensor(meta: TensorMeta, mode: Any) -> torch.Tensor:
@@ -57,7 +58,7 @@ def _on_storage(meta: TensorMeta, mode: Any) -> torch.Tensor:
     if meta.stride is None or meta.nbytes <= 0:
         return fake_tensor(meta, mode)
     item = torch.empty((), dtype=meta.dtype, device="meta").element_size()
-    need = 1 + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride)) if all(meta.shape) else 0
+    need = strided_extent(meta.shape, meta.stride)
     with mode:
         base = torch.empty(max(-(-meta.nbytes // item), need), dtype=meta.dtype, device=meta.device)
         return base.as_strided(meta.shape, meta.stride)
