@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import frame_starts
 
@@ -481,7 +482,9 @@ class Recorder:
         """A parameter, buffer or submodule read (``nn.Module.__getattr__``): the program binds
         it, so it must still be the same object (``model.fc = nn.Linear(...)`` re-captures)."""
         d = object.__getattribute__(module, "__dict__")
-        if id(d) in self._ignored:
+        if id(d) in self._ignored or isinstance(value, FakeTensor):
+            # (a fake tensor there is one fn put in for the run, as torch.func.functional_call
+            # swaps in its arguments' fake stand-ins: the program binds no module member for it)
             return
         for table in ("_parameters", "_buffers", "_modules"):
             members = d.get(table)

@@ -180,6 +180,31 @@ def test_functional_adam_over_a_dict_of_lists():
     assert len(step._cache) == 1
 
 
+
+@pytest.mark.parametrize("own", [True, False], ids=["the module's own parameters", "other tensors"])
+def test_functional_call_over_parameters_in_a_list_trains_as_eager(own):
+    """torch.func.functional_call swaps the tensors it is given into the module for the run and
+    back after: no guard may hold the module to what was swapped in (a fake capture's stand-ins)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    twin = copy.deepcopy(model)
+    names = [n for n, _ in model.named_parameters()]
+
+    def step(net, params, x, y):
+        loss = torch.nn.functional.cross_entropy(torch.func.functional_call(net, dict(zip(names, params)), (x,)), y)
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            torch._foreach_add_(params, grads, alpha=-0.1)
+        return loss.detach()
+
+    params = list(model.parameters()) if own else [p.detach().clone().requires_grad_() for p in model.parameters()]
+    eparams = list(twin.parameters()) if own else [p.detach().clone().requires_grad_() for p in twin.parameters()]
+    exe = flowexec.compile(lambda params, x, y: step(model, params, x, y))
+    for x, y in _batches(3):
+        assert_close_rel(exe(params, x, y), step(twin, eparams, x, y))
+    assert_close_rel(params, eparams, what="params after 3 steps")
+    assert len(exe._cache) == 1
+
 # --- signatures: structure and non-tensor leaves ------------------------------------------------
 
 def test_a_new_structure_or_scalar_leaf_recaptures_with_a_warning():

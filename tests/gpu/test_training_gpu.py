@@ -103,22 +103,30 @@ def test_a_schedule_is_written_by_the_graph_and_each_replay_reads_its_own_values
 def test_a_planned_first_step_makes_adamw_s_state_within_eager_s_peak(fused: bool) -> None:
     """Graph mode with a fresh AdamW: the first call runs the first step's program (trace mode on
     the device), which makes the moments and step counts; the steps after replay the graph. The
-    losses, parameters and state are eager's, and the first call's peak is at most eager's first
-    step's."""
+    losses and parameters are eager's, the state made by the first call is eager's, and the
+    first call's peak is at most eager's first step's.
+
+    Graph mode steps AdamW through torch's capturable code path (step counts on the device:
+    flowexec.hyperparams), whose float32 bias corrections round otherwise than the default path's
+    Python floats; Adam's early steps amplify that in the moments (on an H100, torch's own
+    capturable AdamW was 1.3e-4 from the default one after 4 steps, flowexec unfused 6e-7 from
+    the capturable one). After 4 steps the moments are therefore held to eager's within 4x what
+    torch's capturable twin differs from eager by (fused regions' rounding: 1.7x measured)."""
     import copy
 
     import torch.nn.functional as F
 
     from flowexec.models import make_step
-    from helpers import assert_close_rel
+    from helpers import assert_close_rel, rel_err
 
     torch.manual_seed(0)
     m1 = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
                                                    torch.nn.Linear(2048, 512)) for _ in range(4)]).cuda()
-    m2 = copy.deepcopy(m1)
+    m2, m3 = copy.deepcopy(m1), copy.deepcopy(m1)
     o1 = torch.optim.AdamW(m1.parameters(), lr=1e-3, fused=fused)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3, fused=fused)
-    eager = make_step(m1, o1, F.mse_loss)
+    o3 = torch.optim.AdamW(m3.parameters(), lr=1e-3, fused=fused, capturable=True)
+    eager, twin = make_step(m1, o1, F.mse_loss), make_step(m3, o3, F.mse_loss)
     exe = flowexec.compile(make_step(m2, o2, F.mse_loss), mode="graph")
     data = [(torch.randn(256, 512, device="cuda"), torch.randn(256, 512, device="cuda")) for _ in range(4)]
     peaks = []
@@ -134,12 +142,18 @@ def test_a_planned_first_step_makes_adamw_s_state_within_eager_s_peak(fused: boo
         b = exe(x, y)
         torch.cuda.synchronize()
         peaks.append((eager_peak, torch.cuda.max_memory_allocated() - base))
+        twin(x, y)
         assert_close_rel(b, a, 1e-5, f"loss {k}")
+        if k == 0:  # the state the first step's program made
+            for p, q in zip(m1.parameters(), m2.parameters()):
+                for key in o1.state[p]:
+                    assert_close_rel(o2.state[q][key].cpu(), o1.state[p][key].cpu(), 1e-5, f"first step's {key}")
     assert exe.first_step_program is not None, exe.first_step_fallback
     assert exe.first_step_program.stats()["fused_regions"] >= 1  # fused as graph mode's steps are (CUDA)
     assert peaks[0][1] <= peaks[0][0], peaks
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert_close_rel(q, p, 1e-5, "parameter")
-    for p, q in zip(m1.parameters(), m2.parameters()):
-        for key in o1.state[p]:
-            assert_close_rel(o2.state[q][key], o1.state[p][key], 1e-5, key)
+    for key in ("exp_avg", "exp_avg_sq"):
+        spread = max(rel_err(o3.state[r][key], o1.state[p][key]) for p, r in zip(m1.parameters(), m3.parameters()))
+        for p, q in zip(m1.parameters(), m2.parameters()):
+            assert_close_rel(o2.state[q][key], o1.state[p][key], max(1e-5, 4 * spread), f"{key} after 4 steps")
