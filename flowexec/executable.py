@@ -29,8 +29,9 @@ import torch
 
 from .capture import LazyStateError, capture, fresh_optimizer
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
+from .fake_run import cuda_in_use
 from .build import check_recompute, plan_for
-from .fusion import check_fuse, check_pad, wants_fusion
+from .fusion import check_fuse, check_pad, wants_fusion, warm_compile_workers
 from .guards import GuardSet
 from .graph_variants import GraphVariants, borrowed_inputs, sharing_positions, worth_parking
 from .parking import ParkedGrads, held_by_grad_alone
@@ -266,6 +267,8 @@ class Executable:
         t0 = time.perf_counter()
         self._give_back_parked()
         fastcall.load()  # (where built, its C frame tracer serves the capture's guards.Recorder)
+        if self.fuse is not False and self.mode == "graph" and cuda_in_use():
+            warm_compile_workers()  # (ready by the time the captured program's regions compile)
         cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
                       park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
                       make_state=first_step)

@@ -76,6 +76,18 @@ def compiler() -> Any:
     return _compiler
 
 
+def warm_compile_workers() -> None:
+    """Start Inductor's compile workers now (each imports torch: seconds), as torch.compile does
+    before Dynamo traces, so that they are ready when the regions' kernels are generated; a
+    kernel generated before they are ready compiles in this process, one at a time. Triton's
+    workers only: C++ kernels compile on threads."""
+    from torch._inductor import async_compile
+
+    warm = getattr(async_compile, "maybe_warm_pool", None)
+    if warm is not None:
+        warm()
+
+
 def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tuple[Program, FusionReport | None]:
     """``prog`` with its regions fused when ``fuse`` asks for it in run mode ``mode`` (see the
     module's docstring), and the report (None when nothing was asked)."""
@@ -84,7 +96,11 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
     comp = compiler()
     before = comp.seconds
     with _Progress() as bar:
-        fused, report = fuse_program(prog, comp.compile, progress=bar.update)
+        while True:  # (again where a kernel failed only at the end: that region keeps its ATen ops)
+            with comp.together(progress=bar.waited) as late:
+                fused, report = fuse_program(prog, comp.compile, progress=bar.update)
+            if not late:
+                break
     report = FusionReport(report.regions, comp.seconds - before)
     if os.environ.get("FLOWEXEC_DEBUG") == "1":
         for op in fused.ops:
@@ -103,20 +119,29 @@ class _Progress:
         self._task: Any = None
         self._t0 = time.perf_counter()
         self._total = 0
+        self._what = ""
 
     def __enter__(self) -> _Progress:
         return self
 
-    def update(self, done: int, total: int) -> None:
-        self._total = total
+    def update(self, done: int, total: int, what: str = "generating fused regions") -> None:
+        """``done`` of ``total`` regions generated (their kernels compile in the background)."""
+        if what == "generating fused regions":
+            self._total = total
         if self._bar is None and total > 1 and sys.stderr.isatty() and time.perf_counter() - self._t0 > 0.5:
             from rich.progress import Progress
 
             self._bar = Progress(transient=True)
             self._bar.start()
-            self._task = self._bar.add_task("flowexec: compiling fused regions", total=total)
         if self._bar is not None:
-            self._bar.update(self._task, completed=done)
+            if self._task is None or self._what != what:
+                self._task = self._bar.add_task(f"flowexec: {what}", total=total)
+                self._what = what
+            self._bar.update(self._task, completed=done, total=total)
+
+    def waited(self, done: int, total: int) -> None:
+        """``done`` of ``total`` regions' kernels built."""
+        self.update(done, total, "compiling their kernels")
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import operator
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -221,9 +222,65 @@ class InductorCompiler:
     failures: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
+    @contextlib.contextmanager
+    def together(self, progress: Callable[[int, int], None] | None = None) -> Iterator[list[str]]:
+        """Regions compiled inside compile their kernels side by side (:class:`_Batch`): each
+        region's generated kernels go to Inductor's compile workers while the next region is
+        generated, and the block's exit waits for them all (``progress(done, total)`` per
+        region waited for), then runs the output checks :func:`compile_graph` put off. The
+        list it yields gets, on exit, the keys of regions refused only then (a kernel that did
+        not build, or returned other metas): their kernels are gone from :attr:`kernels`, so a
+        program fused inside must be fused again. Nested, the outer block waits."""
+        global _batch
+        late: list[str] = []
+        if _batch is not None:
+            yield late
+            return
+        from torch._inductor.async_compile import AsyncCompile
+
+        batch = _batch = _Batch(threading.get_ident())
+        original = AsyncCompile.wait
+
+        def wait(compiler: Any, scope: dict[str, Any]) -> None:
+            if threading.get_ident() == batch.thread:
+                batch.waits.append((batch.key, compiler, scope))
+            else:  # (another thread's Inductor compile is not ours to put off)
+                original(compiler, scope)
+
+        AsyncCompile.wait = wait  # type: ignore[method-assign]
+        try:
+            yield late
+        except BaseException:
+            for key in batch.keys:  # (their kernels were never waited for)
+                self.kernels.pop(key, None)
+            raise
+        finally:
+            AsyncCompile.wait = original  # type: ignore[method-assign]
+            _batch = None
+        t0 = time.perf_counter()
+        refused: dict[str, str] = {}
+        for k, (key, compiler, scope) in enumerate(batch.waits):
+            try:
+                original(compiler, scope)
+            except Exception as e:
+                refused.setdefault(key, _why(e))
+            if progress is not None:
+                progress(k + 1, len(batch.waits))
+        for key, check in batch.checks:
+            if key not in refused:
+                try:
+                    check()
+                except Exception as e:
+                    refused[key] = _why(e)
+        for key, why in refused.items():
+            self.kernels.pop(key, None)
+            self.failures[key] = why
+        self.seconds += time.perf_counter() - t0
+        late += refused
+
     def compile(self, prog: Program, region: Region, name: str | None = None) -> FusedKernel | str:
         """The kernel for ``region`` (compiled now, or shared with an equal region), or why
-        Inductor refused it."""
+        Inductor refused it (inside :meth:`together`, the kernel is ready once its block ends)."""
         key = region_key(prog, region)
         hit = self.kernels.get(key)
         if hit is not None:
@@ -231,12 +288,15 @@ class InductorCompiler:
         if key in self.failures:
             return self.failures[key]
         t0 = time.perf_counter()
+        if _batch is not None and _batch.thread == threading.get_ident():
+            _batch.key = key
+            _batch.keys.append(key)
         try:
             gm = region_graph(prog, region)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
                                      [prog.values[v].meta for v in region.computed], key=key)
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
-            why = self.failures[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            why = self.failures[key] = _why(e)
             return why
         finally:
             self.seconds += time.perf_counter() - t0
@@ -271,18 +331,47 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     check = output_check_key(key, [*metas, *want]) if kept is not None else None
     with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):
         compiled = compile_fx(gm, inputs)
-        if want and not (kept is not None and kept.get(check)):
-            outs = compiled(*[_example(m) for m in metas])
+    if want and not (kept is not None and kept.get(check)):
+        def check_outputs() -> None:
+            with torch.no_grad(), _quiet():
+                outs = compiled(*[_example(m) for m in metas])
             for k, (o, m) in enumerate(zip(outs, want)):
                 got = (o.dtype, tuple(o.shape), tuple(o.stride()) if m.stride is not None and o.numel() > 1 else None)
                 expect = (m.dtype, m.shape, m.stride if m.stride is not None and o.numel() > 1 else None)
                 if got != expect:
                     raise TypeError(f"output {k} came back as {got[0]} {list(got[1])} stride {got[2]}, the program "
                                     f"expects {expect[0]} {list(expect[1])} stride {expect[2]}")
-            del outs
             if kept is not None:
                 kept.put(check, True)
+        if _batch is not None and _batch.thread == threading.get_ident():
+            _batch.checks.append((_batch.key, check_outputs))  # (its kernels are not built yet)
+        else:
+            check_outputs()
     return compiled
+
+
+@dataclass
+class _Batch:
+    """The regions compiled in one :meth:`InductorCompiler.together` block. Inductor's module
+    for a region submits its kernels to the compile workers, then waits for them
+    (``AsyncCompile.wait(globals())``) before the next region is even generated: one region's
+    kernels at a time, while torch.compile's one graph has all of its kernels compiling at once.
+    In a block that wait is kept here (``waits``: region key, compiler, the module's globals,
+    whose futures the wait replaces by kernels) and done at the block's end; so are the output
+    checks, which run the kernels (``checks``)."""
+
+    thread: int
+    key: str = ""  # the region being compiled
+    keys: list[str] = field(default_factory=list)
+    waits: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
+    checks: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+
+
+_batch: _Batch | None = None  # the open block (one at a time: a fusion pass runs on one thread)
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 def output_checks() -> VerdictCache:

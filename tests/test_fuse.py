@@ -480,3 +480,68 @@ def test_a_passed_output_check_is_kept_so_a_warm_build_runs_no_example(tmp_path,
             inductor.compile_graph(gm, metas, wrong, key)
     assert len(made) == 4
     assert inductor.output_check_key(key, [*metas, *want]) != inductor.output_check_key(key, [*metas, *wrong])
+
+
+def test_regions_compiled_together_wait_for_their_kernels_at_the_end():
+    """Inside InductorCompiler.together, a region's generated module does not wait for its
+    kernels (the compile workers build every region's side by side): each wait is made at the
+    block's end, after the last region was generated, and then the kernels run as eager; an
+    output check (which runs the kernel) waits there too, and a failed one refuses its region
+    only then: its key is reported, its kernel dropped, its reason kept."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    progs = [capture(fn, (torch.randn(5, 7),)).program
+             for fn in (lambda x: (torch.tanh(x) * 3).relu() + 1, lambda x: (x.sigmoid() - 2).abs() * x)]
+    regions = [find_regions(p)[0] for p in progs]
+    comp = inductor.InductorCompiler()
+    events: list[str] = []
+    real_wait = AsyncCompile.wait
+
+    def wait(self, scope):
+        events.append("wait")
+        real_wait(self, scope)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(AsyncCompile, "wait", wait)
+    wrong = dataclasses.replace(progs[1].values[regions[1].computed[0]].meta, dtype=torch.float64)
+    real_graph = inductor.compile_graph
+    mp.setattr(inductor, "compile_graph", lambda gm, metas, want=(), key=None:
+               real_graph(gm, metas, [wrong] if key == inductor.region_key(progs[1], regions[1]) else want, key))
+    try:
+        with comp.together() as late:
+            kernels = [comp.compile(p, r) for p, r in zip(progs, regions)]
+            events.append("generated")
+            assert AsyncCompile.wait is not wait  # (the block's own, until its end)
+        assert AsyncCompile.wait is wait
+    finally:
+        mp.undo()
+    assert "generated" in events and events.index("generated") < len(events) - 1  # the waits came after
+    assert all(e == "wait" for e in events[events.index("generated") + 1:]) and events[0] == "generated"
+    key = inductor.region_key(progs[1], regions[1])
+    assert late == [key] and key not in comp.kernels and "came back as torch.float32" in comp.failures[key]
+    x = torch.randn(5, 7)
+    torch.testing.assert_close(kernels[0](x)[0], (torch.tanh(x) * 3).relu() + 1)
+
+
+def test_a_kernel_that_fails_to_build_at_the_block_s_end_leaves_its_region_as_aten_ops(monkeypatch):
+    """The fusion pass fuses again where a region was refused only when its kernels were waited
+    for: the program keeps that region's ATen ops, says why, and runs as eager."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    real_wait = AsyncCompile.wait
+
+    def wait(self, scope):  # a build that fails for the layer norm's kernel (a unique shape: 13)
+        if any("layer_norm" in k for k in scope):
+            raise RuntimeError("kernel build failed (test)")
+        real_wait(self, scope)
+    monkeypatch.setattr(AsyncCompile, "wait", wait)
+    monkeypatch.setattr(flowexec.fusion, "_compiler", None)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(13, 13), torch.nn.LayerNorm(13), torch.nn.GELU(), torch.nn.Linear(13, 13))
+    x = torch.randn(3, 13)
+    exe = flowexec.compile(lambda x: (net(x).relu() * 2).sum(), x, fuse="inductor")
+    st = exe.plan.stats()
+    assert st["fusion_fallbacks"] >= 1 and st["fused_regions"] >= 1, st
+    assert "kernel build failed (test)" in exe.explain()
+    assert "aten.native_layer_norm" in str(exe.program)
+    with torch.no_grad():
+        torch.testing.assert_close(exe(x), (net(x).relu() * 2).sum())
