@@ -442,6 +442,9 @@ class _CaptureGuard(TorchDispatchMode):
         # their host reads as eager would.
         self.fake = False
         self.shadows: dict[int, torch.Tensor] = {}
+        # Storages of the real twins fn was handed in place of fake integer and boolean tensors
+        # made from constants (:meth:`_fold`)
+        self.folded: set[int] = set()
         self.backward_seen = False  # an op of an autograd backward has run (snapshot.DeviceRoom.open)
         # torch.Generator objects of fn's own that random ops draw from: id -> (generator, its
         # state at the first draw, its state after the last). The default generators are saved
@@ -490,6 +493,9 @@ class _CaptureGuard(TorchDispatchMode):
         self.undo.device_room.open = self.backward_seen and task == -1
         leaves = pytree.tree_leaves((args, kwargs))
         if self.fake:
+            if self.folded and any(storage_key(t) in self.folded for t in written):
+                # (the program would bind it as state and write it on every call: a real run decides)
+                raise RuntimeError(f"{func} writes a tensor made from constants in place")
             # The fake mode writes its fake copies of real arguments, but an op of constants and
             # untraced state runs for real (a CPU step count += 1): only those writes are undone.
             tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
@@ -544,6 +550,7 @@ class _CaptureGuard(TorchDispatchMode):
                     self.constant[id(o)] = weakref.ref(o)
         if self.fake and from_constants:
             self._shadow(func, args, kwargs, out)
+            out = self._fold(out)
         if not from_constants:
             for t in written:
                 self.constant.pop(id(t), None)
@@ -577,6 +584,26 @@ class _CaptureGuard(TorchDispatchMode):
         for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
             if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor):
                 self.shadows[id(o)] = r
+
+    def _fold(self, out: Any) -> Any:
+        """``out`` of an op of constants, or where its tensors are all integers or booleans
+        (positions, masks, indices), their real twins: fn then holds what an eager run holds.
+        Libraries take another path for a fake tensor than for a real one (transformers'
+        ``is_tracing``: handed a fake mask of packed sequences, HF models build an explicit
+        causal mask, and SDPA leaves its flash kernels: 10% of a GPT-2 step on the H200). The
+        graph takes a folded tensor as a constant, bound as state; one written in place later
+        ends the fake run (:meth:`__torch_dispatch__`)."""
+        leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if not leaves or any(o.dtype.is_floating_point or o.dtype.is_complex or id(o) not in self.shadows
+                             for o in leaves):
+            return out
+        real = pytree.tree_map(lambda o: self.shadows.pop(id(o)) if isinstance(o, torch.Tensor) else o, out)
+        for r in pytree.tree_leaves(real):
+            if isinstance(r, torch.Tensor):
+                self.created[id(r)] = self.constant[id(r)] = weakref.ref(r)
+                self.created_storages.add(storage_key(r))
+                self.folded.add(storage_key(r))
+        return real
 
     def _before_draw(self, g: torch.Generator, func: Any) -> None:
         """Note ``g``'s state before a draw: its first (restore() puts it back: the capture's
@@ -854,6 +881,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             return [t for r in guard.created.values()
                     if (t := r()) is not None and id(t) not in out_ids and id(t) not in saved_ids
                     and guard.is_created(t) and not any(t is a for a in tensors)
+                    and storage_key(t) not in guard.folded  # (a constant: every call's value)
                     and (t._base is None or id(t._base) not in out_ids) and id(t) not in out_bases]
 
         if make_state:  # the optimizers' new state entries are outputs, bound by the caller after the run

@@ -108,6 +108,72 @@ def test_host_reads_of_constants_and_of_lifted_hyperparameters_are_answered_in_a
     assert exe.capture_run == "fake"
 
 
+def test_code_that_asks_whether_a_tensor_of_constants_is_fake_takes_eager_s_path() -> None:
+    """Integer and boolean tensors made from constants (positions, masks) reach fn as their real
+    twins: a library that takes another path for a fake tensor (transformers' ``is_tracing``
+    before its packed-sequence check) takes the one eager takes, and the run stays fake."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[-1]).unsqueeze(0)
+        packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        if not isinstance(packed, FakeTensor) and bool((packed[:, -1] == 0).all()):
+            return x * 2 + pos  # eager's path: one sequence
+        return x * 3 + pos  # what a tracer that cannot read the mask does
+
+    x = torch.randn(2, 6)
+    exe = flowexec.compile(fn, x, mode="trace")
+    for _ in range(2):
+        x = torch.randn(2, 6)
+        torch.testing.assert_close(exe(x), fn(x))
+    assert exe.capture_run == "fake"
+    assert not any("cumsum" in op.name for op in exe.program.ops)  # (folded: the program reads pos)
+
+
+def test_a_tensor_of_constants_written_in_place_ends_the_fake_run() -> None:
+    """A folded tensor would be a constant of the program, which a write in place would change
+    on every call: a real run decides instead, and says why."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        idx = torch.arange(3)
+        idx.add_(1)
+        return x[idx] * 2
+
+    x = torch.randn(5)
+    exe = flowexec.compile(fn, x, mode="trace")
+    for _ in range(3):
+        x = torch.randn(5)
+        torch.testing.assert_close(exe(x), fn(x))
+    assert exe.capture_run.startswith("real (a fake run could not") and "in place" in exe.capture_run
+
+
+def test_an_hf_gpt2_step_captured_fake_runs_the_ops_of_a_real_capture(monkeypatch) -> None:
+    """Hugging Face GPT-2 (no attention mask, no cache: a training step): the fake capture's
+    program runs the real capture's ops less the folded constants; it builds no explicit causal
+    mask, so SDPA keeps its causal kernel."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.config.use_cache = False
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        logits = model(ids).logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), ids.view(-1))
+        loss.backward()
+        return loss.detach()
+
+    ids = torch.randint(0, 100, (2, 16))
+    ops = {}
+    for fake in (True, False):
+        monkeypatch.setattr(capture, "_FAKE_CAPTURE", fake)
+        exe = flowexec.compile(step, ids, mode="trace")
+        assert exe.capture_run == ("fake" if fake else "real")
+        ops[fake] = {op.name for op in exe.program.ops}
+        torch.testing.assert_close(exe(ids), step(ids))
+    assert ops[True] <= ops[False], ops[True] - ops[False]
+
 def test_a_real_capture_is_one_switch_away(monkeypatch) -> None:
     monkeypatch.setattr(capture, "_FAKE_CAPTURE", False)
     exe = flowexec.compile(lambda x: (x * 2).sum(), torch.ones(3), mode="trace")
