@@ -603,6 +603,7 @@ class _CaptureGuard(TorchDispatchMode):
                 self.created[id(r)] = self.constant[id(r)] = weakref.ref(r)
                 self.created_storages.add(storage_key(r))
                 self.folded.add(storage_key(r))
+        self.folded.discard(0)  # (an empty tensor has no storage to write: 0 is every fake's key)
         return real
 
     def _before_draw(self, g: torch.Generator, func: Any) -> None:

@@ -146,6 +146,20 @@ def test_a_tensor_of_constants_written_in_place_ends_the_fake_run() -> None:
     assert exe.capture_run.startswith("real (a fake run could not") and "in place" in exe.capture_run
 
 
+def test_an_empty_tensor_of_constants_leaves_other_writes_in_place_fake() -> None:
+    """An empty folded tensor has no storage (the key every fake tensor has): a write in place
+    to any other tensor keeps the run fake."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        none = torch.zeros(0, dtype=torch.long)
+        y = x * 2
+        y.relu_()
+        return y.sum() + none.numel()
+
+    exe = flowexec.compile(fn, torch.randn(5), mode="trace")
+    x = torch.randn(5)
+    torch.testing.assert_close(exe(x), fn(x))
+    assert exe.capture_run == "fake"
+
 def test_an_hf_gpt2_step_captured_fake_runs_the_ops_of_a_real_capture(monkeypatch) -> None:
     """Hugging Face GPT-2 (no attention mask, no cache: a training step): the fake capture's
     program runs the real capture's ops less the folded constants; it builds no explicit causal
