@@ -73,6 +73,8 @@ for step in "$@"; do
                  --settings 'FLOWEXEC_FAKE_CAPTURE=1' --sample --out "$R/fx" ;;  # flowexec's, fake capture (peers: warm-build-peers)
     tests-fake) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/test_guards.py \
                  --junitxml="$R/$step.xml" ;;  # the CUDA tests with the fake capture (on CUDA its default once they pass)
+    fake-vs-real) run_step $step 300 python3 benchmarks/probes/fake_vs_real.py --device cuda \
+                 --out "$R" ;;  # the ops a fake capture's program runs that a real one's does not (and back)
     warm-build-peers) run_step $step 300 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m \
                  --variant inductor --out "$R/peers" ;;  # torch.compile's warm build in the same run
     recompute-peak) run_step $step 400 python3 benchmarks/probes/recompute_peak.py --model gpt2_124m --batch 8 \
