@@ -373,6 +373,9 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["first_call_s"] = time.perf_counter() - t
         res["first_step"] = ("planned" if exe.first_step_program is not None else
                              f"eager{f' ({exe.first_step_fallback})' if exe.first_step_fallback else ''}")
+        if exe.first_step_program is not None:  # where the first call's seconds went (the rest: its run)
+            res["first_step_build_phases"] = exe.first_step_phases
+            res["first_step_plan_passes"] = dict(exe.first_step_program.pass_seconds)
         # --profile-warm: the warm rebuild under cProfile, where its seconds go (its time then reads ~1.4x)
         prof = cProfile.Profile() if phase == "build-profiled" else None
         sampler = None

@@ -235,6 +235,7 @@ class Executable:
         self._asked_fresh = False  # whether capture.fresh_optimizer was asked (before the first capture)
         self._deferred: str | None = None
         self.first_step_program: ExecutionPlan | None = None  # the plan a first_step="planned" call ran
+        self.first_step_phases: dict[str, float] | None = None  # its build_phases (where its build's seconds went)
         self.first_step_fallback: str | None = None  # why a first step ran eagerly instead
         # Last step's gradients the new program discards, parked in host memory from capture to
         # the call's run, which drops them (planning's kernel timings and graph mode's warm-up
@@ -770,6 +771,7 @@ class Executable:
             self._give_back_parked()
         self._ran_eagerly = True  # (the first step is taken: state made again on a call is an error)
         self.first_step_program = c.plan  # (kept for inspection: what the first step ran)
+        self.first_step_phases = dict(c.build_phases)
         return out
 
     def _first_step_program(self, leaves: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Compiled | None:

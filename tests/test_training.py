@@ -402,9 +402,12 @@ def test_compile_with_examples_defers_lazy_state_to_the_second_call(first_step) 
             assert abs(float(a.detach()) - float(b.detach())) <= 1e-5, k
             assert (exe._cache == {}) == (k == 0)  # the first step's program is not kept; the second captured
             assert (exe.first_step_program is not None) == (first_step == "planned")
+            assert (exe.first_step_phases is not None) == (first_step == "planned")
     finally:
         flowexec.executable.capture = real
     assert captures == ([1, 1] if first_step == "planned" else [1])
+    if first_step == "planned":  # where the first step's build went, as build_phases says of the steps'
+        assert sorted(exe.first_step_phases) == sorted(exe.build_phases)
     assert not any(is_fake(t) for s in opt.state.values() for t in s.values())
     for p, q in zip(model.parameters(), twin_model.parameters()):
         assert_close_rel(p, q, what="parameter")

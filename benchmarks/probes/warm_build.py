@@ -26,7 +26,8 @@ import scale  # noqa: E402  (benchmarks/scale.py: its children, caches and envir
 # what each build's record keeps of its child's figures
 # (first_call_s: a flowexec variant's first call, the first step's program where it makes optimizer
 # state; build_s: the second call's, which captures the steps)
-RECORDED = ("build_s", "first_call_s", "first_step", "flowexec_build_phases", "flowexec_plan_passes", "process_s",
+RECORDED = ("build_s", "first_call_s", "first_step", "first_step_build_phases", "first_step_plan_passes",
+            "flowexec_build_phases", "flowexec_plan_passes", "process_s",
             "error")
 
 
