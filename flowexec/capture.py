@@ -906,6 +906,10 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                 "silently stop updating. flowexec runs the first call eagerly so that state made on a first step "
                 "(optimizer moments) exists before capture; state made anew on every call cannot be captured: "
                 "keep it in tensors written in place, or return it from fn.")
+        if guard.folded and any(storage_key(t) in guard.folded for t in flat + extra if isinstance(t, torch.Tensor)):
+            # (a constant of the program, the same tensor on every call, where each eager call
+            # makes its own: a real run decides)
+            raise RuntimeError("fn returns a tensor made from constants")
         return flat + extra
 
     # (no record_stack_traces: each op's source line comes from _CaptureGuard, at a fraction of

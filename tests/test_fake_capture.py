@@ -146,6 +146,23 @@ def test_a_tensor_of_constants_written_in_place_ends_the_fake_run() -> None:
     assert exe.capture_run.startswith("real (a fake run could not") and "in place" in exe.capture_run
 
 
+def test_a_tensor_of_constants_fn_returns_is_made_anew_by_each_call() -> None:
+    """Returned, a folded tensor would be the same tensor on every call (a caller's write to it
+    would reach the next call's): a real run decides, and each call returns new tensors, views
+    of one another as eager's are."""
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        idx = torch.arange(3)
+        return x * 2, idx, idx[1:]
+
+    exe = flowexec.compile(fn, torch.randn(3), mode="trace")
+    first = exe(torch.randn(3))
+    first[1].add_(10)
+    assert first[2].tolist() == [11, 12]  # a view of the first, as eager's
+    again = exe(torch.randn(3))
+    assert again[1].tolist() == [0, 1, 2] and again[2].tolist() == [1, 2]
+    assert "returns a tensor made from constants" in exe.capture_run
+
+
 def test_an_empty_tensor_of_constants_leaves_other_writes_in_place_fake() -> None:
     """An empty folded tensor has no storage (the key every fake tensor has): a write in place
     to any other tensor keeps the run fake."""
