@@ -441,10 +441,12 @@ class _CaptureGuard(TorchDispatchMode):
         # tensors it makes from constants alone get a real twin (id -> tensor), which answers
         # their host reads as eager would.
         self.fake = False
-        self.shadows: dict[int, torch.Tensor] = {}
-        # Storages of the real twins fn was handed in place of fake integer and boolean tensors
-        # made from constants (:meth:`_fold`)
-        self.folded: set[int] = set()
+        self.shadows: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (the fake, weakly; its twin)
+        # The real twins fn was handed in place of fake integer and boolean tensors made from
+        # constants (:meth:`_fold`): id(twin) -> (twin, held weakly: fn's alone; its fake, which
+        # the graph traces wherever fn passes the twin to an op)
+        self.folded: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._folded_twins: dict[int, weakref.ref] = {}  # id(fake) -> its twin, weakly
         self.backward_seen = False  # an op of an autograd backward has run (snapshot.DeviceRoom.open)
         # torch.Generator objects of fn's own that random ops draw from: id -> (generator, its
         # state at the first draw, its state after the last). The default generators are saved
@@ -461,6 +463,8 @@ class _CaptureGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.folded:  # the graph traces a folded twin's fake: each call makes the value anew
+            args, kwargs = self.traced_values((args, kwargs))
         if self.parked:
             self.parked.fetch((args, kwargs))
         lifter = self.lifter
@@ -493,9 +497,6 @@ class _CaptureGuard(TorchDispatchMode):
         self.undo.device_room.open = self.backward_seen and task == -1
         leaves = pytree.tree_leaves((args, kwargs))
         if self.fake:
-            if self.folded and any(storage_key(t) in self.folded for t in written):
-                # (the program would bind it as state and write it on every call: a real run decides)
-                raise RuntimeError(f"{func} writes a tensor made from constants in place")
             # The fake mode writes its fake copies of real arguments, but an op of constants and
             # untraced state runs for real (a CPU step count += 1): only those writes are undone.
             tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
@@ -550,7 +551,7 @@ class _CaptureGuard(TorchDispatchMode):
                     self.constant[id(o)] = weakref.ref(o)
         if self.fake and from_constants:
             self._shadow(func, args, kwargs, out)
-            out = self._fold(out)
+            out = self._fold(out, in_place)
         if not from_constants:
             for t in written:
                 self.constant.pop(id(t), None)
@@ -559,7 +560,26 @@ class _CaptureGuard(TorchDispatchMode):
         return out
 
     def shadows_get(self, t: torch.Tensor) -> torch.Tensor | None:
-        return self.shadows.get(id(t))
+        """The real twin of fake tensor ``t`` (made from constants), or None."""
+        hit = self.shadows.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        ref = self._folded_twins.get(id(t))  # (its fake is held in self.folded: the id is its own)
+        return None if ref is None else ref()
+
+    def traced_values(self, tree: Any) -> Any:
+        """``tree`` with each folded twin replaced by its fake (what the graph traces)."""
+        folded = self.folded
+
+        def fake(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and id(a) in folded:
+                ref, f = folded[id(a)]
+                if ref() is a:
+                    return f
+            return a
+        if not any(isinstance(a, torch.Tensor) and id(a) in folded for a in pytree.tree_leaves(tree)):
+            return tree
+        return pytree.tree_map(fake, tree)
 
     def _real(self, tree: Any) -> Any:
         """``tree`` with each fake tensor replaced by its real twin (a tensor made from constants)."""
@@ -567,7 +587,7 @@ class _CaptureGuard(TorchDispatchMode):
 
         def real(a: Any) -> Any:
             if isinstance(a, torch.Tensor) and is_fake(a):
-                twin = self.shadows.get(id(a))
+                twin = self.shadows_get(a)
                 if twin is None:
                     raise RuntimeError("a host read of a tensor with no real value in a fake capture")
                 return twin
@@ -582,29 +602,36 @@ class _CaptureGuard(TorchDispatchMode):
         except Exception:  # (no twin: its host reads fail as data-dependent, and the capture runs for real)
             return
         for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
-            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor):
-                self.shadows[id(o)] = r
+            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and id(o) not in self._folded_twins:
+                self.shadows[id(o)] = (weakref.ref(o), r)
 
-    def _fold(self, out: Any) -> Any:
+    def _fold(self, out: Any, in_place: bool = False) -> Any:
         """``out`` of an op of constants, or where its tensors are all integers or booleans
         (positions, masks, indices), their real twins: fn then holds what an eager run holds.
         Libraries take another path for a fake tensor than for a real one (transformers'
         ``is_tracing``: handed a fake mask of packed sequences, HF models build an explicit
         causal mask, and SDPA leaves its flash kernels: 10% of a GPT-2 step on the H200). The
-        graph takes a folded tensor as a constant, bound as state; one written in place later
-        ends the fake run (:meth:`__torch_dispatch__`)."""
+        graph still traces the fake: an op fn calls on the twin gets the fake
+        (:meth:`traced_values`), its shadow run writes the twin, and fn's return value names the
+        fake, so each call makes the value anew as eager does. The twin is held weakly: one
+        still alive after fn returned, and not returned, is Python state fn kept."""
+        if in_place:  # (the written argument: fn gets back what it passed, its twin where folded)
+            def passed(o: Any) -> Any:
+                twin = self.shadows_get(o) if isinstance(o, torch.Tensor) and id(o) in self._folded_twins else None
+                return o if twin is None else twin
+            return pytree.tree_map(passed, out)
         leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        if not leaves or any(o.dtype.is_floating_point or o.dtype.is_complex or id(o) not in self.shadows
-                             for o in leaves):
+        twins = {id(o): self.shadows_get(o) for o in leaves}
+        if not leaves or any(o.dtype.is_floating_point or o.dtype.is_complex or twins[id(o)] is None
+                             or twins[id(o)].dtype != o.dtype or twins[id(o)].shape != o.shape for o in leaves):
             return out
-        real = pytree.tree_map(lambda o: self.shadows.pop(id(o)) if isinstance(o, torch.Tensor) else o, out)
-        for r in pytree.tree_leaves(real):
-            if isinstance(r, torch.Tensor):
-                self.created[id(r)] = self.constant[id(r)] = weakref.ref(r)
-                self.created_storages.add(storage_key(r))
-                self.folded.add(storage_key(r))
-        self.folded.discard(0)  # (an empty tensor has no storage to write: 0 is every fake's key)
-        return real
+        for o in leaves:
+            self.shadows.pop(id(o), None)
+            r = twins[id(o)]
+            self.folded[id(r)] = (weakref.ref(r), o)
+            self._folded_twins[id(o)] = weakref.ref(r)
+            self.created[id(r)] = self.constant[id(r)] = weakref.ref(r)
+        return pytree.tree_map(lambda o: twins[id(o)] if isinstance(o, torch.Tensor) else o, out)
 
     def _before_draw(self, g: torch.Generator, func: Any) -> None:
         """Note ``g``'s state before a draw: its first (restore() puts it back: the capture's
@@ -865,7 +892,9 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         except InputError as e:
             raise CaptureError(f"fn returned something flowexec cannot hand back: {e}") from None
         n_user[0] = len(flat)
-        out_ids = {id(o) for o in flat}
+        returned = {id(o) for o in flat}  # (a folded twin fn returns: the graph returns its fake)
+        flat = list(guard.traced_values(flat))
+        out_ids = {id(o) for o in flat} | returned
         extra = []
         for ref in guard.leaves.values():
             p = ref()
@@ -882,7 +911,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             return [t for r in guard.created.values()
                     if (t := r()) is not None and id(t) not in out_ids and id(t) not in saved_ids
                     and guard.is_created(t) and not any(t is a for a in tensors)
-                    and storage_key(t) not in guard.folded  # (a constant: every call's value)
+                    and id(t) not in guard._folded_twins  # (a folded twin's fake: held by the guard)
                     and (t._base is None or id(t._base) not in out_ids) and id(t) not in out_bases]
 
         if make_state:  # the optimizers' new state entries are outputs, bound by the caller after the run
@@ -906,10 +935,6 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                 "silently stop updating. flowexec runs the first call eagerly so that state made on a first step "
                 "(optimizer moments) exists before capture; state made anew on every call cannot be captured: "
                 "keep it in tensors written in place, or return it from fn.")
-        if guard.folded and any(storage_key(t) in guard.folded for t in flat + extra if isinstance(t, torch.Tensor)):
-            # (a constant of the program, the same tensor on every call, where each eager call
-            # makes its own: a real run decides)
-            raise RuntimeError("fn returns a tensor made from constants")
         return flat + extra
 
     # (no record_stack_traces: each op's source line comes from _CaptureGuard, at a fraction of

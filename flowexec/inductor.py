@@ -230,48 +230,55 @@ class InductorCompiler:
         region waited for), then runs the output checks :func:`compile_graph` put off. The
         list it yields gets, on exit, the keys of regions refused only then (a kernel that did
         not build, or returned other metas): their kernels are gone from :attr:`kernels`, so a
-        program fused inside must be fused again. Nested, the outer block waits."""
+        program fused inside must be fused again. While a block is open (an inner one, another
+        thread's), a block compiles as it would without one; an interrupt during the end's waits
+        drops every kernel of the block."""
         global _batch
         late: list[str] = []
-        if _batch is not None:
-            yield late
-            return
         from torch._inductor.async_compile import AsyncCompile
 
-        batch = _batch = _Batch(threading.get_ident())
-        original = AsyncCompile.wait
+        with _batch_lock:  # (one block at a time: another thread's, or an inner one, compiles as usual)
+            batch = None if _batch is not None else _Batch(threading.get_ident())
+            if batch is not None:
+                _batch = batch
+                original = AsyncCompile.wait
 
-        def wait(compiler: Any, scope: dict[str, Any]) -> None:
-            if threading.get_ident() == batch.thread:
-                batch.waits.append((batch.key, compiler, scope))
-            else:  # (another thread's Inductor compile is not ours to put off)
-                original(compiler, scope)
+                def wait(compiler: Any, scope: dict[str, Any]) -> None:
+                    if threading.get_ident() == batch.thread:
+                        batch.waits.append((batch.key, compiler, scope))
+                    else:  # (another thread's Inductor compile is not ours to put off)
+                        original(compiler, scope)
 
-        AsyncCompile.wait = wait  # type: ignore[method-assign]
-        try:
+                AsyncCompile.wait = wait  # type: ignore[method-assign]
+        if batch is None:
             yield late
-        except BaseException:
-            for key in batch.keys:  # (their kernels were never waited for)
+            return
+        try:
+            try:
+                yield late
+            finally:
+                with _batch_lock:
+                    AsyncCompile.wait = original  # type: ignore[method-assign]
+                    _batch = None
+            t0 = time.perf_counter()
+            refused: dict[str, str] = {}
+            for k, (key, compiler, scope) in enumerate(batch.waits):
+                try:
+                    original(compiler, scope)
+                except Exception as e:
+                    refused.setdefault(key, _why(e))
+                if progress is not None:
+                    progress(k + 1, len(batch.waits))
+            for key, check in batch.checks:
+                if key not in refused:
+                    try:
+                        check()
+                    except Exception as e:
+                        refused[key] = _why(e)
+        except BaseException:  # (an interrupt: no kernel of the block was surely waited for and checked)
+            for key in batch.keys:
                 self.kernels.pop(key, None)
             raise
-        finally:
-            AsyncCompile.wait = original  # type: ignore[method-assign]
-            _batch = None
-        t0 = time.perf_counter()
-        refused: dict[str, str] = {}
-        for k, (key, compiler, scope) in enumerate(batch.waits):
-            try:
-                original(compiler, scope)
-            except Exception as e:
-                refused.setdefault(key, _why(e))
-            if progress is not None:
-                progress(k + 1, len(batch.waits))
-        for key, check in batch.checks:
-            if key not in refused:
-                try:
-                    check()
-                except Exception as e:
-                    refused[key] = _why(e)
         for key, why in refused.items():
             self.kernels.pop(key, None)
             self.failures[key] = why
@@ -368,6 +375,7 @@ class _Batch:
 
 
 _batch: _Batch | None = None  # the open block (one at a time: a fusion pass runs on one thread)
+_batch_lock = threading.Lock()
 
 
 def _why(e: BaseException) -> str:

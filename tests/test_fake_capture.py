@@ -130,37 +130,43 @@ def test_code_that_asks_whether_a_tensor_of_constants_is_fake_takes_eager_s_path
     assert not any("cumsum" in op.name for op in exe.program.ops)  # (folded: the program reads pos)
 
 
-def test_a_tensor_of_constants_written_in_place_ends_the_fake_run() -> None:
-    """A folded tensor would be a constant of the program, which a write in place would change
-    on every call: a real run decides instead, and says why."""
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        idx = torch.arange(3)
-        idx.add_(1)
-        return x[idx] * 2
-
-    x = torch.randn(5)
-    exe = flowexec.compile(fn, x, mode="trace")
-    for _ in range(3):
-        x = torch.randn(5)
-        torch.testing.assert_close(exe(x), fn(x))
-    assert exe.capture_run.startswith("real (a fake run could not") and "in place" in exe.capture_run
-
-
-def test_a_tensor_of_constants_fn_returns_is_made_anew_by_each_call() -> None:
-    """Returned, a folded tensor would be the same tensor on every call (a caller's write to it
-    would reach the next call's): a real run decides, and each call returns new tensors, views
-    of one another as eager's are."""
+def test_a_tensor_of_constants_written_in_place_or_returned_is_made_anew_by_each_call() -> None:
+    """The graph traces a folded tensor's fake: a write in place to it is an op of every call
+    (not a write to a constant of the program), and one fn returns is a new tensor per call
+    (not the same one, which a caller's write would reach), views of one another as eager's."""
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         idx = torch.arange(3)
-        return x * 2, idx, idx[1:]
+        idx.add_(1)
+        return x[idx] * 2, idx, idx[1:]
 
-    exe = flowexec.compile(fn, torch.randn(3), mode="trace")
-    first = exe(torch.randn(3))
+    exe = flowexec.compile(fn, torch.randn(5), mode="trace")
+    x = torch.randn(5)
+    first = exe(x)
+    torch.testing.assert_close(first, fn(x))
     first[1].add_(10)
-    assert first[2].tolist() == [11, 12]  # a view of the first, as eager's
-    again = exe(torch.randn(3))
-    assert again[1].tolist() == [0, 1, 2] and again[2].tolist() == [1, 2]
-    assert "returns a tensor made from constants" in exe.capture_run
+    assert first[2].tolist() == [12, 13]  # a view of the first, as eager's
+    again = exe(x)
+    torch.testing.assert_close(again, fn(x))
+    assert again[1].data_ptr() != first[1].data_ptr()
+    assert exe.capture_run == "fake"
+
+
+def test_a_tensor_of_constants_fn_keeps_is_state_a_program_cannot_update() -> None:
+    """A folded tensor fn keeps in Python state (an attribute of a plain object) is refused as
+    any tensor fn made and kept is: a compiled call would not assign it again."""
+    class Holder:
+        mask = torch.ones(3, dtype=torch.bool)
+    h = Holder()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h.mask = torch.ones(3, dtype=torch.bool)
+        return x * h.mask
+
+    exe = flowexec.compile(fn, mode="trace")
+    x = torch.randn(3)
+    torch.testing.assert_close(exe(x), fn(x))  # (run as fn: state it makes on a first call)
+    with pytest.raises(flowexec.CaptureError, match=r"left 1 tensor\(s\) it created in Python state"):
+        exe(x)
 
 
 def test_an_empty_tensor_of_constants_leaves_other_writes_in_place_fake() -> None:
