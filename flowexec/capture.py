@@ -892,9 +892,9 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         except InputError as e:
             raise CaptureError(f"fn returned something flowexec cannot hand back: {e}") from None
         n_user[0] = len(flat)
-        returned = {id(o) for o in flat}  # (a folded twin fn returns: the graph returns its fake)
+        returned = list(flat)  # (a folded twin fn returns: the graph returns its fake)
         flat = list(guard.traced_values(flat))
-        out_ids = {id(o) for o in flat} | returned
+        out_ids = {id(o) for o in flat} | {id(o) for o in returned}
         extra = []
         for ref in guard.leaves.values():
             p = ref()
@@ -905,7 +905,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                 out_ids.add(id(g))
         # The base of a returned view (a gradient that autograd made as t() of a temporary) is
         # held by that view, not left in Python state.
-        out_bases = {id(o._base) for o in flat if isinstance(o, torch.Tensor) and o._base is not None}
+        out_bases = {id(o._base) for o in flat + returned if isinstance(o, torch.Tensor) and o._base is not None}
 
         def left_behind() -> list[torch.Tensor]:
             return [t for r in guard.created.values()
@@ -917,6 +917,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         if make_state:  # the optimizers' new state entries are outputs, bound by the caller after the run
             position = {id(o): i for i, o in enumerate(flat + extra)}
             for opt, param, key, t in _new_state(lifter, guard):
+                t = guard.traced_values(t)  # (a folded twin: the graph makes its fake)
                 if id(t) not in position:
                     position[id(t)] = len(flat) + len(extra)
                     extra.append(t)

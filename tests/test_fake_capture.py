@@ -150,6 +150,14 @@ def test_a_tensor_of_constants_written_in_place_or_returned_is_made_anew_by_each
     assert again[1].data_ptr() != first[1].data_ptr()
     assert exe.capture_run == "fake"
 
+    def view_only(x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (its base is not returned)
+        idx = torch.arange(4)
+        return x[idx[:3]] * 2, idx[1:]
+
+    exe = flowexec.compile(view_only, torch.randn(5), mode="trace")
+    torch.testing.assert_close(exe(x), view_only(x))
+    assert exe.capture_run == "fake"
+
 
 def test_a_tensor_of_constants_fn_keeps_is_state_a_program_cannot_update() -> None:
     """A folded tensor fn keeps in Python state (an attribute of a plain object) is refused as
