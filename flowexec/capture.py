@@ -411,6 +411,14 @@ def _refuse_layout(func: Any, t: torch.Tensor, line: str) -> None:
                        "nested tensors outside the compiled function.")
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    """One number per storage, fake tensors' too (their views share it)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return -id(t)
+
+
 class _CaptureGuard(TorchDispatchMode):
     """Sits above make_fx's proxy mode during the capture run.
 
@@ -435,6 +443,9 @@ class _CaptureGuard(TorchDispatchMode):
         # Tensors the run made from constants alone (factories, then ops on such tensors): the
         # only ones whose host read has the same answer on every call.
         self.constant: dict[int, weakref.ref] = {}
+        # Storages an op not of constants wrote (fake ones too): no view of them is a constant
+        # any more (``mask[:3] = x[:3] > 0`` then ``mask.all()``: the call's value, not the capture's)
+        self.tainted: set[int] = set()
         self.read_under_flag = False  # torch.compiler.is_compiling() at the last host read
         self.parked = ParkedGrads({})  # last step's gradients, in host memory until an op reads them
         # A fake run (FLOWEXEC_FAKE_CAPTURE) writes no real tensor, so it keeps no undo log; the
@@ -447,6 +458,7 @@ class _CaptureGuard(TorchDispatchMode):
         # the graph traces wherever fn passes the twin to an op)
         self.folded: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._folded_twins: dict[int, weakref.ref] = {}  # id(fake) -> its twin, weakly
+        self._folded_storages: set[int] = set()  # their fakes' (_storage_id)
         self.backward_seen = False  # an op of an autograd backward has run (snapshot.DeviceRoom.open)
         # torch.Generator objects of fn's own that random ops draw from: id -> (generator, its
         # state at the first draw, its state after the last). The default generators are saved
@@ -459,12 +471,16 @@ class _CaptureGuard(TorchDispatchMode):
 
     def is_constant(self, t: torch.Tensor) -> bool:
         ref = self.constant.get(id(t))
-        return ref is not None and ref() is t
+        return ref is not None and ref() is t and _storage_id(t) not in self.tainted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.folded:  # the graph traces a folded twin's fake: each call makes the value anew
-            args, kwargs = self.traced_values((args, kwargs))
+        # The graph traces a folded twin's fake: each call makes the value anew. (``passed`` keeps
+        # the twins fn passed alive until the op is done: they are held weakly, and this op's
+        # shadow run reads them.)
+        passed = (args, kwargs)
+        if self.folded:
+            args, kwargs = self.traced_values(passed)
         if self.parked:
             self.parked.fetch((args, kwargs))
         lifter = self.lifter
@@ -535,6 +551,10 @@ class _CaptureGuard(TorchDispatchMode):
             elif isinstance(a, torch.Generator):
                 gens.append(a)
                 self._before_draw(a, func)
+        if not from_constants and self._folded_storages and any(_storage_id(t) in self._folded_storages
+                                                                for t in written):
+            # (fn holds the twin, which this write would leave stale: a real run decides)
+            raise RuntimeError(f"{func} writes values of the call into a tensor made from constants")
         out = func(*args, **kwargs)
         for g in gens:
             first = self.generators[id(g)][1]
@@ -555,8 +575,10 @@ class _CaptureGuard(TorchDispatchMode):
         if not from_constants:
             for t in written:
                 self.constant.pop(id(t), None)
+                self.tainted.add(_storage_id(t))  # (its views and base too: one memory)
         if lifter is not None:
             lifter.propagate(func, args, kwargs, out)
+        del passed
         return out
 
     def shadows_get(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -630,6 +652,7 @@ class _CaptureGuard(TorchDispatchMode):
             r = twins[id(o)]
             self.folded[id(r)] = (weakref.ref(r), o)
             self._folded_twins[id(o)] = weakref.ref(r)
+            self._folded_storages.add(_storage_id(o))
             self.created[id(r)] = self.constant[id(r)] = weakref.ref(r)
         return pytree.tree_map(lambda o: twins[id(o)] if isinstance(o, torch.Tensor) else o, out)
 
@@ -959,6 +982,10 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         with _library_compiling(everywhere), torch._guards.tracing(context), _direct_fake_metas(mode), \
                 quiet_fake_mode(fake):
             gm = make_fx(traced, **kw)(*real_inputs)
+        if not fake and any(is_fake_tensor(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"):
+            raise CaptureError("fn reads a fake tensor kept in Python state (a cache, such as functools.lru_cache "
+                               "or a dict, that a capture's run on fake tensors filled): make the cached tensor "
+                               "before the first compiled call, or set FLOWEXEC_FAKE_CAPTURE=0")
         if fake:
             inputs = {storage_key(args[i]) for i in tensor_pos} | {storage_key(g) for g in grads0}
             consts = (getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")

@@ -302,6 +302,8 @@ class Recorder:
     guards: dict[tuple[int, tuple], Guard] = field(default_factory=dict)
     # (id(module dict), key) -> (module __dict__, the value before fn's first write)
     written: dict[tuple[int, str], tuple[dict, Any]] = field(default_factory=dict)
+    # the same for tensors fn assigned (refused, but a discarded run must not leave them: a fake one's)
+    tensor_written: dict[tuple[int, str], tuple[dict, Any]] = field(default_factory=dict)
     global_writes: dict[tuple[int, str], tuple[Any, str, Any]] = field(default_factory=dict)
     functions: dict[types.CodeType, list[types.FunctionType]] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)
@@ -503,6 +505,8 @@ class Recorder:
                                                    for t in ("_parameters", "_buffers")) or value is d.get(name, _MISSING):
             return  # the object already there (spectral_norm's ``self._u = normalize(..., out=self._u)``)
         if isinstance(value, torch.Tensor) or (name in d.get("_parameters", {}) or name in d.get("_buffers", {})):
+            table = next((d[t] for t in ("_parameters", "_buffers") if name in d.get(t, {})), d)
+            self.tensor_written.setdefault((id(table), name), (table, table.get(name, _MISSING)))
             self.module_tensor_writes.append(f"{self.name_of(module, type(module).__name__)}.{name}")
             return
         if isinstance(value, torch.nn.Module):
@@ -746,7 +750,7 @@ class Recorder:
     def undo_writes(self) -> None:
         """Put back the attributes, globals and closure variables fn assigned (a capture that
         is discarded leaves Python state as it found it)."""
-        for (_, key), (d, old) in self.written.items():
+        for (_, key), (d, old) in [*self.written.items(), *self.tensor_written.items()]:
             if old is _MISSING:
                 d.pop(key, None)
             else:

@@ -291,3 +291,70 @@ def test_a_fake_capture_of_a_foreach_optimizer_keeps_no_undo_copies(make_opt, mo
     assert exe.capture_run == "fake"
     assert saved.getvalue() == ""
     assert_close_rel(model.weight, ref.weight, 1e-5, "weight")
+
+
+def test_a_tensor_a_failed_fake_run_cached_on_a_module_is_put_back() -> None:
+    """A module caching a float tensor made from constants (rotary tables): the fake run's
+    refusal (a tensor left in Python state) puts the attribute back, so no fake tensor stays
+    there; the first call runs fn, and the next captures, as eager."""
+    class Rot(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cos = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.cos is None:
+                self.cos = torch.cos(torch.arange(x.shape[0]) * 0.1)
+            return x * self.cos
+
+    m = Rot()
+    exe = flowexec.compile(m, torch.randn(5), mode="trace")
+    assert m.cos is None
+    for _ in range(3):
+        x = torch.randn(5)
+        got = exe(x)
+        assert not is_fake(got) and not is_fake(m.cos)
+        torch.testing.assert_close(got, m(x))
+
+
+def test_a_fake_tensor_left_in_a_cache_is_refused_by_the_real_run() -> None:
+    """A cache the fake run filled (functools.lru_cache is no state flowexec can put back): the
+    real run that follows refuses the fake tensor it would bake in, and says what to do."""
+    import functools
+
+    @functools.lru_cache
+    def table(n: int) -> torch.Tensor:
+        return torch.cos(torch.arange(n) * 0.1)
+
+    exe = flowexec.compile(lambda x: x * table(x.shape[0]), mode="trace")
+    with pytest.raises(flowexec.CaptureError, match="fake tensor kept in Python state"):
+        for _ in range(2):
+            exe(torch.randn(6))
+
+
+def test_a_host_read_of_a_constant_written_with_the_call_s_values_is_refused() -> None:
+    """A mask made from constants, then written through a view with values of the call: a host
+    read of it (or of a view) is the call's, never the capture's (fake and real runs)."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(5, dtype=torch.bool)
+        mask[:3] = x[:3] > 0
+        return x * 2 if mask.all() else x * 3
+
+    exe = flowexec.compile(fn, mode="trace")
+    with pytest.raises(flowexec.CaptureError, match="reads a tensor's value on the host"):
+        exe(torch.tensor([-1.0, 1, 1, 1, 1]))
+
+
+def test_a_folded_tensor_written_with_the_call_s_values_is_captured_for_real() -> None:
+    """fn holds a folded tensor's real twin; a write of the call's values into it would leave
+    the twin stale for what fn reads of it without dispatch: a real run captures instead."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(3)
+        t.add_((x > 0).long())
+        return x * t
+
+    exe = flowexec.compile(fn, torch.ones(3), mode="trace")
+    assert "writes values of the call into a tensor made from constants" in exe.capture_run
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(exe(x), fn(x))
