@@ -411,6 +411,30 @@ def _refuse_layout(func: Any, t: torch.Tensor, line: str) -> None:
                        "nested tensors outside the compiled function.")
 
 
+# torch.tensor(literal)'s own: its argument is the literal's values, made outside the run's ops
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+class _NonDispatchReads(torch.overrides.TorchFunctionMode):
+    """Host reads that do not dispatch (``tolist``, ``numpy``, ``__array__``): refused for a
+    tensor not made from constants, as ``.item()`` of one is (a real run's answer would be a
+    constant of the program: ``x * x.tolist()[0]`` computed with the first call's value)."""
+
+    _READS = (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__)
+
+    def __init__(self, guard: "_CaptureGuard") -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._READS and args and isinstance(args[0], torch.Tensor):
+            t = self.guard.traced_values(args[0]) if self.guard.folded else args[0]
+            if not self.guard.is_constant(t):
+                raise RuntimeError(f"{func.__name__}: data-dependent host read of a tensor whose value can change "
+                                   "between calls")
+        return func(*args, **(kwargs or {}))
+
+
 def _storage_id(t: torch.Tensor) -> int:
     """One number per storage, fake tensors' too (their views share it)."""
     try:
@@ -543,7 +567,7 @@ class _CaptureGuard(TorchDispatchMode):
                     _refuse_layout(func, a, self.sources[-1][1] if self.sources else "")
                 arg_ids.add(id(a))
                 arg_storages.add(storage_key(a))
-                from_constants = from_constants and self.is_constant(a)
+                from_constants = from_constants and (func in _LIFTS or self.is_constant(a))
                 if a.requires_grad and a.is_leaf and not self.is_created(a):
                     if self.fake and id(a) not in self.leaves:
                         self.grads0[id(a)] = a.grad
@@ -621,6 +645,8 @@ class _CaptureGuard(TorchDispatchMode):
         try:
             with _disable_current_modes(), torch.no_grad():
                 real_out = func(*self._real(args), **self._real(kwargs))
+                if func in _LIFTS:  # (its own tensor, not the literal's, which the fake mode keeps)
+                    real_out = real_out.clone()
         except Exception:  # (no twin: its host reads fail as data-dependent, and the capture runs for real)
             return
         for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
@@ -906,7 +932,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             return t
 
         saved = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_hooks else contextlib.nullcontext()
-        with guard, saved, recorder, lifter, lifter.rewrite_mode():
+        with guard, saved, recorder, lifter, lifter.rewrite_mode(), _NonDispatchReads(guard):
             out = fn(*full)
         # The graph returns a flat list: fn's containers (dict, namedtuple, ...) are rebuilt
         # around the outputs per call, so the graph never records their constructors.

@@ -358,3 +358,20 @@ def test_a_folded_tensor_written_with_the_call_s_values_is_captured_for_real() -
     for _ in range(3):
         x = torch.randn(3)
         torch.testing.assert_close(exe(x), fn(x))
+
+
+def test_reads_that_do_not_dispatch_are_answered_for_constants_and_refused_otherwise() -> None:
+    """``tolist()``/``numpy()`` do not dispatch: of a tensor made from constants (a literal, an
+    arange) they are answered as eager would; of a tensor of the call they are refused as
+    ``.item()`` is (a real run would bake the first call's value into the program)."""
+    def of_constants(x: torch.Tensor) -> torch.Tensor:
+        k, n = torch.tensor([2, 1]).tolist()
+        return x[torch.tensor(k)] * n + float(torch.arange(4).numpy().sum())
+
+    exe = flowexec.compile(of_constants, torch.randn(5), mode="trace")
+    x = torch.randn(5)
+    torch.testing.assert_close(exe(x), of_constants(x))
+    assert exe.capture_run == "fake"
+    for read in (lambda x: x * x.tolist()[0], lambda x: x * float(x.numpy()[0])):
+        with pytest.raises(flowexec.CaptureError, match="reads a tensor's value on the host"):
+            flowexec.compile(read, torch.tensor([2.0, 1.0]), mode="trace")
