@@ -428,8 +428,7 @@ class _NonDispatchReads(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self._READS and args and isinstance(args[0], torch.Tensor):
-            t = self.guard.traced_values(args[0]) if self.guard.folded else args[0]
-            if not self.guard.is_constant(t):
+            if not self.guard.is_constant(self.guard.traced_values(args[0])):
                 raise RuntimeError(f"{func.__name__}: data-dependent host read of a tensor whose value can change "
                                    "between calls")
         return func(*args, **(kwargs or {}))
@@ -602,7 +601,6 @@ class _CaptureGuard(TorchDispatchMode):
                 self.tainted.add(_storage_id(t))  # (its views and base too: one memory)
         if lifter is not None:
             lifter.propagate(func, args, kwargs, out)
-        del passed
         return out
 
     def shadows_get(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -665,7 +663,8 @@ class _CaptureGuard(TorchDispatchMode):
         still alive after fn returned, and not returned, is Python state fn kept."""
         if in_place:  # (the written argument: fn gets back what it passed, its twin where folded)
             def passed(o: Any) -> Any:
-                twin = self.shadows_get(o) if isinstance(o, torch.Tensor) and id(o) in self._folded_twins else None
+                ref = self._folded_twins.get(id(o)) if isinstance(o, torch.Tensor) else None
+                twin = None if ref is None else ref()
                 return o if twin is None else twin
             return pytree.tree_map(passed, out)
         leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]

@@ -124,10 +124,16 @@ class _Progress:
     def __enter__(self) -> _Progress:
         return self
 
-    def update(self, done: int, total: int, what: str = "generating fused regions") -> None:
+    def update(self, done: int, total: int) -> None:
         """``done`` of ``total`` regions generated (their kernels compile in the background)."""
-        if what == "generating fused regions":
-            self._total = total
+        self._total = total
+        self._show(done, total, "generating fused regions")
+
+    def waited(self, done: int, total: int) -> None:
+        """``done`` of ``total`` regions' kernels built."""
+        self._show(done, total, "compiling their kernels")
+
+    def _show(self, done: int, total: int, what: str) -> None:
         if self._bar is None and total > 1 and sys.stderr.isatty() and time.perf_counter() - self._t0 > 0.5:
             from rich.progress import Progress
 
@@ -138,10 +144,6 @@ class _Progress:
                 self._task = self._bar.add_task(f"flowexec: {what}", total=total)
                 self._what = what
             self._bar.update(self._task, completed=done, total=total)
-
-    def waited(self, done: int, total: int) -> None:
-        """``done`` of ``total`` regions' kernels built."""
-        self.update(done, total, "compiling their kernels")
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:

@@ -233,23 +233,8 @@ class InductorCompiler:
         program fused inside must be fused again. While a block is open (an inner one, another
         thread's), a block compiles as it would without one; an interrupt during the end's waits
         drops every kernel of the block."""
-        global _batch
         late: list[str] = []
-        from torch._inductor.async_compile import AsyncCompile
-
-        with _batch_lock:  # (one block at a time: another thread's, or an inner one, compiles as usual)
-            batch = None if _batch is not None else _Batch(threading.get_ident())
-            if batch is not None:
-                _batch = batch
-                original = AsyncCompile.wait
-
-                def wait(compiler: Any, scope: dict[str, Any]) -> None:
-                    if threading.get_ident() == batch.thread:
-                        batch.waits.append((batch.key, compiler, scope))
-                    else:  # (another thread's Inductor compile is not ours to put off)
-                        original(compiler, scope)
-
-                AsyncCompile.wait = wait  # type: ignore[method-assign]
+        batch = _open_batch()
         if batch is None:
             yield late
             return
@@ -257,24 +242,9 @@ class InductorCompiler:
             try:
                 yield late
             finally:
-                with _batch_lock:
-                    AsyncCompile.wait = original  # type: ignore[method-assign]
-                    _batch = None
+                _close_batch(batch)
             t0 = time.perf_counter()
-            refused: dict[str, str] = {}
-            for k, (key, compiler, scope) in enumerate(batch.waits):
-                try:
-                    original(compiler, scope)
-                except Exception as e:
-                    refused.setdefault(key, _why(e))
-                if progress is not None:
-                    progress(k + 1, len(batch.waits))
-            for key, check in batch.checks:
-                if key not in refused:
-                    try:
-                        check()
-                    except Exception as e:
-                        refused[key] = _why(e)
+            refused = batch.finish(progress)
         except BaseException:  # (an interrupt: no kernel of the block was surely waited for and checked)
             for key in batch.keys:
                 self.kernels.pop(key, None)
@@ -283,7 +253,7 @@ class InductorCompiler:
             self.kernels.pop(key, None)
             self.failures[key] = why
         self.seconds += time.perf_counter() - t0
-        late += refused
+        late.extend(refused)
 
     def compile(self, prog: Program, region: Region, name: str | None = None) -> FusedKernel | str:
         """The kernel for ``region`` (compiled now, or shared with an equal region), or why
@@ -295,9 +265,10 @@ class InductorCompiler:
         if key in self.failures:
             return self.failures[key]
         t0 = time.perf_counter()
-        if _batch is not None and _batch.thread == threading.get_ident():
-            _batch.key = key
-            _batch.keys.append(key)
+        batch = _batch_here()
+        if batch is not None:
+            batch.key = key
+            batch.keys.append(key)
         try:
             gm = region_graph(prog, region)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
@@ -350,8 +321,9 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
                                     f"expects {expect[0]} {list(expect[1])} stride {expect[2]}")
             if kept is not None:
                 kept.put(check, True)
-        if _batch is not None and _batch.thread == threading.get_ident():
-            _batch.checks.append((_batch.key, check_outputs))  # (its kernels are not built yet)
+        batch = _batch_here()
+        if batch is not None:
+            batch.checks.append((batch.key, check_outputs))  # (its kernels are not built yet)
         else:
             check_outputs()
     return compiled
@@ -368,14 +340,70 @@ class _Batch:
     checks, which run the kernels (``checks``)."""
 
     thread: int
+    wait: Callable[[Any, dict[str, Any]], None]  # AsyncCompile.wait as it was
     key: str = ""  # the region being compiled
     keys: list[str] = field(default_factory=list)
     waits: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
     checks: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
 
+    def put_off(self, compiler: Any, scope: dict[str, Any]) -> None:
+        """``AsyncCompile.wait`` while the block is open: this thread's kept, another's done."""
+        if threading.get_ident() == self.thread:
+            self.waits.append((self.key, compiler, scope))
+        else:
+            self.wait(compiler, scope)
+
+    def finish(self, progress: Callable[[int, int], None] | None) -> dict[str, str]:
+        """Every wait put off, then every output check: the regions refused, with why."""
+        refused: dict[str, str] = {}
+        for k, (key, compiler, scope) in enumerate(self.waits):
+            try:
+                self.wait(compiler, scope)
+            except Exception as e:
+                refused.setdefault(key, _why(e))
+            if progress is not None:
+                progress(k + 1, len(self.waits))
+        for key, check in self.checks:
+            if key not in refused:
+                try:
+                    check()
+                except Exception as e:
+                    refused[key] = _why(e)
+        return refused
+
 
 _batch: _Batch | None = None  # the open block (one at a time: a fusion pass runs on one thread)
 _batch_lock = threading.Lock()
+
+
+def _open_batch() -> _Batch | None:
+    """A new block with ``AsyncCompile.wait`` routed through it, or None where one is open (an
+    inner block's or another thread's regions then compile as without one)."""
+    global _batch
+    from torch._inductor.async_compile import AsyncCompile
+
+    with _batch_lock:
+        if _batch is not None:
+            return None
+        batch = _batch = _Batch(threading.get_ident(), AsyncCompile.wait)
+        # (a function, which binds the compiler as a method does; a bound method would not)
+        AsyncCompile.wait = lambda compiler, scope: batch.put_off(compiler, scope)  # type: ignore[method-assign]
+        return batch
+
+
+def _close_batch(batch: _Batch) -> None:
+    global _batch
+    from torch._inductor.async_compile import AsyncCompile
+
+    with _batch_lock:
+        AsyncCompile.wait = batch.wait  # type: ignore[method-assign]
+        _batch = None
+
+
+def _batch_here() -> _Batch | None:
+    """The open block, where it is this thread's."""
+    batch = _batch
+    return batch if batch is not None and batch.thread == threading.get_ident() else None
 
 
 def _why(e: BaseException) -> str:
