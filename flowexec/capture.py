@@ -839,7 +839,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     """
     everywhere, hooks = False, True
     saved = object_attributes(fn) if make_state else None  # (a first step's lazy state: put back on failure)
-    # A fake run (_FAKE_CAPTURE: the default off CUDA) computes nothing: no activations held, no undo log
+    # A fake run (_FAKE_CAPTURE: the default) computes nothing: no activations held, no undo log
     # of what the step writes. Whatever it cannot do (an op with no fake kernel, a host read of
     # a value it does not have, an argument on closure state's storage), a real run decides.
     fake = guarded is True and (_FAKE_CAPTURE is True or (_FAKE_CAPTURE == "cpu" and not cuda_in_use()))
@@ -877,10 +877,13 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
 
 
 _NO_SAVED_HOOKS = "don't yet support saved tensor hooks"
-# "1": every capture fake where it can be; "0": none; unset ("cpu"): those of a process that has
-# not started CUDA. The fake capture has run the CPU suite and a 15-model sweep as eager, but not
-# yet the CUDA tests on the lent GPU (2026-12-05): until it has, a process on a GPU captures for real.
-_FAKE_CAPTURE: bool | str = {"1": True, "0": False, "": False}.get(os.environ.get("FLOWEXEC_FAKE_CAPTURE", "cpu"), "cpu")
+# Unset or "1": every capture fake where it can be; "0": none (every capture runs fn for real);
+# "cpu": those of a process that has not started CUDA (the default until the CUDA tests passed
+# with the fake capture on an H100, 2026-12-05).
+_FAKE_CAPTURE_CHOICES: dict[str, bool | str] = {"1": True, "": True, "0": False, "cpu": "cpu"}
+if os.environ.get("FLOWEXEC_FAKE_CAPTURE", "1") not in _FAKE_CAPTURE_CHOICES:
+    raise ValueError(f"FLOWEXEC_FAKE_CAPTURE={os.environ['FLOWEXEC_FAKE_CAPTURE']!r}: expected 1 (the default), 0 or cpu")
+_FAKE_CAPTURE: bool | str = _FAKE_CAPTURE_CHOICES[os.environ.get("FLOWEXEC_FAKE_CAPTURE", "1")]
 
 
 class _FakeAliasing(CaptureError):

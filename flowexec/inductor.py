@@ -290,7 +290,11 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     inference path: no autograd). With ``want`` (the metas the program expects of the returned
     values), the kernel runs once on example inputs and a result of another dtype, shape or
     stride is an error (a decomposition can compute in another dtype than the ATen kernel: CPU
-    batch norm's saved statistics under bf16 autocast came back in bf16, not float32). With
+    batch norm's saved statistics under bf16 autocast came back in bf16, not float32). The
+    inputs of one dtype, shape and stride share one zero-filled example: the check reads only
+    the outputs' metadata, and a region over a whole optimizer's parameters, gradients and
+    moments would otherwise hold a second copy of them all (a fake capture's first call, where
+    no activation is yet alive, then peaked above eager's first step on that copy). With
     ``key`` (the region's :func:`region_key`) a passed check is kept beside Inductor's cache
     (:func:`output_check_key`), so a warm build neither allocates examples nor runs kernels."""
     from torch._inductor.compile_fx import compile_fx
@@ -311,8 +315,13 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
         compiled = compile_fx(gm, inputs)
     if want and not (kept is not None and kept.get(check)):
         def check_outputs() -> None:
+            examples: dict[tuple[Any, ...], torch.Tensor] = {}  # (one per distinct metadata: see above)
+            for m in metas:
+                k = (m.dtype, m.shape, m.stride, m.device)
+                if k not in examples:
+                    examples[k] = _example(m)
             with torch.no_grad(), _quiet():
-                outs = compiled(*[_example(m) for m in metas])
+                outs = compiled(*[examples[(m.dtype, m.shape, m.stride, m.device)] for m in metas])
             for k, (o, m) in enumerate(zip(outs, want)):
                 got = (o.dtype, tuple(o.shape), tuple(o.stride()) if m.stride is not None and o.numel() > 1 else None)
                 expect = (m.dtype, m.shape, m.stride if m.stride is not None and o.numel() > 1 else None)

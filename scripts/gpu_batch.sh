@@ -27,7 +27,7 @@ for step in "$@"; do
     tests-new) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider $(ls tests/gpu/test_calling_gpu.py \
                  tests/gpu/test_streams_gpu.py tests/gpu/test_memory_gpu.py tests/gpu/test_pipeline_gpu.py \
                  tests/gpu/test_core_gpu.py tests/gpu/test_profiler_gpu.py tests/gpu/test_borrowed_gpu.py 2>/dev/null) --junitxml="$R/$step.xml" ;;
-    tests-all) run_step $step 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu --junitxml="$R/$step.xml" ;;
+    tests-all) run_step $step 480 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging tests/gpu --junitxml="$R/$step.xml" ;;
     sanitizer) TORCH_CUDA_SANITIZER=1 run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider \
                  tests/gpu/test_streams_gpu.py tests/gpu/test_core_gpu.py \
                  -k "(trace or dropped or threaded) and not graph and not hf and not copy_heavy" ;;
@@ -43,7 +43,7 @@ for step in "$@"; do
     schedule-gaps-prime) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --prime --out "$R/prime" ;;
     scale-llama-peers) run_step $step 400 python3 benchmarks/scale.py --models llama_207m \
                  --variants eager,inductor,fx_graph_fused --no-warm --timeout 240 -o "$R/scale_llama_207m.json" ;;
-    scale-gpt2-peers) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m \
+    scale-gpt2-peers) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m \
                  --variants eager,inductor,fx_graph_fused --no-warm --timeout 200 -o "$R/scale_gpt2_124m.json" ;;
     first-graph) run_step $step 240 bash -c "python3 benchmarks/probes/first_graph.py --out '$R/fg' && \
                  python3 benchmarks/probes/first_graph.py --no-stage-in-graph --out '$R/fg_python' && \
@@ -71,13 +71,11 @@ for step in "$@"; do
                  --settings "FLOWEXEC_FAKE_CAPTURE=1;FLOWEXEC_FAKE_CAPTURE=0" --sample --out "$R/fake" ;;  # fake capture against real
     warm-build-gpt2) run_step $step 300 python3 benchmarks/probes/warm_build.py --models gpt2_124m \
                  --settings 'FLOWEXEC_FAKE_CAPTURE=1' --sample --out "$R/fx" ;;  # flowexec's, fake capture (peers: warm-build-peers)
-    tests-fake) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/test_guards.py \
-                 --junitxml="$R/$step.xml" ;;  # the CUDA tests with the fake capture (on CUDA its default once they pass)
-    # The same in two halves, each within a call (the whole took more than 480 s on an H100 at e752f58).
+    # The CUDA tests in two halves, each within a call (the whole took more than 480 s on an H100).
     # (-p no:logging: pytest's log capture turned on torch's structured trace logs, which render graphs)
-    tests-fake-1) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 400 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
+    tests-1)   run_step $step 400 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  $(ls tests/gpu/test_[a-l]*.py) --junitxml="$R/$step.xml" ;;
-    tests-fake-2) FLOWEXEC_FAKE_CAPTURE=1 run_step $step 400 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
+    tests-2)   run_step $step 400 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  $(ls tests/gpu/test_[m-z]*.py) tests/test_guards.py --junitxml="$R/$step.xml" ;;
     fake-vs-real) run_step $step 300 python3 benchmarks/probes/fake_vs_real.py --device cuda \
                  --out "$R" ;;  # the ops a fake capture's program runs that a real one's does not (and back)

@@ -545,3 +545,36 @@ def test_a_kernel_that_fails_to_build_at_the_block_s_end_leaves_its_region_as_at
     assert "aten.native_layer_norm" in str(exe.program)
     with torch.no_grad():
         torch.testing.assert_close(exe(x), (net(x).relu() * 2).sum())
+
+
+def test_a_region_s_inputs_of_one_metadata_share_one_example_in_its_output_check(tmp_path, monkeypatch):
+    """The output check reads only the outputs' dtype, shape and strides, so inputs alike share
+    one example: a region over parameters, gradients and moments (an optimizer's elementwise
+    math) makes one example per distinct metadata, not a copy of each, and is still checked."""
+    from flowexec import verdict_cache
+
+    def adam_like(p, g, m, v, lr, wd):  # (lr and wd: one learning rate and decay per column)
+        m2 = m * 0.9 + g * 0.1
+        v2 = v * 0.99 + g * g * 0.01
+        return p * (1 - wd) - lr * m2 / (v2.sqrt() + 1e-8), m2, v2
+
+    args = (*(torch.randn(16, 8) for _ in range(3)), torch.rand(16, 8), torch.rand(8), torch.rand(8))
+    prog = capture(adam_like, args).program
+    (r,) = find_regions(prog)
+    metas = [prog.values[v].meta for v in r.inputs]
+    want = [prog.values[v].meta for v in r.computed]
+    assert len(metas) == 6
+    made = []
+    real_example = inductor._example
+    monkeypatch.setattr(inductor, "_example", lambda m: made.append(m) or real_example(m))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(verdict_cache, "_shared", {})
+    kernel = inductor.compile_graph(inductor.region_graph(prog, r), metas, want, inductor.region_key(prog, r))
+    assert sorted(tuple(m.shape) for m in made) == [(8,), (16, 8)]
+    by_value = dict(zip(prog.inputs, args))
+    got = dict(zip(r.computed, kernel(*[by_value[v] for v in r.inputs])))
+    for ref, expect in zip(prog.outputs, adam_like(*args)):
+        torch.testing.assert_close(got[ref.id], expect)
+    with pytest.raises(TypeError, match="came back as"):  # (the shared examples still check the outputs)
+        inductor.compile_graph(inductor.region_graph(prog, r), metas,
+                               [dataclasses.replace(want[0], dtype=torch.float64), *want[1:]])

@@ -128,7 +128,7 @@ def test_fused_convnet_graph_mode_updates_running_stats_as_eager(channels_last):
 def test_a_graph_step_recomputes_its_activations_and_peaks_lower_as_eager():
     """Graph mode fuses and so recomputes by default (passes/recompute.py): a transformer block
     under bf16 autocast trains as eager within bf16 rounding, recomputes something, and its
-    build and replays peak no higher than with recomputation off."""
+    (warm) build and replays peak no higher than with recomputation off."""
     from flowexec.models import Block, lm_loss
 
     def run(recompute):
@@ -153,8 +153,12 @@ def test_a_graph_step_recomputes_its_activations_and_peaks_lower_as_eager():
         return losses, torch.cuda.max_memory_allocated(), getattr(f, "plan", None)
 
     want, _, _ = run(None)
+    # Each build once before the measured ones: a region's first compile in a process runs its
+    # kernels once on example inputs (inductor.compile_graph's output check), whose transient
+    # would count in whichever measured build came first; the claim is about the steady build.
+    run(True), run(False)
     on, peak_on, plan = run(True)
     off, peak_off, _ = run(False)
     assert plan.stats()["recomputed_buffers"] > 0
     assert on == pytest.approx(want, rel=2e-2) and on == pytest.approx(off, rel=2e-2)
-    assert peak_on <= peak_off
+    assert peak_on <= peak_off, f"recompute on peaked at {peak_on} bytes, off at {peak_off}"

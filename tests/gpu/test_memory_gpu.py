@@ -327,7 +327,7 @@ def test_a_graph_mode_build_after_a_fake_capture_stays_within_eager_s_peak(monke
     would lift the build above eager's peak: they wait in host memory instead."""
     import flowexec.capture as capture
 
-    monkeypatch.setattr(capture, "_FAKE_CAPTURE", True)  # (on CUDA not yet the default)
+    monkeypatch.setattr(capture, "_FAKE_CAPTURE", True)  # (the default, unless FLOWEXEC_FAKE_CAPTURE says otherwise)
     _, step, x = state_heavy_step()
     eager_peak = _peak_of(step, x)
     exe = flowexec.compile(step, mode="graph")
