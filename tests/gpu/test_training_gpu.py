@@ -104,7 +104,7 @@ def test_a_planned_first_step_makes_adamw_s_state_within_eager_s_peak(fused: boo
     """Graph mode with a fresh AdamW: the first call runs the first step's program (trace mode on
     the device), which makes the moments and step counts; the steps after replay the graph. The
     losses and parameters are eager's, the state made by the first call is eager's, and the
-    first call's peak is at most eager's first step's.
+    first call's peak is at most eager's first step's (but for a few small blocks: see below).
 
     Graph mode steps AdamW through torch's capturable code path (step counts on the device:
     flowexec.hyperparams), whose float32 bias corrections round otherwise than the default path's
@@ -150,7 +150,11 @@ def test_a_planned_first_step_makes_adamw_s_state_within_eager_s_peak(fused: boo
                     assert_close_rel(o2.state[q][key].cpu(), o1.state[p][key].cpu(), 1e-5, f"first step's {key}")
     assert exe.first_step_program is not None, exe.first_step_fallback
     assert exe.first_step_program.stats()["fused_regions"] >= 1  # fused as graph mode's steps are (CUDA)
-    assert peaks[0][1] <= peaks[0][0], peaks
+    # (+4 KiB: graph mode keeps the lifted hyperparameters' feed buffer, which lets a scheduler's
+    # lr reach the graph, and a scalar or two, in 512-byte blocks; alive at the first call's peak
+    # on an H100 they were its only difference from eager's: 1,536 bytes over 101 MB,
+    # results/probes/first_call_alive_at_peak_629e0ea.json. A second copy of the state is MBs.)
+    assert peaks[0][1] <= peaks[0][0] + 4096, peaks
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert_close_rel(q, p, 1e-5, "parameter")
     for key in ("exp_avg", "exp_avg_sq"):
