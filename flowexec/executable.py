@@ -236,6 +236,7 @@ class Executable:
         self._deferred: str | None = None
         self.first_step_program: ExecutionPlan | None = None  # the plan a first_step="planned" call ran
         self.first_step_phases: dict[str, float] | None = None  # its build_phases (where its build's seconds went)
+        self.first_step_capture_run: str | None = None  # how its capture ran fn (as capture_run says of the steps')
         self.first_step_fallback: str | None = None  # why a first step ran eagerly instead
         # Last step's gradients the new program discards, parked in host memory from capture to
         # the call's run, which drops them (planning's kernel timings and graph mode's warm-up
@@ -772,6 +773,7 @@ class Executable:
         self._ran_eagerly = True  # (the first step is taken: state made again on a call is an error)
         self.first_step_program = c.plan  # (kept for inspection: what the first step ran)
         self.first_step_phases = dict(c.build_phases)
+        self.first_step_capture_run = c.capture_run
         return out
 
     def _first_step_program(self, leaves: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Compiled | None:

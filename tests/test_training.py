@@ -408,6 +408,7 @@ def test_compile_with_examples_defers_lazy_state_to_the_second_call(first_step) 
     assert captures == ([1, 1] if first_step == "planned" else [1])
     if first_step == "planned":  # where the first step's build went, as build_phases says of the steps'
         assert sorted(exe.first_step_phases) == sorted(exe.build_phases)
+        assert exe.first_step_capture_run == "fake" == exe.capture_run  # (a CPU process: fake by default)
     assert not any(is_fake(t) for s in opt.state.values() for t in s.values())
     for p, q in zip(model.parameters(), twin_model.parameters()):
         assert_close_rel(p, q, what="parameter")
