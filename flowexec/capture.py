@@ -881,9 +881,10 @@ _NO_SAVED_HOOKS = "don't yet support saved tensor hooks"
 # "cpu": those of a process that has not started CUDA (the default until the CUDA tests passed
 # with the fake capture on an H100, 2026-12-05).
 _FAKE_CAPTURE_CHOICES: dict[str, bool | str] = {"1": True, "": True, "0": False, "cpu": "cpu"}
-if os.environ.get("FLOWEXEC_FAKE_CAPTURE", "1") not in _FAKE_CAPTURE_CHOICES:
-    raise ValueError(f"FLOWEXEC_FAKE_CAPTURE={os.environ['FLOWEXEC_FAKE_CAPTURE']!r}: expected 1 (the default), 0 or cpu")
-_FAKE_CAPTURE: bool | str = _FAKE_CAPTURE_CHOICES[os.environ.get("FLOWEXEC_FAKE_CAPTURE", "1")]
+_fake_setting = os.environ.get("FLOWEXEC_FAKE_CAPTURE", "1")
+if _fake_setting not in _FAKE_CAPTURE_CHOICES:
+    raise ValueError(f"FLOWEXEC_FAKE_CAPTURE={_fake_setting!r}: expected 1 (the default), 0 or cpu")
+_FAKE_CAPTURE: bool | str = _FAKE_CAPTURE_CHOICES[_fake_setting]
 
 
 class _FakeAliasing(CaptureError):

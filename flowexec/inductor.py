@@ -315,13 +315,13 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
         compiled = compile_fx(gm, inputs)
     if want and not (kept is not None and kept.get(check)):
         def check_outputs() -> None:
+            alike = [(m.dtype, m.shape, m.stride, m.device) for m in metas]
             examples: dict[tuple[Any, ...], torch.Tensor] = {}  # (one per distinct metadata: see above)
-            for m in metas:
-                k = (m.dtype, m.shape, m.stride, m.device)
-                if k not in examples:
-                    examples[k] = _example(m)
+            for key, m in zip(alike, metas):
+                if key not in examples:
+                    examples[key] = _example(m)
             with torch.no_grad(), _quiet():
-                outs = compiled(*[examples[(m.dtype, m.shape, m.stride, m.device)] for m in metas])
+                outs = compiled(*[examples[key] for key in alike])
             for k, (o, m) in enumerate(zip(outs, want)):
                 got = (o.dtype, tuple(o.shape), tuple(o.stride()) if m.stride is not None and o.numel() > 1 else None)
                 expect = (m.dtype, m.shape, m.stride if m.stride is not None and o.numel() > 1 else None)

@@ -3,6 +3,9 @@ nothing, writes nothing and holds no activations; what a fake run cannot do, a r
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -375,3 +378,18 @@ def test_reads_that_do_not_dispatch_are_answered_for_constants_and_refused_other
     for read in (lambda x: x * x.tolist()[0], lambda x: x * float(x.numpy()[0])):
         with pytest.raises(flowexec.CaptureError, match="reads a tensor's value on the host"):
             flowexec.compile(read, torch.tensor([2.0, 1.0]), mode="trace")
+
+
+def test_a_bad_fake_capture_setting_names_the_choices():
+    """FLOWEXEC_FAKE_CAPTURE takes 1 (the default), 0 or cpu; anything else stops the import
+    with an error that says so, rather than quietly choosing one."""
+    env = {**os.environ, "FLOWEXEC_FAKE_CAPTURE": "yes"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", "import flowexec"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=root)
+    assert run.returncode != 0
+    assert "FLOWEXEC_FAKE_CAPTURE='yes': expected 1 (the default), 0 or cpu" in run.stderr
+    env["FLOWEXEC_FAKE_CAPTURE"] = "0"
+    run = subprocess.run([sys.executable, "-c", "import flowexec.capture as c; print(c._FAKE_CAPTURE)"], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert run.stdout.strip() == "False", run.stderr
