@@ -364,6 +364,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["options"] = opts
         step = make_step(w, m, opt, dev)
         exe = flowexec.compile(step, **opts)
+        inductor_times()  # (cleared: what the first call's compiles take, below)
         t = time.perf_counter()
         # The first call makes AdamW's state: the first step's program (first_step="planned",
         # flowexec's default), or fn eagerly (SCALE_FIRST_STEP=eager); the build timed below is
@@ -376,6 +377,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         if exe.first_step_program is not None:  # where the first call's seconds went (the rest: its run)
             res["first_step_build_phases"] = exe.first_step_phases
             res["first_step_plan_passes"] = dict(exe.first_step_program.pass_seconds)
+        res["first_call_inductor_times"] = inductor_times()
         # --profile-warm: the warm rebuild under cProfile, where its seconds go (its time then reads ~1.4x)
         prof = cProfile.Profile() if phase == "build-profiled" else None
         sampler = None
@@ -413,6 +415,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["flowexec_build_phases"] = exe.build_phases  # where a warm build's seconds go
         res["flowexec_plan_passes"] = dict(exe.plan.pass_seconds)  # the plan phase by step (fuse: with compiles)
         res["flowexec_build_peaks"] = exe.build_peaks  # after which phase the peak grew
+        res["build_inductor_times"] = inductor_times()
         st = exe.plan.stats()
         res["plan"] = {k: st[k] for k in ("ops", "fused_regions", "fused_kernels", "fusion_fallbacks",
                                           "planned_peak_bytes") if k in st}
@@ -496,6 +499,19 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
 
 def tail(text: str, lines: int = 25, chars: int = 4000) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
+
+
+def inductor_times(n: int = 15, clear: bool = True) -> dict[str, list[float]]:
+    """Inductor's and Dynamo's own timers (``torch._dynamo.utils.compilation_time_metrics``,
+    which ``dynamo_timed`` fills: a cache load, a wait on the compile workers, a module's
+    codegen) since they were last cleared: the ``n`` largest as {name: [calls, seconds]}, which
+    sampled stacks, cut at Inductor's worker futures, do not show. Clears them (``clear``)."""
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+
+    top = sorted(((k, [len(v), round(sum(v), 4)]) for k, v in metrics.items()), key=lambda kv: -kv[1][1])[:n]
+    if clear:
+        metrics.clear()
+    return dict(top)
 
 
 def top_functions(prof: cProfile.Profile, n: int = 40) -> list[str]:

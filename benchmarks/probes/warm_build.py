@@ -27,7 +27,8 @@ import scale  # noqa: E402  (benchmarks/scale.py: its children, caches and envir
 # (first_call_s: a flowexec variant's first call, the first step's program where it makes optimizer
 # state; build_s: the second call's, which captures the steps)
 RECORDED = ("build_s", "first_call_s", "first_step", "first_step_build_phases", "first_step_plan_passes",
-            "flowexec_build_phases", "flowexec_plan_passes", "process_s",
+            "flowexec_build_phases", "flowexec_plan_passes", "first_call_inductor_times", "build_inductor_times",
+            "process_s",
             "error")
 
 
