@@ -480,7 +480,10 @@ class _CaptureGuard(TorchDispatchMode):
         # constants (:meth:`_fold`): id(twin) -> (twin, held weakly: fn's alone; its fake, which
         # the graph traces wherever fn passes the twin to an op)
         self.folded: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-        self._folded_twins: dict[int, weakref.ref] = {}  # id(fake) -> its twin, weakly
+        # id(fake) -> (the fake, its twin), both weakly: an id is looked up only with the fake's
+        # identity checked, since a dead fake's id is reused by a later one (a stale entry then
+        # kept a new fake's twin from being recorded, or answered its host read with another's)
+        self._folded_twins: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         self._folded_storages: set[int] = set()  # their fakes' (_storage_id)
         self.backward_seen = False  # an op of an autograd backward has run (snapshot.DeviceRoom.open)
         # torch.Generator objects of fn's own that random ops draw from: id -> (generator, its
@@ -608,8 +611,13 @@ class _CaptureGuard(TorchDispatchMode):
         hit = self.shadows.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        ref = self._folded_twins.get(id(t))  # (its fake is held in self.folded: the id is its own)
-        return None if ref is None else ref()
+        hit = self._folded_twins.get(id(t))
+        return hit[1]() if hit is not None and hit[0]() is t else None
+
+    def is_folded(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the fake of a twin fn was handed (:meth:`_fold`)."""
+        hit = self._folded_twins.get(id(t))
+        return hit is not None and hit[0]() is t
 
     def traced_values(self, tree: Any) -> Any:
         """``tree`` with each folded twin replaced by its fake (what the graph traces)."""
@@ -648,7 +656,7 @@ class _CaptureGuard(TorchDispatchMode):
         except Exception:  # (no twin: its host reads fail as data-dependent, and the capture runs for real)
             return
         for o, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
-            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and id(o) not in self._folded_twins:
+            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and not self.is_folded(o):
                 self.shadows[id(o)] = (weakref.ref(o), r)
 
     def _fold(self, out: Any, in_place: bool = False) -> Any:
@@ -663,8 +671,7 @@ class _CaptureGuard(TorchDispatchMode):
         still alive after fn returned, and not returned, is Python state fn kept."""
         if in_place:  # (the written argument: fn gets back what it passed, its twin where folded)
             def passed(o: Any) -> Any:
-                ref = self._folded_twins.get(id(o)) if isinstance(o, torch.Tensor) else None
-                twin = None if ref is None else ref()
+                twin = self.shadows_get(o) if isinstance(o, torch.Tensor) and self.is_folded(o) else None
                 return o if twin is None else twin
             return pytree.tree_map(passed, out)
         leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
@@ -676,7 +683,7 @@ class _CaptureGuard(TorchDispatchMode):
             self.shadows.pop(id(o), None)
             r = twins[id(o)]
             self.folded[id(r)] = (weakref.ref(r), o)
-            self._folded_twins[id(o)] = weakref.ref(r)
+            self._folded_twins[id(o)] = (weakref.ref(o), weakref.ref(r))
             self._folded_storages.add(_storage_id(o))
             self.created[id(r)] = self.constant[id(r)] = weakref.ref(r)
         return pytree.tree_map(lambda o: twins[id(o)] if isinstance(o, torch.Tensor) else o, out)
@@ -963,7 +970,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             return [t for r in guard.created.values()
                     if (t := r()) is not None and id(t) not in out_ids and id(t) not in saved_ids
                     and guard.is_created(t) and not any(t is a for a in tensors)
-                    and id(t) not in guard._folded_twins  # (a folded twin's fake: held by the guard)
+                    and not guard.is_folded(t)  # (a folded twin's fake: held by the guard)
                     and (t._base is None or id(t._base) not in out_ids) and id(t) not in out_bases]
 
         if make_state:  # the optimizers' new state entries are outputs, bound by the caller after the run

@@ -393,3 +393,22 @@ def test_a_bad_fake_capture_setting_names_the_choices():
     run = subprocess.run([sys.executable, "-c", "import flowexec.capture as c; print(c._FAKE_CAPTURE)"], env=env,
                          capture_output=True, text=True, timeout=120, cwd=root)
     assert run.stdout.strip() == "False", run.stderr
+
+
+def test_a_dead_folded_tensor_s_id_reused_by_a_later_one_keeps_both_twins_apart():
+    """Integer tensors made from constants reach fn as real twins (capture._CaptureGuard._fold);
+    once fn drops one, Python reuses its fake's id for a later fake. A lookup by that id alone
+    then found the dead one's entry: the later tensor's twin was never recorded and its host
+    read failed (the capture ran for real), or was answered with another tensor's values. The
+    capture stays fake over hundreds of such tensors and the program computes eager's value."""
+    def f(x):
+        total = 0
+        for k in range(300):
+            a = torch.arange(k % 5 + 2)
+            b = (torch.arange(4) + k) * 2
+            total += int(b.sum()) + int(a[-1])
+        return x * total
+
+    exe = flowexec.compile(f, torch.ones(3), mode="trace")
+    assert exe.capture_run == "fake"
+    torch.testing.assert_close(exe(torch.ones(3)), f(torch.ones(3)))
