@@ -434,6 +434,9 @@ class _NonDispatchReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
 def _storage_id(t: torch.Tensor) -> int:
     """One number per storage, fake tensors' too (their views share it)."""
     try:
@@ -500,6 +503,11 @@ class _CaptureGuard(TorchDispatchMode):
         return ref is not None and ref() is t and _storage_id(t) not in self.tainted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:
+            # ``t.device`` of a fake tensor (two in three of a fake GPT-2 step's dispatches): it
+            # reads no value, writes nothing and makes no node; nor is it the op whose source
+            # line the next node takes.
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         # The graph traces a folded twin's fake: each call makes the value anew. (``passed`` keeps
         # the twins fn passed alive until the op is done: they are held weakly, and this op's
