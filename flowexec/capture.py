@@ -437,6 +437,13 @@ class _NonDispatchReads(torch.overrides.TorchFunctionMode):
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
+def _alive_in(refs: dict[int, weakref.ref], t: Any) -> bool:
+    """Whether ``refs`` (id -> weak reference) holds ``t`` itself, not a dead object whose id
+    ``t`` took over."""
+    ref = refs.get(id(t))
+    return ref is not None and ref() is t
+
+
 def _storage_id(t: torch.Tensor) -> int:
     """One number per storage, fake tensors' too (their views share it)."""
     try:
@@ -458,11 +465,13 @@ class _CaptureGuard(TorchDispatchMode):
         self.undo = HostSnapshot(device_room=DeviceRoom(open=False))
         self._saved: set[tuple[int, int, tuple, tuple]] = set()
         self.created: dict[int, weakref.ref] = {}
-        # Storages the run allocated (by address: a storage that existed before the run keeps its
-        # address while the run holds it). A view the run made of a tensor that existed before,
-        # such as ``buf.view(-1)[:2]``, is created but its memory is not: a write through it
-        # must be undone.
-        self.created_storages: set[int] = {0}  # (storage_key's for none: nothing to undo)
+        # Storages the run allocated: address -> a tensor the run made there, weakly (a storage
+        # that existed before the run keeps its address while the run holds it). A view the run
+        # made of a tensor that existed before, such as ``buf.view(-1)[:2]``, is created but its
+        # memory is not: a write through it must be undone. An address counts as the run's only
+        # while that tensor lives: once freed it may hold other memory (a gradient parked before
+        # the run and brought back there, whose writes must be undone).
+        self.created_storages: dict[int, weakref.ref] = {}
         self.leaves: dict[int, weakref.ref] = {}
         self.grads0: dict[int, Any] = {}  # id(leaf) -> its .grad when the run first used it
         self.sources: list[tuple[Any, str]] = []  # (op, "file:line") in dispatch order
@@ -497,6 +506,15 @@ class _CaptureGuard(TorchDispatchMode):
     def is_created(self, t: torch.Tensor) -> bool:
         ref = self.created.get(id(t))
         return ref is not None and ref() is t
+
+    def _run_owns_memory_of(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is the run's own (:attr:`created_storages`): none to undo."""
+        key = storage_key(t)
+        if key == 0:  # (no storage of its own: nothing to undo)
+            return True
+        held = self.created_storages.get(key)
+        made = None if held is None else held()
+        return made is not None and _storage_id(made) == _storage_id(t)
 
     def is_constant(self, t: torch.Tensor) -> bool:
         ref = self.constant.get(id(t))
@@ -554,7 +572,7 @@ class _CaptureGuard(TorchDispatchMode):
         else:
             undone = written
         for t in undone:
-            if self.is_created(t) and storage_key(t) in self.created_storages:  # (0: no storage of its own)
+            if self.is_created(t) and self._run_owns_memory_of(t):
                 continue
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
             if key not in self._saved:
@@ -579,7 +597,7 @@ class _CaptureGuard(TorchDispatchMode):
                 arg_storages.add(storage_key(a))
                 from_constants = from_constants and (func in _LIFTS or self.is_constant(a))
                 if a.requires_grad and a.is_leaf and not self.is_created(a):
-                    if self.fake and id(a) not in self.leaves:
+                    if self.fake and not _alive_in(self.leaves, a):  # (its first use: a dead leaf's id is not its)
                         self.grads0[id(a)] = a.grad
                     self.leaves[id(a)] = weakref.ref(a)
             elif isinstance(a, torch.Generator):
@@ -599,8 +617,9 @@ class _CaptureGuard(TorchDispatchMode):
         for o in pytree.tree_leaves(out):
             if isinstance(o, torch.Tensor) and id(o) not in arg_ids and not in_place:
                 self.created[id(o)] = weakref.ref(o)
-                if storage_key(o) not in arg_storages:
-                    self.created_storages.add(storage_key(o))
+                key, held = storage_key(o), self.created_storages.get(storage_key(o))
+                if key not in arg_storages and (held is None or held() is None):  # (the first alive)
+                    self.created_storages[key] = weakref.ref(o)
                 if from_constants:
                     self.constant[id(o)] = weakref.ref(o)
         if self.fake and from_constants:
@@ -941,16 +960,18 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         full = list(args)
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
-        saved_ids: set[int] = set()
+        # Tensors autograd saved, weakly: one freed by a backward leaves its id to a later tensor,
+        # which an id alone would take for it (and not refuse as state fn kept).
+        saved: dict[int, weakref.ref] = {}
         # (parked once make_fx has made their placeholders: it reads their metadata only)
         guard.parked = ParkedGrads.park(p.grad for p in parkable)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saved_ids.add(id(t))
+            saved[id(t)] = weakref.ref(t)
             return t
 
-        saved = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_hooks else contextlib.nullcontext()
-        with guard, saved, recorder, lifter, lifter.rewrite_mode(), _NonDispatchReads(guard):
+        hooked = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_hooks else contextlib.nullcontext()
+        with guard, hooked, recorder, lifter, lifter.rewrite_mode(), _NonDispatchReads(guard):
             out = fn(*full)
         # The graph returns a flat list: fn's containers (dict, namedtuple, ...) are rebuilt
         # around the outputs per call, so the graph never records their constructors.
@@ -976,7 +997,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
 
         def left_behind() -> list[torch.Tensor]:
             return [t for r in guard.created.values()
-                    if (t := r()) is not None and id(t) not in out_ids and id(t) not in saved_ids
+                    if (t := r()) is not None and id(t) not in out_ids and not _alive_in(saved, t)
                     and guard.is_created(t) and not any(t is a for a in tensors)
                     and not guard.is_folded(t)  # (a folded twin's fake: held by the guard)
                     and (t._base is None or id(t._base) not in out_ids) and id(t) not in out_bases]

@@ -291,7 +291,7 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     values), the kernel runs once on example inputs and a result of another dtype, shape or
     stride is an error (a decomposition can compute in another dtype than the ATen kernel: CPU
     batch norm's saved statistics under bf16 autocast came back in bf16, not float32). The
-    inputs of one dtype, shape and stride share one zero-filled example: the check reads only
+    floating inputs of one dtype, shape and stride share one zero-filled example: the check reads only
     the outputs' metadata, and a region over a whole optimizer's parameters, gradients and
     moments would otherwise hold a second copy of them all (a fake capture's first call, where
     no activation is yet alive, then peaked above eager's first step on that copy). With
@@ -315,13 +315,17 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
         compiled = compile_fx(gm, inputs)
     if want and not (kept is not None and kept.get(check)):
         def check_outputs() -> None:
-            alike = [(m.dtype, m.shape, m.stride, m.device) for m in metas]
-            examples: dict[tuple[Any, ...], torch.Tensor] = {}  # (one per distinct metadata: see above)
-            for key, m in zip(alike, metas):
-                if key not in examples:
-                    examples[key] = _example(m)
+            # (floating inputs alike share one example: see above. An integer one is an index
+            # where the region gathers, and a shared one that the region writes first would
+            # make another's indices out of bounds: a device-side assert on CUDA)
+            alike = [(m.dtype, m.shape, m.stride, m.device) if m.dtype.is_floating_point else k
+                     for k, m in enumerate(metas)]
+            examples: dict[Any, torch.Tensor] = {}
+            for same, m in zip(alike, metas):
+                if same not in examples:
+                    examples[same] = _example(m)
             with torch.no_grad(), _quiet():
-                outs = compiled(*[examples[key] for key in alike])
+                outs = compiled(*[examples[same] for same in alike])
             for k, (o, m) in enumerate(zip(outs, want)):
                 got = (o.dtype, tuple(o.shape), tuple(o.stride()) if m.stride is not None and o.numel() > 1 else None)
                 expect = (m.dtype, m.shape, m.stride if m.stride is not None and o.numel() > 1 else None)

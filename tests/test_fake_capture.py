@@ -436,3 +436,4 @@ def test_each_op_keeps_the_line_that_issued_it_through_a_backward():
     got = [(op.name, op.source) for op in exe.program.ops]
     assert {src for _, src in got} == set(line.values()), got
     assert ("aten.tanh_backward.default", line["backward"]) in got and got[-1][1] == line["result"], got
+

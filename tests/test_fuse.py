@@ -578,3 +578,27 @@ def test_a_region_s_inputs_of_one_metadata_share_one_example_in_its_output_check
     with pytest.raises(TypeError, match="came back as"):  # (the shared examples still check the outputs)
         inductor.compile_graph(inductor.region_graph(prog, r), metas,
                                [dataclasses.replace(want[0], dtype=torch.float64), *want[1:]])
+
+
+def test_an_integer_input_a_region_writes_has_an_example_of_its_own():
+    """Floating inputs alike share an example in the output check; integer ones do not: a
+    region that advances an integer counter in place and then gathers with an index of the
+    counter's metadata would read the written counter as indices (out of bounds: refused on a
+    CPU, a device-side assert on CUDA). The check passes and the kernel computes eager's."""
+    def step(x, cnt, idx):
+        cnt.add_(5)
+        m = cnt.float().sum()
+        return x[idx] * m
+
+    args = (torch.randn(4, 8), torch.zeros(4, dtype=torch.long), torch.tensor([3, 1, 2, 0]))
+    prog = capture(step, args).program
+    (r,) = find_regions(prog)
+    metas = [prog.values[v].meta for v in r.inputs]
+    want = [prog.values[v].meta for v in r.computed]
+    assert any(op.name == "aten.index.Tensor" for op in (prog.ops[i] for i in r.ops))
+    kernel = inductor.compile_graph(inductor.region_graph(prog, r), metas, want)
+    mine, theirs = [a.clone() for a in args], [a.clone() for a in args]
+    by_value = dict(zip(prog.inputs, mine))
+    got = dict(zip(r.computed, kernel(*[by_value[v] for v in r.inputs])))
+    torch.testing.assert_close(got[prog.outputs[0].id], step(*theirs))
+    torch.testing.assert_close(mine[1], theirs[1])  # (the counter advanced once, as eager's)

@@ -562,3 +562,24 @@ def test_dropping_unused_ops_keeps_writes_others_see_random_draws_and_assertions
     assert "aten.rand.default" not in _dropped(unused_draw, torch.ones(3))
     x = torch.ones(3)
     torch.testing.assert_close(flowexec.compile(write_through_a_view_read_later)(x), (x * 2 + 1).view(-1))
+
+
+def test_a_write_through_a_view_of_a_parked_gradient_is_undone_wherever_it_comes_back(monkeypatch):
+    """A real capture parks last step's gradients (here all of them, as CUDA's would be) and
+    brings one back, at a new address, when an op reads it: often an address a temporary of the
+    run had just freed. The capture took a view of that gradient for memory of the run's own and
+    left a write through it in place: the first call then applied it twice."""
+    monkeypatch.setattr(flowexec.capture, "_FAKE_CAPTURE", False)  # (a fake capture parks nothing)
+    for trial in range(20):
+        m = torch.nn.Linear(256, 1, bias=False)
+        m.weight.grad = torch.ones(1, 256)
+
+        def step(x):
+            t = x * 2  # a temporary, freed before the gradient comes back
+            s = t.sum()
+            del t
+            m.weight.grad.view(-1).mul_(2)
+            return s
+
+        capture(step, [torch.randn(256)], guarded=True, park=lambda g: True)
+        assert torch.equal(m.weight.grad, torch.ones(1, 256)), trial

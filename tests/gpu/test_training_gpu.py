@@ -153,7 +153,7 @@ def test_a_planned_first_step_makes_adamw_s_state_within_eager_s_peak(fused: boo
     # (+4 KiB: graph mode keeps the lifted hyperparameters' feed buffer, which lets a scheduler's
     # lr reach the graph, and a scalar or two, in 512-byte blocks; alive at the first call's peak
     # on an H100 they were its only difference from eager's: 1,536 bytes over 101 MB,
-    # results/probes/first_call_alive_at_peak_629e0ea.json. A second copy of the state is MBs.)
+    # benchmarks/results/probes/first_call_alive_at_peak_629e0ea.json. A second copy of the state is MBs.)
     assert peaks[0][1] <= peaks[0][0] + 4096, (peaks, exe.first_step_capture_run)
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert_close_rel(q, p, 1e-5, "parameter")
