@@ -476,11 +476,13 @@ class _CaptureGuard(TorchDispatchMode):
         self.grads0: dict[int, Any] = {}  # id(leaf) -> its .grad when the run first used it
         self.sources: list[tuple[Any, str]] = []  # (op, "file:line") in dispatch order
         # Tensors the run made from constants alone (factories, then ops on such tensors): the
-        # only ones whose host read has the same answer on every call.
+        # only ones whose host read has the same answer on every call. id -> the tensor, weakly;
+        # and their ids by storage (_storage_id), since a write of the call's values into a
+        # storage ends every view of it being one (``mask[:3] = x[:3] > 0`` then ``mask.all()``:
+        # the call's value, not the capture's). (Not a set of written storages: a freed one's
+        # address comes back for a new storage, whose constants it would have refused.)
         self.constant: dict[int, weakref.ref] = {}
-        # Storages an op not of constants wrote (fake ones too): no view of them is a constant
-        # any more (``mask[:3] = x[:3] > 0`` then ``mask.all()``: the call's value, not the capture's)
-        self.tainted: set[int] = set()
+        self._constants_on: dict[int, list[int]] = {}
         self.read_under_flag = False  # torch.compiler.is_compiling() at the last host read
         self.parked = ParkedGrads({})  # last step's gradients, in host memory until an op reads them
         # A fake run (FLOWEXEC_FAKE_CAPTURE) writes no real tensor, so it keeps no undo log; the
@@ -517,8 +519,21 @@ class _CaptureGuard(TorchDispatchMode):
         return made is not None and _storage_id(made) == _storage_id(t)
 
     def is_constant(self, t: torch.Tensor) -> bool:
-        ref = self.constant.get(id(t))
-        return ref is not None and ref() is t and _storage_id(t) not in self.tainted
+        return _alive_in(self.constant, t)
+
+    def _make_constant(self, t: torch.Tensor) -> None:
+        self.constant[id(t)] = weakref.ref(t)
+        self._constants_on.setdefault(_storage_id(t), []).append(id(t))
+
+    def _written_with_call_values(self, t: torch.Tensor) -> None:
+        """No tensor on ``t``'s memory is a constant any more (its views and base: one memory)."""
+        self.constant.pop(id(t), None)
+        where = _storage_id(t)
+        for k in self._constants_on.pop(where, ()):
+            ref = self.constant.get(k)
+            c = None if ref is None else ref()
+            if c is not None and _storage_id(c) == where:  # (a live one: on this very storage)
+                del self.constant[k]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
@@ -621,14 +636,13 @@ class _CaptureGuard(TorchDispatchMode):
                 if key not in arg_storages and (held is None or held() is None):  # (the first alive)
                     self.created_storages[key] = weakref.ref(o)
                 if from_constants:
-                    self.constant[id(o)] = weakref.ref(o)
+                    self._make_constant(o)
         if self.fake and from_constants:
             self._shadow(func, args, kwargs, out)
             out = self._fold(out, in_place)
         if not from_constants:
             for t in written:
-                self.constant.pop(id(t), None)
-                self.tainted.add(_storage_id(t))  # (its views and base too: one memory)
+                self._written_with_call_values(t)
         if lifter is not None:
             lifter.propagate(func, args, kwargs, out)
         return out
@@ -712,7 +726,8 @@ class _CaptureGuard(TorchDispatchMode):
             self.folded[id(r)] = (weakref.ref(r), o)
             self._folded_twins[id(o)] = (weakref.ref(o), weakref.ref(r))
             self._folded_storages.add(_storage_id(o))
-            self.created[id(r)] = self.constant[id(r)] = weakref.ref(r)
+            self.created[id(r)] = weakref.ref(r)
+            self._make_constant(r)
         return pytree.tree_map(lambda o: twins[id(o)] if isinstance(o, torch.Tensor) else o, out)
 
     def _before_draw(self, g: torch.Generator, func: Any) -> None:

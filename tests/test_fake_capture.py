@@ -437,3 +437,24 @@ def test_each_op_keeps_the_line_that_issued_it_through_a_backward():
     assert {src for _, src in got} == set(line.values()), got
     assert ("aten.tanh_backward.default", line["backward"]) in got and got[-1][1] == line["result"], got
 
+
+
+def test_a_tensor_of_constants_at_a_freed_written_storage_s_address_is_still_a_constant(monkeypatch):
+    """A host read of a tensor made from constants alone is answered at capture (each call's
+    answer is the same); one whose memory was written with the call's values is refused. A
+    real capture took the written storage's address for its memory, and once that storage was
+    freed a new tensor of constants there had its read refused (the compile failed)."""
+    def f(x):
+        total = 0
+        for _ in range(20):
+            y = torch.zeros(4)
+            y.add_(x)  # the call's values: y is no constant
+            del y  # (freed: its address comes back)
+            total += int(torch.arange(4).sum())  # a constant: 6 on every call
+        return x * total
+
+    for fake in (False, True):
+        monkeypatch.setattr(capture, "_FAKE_CAPTURE", fake)
+        exe = flowexec.compile(f, torch.ones(4), mode="trace")
+        assert exe.capture_run == ("fake" if fake else "real")
+        torch.testing.assert_close(exe(torch.full((4,), 2.0)), f(torch.full((4,), 2.0)))
