@@ -501,16 +501,16 @@ def tail(text: str, lines: int = 25, chars: int = 4000) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
 
 
-def inductor_times(n: int = 15, clear: bool = True) -> dict[str, list[float]]:
+def inductor_times(n: int = 15) -> dict[str, list[float]]:
     """Inductor's and Dynamo's own timers (``torch._dynamo.utils.compilation_time_metrics``,
     which ``dynamo_timed`` fills: a cache load, a wait on the compile workers, a module's
-    codegen) since they were last cleared: the ``n`` largest as {name: [calls, seconds]}, which
-    sampled stacks, cut at Inductor's worker futures, do not show. Clears them (``clear``)."""
+    codegen) since the last call, which clears them: the ``n`` largest as {name: [calls,
+    seconds]}, which sampled stacks, cut at Inductor's worker futures, do not show. The timers
+    nest (``compile_fx_inner`` holds ``fx_codegen_and_compile``): their sum means nothing."""
     from torch._dynamo.utils import compilation_time_metrics as metrics
 
     top = sorted(((k, [len(v), round(sum(v), 4)]) for k, v in metrics.items()), key=lambda kv: -kv[1][1])[:n]
-    if clear:
-        metrics.clear()
+    metrics.clear()
     return dict(top)
 
 

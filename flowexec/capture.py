@@ -506,8 +506,7 @@ class _CaptureGuard(TorchDispatchMode):
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor, torch.Tensor]] = {}
 
     def is_created(self, t: torch.Tensor) -> bool:
-        ref = self.created.get(id(t))
-        return ref is not None and ref() is t
+        return _alive_in(self.created, t)
 
     def _run_owns_memory_of(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s memory is the run's own (:attr:`created_storages`): none to undo."""
@@ -632,7 +631,8 @@ class _CaptureGuard(TorchDispatchMode):
         for o in pytree.tree_leaves(out):
             if isinstance(o, torch.Tensor) and id(o) not in arg_ids and not in_place:
                 self.created[id(o)] = weakref.ref(o)
-                key, held = storage_key(o), self.created_storages.get(storage_key(o))
+                key = storage_key(o)
+                held = self.created_storages.get(key)
                 if key not in arg_storages and (held is None or held() is None):  # (the first alive)
                     self.created_storages[key] = weakref.ref(o)
                 if from_constants:
@@ -652,13 +652,16 @@ class _CaptureGuard(TorchDispatchMode):
         hit = self.shadows.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        hit = self._folded_twins.get(id(t))
-        return hit[1]() if hit is not None and hit[0]() is t else None
+        return self._folded_twin(t)
 
     def is_folded(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the fake of a twin fn was handed (:meth:`_fold`)."""
         hit = self._folded_twins.get(id(t))
         return hit is not None and hit[0]() is t
+
+    def _folded_twin(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The twin fn was handed for fake ``t``, where it was folded and fn still holds it."""
+        return self._folded_twins[id(t)][1]() if self.is_folded(t) else None
 
     def traced_values(self, tree: Any) -> Any:
         """``tree`` with each folded twin replaced by its fake (what the graph traces)."""
@@ -712,7 +715,7 @@ class _CaptureGuard(TorchDispatchMode):
         still alive after fn returned, and not returned, is Python state fn kept."""
         if in_place:  # (the written argument: fn gets back what it passed, its twin where folded)
             def passed(o: Any) -> Any:
-                twin = self.shadows_get(o) if isinstance(o, torch.Tensor) and self.is_folded(o) else None
+                twin = self._folded_twin(o) if isinstance(o, torch.Tensor) else None
                 return o if twin is None else twin
             return pytree.tree_map(passed, out)
         leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
