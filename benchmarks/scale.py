@@ -365,6 +365,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         step = make_step(w, m, opt, dev)
         exe = flowexec.compile(step, **opts)
         inductor_times()  # (cleared: what the first call's compiles take, below)
+        first_sampler = start_sampler(phase)
         t = time.perf_counter()
         # The first call makes AdamW's state: the first step's program (first_step="planned",
         # flowexec's default), or fn eagerly (SCALE_FIRST_STEP=eager); the build timed below is
@@ -372,20 +373,17 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         losses.append(exe(x, y).clone())
         sync(dev)
         res["first_call_s"] = time.perf_counter() - t
+        stop_sampler(first_sampler, res, "first_call_samples", f"{model}_{variant}_{phase}_first.collapsed")
         res["first_step"] = ("planned" if exe.first_step_program is not None else
                              f"eager{f' ({exe.first_step_fallback})' if exe.first_step_fallback else ''}")
         if exe.first_step_program is not None:  # where the first call's seconds went (the rest: its run)
             res["first_step_build_phases"] = exe.first_step_phases
             res["first_step_plan_passes"] = dict(exe.first_step_program.pass_seconds)
         res["first_call_inductor_times"] = inductor_times()
+        res["first_call_compile_workers"] = compile_workers_record()
         # --profile-warm: the warm rebuild under cProfile, where its seconds go (its time then reads ~1.4x)
         prof = cProfile.Profile() if phase == "build-profiled" else None
-        sampler = None
-        if os.environ.get("SCALE_SAMPLE_DIR") and phase.startswith("build"):  # wall time, Inductor's too
-            sys.path.insert(0, os.path.join(HERE, "probes"))
-            from sampler import Sampler
-
-            sampler = Sampler().__enter__()
+        sampler = start_sampler(phase)
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -395,11 +393,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
             calls += 1
         sync(dev)
         res["build_s"] = time.perf_counter() - t0
-        if sampler is not None:
-            sampler.__exit__(None, None, None)
-            res["build_samples"] = sampler.inclusive(60)
-            with open(os.path.join(os.environ["SCALE_SAMPLE_DIR"], f"{model}_{variant}_{phase}.collapsed"), "w") as fh:
-                fh.write(sampler.collapsed())
+        stop_sampler(sampler, res, "build_samples", f"{model}_{variant}_{phase}.collapsed")
         if prof is not None:
             prof.disable()
             res["build_profile"] = top_functions(prof)
@@ -416,6 +410,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["flowexec_plan_passes"] = dict(exe.plan.pass_seconds)  # the plan phase by step (fuse: with compiles)
         res["flowexec_build_peaks"] = exe.build_peaks  # after which phase the peak grew
         res["build_inductor_times"] = inductor_times()
+        res["build_compile_workers"] = compile_workers_record()
         st = exe.plan.stats()
         res["plan"] = {k: st[k] for k in ("ops", "fused_regions", "fused_kernels", "fusion_fallbacks",
                                           "planned_peak_bytes") if k in st}
@@ -512,6 +507,38 @@ def inductor_times(n: int = 15) -> dict[str, list[float]]:
     top = sorted(((k, [len(v), round(sum(v), 4)]) for k, v in metrics.items()), key=lambda kv: -kv[1][1])[:n]
     metrics.clear()
     return dict(top)
+
+
+def start_sampler(phase: str) -> Any:
+    """A wall-time stack sampler (probes/sampler.py: Inductor's frames too) where SCALE_SAMPLE_DIR
+    asks for one in a build phase, else None."""
+    if not (os.environ.get("SCALE_SAMPLE_DIR") and phase.startswith("build")):
+        return None
+    sys.path.insert(0, os.path.join(HERE, "probes"))
+    from sampler import Sampler
+
+    return Sampler().__enter__()
+
+
+def stop_sampler(sampler: Any, res: dict[str, Any], key: str, name: str) -> None:
+    """Stop ``sampler`` (if any): functions' shares in ``res[key]``, stacks in SCALE_SAMPLE_DIR/name."""
+    if sampler is None:
+        return
+    sampler.__exit__(None, None, None)
+    res[key] = sampler.inclusive(60)
+    with open(os.path.join(os.environ["SCALE_SAMPLE_DIR"], name), "w") as fh:
+        fh.write(sampler.collapsed())
+
+
+def compile_workers_record() -> dict[str, Any]:
+    """What flowexec's compile workers did so far in this process (flowexec.compile_workers):
+    regions sent, seconds waited on them, those they did not compile (the count, a reason)."""
+    from flowexec import compile_workers
+    from flowexec.fusion import compiler
+
+    c = compiler()
+    return {"setting": compile_workers.setting(), "jobs": c.worker_jobs, "seconds": round(c.worker_seconds, 3),
+            "failed": len(c.worker_failures), "a_reason": next(iter(c.worker_failures.values()), None)}
 
 
 def top_functions(prof: cProfile.Profile, n: int = 40) -> list[str]:

@@ -30,13 +30,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .errors import OptionError
 from .passes.fuse import FusionReport, fuse_program
 from .passes.pad import PadCase, pad_matrix_products
+from .passes.regions import Region, find_regions
 from .passes.streams import cuda_devices
 from .program import Program
 from .verdict_cache import shared_cache
@@ -94,20 +95,46 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
     if not wants_fusion(prog, check_fuse(fuse), mode):
         return prog, None
     comp = compiler()
-    before = comp.seconds
+    before = comp.seconds + comp.worker_seconds
+    regions = find_regions(prog)
     with _Progress() as bar:
+        compile_cold_in_workers(prog, regions, comp, bar.worked)
         while True:  # (again where a kernel failed only at the end: that region keeps its ATen ops)
             with comp.together(progress=bar.waited) as late:
-                fused, report = fuse_program(prog, comp.compile, progress=bar.update)
+                fused, report = fuse_program(prog, comp.compile, regions=regions, progress=bar.update)
             if not late:
                 break
-    report = FusionReport(report.regions, comp.seconds - before)
+    report = FusionReport(report.regions, comp.seconds + comp.worker_seconds - before)
     if os.environ.get("FLOWEXEC_DEBUG") == "1":
         for op in fused.ops:
             check = getattr(op.target, "check_first_call", None)
             if check is not None:
                 check()
     return fused, report
+
+
+def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
+                            progress: Callable[[int, int], None] | None = None) -> dict[str, str]:
+    """Compile the regions this build would otherwise generate here
+    (:func:`~flowexec.compile_workers.cold_jobs`) in worker processes first, where
+    ``FLOWEXEC_COMPILE_PROCESSES`` asks for any (:mod:`flowexec.compile_workers`); returns
+    those no worker compiled, with why (they compile here as before)."""
+    from . import compile_workers
+
+    wanted = compile_workers.setting()
+    cuda = bool(cuda_devices(prog))
+    if compile_workers.processes_for(len(regions), cuda, setting=wanted) == 0:
+        return {}  # (none even were every region cold: not worth looking which are)
+    jobs = compile_workers.cold_jobs(prog, regions, comp)
+    n = compile_workers.processes_for(len(jobs), cuda, setting=wanted)
+    if n == 0:
+        return {}
+    t0 = time.perf_counter()
+    failed = compile_workers.compile_in_processes(jobs, n, progress)
+    comp.worker_seconds += time.perf_counter() - t0
+    comp.worker_jobs += len(jobs)
+    comp.worker_failures.update(failed)
+    return failed
 
 
 class _Progress:
@@ -128,6 +155,10 @@ class _Progress:
         """``done`` of ``total`` regions generated (their kernels compile in the background)."""
         self._total = total
         self._show(done, total, "generating fused regions")
+
+    def worked(self, done: int, total: int) -> None:
+        """``done`` of ``total`` regions compiled by worker processes."""
+        self._show(done, total, "compiling regions in worker processes")
 
     def waited(self, done: int, total: int) -> None:
         """``done`` of ``total`` regions' kernels built."""

@@ -140,17 +140,34 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def region_graph(prog: Program, region: Region) -> fx.GraphModule:
-    """The region's ops as an FX graph: placeholders for its inputs, its computed outputs returned."""
-    g = fx.Graph()
-    env: dict[int, fx.Node] = {}
-    for k, v in enumerate(region.inputs):
-        env[v] = g.placeholder(f"x{k}")
+@dataclass(frozen=True)
+class Local:
+    """A value inside a :class:`GraphRecipe`: input ``k`` (k < n_inputs) or an op's output."""
+
+    k: int
+
+
+@dataclass(frozen=True)
+class GraphRecipe:
+    """A region's ops as plain data, picklable where their arguments are (a compile worker
+    builds the same graph from it: :func:`graph_of`). ``ops``: per op, its target (an ATen
+    overload's name, ``aten.add.Tensor``, or the callable itself), arguments (:class:`Local` for
+    values), keyword arguments, and the locals its outputs become (one, unpacked where
+    ``unpack``; -1 for an output nothing reads); ``returned``: the locals the graph returns."""
+
+    n_inputs: int
+    ops: tuple[tuple[Any, tuple[Any, ...], tuple[tuple[str, Any], ...], tuple[int, ...], bool], ...]
+    returned: tuple[int, ...]
+
+
+def recipe_of(prog: Program, region: Region) -> GraphRecipe:
+    """The region as a :class:`GraphRecipe`: its inputs, its ops, its computed outputs returned."""
+    local: dict[int, int] = {v: k for k, v in enumerate(region.inputs)}
 
     def arg(a: Any) -> Any:
         if isinstance(a, Ref):
-            if a.id in env:
-                return env[a.id]
+            if a.id in local:
+                return Local(local[a.id])
             if a.id in prog.consts:
                 return prog.consts[a.id]
             raise KeyError(f"value {prog.values[a.id].label} is not available inside the region")
@@ -160,17 +177,57 @@ def region_graph(prog: Program, region: Region) -> fx.GraphModule:
             return tuple(arg(x) for x in a)
         return a
 
+    ops = []
     for i in region.ops:
         op = prog.ops[i]
-        node = g.call_function(op.target, tuple(arg(a) for a in op.args), {k: arg(v) for k, v in op.kwargs})
-        if op.unpack:
-            for j, o in enumerate(op.outputs):
+        args, kwargs = tuple(arg(a) for a in op.args), tuple((k, arg(v)) for k, v in op.kwargs)
+        outs = []
+        for o in (op.outputs if op.unpack else op.outputs[:1]):
+            if o >= 0:
+                local[o] = len(local)
+            outs.append(local[o] if o >= 0 else -1)
+        target = op_name(op.target) if isinstance(op.target, torch._ops.OpOverload) else op.target
+        ops.append((target, args, kwargs, tuple(outs), op.unpack))
+    return GraphRecipe(len(region.inputs), tuple(ops), tuple(local[o] for o in region.computed))
+
+
+def graph_of(recipe: GraphRecipe) -> fx.GraphModule:
+    """The FX graph of a :class:`GraphRecipe`: placeholders, its ops, its returned values."""
+    g = fx.Graph()
+    env: dict[int, fx.Node] = {k: g.placeholder(f"x{k}") for k in range(recipe.n_inputs)}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, Local):
+            return env[a.k]
+        if isinstance(a, list):
+            return [arg(x) for x in a]
+        if isinstance(a, tuple):
+            return tuple(arg(x) for x in a)
+        return a
+
+    for target, args, kwargs, outs, unpack in recipe.ops:
+        node = g.call_function(_overload(target), arg(args), {k: arg(v) for k, v in kwargs})
+        if unpack:
+            for j, o in enumerate(outs):
                 if o >= 0:
                     env[o] = g.call_function(operator.getitem, (node, j))
-        elif op.outputs and op.outputs[0] >= 0:
-            env[op.outputs[0]] = node
-    g.output(tuple(env[o] for o in region.computed))
+        elif outs and outs[0] >= 0:
+            env[outs[0]] = node
+    g.output(tuple(env[o] for o in recipe.returned))
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _overload(target: Any) -> Any:
+    """An ATen overload from its name (``aten.add.Tensor``); any other target as it is."""
+    if not isinstance(target, str):
+        return target
+    ns, name, overload = target.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+def region_graph(prog: Program, region: Region) -> fx.GraphModule:
+    """The region's ops as an FX graph: placeholders for its inputs, its computed outputs returned."""
+    return graph_of(recipe_of(prog, region))
 
 
 def region_key(prog: Program, region: Region) -> str:
@@ -221,6 +278,9 @@ class InductorCompiler:
     kernels: dict[str, FusedKernel] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    worker_seconds: float = 0.0  # spent waiting on compile workers (flowexec.compile_workers)
+    worker_jobs: int = 0  # regions sent to them
+    worker_failures: dict[str, str] = field(default_factory=dict)  # those they did not compile, why
 
     @contextlib.contextmanager
     def together(self, progress: Callable[[int, int], None] | None = None) -> Iterator[list[str]]:
@@ -255,6 +315,20 @@ class InductorCompiler:
         self.seconds += time.perf_counter() - t0
         late.extend(refused)
 
+    def compile_graph_of(self, key: str, gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[..., Any]:
+        """Inductor's function for a region's graph ``gm`` under ``key``, as :meth:`compile`
+        compiles it but with no output check and no kernel kept (a compile worker's: it only
+        fills the cache); inside :meth:`together`, a kernel that fails to build names ``key``."""
+        batch = _batch_here()
+        if batch is not None:
+            batch.key = key
+            batch.keys.append(key)
+        try:
+            return inductor_compile(gm, metas)
+        except Exception as e:
+            self.failures[key] = why_refused(e)
+            raise
+
     def compile(self, prog: Program, region: Region, name: str | None = None) -> FusedKernel | str:
         """The kernel for ``region`` (compiled now, or shared with an equal region), or why
         Inductor refused it (inside :meth:`together`, the kernel is ready once its block ends)."""
@@ -274,7 +348,7 @@ class InductorCompiler:
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
                                      [prog.values[v].meta for v in region.computed], key=key)
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
-            why = self.failures[key] = _why(e)
+            why = self.failures[key] = why_refused(e)
             return why
         finally:
             self.seconds += time.perf_counter() - t0
@@ -297,24 +371,14 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     no activation is yet alive, then peaked above eager's first step on that copy). With
     ``key`` (the region's :func:`region_key`) a passed check is kept beside Inductor's cache
     (:func:`output_check_key`), so a warm build neither allocates examples nor runs kernels."""
-    from torch._inductor.compile_fx import compile_fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    # A tracing context of its own: inside the torch.compile backend, Dynamo's context is
-    # active, and Inductor would record this region's output strides there as the strides of
-    # the graph AOTAutograd is compiling (its backward then reads them). Its fake mode has a
-    # shape environment, without which Inductor bypasses its FX graph cache (every build would
-    # generate every kernel again); the inputs are made with static sizes, so the kernels are
-    # specialised to the region's sizes.
-    fake = FakeTensorMode(shape_env=ShapeEnv())
-    inputs = [fake_tensor(m, fake) for m in metas]
-    kept = output_checks() if want and key is not None else None
+    kept = output_checks() if key is not None else None
     check = output_check_key(key, [*metas, *want]) if kept is not None else None
-    with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):
-        compiled = compile_fx(gm, inputs)
-    if want and not (kept is not None and kept.get(check)):
+    compiled = inductor_compile(gm, metas)
+    if (want or kept is not None) and not (kept is not None and kept.get(check)):
         def check_outputs() -> None:
+            if not want:  # (nothing to check: kept as built, so that a warm build knows it is)
+                kept.put(check, True)  # type: ignore[union-attr]
+                return
             # (floating inputs alike share one example: see above. An integer one is an index
             # where the region gathers, and a shared one that the region writes first would
             # make another's indices out of bounds: a device-side assert on CUDA)
@@ -340,6 +404,25 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
         else:
             check_outputs()
     return compiled
+
+
+def inductor_compile(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[..., Any]:
+    """Inductor's compiled function for ``gm`` on inputs of ``metas`` (what :func:`compile_graph`
+    and a compile worker, :mod:`flowexec.compile_workers`, both call: their cache keys agree)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # A tracing context of its own: inside the torch.compile backend, Dynamo's context is
+    # active, and Inductor would record this region's output strides there as the strides of
+    # the graph AOTAutograd is compiling (its backward then reads them). Its fake mode has a
+    # shape environment, without which Inductor bypasses its FX graph cache (every build would
+    # generate every kernel again); the inputs are made with static sizes, so the kernels are
+    # specialised to the region's sizes.
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    inputs = [fake_tensor(m, fake) for m in metas]
+    with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):
+        return compile_fx(gm, inputs)
 
 
 @dataclass
@@ -373,7 +456,7 @@ class _Batch:
             try:
                 self.wait(compiler, scope)
             except Exception as e:
-                refused.setdefault(key, _why(e))
+                refused.setdefault(key, why_refused(e))
             if progress is not None:
                 progress(k + 1, len(self.waits))
         for key, check in self.checks:
@@ -381,7 +464,7 @@ class _Batch:
                 try:
                     check()
                 except Exception as e:
-                    refused[key] = _why(e)
+                    refused[key] = why_refused(e)
         return refused
 
 
@@ -419,28 +502,36 @@ def _batch_here() -> _Batch | None:
     return batch if batch is not None and batch.thread == threading.get_ident() else None
 
 
-def _why(e: BaseException) -> str:
+def why_refused(e: BaseException) -> str:
+    """An exception as a one-line reason a region was refused."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 def output_checks() -> VerdictCache:
-    """Regions whose compiled outputs were seen to match the program's metas (in the current
-    Inductor cache directory)."""
+    """Regions whose compiled outputs were seen to match the program's metas, and regions that
+    return nothing whose kernels were built (in the current Inductor cache directory): those a
+    build in this directory loads rather than compiles (:func:`flowexec.compile_workers.cold_jobs`)."""
     return shared_cache("region_output_checks")
 
 
-def output_check_key(key: str, metas: Sequence[TensorMeta]) -> str:
+def output_check_key(key: str, metas: Sequence[TensorMeta], config_text: str | None = None) -> str:
     """What decides whether a region's kernel returns what the program expects: the region
     (:func:`region_key`), its input and output ``metas``, torch's and CUDA's versions, the
-    devices it runs on and Inductor's configuration, hashed to a short key."""
-    from torch._inductor import config
-
+    devices it runs on and Inductor's configuration (``config_text``: :func:`inductor_config_text`,
+    read once by a caller that keys many regions), hashed to a short key."""
     devices = sorted({torch.device(m.device) for m in metas}, key=str)
     names = [torch.cuda.get_device_name(d) if d.type == "cuda" else str(d) for d in devices]
-    conf = repr(sorted(config.save_config_portable().items()))
+    conf = config_text if config_text is not None else inductor_config_text()
     text = "\n".join([f"torch {torch.__version__} cuda {torch.version.cuda} on {names}", conf, key,
                       ";".join(f"{m.dtype}{list(m.shape)}{list(m.stride or ())}" for m in metas)])
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def inductor_config_text() -> str:
+    """Inductor's configuration as :func:`output_check_key` reads it (its portable settings)."""
+    from torch._inductor import config
+
+    return repr(sorted(config.save_config_portable().items()))
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("executable",),  # flowexec.compile
     ("capture", "runtime", "build", "graph_variants"),  # fn -> Program; lowering and running a plan; a program's rewrites and plan; graph mode's graphs per signature
     ("plan", "fusion"),  # the passes composed into an ExecutionPlan; the fuse= option's regions compiled
+    ("compile_workers",),  # cold regions compiled first in worker processes
     ("inductor",),  # a region's FX graph compiled by Inductor into one op
     ("passes",),  # pure functions over a Program
     ("fetch", "kernels", "rng"),  # scalar readback; fused ops (torch.library); the generator's state as ops

@@ -28,6 +28,7 @@ import scale  # noqa: E402  (benchmarks/scale.py: its children, caches and envir
 # state; build_s: the second call's, which captures the steps)
 RECORDED = ("build_s", "first_call_s", "first_step", "first_step_build_phases", "first_step_plan_passes",
             "flowexec_build_phases", "flowexec_plan_passes", "first_call_inductor_times", "build_inductor_times",
+            "first_call_compile_workers", "build_compile_workers",
             "process_s",
             "error")
 
@@ -73,11 +74,14 @@ def main() -> None:
                 finally:
                     os.environ.clear()
                     os.environ.update(saved)
-                made = os.path.join(a.out, f"{m}_{a.variant}_build.collapsed")
-                if a.sample and os.path.exists(made):
-                    tag = "".join(c if c.isalnum() else "-" for c in setting) or "default"
-                    os.replace(made, os.path.join(a.out, f"samples_{m}_{a.variant}_warm_{tag}.collapsed"))
-                rec[setting or "default"] = {k: w.get(k) for k in (*RECORDED, "build_samples") if k in w}
+                tag = "".join(c if c.isalnum() else "-" for c in setting) or "default"
+                for made, kept in ((f"{m}_{a.variant}_build.collapsed", f"samples_{m}_{a.variant}_warm_{tag}.collapsed"),
+                                   (f"{m}_{a.variant}_build_first.collapsed",
+                                    f"samples_{m}_{a.variant}_warm_first_call_{tag}.collapsed")):
+                    if a.sample and os.path.exists(os.path.join(a.out, made)):
+                        os.replace(os.path.join(a.out, made), os.path.join(a.out, kept))
+                rec[setting or "default"] = {k: w.get(k) for k in (*RECORDED, "build_samples", "first_call_samples")
+                                             if k in w}
                 print(f"{m} warm [{setting or 'default'}]: {w.get('build_s')} s {w.get('flowexec_build_phases')}",
                       flush=True)
         finally:
