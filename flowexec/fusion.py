@@ -95,7 +95,7 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
     if not wants_fusion(prog, check_fuse(fuse), mode):
         return prog, None
     comp = compiler()
-    before = comp.seconds + comp.worker_seconds
+    before, jobs_before = comp.seconds + comp.worker_seconds, comp.worker_jobs
     regions = find_regions(prog)
     with _Progress() as bar:
         compile_cold_in_workers(prog, regions, comp, bar.worked)
@@ -104,7 +104,7 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
                 fused, report = fuse_program(prog, comp.compile, regions=regions, progress=bar.update)
             if not late:
                 break
-    report = FusionReport(report.regions, comp.seconds + comp.worker_seconds - before)
+    report = FusionReport(report.regions, comp.seconds + comp.worker_seconds - before, comp.worker_jobs - jobs_before)
     if os.environ.get("FLOWEXEC_DEBUG") == "1":
         for op in fused.ops:
             check = getattr(op.target, "check_first_call", None)

@@ -14,7 +14,6 @@ from flowexec import compile_workers, inductor, verdict_cache
 from flowexec.capture import capture
 from flowexec.compile_workers import Job, cold_jobs, compile_in_processes, processes_for
 from flowexec.errors import OptionError
-from flowexec.fusion import compile_cold_in_workers
 from flowexec.inductor import GraphRecipe, InductorCompiler, graph_of, recipe_of, region_graph
 from flowexec.passes.regions import find_regions
 
@@ -81,37 +80,34 @@ def _regions_writing_an_input(x, w):
 
 
 def test_regions_compiled_by_a_worker_are_loaded_from_the_cache_here(tmp_path, monkeypatch):
-    """A worker compiles each cold region; this process then finds every one of them in the
-    cache (Inductor's AOT cache hits, no miss: its keys are this process's), a second look
-    finds none cold (their output checks are kept), and the fused program equals eager, the
-    input it writes included."""
+    """A build with a worker: the worker compiles each cold region, this process then finds
+    every one in the cache (Inductor's AOT cache hits, no miss: its keys are this process's),
+    ``explain()`` says so, a second look finds none cold (their output checks are kept), and
+    the fused program equals eager, the input it writes included."""
     from torch._dynamo.utils import counters
 
     _fresh_cache(monkeypatch, tmp_path)
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "1")
+    comp = InductorCompiler()
+    monkeypatch.setattr(flowexec.fusion, "_compiler", comp)
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     prog = capture(_regions_writing_an_input, (x, w.clone())).program
     regions = find_regions(prog)
     n = len(regions)
     assert n >= 2 and any(r.mutated for r in regions)
-    comp = InductorCompiler()
     assert len(cold_jobs(prog, regions, comp)) == n
-    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "1")
-    assert compile_cold_in_workers(prog, regions, comp) == {}
-    assert comp.worker_jobs == n and comp.worker_seconds > 0
     counters.clear()
-    with comp.together():
-        kernels = [comp.compile(prog, r) for r in regions]
-    assert all(isinstance(k, inductor.FusedKernel) for k in kernels), kernels
-    aot = dict(counters["aot_autograd"])
-    assert aot.get("autograd_cache_hit") == n and not aot.get("autograd_cache_miss"), aot
-    assert cold_jobs(prog, regions, InductorCompiler()) == []  # checked and kept: nothing cold now
-    monkeypatch.setattr(flowexec.fusion, "_compiler", comp)
     exe = flowexec.compile(_regions_writing_an_input, mode="trace", fuse="inductor")
     w_eager, w_mine = w.clone(), w.clone()
     for _ in range(2):
         torch.testing.assert_close(exe(x, w_mine), _regions_writing_an_input(x, w_eager))
         torch.testing.assert_close(w_mine, w_eager)
+    assert comp.worker_jobs == n and not comp.worker_failures and comp.worker_seconds > 0
+    aot = dict(counters["aot_autograd"])
+    assert aot.get("autograd_cache_hit") == n and not aot.get("autograd_cache_miss"), aot
     assert exe.plan.stats()["fused_regions"] == n
+    assert f"({n} regions first in worker processes)" in exe.explain().splitlines()[0]
+    assert cold_jobs(prog, regions, InductorCompiler()) == []  # checked and kept: nothing cold now
 
 
 def test_a_region_a_worker_refuses_is_left_to_this_process_with_why(tmp_path, monkeypatch):

@@ -56,10 +56,12 @@ class RegionReport:
 
 @dataclass(frozen=True)
 class FusionReport:
-    """The regions of one program and what became of each; ``compile_seconds``: time in the compiler."""
+    """The regions of one program and what became of each; ``compile_seconds``: time in the
+    compiler; ``worker_jobs``: regions compiled first in worker processes (flowexec.compile_workers)."""
 
     regions: tuple[RegionReport, ...] = ()
     compile_seconds: float = 0.0
+    worker_jobs: int = 0
 
     def counts(self) -> dict[str, int]:
         fused = [r for r in self.regions if r.fused]
@@ -77,7 +79,8 @@ class FusionReport:
                         f"{ops}{src}")
         c = self.counts()
         head = (f"{c['fused_regions']} fused regions ({c['fused_kernels']} kernels, {c['fused_aten_ops']} ATen ops), "
-                f"{c['fusion_fallbacks']} fallbacks; {self.compile_seconds:.1f} s compiling")
+                f"{c['fusion_fallbacks']} fallbacks; {self.compile_seconds:.1f} s compiling"
+                + (f" ({self.worker_jobs} regions first in worker processes)" if self.worker_jobs else ""))
         return "\n".join([head, *rows])
 
 
