@@ -36,6 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import flowexec  # noqa: E402
 
+LR = 1e-3  # AdamW's, every case
+
 VARIANTS = {
     "trace": dict(mode="trace"), "fused": dict(mode="trace", fuse="inductor"),
     "threaded": dict(mode="threaded", streams=2), "planned": dict(mode="trace", memory="planned", gc="async"),
@@ -168,7 +170,7 @@ def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: i
         loss_of = lambda b: F.cross_entropy(f(b["x"]).flatten(0, 1), b["y"].flatten())  # noqa: E731
     model.train()
     b = batch(kind, dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(b: dict[str, torch.Tensor]) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
@@ -195,10 +197,18 @@ def compare(eager: Any, mine: Any, tol: float) -> dict[str, Any]:
     loss_rel = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(el, ml))
     worst, noise = ("", 0.0), []
     for (n, a), (_, b) in zip(es, ms):
-        d = float((a - b).abs().max()) if a.numel() else 0.0
+        diff = (a - b).abs()
+        d = float(diff.max()) if a.numel() else 0.0
         # a key bias (zero gradient up to rounding): Adam turns its rounding into +-lr steps
         if d > tol and ("key" in n or "in_proj_bias" in n or "k_proj.bias" in n):
             noise.append(n)
+            continue
+        # A lone entry whose first gradient was near Adam's eps: its first step is g / (|g| + eps),
+        # and a kernel's rounding of g (a fused reduction sums in another order) moves it by a part
+        # of lr. Seen on the CPU at 7d47d12: T5's and Mistral's fused steps, one entry each in
+        # 178,368 / 101,056, 4.3e-5 / 2.3e-5 off, their gradients within 2e-6 relative of eager's.
+        if d > tol and d <= 2 * LR and int((diff > tol).sum()) <= max(1, a.numel() // 10_000):
+            noise.append(f"{n} ({int((diff > tol).sum())} of {a.numel()} entries, {d:.1e})")
             continue
         worst = max(worst, (n, d), key=lambda t: t[1])
     ok = loss_rel < 1e-4 and worst[1] < tol
