@@ -23,6 +23,7 @@ again, and a process that has started CUDA may start workers.
 ``FLOWEXEC_COMPILE_PROCESSES``: ``auto`` (the default: on a CUDA program with at least
 :data:`MIN_COLD` regions to compile and at least 8 CPUs, ``cpus // 4`` workers, at most 8;
 none on the CPU, where C++ kernels build on threads), or a number of workers (``0``: none).
+Under torchrun the CPUs are the host's divided among its local ranks.
 
     >>> processes_for(cold=2, cuda=True, cpus=16, setting="auto")
     0
@@ -112,13 +113,21 @@ def setting() -> str:
     return value
 
 
+def host_cpus() -> int:
+    """This process's share of the host's CPUs: all of them, divided among the processes torchrun
+    started on this host (``LOCAL_WORLD_SIZE``), each of which builds its own regions."""
+    share = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(1, (os.cpu_count() or 1) // max(1, int(share) if share.isdigit() else 1))
+
+
 def processes_for(cold: int, cuda: bool, cpus: int | None = None, setting: str = "auto") -> int:
-    """How many workers compile ``cold`` regions (see the module's docstring)."""
+    """How many workers compile ``cold`` regions (see the module's docstring; ``cpus``: by
+    default :func:`host_cpus`)."""
     if cold == 0:
         return 0
     if setting != "auto":
         return min(int(setting), cold)
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    cpus = cpus if cpus is not None else host_cpus()
     if not cuda or cold < MIN_COLD or cpus < 8:
         return 0
     return min(MAX_PROCESSES, cpus // 4, cold)
@@ -137,7 +146,7 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
     lock = threading.Lock()
     settings = pickle.dumps(current_settings())
     workers = [_Worker() for _ in range(max(1, min(processes, len(jobs))))]
-    threads = max(1, (os.cpu_count() or 1) // len(workers))
+    threads = max(1, host_cpus() // len(workers))
 
     def serve(w: _Worker) -> None:
         try:

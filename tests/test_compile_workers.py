@@ -40,6 +40,15 @@ def test_how_many_workers_compile_the_cold_regions():
     assert got == rows
 
 
+def test_local_ranks_share_the_host_s_cpus(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert compile_workers.host_cpus() == 64
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert compile_workers.host_cpus() == 8
+    assert processes_for(23, True) == 2  # (8 CPUs: a quarter of them)
+
+
 @pytest.mark.parametrize("value", ["-1", "many", "1.5", "65"])
 def test_a_bad_worker_setting_names_the_choices(monkeypatch, value):
     monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", value)
