@@ -34,6 +34,7 @@ Under torchrun the CPUs are the host's divided among its local ranks.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import queue
@@ -145,7 +146,9 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
     done = [0]
     lock = threading.Lock()
     settings = pickle.dumps(current_settings())
-    workers = [_Worker() for _ in range(max(1, min(processes, len(jobs))))]
+    n = max(1, min(processes, len(jobs)))
+    workers = _take_prestarted(n)
+    workers += [_Worker() for _ in range(n - len(workers))]
     threads = max(1, host_cpus() // len(workers))
 
     def serve(w: _Worker) -> None:
@@ -206,6 +209,40 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
             break
         failed.setdefault(job.key, next((w.why for w in workers if w.why), "no worker took it"))
     return failed
+
+
+_prestarted: list[_Worker] = []  # started by prestart(), not yet given a job
+
+
+def prestart(processes: int) -> None:
+    """Start ``processes`` workers now, so that they import torch while this process captures
+    (seconds each, hidden behind the capture); :func:`compile_in_processes` takes them first,
+    and :func:`release_prestarted` stops those no build took."""
+    threads = max(1, host_cpus() // max(1, processes))
+    while len(_prestarted) < processes:
+        w = _Worker()
+        try:
+            w.spawn(threads)
+        except OSError:
+            w.log.close()
+            return
+        _prestarted.append(w)
+
+
+def _take_prestarted(n: int) -> list[_Worker]:
+    taken = _prestarted[:n]
+    del _prestarted[:n]
+    return taken
+
+
+def release_prestarted() -> None:
+    """Stop the workers :func:`prestart` started that no build took."""
+    for w in _take_prestarted(len(_prestarted)):
+        w.stop()
+        w.log.close()
+
+
+atexit.register(release_prestarted)
 
 
 # -- what a worker must share with this process for its cache keys to be this process's ---------
@@ -322,14 +359,20 @@ class _Worker:
         self.why = ""
         self.taken: list[str] = []  # keys of the jobs it generated
 
-    def start(self, settings: bytes, threads: int) -> None:
+    def spawn(self, threads: int) -> None:
+        """Start the process (it imports torch, then waits for its settings)."""
         # Inductor's own kernel-build workers: ``threads`` per worker (the CPUs shared out); a
         # user's TORCHINDUCTOR_COMPILE_THREADS stands.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
         self.proc = subprocess.Popen([sys.executable, "-m", "flowexec.compile_workers"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env)
-        assert self.proc.stdin is not None
+
+    def start(self, settings: bytes, threads: int) -> None:
+        """Spawn it where :func:`prestart` did not, and hand it ``settings``; returns once it is ready."""
+        if self.proc is None:
+            self.spawn(threads)
+        assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(struct.pack("<Q", len(settings)) + settings)
         self.proc.stdin.flush()
         self._reply()  # "ready"

@@ -31,7 +31,8 @@ from .capture import LazyStateError, capture, fresh_optimizer
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
 from .fake_run import cuda_in_use
 from .build import check_recompute, plan_for
-from .fusion import check_fuse, check_pad, wants_fusion, warm_compile_workers
+from .fusion import (check_fuse, check_pad, prestart_compile_workers, release_compile_workers, wants_fusion,
+                     warm_compile_workers)
 from .guards import GuardSet
 from .graph_variants import GraphVariants, borrowed_inputs, sharing_positions, worth_parking
 from .parking import ParkedGrads, held_by_grad_alone
@@ -271,17 +272,21 @@ class Executable:
         fastcall.load()  # (where built, its C frame tracer serves the capture's guards.Recorder)
         if self.fuse is not False and self.mode == "graph" and cuda_in_use():
             warm_compile_workers()  # (ready by the time the captured program's regions compile)
-        cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
-                      park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
-                      make_state=first_step)
-        self._parked = cap.parked or None
-        if self._parked is not None:  # (an executable dropped while they wait gives them back)
-            weakref.finalize(self, self._parked.restore)
+            prestart_compile_workers()  # (a cold cache's: started while the capture runs)
         try:
-            return self._plan_and_lower(cap, args, tree, paths, t0, mode="trace" if first_step else self.mode)
-        except BaseException:
-            self._give_back_parked()
-            raise
+            cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
+                          park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
+                          make_state=first_step)
+            self._parked = cap.parked or None
+            if self._parked is not None:  # (an executable dropped while they wait gives them back)
+                weakref.finalize(self, self._parked.restore)
+            try:
+                return self._plan_and_lower(cap, args, tree, paths, t0, mode="trace" if first_step else self.mode)
+            except BaseException:
+                self._give_back_parked()
+                raise
+        finally:
+            release_compile_workers()  # (prestarted ones the build did not take: none once fusion ran)
 
     def _drop_parked(self, c: _Compiled) -> None:
         """Drop the gradients ``c`` discards (as :meth:`_finish` does) and their parked bytes;

@@ -121,20 +121,43 @@ def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
     those no worker compiled, with why (they compile here as before)."""
     from . import compile_workers
 
-    wanted = compile_workers.setting()
-    cuda = bool(cuda_devices(prog))
-    if compile_workers.processes_for(len(regions), cuda, setting=wanted) == 0:
-        return {}  # (none even were every region cold: not worth looking which are)
-    jobs = compile_workers.cold_jobs(prog, regions, comp)
-    n = compile_workers.processes_for(len(jobs), cuda, setting=wanted)
-    if n == 0:
-        return {}
-    t0 = time.perf_counter()
-    failed = compile_workers.compile_in_processes(jobs, n, progress)
-    comp.worker_seconds += time.perf_counter() - t0
-    comp.worker_jobs += len(jobs)
-    comp.worker_failures.update(failed)
-    return failed
+    try:
+        wanted = compile_workers.setting()
+        cuda = bool(cuda_devices(prog))
+        if compile_workers.processes_for(len(regions), cuda, setting=wanted) == 0:
+            return {}  # (none even were every region cold: not worth looking which are)
+        jobs = compile_workers.cold_jobs(prog, regions, comp)
+        n = compile_workers.processes_for(len(jobs), cuda, setting=wanted)
+        if n == 0:
+            return {}
+        t0 = time.perf_counter()
+        failed = compile_workers.compile_in_processes(jobs, n, progress)
+        comp.worker_seconds += time.perf_counter() - t0
+        comp.worker_jobs += len(jobs)
+        comp.worker_failures.update(failed)
+        return failed
+    finally:
+        release_compile_workers()  # (those prestart_compile_workers started that this build left)
+
+
+def release_compile_workers() -> None:
+    """Stop the compile workers :func:`prestart_compile_workers` started that no build took."""
+    compile_workers = sys.modules.get("flowexec.compile_workers")  # (none started where it was never imported)
+    if compile_workers is not None:
+        compile_workers.release_prestarted()
+
+
+def prestart_compile_workers() -> None:
+    """Start the compile workers a cold build on CUDA would use (:func:`compile_cold_in_workers`)
+    before the capture, which their start (importing torch: seconds) then overlaps, where this
+    cache directory has no region's kept check yet (a cache no build has filled; a warm build
+    stops them unused once it sees nothing to compile)."""
+    from . import compile_workers
+    from .inductor import output_checks
+
+    n = compile_workers.processes_for(compile_workers.MIN_COLD * 64, True, setting=compile_workers.setting())
+    if n and not len(output_checks()):
+        compile_workers.prestart(n)
 
 
 class _Progress:

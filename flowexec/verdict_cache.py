@@ -60,6 +60,9 @@ class VerdictCache:
                 self._known = {}
         return self._known
 
+    def __len__(self) -> int:
+        return len(self._load())
+
     def get(self, key: str) -> bool | None:
         """The verdict kept for ``key``, or None."""
         return self._load().get(key)

@@ -130,3 +130,35 @@ def test_a_region_a_worker_refuses_is_left_to_this_process_with_why(tmp_path, mo
     failed = compile_in_processes([unknown, dies], 1)
     assert set(failed) == {"unknown", "dies"}, failed
     assert "no_such_op" in failed["unknown"] and failed["dies"].startswith("worker exited"), failed
+
+
+def test_prestarted_workers_are_taken_first_and_the_rest_stopped(tmp_path, monkeypatch):
+    """Workers started before the capture (a cold cache's, so that their start overlaps it) are
+    the ones a build's jobs go to; those it does not take stop when the build ends."""
+    _fresh_cache(monkeypatch, tmp_path)
+    compile_workers.prestart(2)
+    started = list(compile_workers._prestarted)
+    assert len(started) == 2 and all(w.proc.poll() is None for w in started)
+    metas = (capture(lambda x: x.sin(), (torch.randn(4),)).program.values[0].meta,)
+    no_such_op = ("aten.no_such_op.default", (inductor.Local(0),), (), (1,), False)
+    failed = compile_in_processes([Job("unknown", GraphRecipe(1, (no_such_op,), (1,)), metas)], 1)
+    assert "no_such_op" in failed["unknown"]  # (answered by a prestarted worker, which has now exited)
+    assert started[0].proc.poll() is not None and compile_workers._prestarted == [started[1]]
+    flowexec.fusion.release_compile_workers()
+    assert compile_workers._prestarted == [] and started[1].proc.wait(10) is not None
+
+
+def test_workers_are_prestarted_only_for_a_cache_no_build_has_filled(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "1")
+    _fresh_cache(monkeypatch, tmp_path / "cold")
+    flowexec.fusion.prestart_compile_workers()
+    assert len(compile_workers._prestarted) == 1
+    flowexec.fusion.release_compile_workers()
+    _fresh_cache(monkeypatch, tmp_path / "warm")
+    inductor.output_checks().put("a region", True)
+    flowexec.fusion.prestart_compile_workers()
+    assert compile_workers._prestarted == []
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "0")
+    _fresh_cache(monkeypatch, tmp_path / "cold2")
+    flowexec.fusion.prestart_compile_workers()
+    assert compile_workers._prestarted == []
