@@ -264,10 +264,13 @@ def main() -> None:
             continue
         for v in variants:
             t = time.perf_counter()
+            jobs = flowexec.fusion.compiler().worker_jobs
             try:
                 mine = train(name, dev, VARIANTS[v], a.steps, autocast)
                 rec[v] = compare_to_reference(ref, eager, mine) if autocast else compare(eager, mine, a.tol)
                 rec[v]["capture_run"] = CAPTURE_RUN[0]
+                # (regions compiled first by compile workers: FLOWEXEC_COMPILE_PROCESSES)
+                rec[v]["worker_jobs"] = flowexec.fusion.compiler().worker_jobs - jobs
             except Exception as e:
                 rec[v] = {"verdict": "ERR", "error": f"{type(e).__name__}: {e}"[:600],
                           "where": traceback.format_exc(limit=-2)[-600:]}
@@ -287,7 +290,9 @@ def main() -> None:
     out = {"probe": "model_sweep", "command": " ".join([sys.executable] + sys.argv), "device": str(dev),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "steps": a.steps, "tol": a.tol, "autocast": a.autocast, "results": results}
+           "steps": a.steps, "tol": a.tol, "autocast": a.autocast,
+           "compile_processes": os.environ.get("FLOWEXEC_COMPILE_PROCESSES", "auto"),
+           "worker_failures": dict(flowexec.fusion.compiler().worker_failures), "results": results}
     path = os.path.join(a.out, f"model_sweep_{dev.type}{'_' + a.autocast if a.autocast else ''}.json")
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)
