@@ -104,6 +104,11 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
                 fused, report = fuse_program(prog, comp.compile, regions=regions, progress=bar.update)
             if not late:
                 break
+    if comp.worker_misses:  # (a setting not mirrored: the workers' regions were compiled here again)
+        from . import compile_workers
+
+        compile_workers.turn_off(f"{comp.worker_misses} regions they compiled were not found in Inductor's cache "
+                                 "here (a setting differs between this process and its workers)")
     report = FusionReport(report.regions, comp.seconds + comp.worker_seconds - before, comp.worker_jobs - jobs_before)
     if os.environ.get("FLOWEXEC_DEBUG") == "1":
         for op in fused.ops:
@@ -118,23 +123,29 @@ def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
     """Compile the regions this build would otherwise generate here
     (:func:`~flowexec.compile_workers.cold_jobs`) in worker processes first, where
     ``FLOWEXEC_COMPILE_PROCESSES`` asks for any (:mod:`flowexec.compile_workers`); returns
-    those no worker compiled, with why (they compile here as before)."""
+    those no worker compiled, with why (they compile here as before). An error of the workers'
+    own turns them off for the process (a warning says why): they only ever save time."""
     from . import compile_workers
 
     try:
         wanted = compile_workers.setting()
         cuda = bool(cuda_devices(prog))
-        if compile_workers.processes_for(len(regions), cuda, setting=wanted) == 0:
+        if compile_workers.processes_for(len(regions), cuda, setting=wanted) == 0 or not compile_workers.caches_on():
             return {}  # (none even were every region cold: not worth looking which are)
         jobs = compile_workers.cold_jobs(prog, regions, comp)
         n = compile_workers.processes_for(len(jobs), cuda, setting=wanted)
         if n == 0:
             return {}
         t0 = time.perf_counter()
-        failed = compile_workers.compile_in_processes(jobs, n, progress)
+        try:
+            failed = compile_workers.compile_in_processes(jobs, n, progress)
+        except Exception as e:  # (not the regions': the workers' own; the regions compile here)
+            compile_workers.turn_off(f"{type(e).__name__}: {e}"[:300])
+            return {}
         comp.worker_seconds += time.perf_counter() - t0
         comp.worker_jobs += len(jobs)
         comp.worker_failures.update(failed)
+        comp.worker_sent.update(j.key for j in jobs if j.key not in failed)
         return failed
     finally:
         release_compile_workers()  # (those prestart_compile_workers started that this build left)

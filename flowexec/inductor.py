@@ -281,6 +281,8 @@ class InductorCompiler:
     worker_seconds: float = 0.0  # spent waiting on compile workers (flowexec.compile_workers)
     worker_jobs: int = 0  # regions sent to them
     worker_failures: dict[str, str] = field(default_factory=dict)  # those they did not compile, why
+    worker_sent: set[str] = field(default_factory=set)  # keys they compiled, to be found in the cache
+    worker_misses: int = 0  # of those, compiled here again all the same (not found in the cache)
 
     @contextlib.contextmanager
     def together(self, progress: Callable[[int, int], None] | None = None) -> Iterator[list[str]]:
@@ -343,10 +345,13 @@ class InductorCompiler:
         if batch is not None:
             batch.key = key
             batch.keys.append(key)
+        hits = _cache_hits() if key in self.worker_sent else None
         try:
             gm = region_graph(prog, region)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
                                      [prog.values[v].meta for v in region.computed], key=key)
+            if hits is not None and _cache_hits() == hits:
+                self.worker_misses += 1
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
             why = self.failures[key] = why_refused(e)
             return why
@@ -404,6 +409,13 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
         else:
             check_outputs()
     return compiled
+
+
+def _cache_hits() -> tuple[int, int]:
+    """Inductor's AOT and FX graph cache hits so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"], counters["inductor"]["fxgraph_cache_hit"]
 
 
 def inductor_compile(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[..., Any]:

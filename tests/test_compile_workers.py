@@ -40,13 +40,20 @@ def test_how_many_workers_compile_the_cold_regions():
     assert got == rows
 
 
-def test_local_ranks_share_the_host_s_cpus(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+def test_local_ranks_share_the_cpus_this_process_may_run_on(monkeypatch):
+    """The CPUs are this process's (its affinity), divided among torchrun's local ranks and
+    pytest-xdist's workers."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    for name in ("LOCAL_WORLD_SIZE", "PYTEST_XDIST_WORKER_COUNT"):
+        monkeypatch.delenv(name, raising=False)
     assert compile_workers.host_cpus() == 64
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert compile_workers.host_cpus() == 8
     assert processes_for(23, True) == 2  # (8 CPUs: a quarter of them)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert compile_workers.host_cpus() == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert compile_workers.host_cpus() == 1
 
 
 @pytest.mark.parametrize("value", ["-1", "many", "1.5", "65"])
@@ -63,15 +70,57 @@ def _zero_input_ops(x):
     return (x * n[:, None] + torch.zeros(x.shape)).relu().sum(0)
 
 
+def _graph_from_program(prog, region):
+    """A region's FX graph built straight from the program's ops (region_graph's construction
+    before recipes), to hold the recipe's graph to."""
+    import operator
+
+    from flowexec.program import Ref
+
+    g = torch.fx.Graph()
+    env = {v: g.placeholder(f"x{k}") for k, v in enumerate(region.inputs)}
+
+    def arg(a):
+        if isinstance(a, Ref):
+            return env[a.id] if a.id in env else prog.consts[a.id]
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        return a
+
+    for i in region.ops:
+        op = prog.ops[i]
+        node = g.call_function(op.target, tuple(arg(a) for a in op.args), {k: arg(v) for k, v in op.kwargs})
+        if op.unpack:
+            for j, o in enumerate(op.outputs):
+                if o >= 0:
+                    env[o] = g.call_function(operator.getitem, (node, j))
+        elif op.outputs and op.outputs[0] >= 0:
+            env[op.outputs[0]] = node
+    g.output(tuple(env[o] for o in region.computed))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
 def test_a_recipe_pickles_and_builds_the_region_s_graph():
+    """The recipe survives pickling and builds the graph the program's ops make, ops that take
+    no tensor included (an FX module's own pickling would bake them in as constants)."""
+    from flowexec.models import Block, lm_loss, make_step
+
     prog = capture(_zero_input_ops, (torch.randn(4, 8),)).program
-    (r,) = find_regions(prog)
-    recipe = recipe_of(prog, r)
-    again = pickle.loads(pickle.dumps(recipe))
-    assert isinstance(again, GraphRecipe) and again == recipe
-    gm = graph_of(again)
-    assert gm.code == region_graph(prog, r).code
-    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]  # no tensor constant
+    m = Block()
+    step = make_step(m, torch.optim.AdamW(m.parameters(), foreach=True), lm_loss)
+    x = torch.randint(0, 50, (2, 16))
+    step(x, x)  # (the optimizer's state made: the capture is a step's after it)
+    train = capture(step, (x, x)).program
+    cases = [(prog, r) for r in find_regions(prog)] + [(train, r) for r in find_regions(train)]
+    assert len(cases) >= 5
+    for p, r in cases:
+        recipe = recipe_of(p, r)
+        again = pickle.loads(pickle.dumps(recipe))
+        assert isinstance(again, GraphRecipe) and again == recipe
+        gm = graph_of(again)
+        assert gm.code == _graph_from_program(p, r).code
+        assert not [n for n in gm.graph.nodes if n.op == "get_attr"]  # no tensor constant
+    gm = region_graph(prog, find_regions(prog)[0])
     assert "arange" in gm.code and "zeros" in gm.code
 
 
@@ -121,8 +170,12 @@ def test_regions_compiled_by_a_worker_are_loaded_from_the_cache_here(tmp_path, m
 
 def test_a_region_a_worker_refuses_is_left_to_this_process_with_why(tmp_path, monkeypatch):
     """A job the worker cannot compile (an unknown op) comes back with the reason; a worker
-    that dies mid-job (the op exits the process) fails that job, and nothing waits on it."""
+    that dies mid-job (the op exits the process) fails that job, and nothing waits on it. What
+    a worker prints where it starts (here a sitecustomize) does not reach its answers."""
     _fresh_cache(monkeypatch, tmp_path)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("print('hi from a sitecustomize')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
     metas = (capture(lambda x: x.sin(), (torch.randn(4),)).program.values[0].meta,)
     no_such_op = ("aten.no_such_op.default", (inductor.Local(0),), (), (1,), False)
     unknown = Job("unknown", GraphRecipe(1, (no_such_op,), (1,)), metas)
@@ -162,3 +215,41 @@ def test_workers_are_prestarted_only_for_a_cache_no_build_has_filled(tmp_path, m
     _fresh_cache(monkeypatch, tmp_path / "cold2")
     flowexec.fusion.prestart_compile_workers()
     assert compile_workers._prestarted == []
+
+
+def test_workers_refuse_jobs_where_this_process_registered_its_own_lowering(tmp_path, monkeypatch):
+    """No cache key reads Inductor's registered lowerings: a worker whose lowerings differ from
+    this process's would build a kernel this process would not. It refuses every job, and the
+    build compiles them here, with this process's lowering."""
+    from torch._inductor import lowering
+
+    _fresh_cache(monkeypatch, tmp_path)
+    aten = torch.ops.aten
+    stock = lowering.lowerings[aten.sinh.default]
+
+    def my_sinh(x):  # (this process's own, as a user's register_lowering would be)
+        return stock(x)
+    monkeypatch.setitem(lowering.lowerings, aten.sinh.default, my_sinh)
+    prog = capture(lambda x: (x.sinh() * 2).relu(), (torch.randn(4),)).program
+    (r,) = find_regions(prog)
+    job = Job("mine", recipe_of(prog, r), tuple(prog.values[v].meta for v in r.inputs))
+    failed = compile_in_processes([job], 1)
+    assert "lowerings" in failed["mine"], failed
+
+
+def test_regions_that_miss_the_cache_after_workers_turn_the_workers_off(tmp_path, monkeypatch):
+    """Where a region the workers compiled is not found in the cache here (a setting not
+    mirrored makes its key differ), the workers only cost time: they are turned off for the
+    process, with a warning that says why."""
+    _fresh_cache(monkeypatch, tmp_path)
+    monkeypatch.setattr(compile_workers, "_disabled", [])
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "0")
+    comp = InductorCompiler()
+    monkeypatch.setattr(flowexec.fusion, "_compiler", comp)
+    fn = lambda x: (x.cos() * 3).relu()  # noqa: E731
+    prog = capture(fn, (torch.randn(4),)).program
+    comp.worker_sent.update(inductor.region_key(prog, r) for r in find_regions(prog))  # (as if sent)
+    with pytest.warns(UserWarning, match="compile workers turned off .* 1 regions they compiled were not found"):
+        flowexec.compile(fn, mode="trace", fuse="inductor")(torch.randn(4))
+    assert comp.worker_misses == 1 and compile_workers._disabled
+    assert processes_for(23, True, cpus=16, setting="2") == 0

@@ -37,3 +37,21 @@ def test_a_differing_parameter_is_bad_and_a_key_bias_is_noise() -> None:
     assert (r["verdict"], r["worst_state"], r["noise"]) == ("BAD", "w", ["attn.k_proj.bias"])
     assert model_sweep.compare(eager, eager, 1e-5)["verdict"] == "OK"
     assert model_sweep.compare(eager, ([1.0, 2.1], eager[1]), 1e-5)["verdict"] == "BAD"  # a loss apart
+
+
+def test_a_lone_entry_adam_moved_by_a_part_of_lr_is_noise() -> None:
+    """One entry of a large parameter off by less than 2 lr (its first gradient near Adam's eps,
+    rounded otherwise by a fused reduction) is noise; two entries, or one off by more, are not."""
+    import torch
+
+    def off(*entries: tuple[int, float]) -> tuple[list[float], list[tuple[str, torch.Tensor]]]:
+        w = torch.zeros(4096)
+        for i, d in entries:
+            w[i] = d
+        return [1.0], [("w", w)]
+
+    eager = off()
+    r = model_sweep.compare(eager, off((7, 4.3e-5)), 1e-5)
+    assert r["verdict"] == "OK" and r["noise"] == ["w (1 of 4096 entries, 4.3e-05)"]
+    assert model_sweep.compare(eager, off((7, 4.3e-5), (9, 4.3e-5)), 1e-5)["verdict"] == "BAD"
+    assert model_sweep.compare(eager, off((7, 3 * model_sweep.LR)), 1e-5)["verdict"] == "BAD"
