@@ -20,14 +20,14 @@ from flowexec.passes.regions import find_regions
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_how_many_workers_compile_the_cold_regions():
-    """auto: workers only for a CUDA program with at least MIN_COLD cold regions on a host of 8
-    CPUs or more, a quarter of its CPUs, at most 8; a number is taken as asked (never more
-    workers than regions)."""
+def test_how_many_workers_compile_the_cold_regions(monkeypatch):
+    """auto: workers only for a CUDA program with at least MIN_COLD cold regions (MIN_COLD_STARTED
+    where workers were started before the capture) on a host of 8 CPUs or more, a quarter of
+    its CPUs, at most 8; a number is taken as asked (never more workers than regions)."""
     rows = [  # cold, cuda, cpus, setting -> workers
         (0, True, 16, "auto", 0),
-        (3, True, 16, "auto", 0),
-        (4, True, 16, "auto", 4),
+        (7, True, 16, "auto", 0),
+        (8, True, 16, "auto", 4),
         (23, True, 16, "auto", 4),
         (23, True, 64, "auto", 8),
         (23, True, 4, "auto", 0),
@@ -38,6 +38,8 @@ def test_how_many_workers_compile_the_cold_regions():
     ]
     got = [(c, cu, n, s, processes_for(c, cu, n, s)) for c, cu, n, s, _ in rows]
     assert got == rows
+    monkeypatch.setattr(compile_workers, "_prestarted", [object()])  # (one started before the capture)
+    assert [processes_for(c, True, 16) for c in (1, 2, 3)] == [0, 2, 3]
 
 
 def test_local_ranks_share_the_cpus_this_process_may_run_on(monkeypatch):
@@ -171,11 +173,16 @@ def test_regions_compiled_by_a_worker_are_loaded_from_the_cache_here(tmp_path, m
 def test_a_region_a_worker_refuses_is_left_to_this_process_with_why(tmp_path, monkeypatch):
     """A job the worker cannot compile (an unknown op) comes back with the reason; a worker
     that dies mid-job (the op exits the process) fails that job, and nothing waits on it. What
-    a worker prints where it starts (here a sitecustomize) does not reach its answers."""
+    a worker prints where it starts (here a sitecustomize) does not reach its answers. Workers
+    started before the capture (a cold cache's, so that their start overlaps it) are the ones
+    the jobs go to; those no build takes stop when the build ends."""
     _fresh_cache(monkeypatch, tmp_path)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text("print('hi from a sitecustomize')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    compile_workers.prestart(2)
+    started = list(compile_workers._prestarted)
+    assert len(started) == 2 and all(w.proc.poll() is None for w in started)
     metas = (capture(lambda x: x.sin(), (torch.randn(4),)).program.values[0].meta,)
     no_such_op = ("aten.no_such_op.default", (inductor.Local(0),), (), (1,), False)
     unknown = Job("unknown", GraphRecipe(1, (no_such_op,), (1,)), metas)
@@ -183,38 +190,25 @@ def test_a_region_a_worker_refuses_is_left_to_this_process_with_why(tmp_path, mo
     failed = compile_in_processes([unknown, dies], 1)
     assert set(failed) == {"unknown", "dies"}, failed
     assert "no_such_op" in failed["unknown"] and failed["dies"].startswith("worker exited"), failed
-
-
-def test_prestarted_workers_are_taken_first_and_the_rest_stopped(tmp_path, monkeypatch):
-    """Workers started before the capture (a cold cache's, so that their start overlaps it) are
-    the ones a build's jobs go to; those it does not take stop when the build ends."""
-    _fresh_cache(monkeypatch, tmp_path)
-    compile_workers.prestart(2)
-    started = list(compile_workers._prestarted)
-    assert len(started) == 2 and all(w.proc.poll() is None for w in started)
-    metas = (capture(lambda x: x.sin(), (torch.randn(4),)).program.values[0].meta,)
-    no_such_op = ("aten.no_such_op.default", (inductor.Local(0),), (), (1,), False)
-    failed = compile_in_processes([Job("unknown", GraphRecipe(1, (no_such_op,), (1,)), metas)], 1)
-    assert "no_such_op" in failed["unknown"]  # (answered by a prestarted worker, which has now exited)
     assert started[0].proc.poll() is not None and compile_workers._prestarted == [started[1]]
     flowexec.fusion.release_compile_workers()
     assert compile_workers._prestarted == [] and started[1].proc.wait(10) is not None
 
 
 def test_workers_are_prestarted_only_for_a_cache_no_build_has_filled(tmp_path, monkeypatch):
+    asked: list[int] = []
+    monkeypatch.setattr(compile_workers, "prestart", asked.append)
     monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "1")
     _fresh_cache(monkeypatch, tmp_path / "cold")
     flowexec.fusion.prestart_compile_workers()
-    assert len(compile_workers._prestarted) == 1
-    flowexec.fusion.release_compile_workers()
+    assert asked == [1]
     _fresh_cache(monkeypatch, tmp_path / "warm")
     inductor.output_checks().put("a region", True)
     flowexec.fusion.prestart_compile_workers()
-    assert compile_workers._prestarted == []
     monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "0")
     _fresh_cache(monkeypatch, tmp_path / "cold2")
     flowexec.fusion.prestart_compile_workers()
-    assert compile_workers._prestarted == []
+    assert asked == [1]
 
 
 def test_workers_refuse_jobs_where_this_process_registered_its_own_lowering(tmp_path, monkeypatch):

@@ -23,12 +23,13 @@ Where its regions then miss the cache here all the same (a setting not mirrored)
 are turned off for the rest of the process, with a warning.
 
 ``FLOWEXEC_COMPILE_PROCESSES``: ``auto`` (the default: on a CUDA program with at least
-:data:`MIN_COLD` regions to compile and at least 8 CPUs, ``cpus // 4`` workers, at most 8;
+:data:`MIN_COLD` regions to compile (:data:`MIN_COLD_STARTED` where workers were started
+before the capture) and at least 8 CPUs, ``cpus // 4`` workers, at most 8;
 none on the CPU, where C++ kernels build on threads), or a number of workers (``0``: none).
 The CPUs are those this process may run on, divided among torchrun's local ranks or
 pytest-xdist's workers. None where Inductor's caches are off, or from a frozen executable.
 
-    >>> processes_for(cold=2, cuda=True, cpus=16, setting="auto")
+    >>> processes_for(cold=5, cuda=True, cpus=16, setting="auto")
     0
     >>> processes_for(cold=12, cuda=True, cpus=16, setting="auto")
     4
@@ -56,7 +57,12 @@ from ..program import Program, TensorMeta
 from .pipe import Worker, frame
 from .settings import current_settings
 
-MIN_COLD = 4  # fewer cold regions compile here sooner than a worker starts (it imports torch: seconds)
+# Fewer cold regions than this compile here sooner than workers start (each imports torch and
+# starts CUDA: ~5 s on the GPU hosts, where a region compiles here in ~1 s: a cold GPT-2 124M
+# first step, 23 regions in 22 s on an H100); with workers started before the capture, whose
+# start it hid, fewer.
+MIN_COLD = 8
+MIN_COLD_STARTED = 2
 MAX_PROCESSES = 8
 JOB_TIMEOUT_S = 900.0  # a region's compile (or a worker's start, or its last kernels' wait) that takes longer
 _disabled: list[str] = []  # why the workers were turned off for this process (empty: they are not)
@@ -146,7 +152,7 @@ def processes_for(cold: int, cuda: bool, cpus: int | None = None, setting: str =
     if setting != "auto":
         return min(int(setting), cold)
     cpus = cpus if cpus is not None else host_cpus()
-    if not cuda or cold < MIN_COLD or cpus < 8:
+    if not cuda or cold < (MIN_COLD_STARTED if _prestarted else MIN_COLD) or cpus < 8:
         return 0
     return min(MAX_PROCESSES, cpus // 4, cold)
 
