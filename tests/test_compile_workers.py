@@ -132,11 +132,11 @@ def _fresh_cache(monkeypatch, path) -> None:
 
 
 def _regions_writing_an_input(x, w):
-    # a region that computes, and one that writes the caller's tensor in place (an optimizer's
-    # kind): the worker compiles both as this process would
-    h = (x.sin() * 2).relu() @ w
+    # a region that computes and writes the caller's tensor in place (an optimizer's kind), and
+    # one after a matrix product: the worker compiles both as this process would
+    h = (x.sin() * 2).relu()
     w.mul_(0.5).add_(h.mean(0).tanh())
-    return h.exp().sum()
+    return (h @ w).exp().sum()
 
 
 def test_regions_compiled_by_a_worker_are_loaded_from_the_cache_here(tmp_path, monkeypatch):
@@ -150,7 +150,7 @@ def test_regions_compiled_by_a_worker_are_loaded_from_the_cache_here(tmp_path, m
     monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "1")
     comp = InductorCompiler()
     monkeypatch.setattr(flowexec.fusion, "_compiler", comp)
-    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    x, w = torch.randn(4, 8), torch.randn(8)
     prog = capture(_regions_writing_an_input, (x, w.clone())).program
     regions = find_regions(prog)
     n = len(regions)
