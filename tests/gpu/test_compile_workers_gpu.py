@@ -1,0 +1,40 @@
+"""Compile workers on CUDA (flowexec.compile_workers): Triton regions compiled in worker
+processes are found in Inductor's cache here, and the fused graph-mode step trains as eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flowexec
+from flowexec import compile_workers, verdict_cache
+from flowexec.inductor import InductorCompiler
+
+from helpers import assert_close_rel, assert_same_state, block_adam_twins
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_a_cold_graph_step_compiles_its_regions_in_workers_and_trains_as_eager(tmp_path, monkeypatch):
+    """A transformer block's Adam step in graph mode on a cold cache, two workers: they start
+    before the capture, compile every cold region (Triton kernels), each is an AOT cache hit
+    here, nothing fails, and the losses and parameters are eager's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(verdict_cache, "_shared", {})
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "2")
+    monkeypatch.setattr(compile_workers, "_disabled", [])
+    comp = InductorCompiler()
+    monkeypatch.setattr(flowexec.fusion, "_compiler", comp)
+    m1, m2, s1, s2, data = block_adam_twins(4)
+    exe = flowexec.compile(s2, mode="graph", fuse="inductor")
+    counters.clear()
+    for k, (x, y) in enumerate(data):
+        assert_close_rel(exe(x, y), s1(x, y), 1e-5, f"loss {k}")
+    assert_same_state(m1, m2, 1e-5)
+    assert exe.plan.stats()["fused_regions"] >= 5, exe.explain()
+    assert comp.worker_jobs > 0 and not comp.worker_failures, comp.worker_failures
+    assert comp.worker_misses == 0 and not compile_workers._disabled
+    assert counters["aot_autograd"]["autograd_cache_hit"] >= len(comp.worker_sent)
+    assert "worker processes" in exe.explain().splitlines()[0]
