@@ -48,8 +48,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--sample", action="store_true",
-                    help="sample each warm rebuild's stack (probes/sampler.py): functions' shares of its wall "
-                         "time in the JSON, collapsed stacks in OUT/samples_<model>_<variant>_warm_<setting>.collapsed")
+                    help="sample each build's stack, cold and warm, first call and build (probes/sampler.py): "
+                         "functions' shares of its wall time in the JSON, collapsed stacks in "
+                         "OUT/samples_<model>_<variant>_{cold,warm_<setting>}[_first_call].collapsed")
     a = ap.parse_args()
     a.steps = 5
     settings = a.settings.split(";") if a.settings else [""]
@@ -60,8 +61,21 @@ def main() -> None:
         cache = tempfile.mkdtemp(prefix=f"warm_build_{m}_")
         rec = out["models"][m] = {}
         try:
-            cold = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
-            rec["cold"] = {k: cold.get(k) for k in RECORDED if k in cold}
+            saved = dict(os.environ)
+            if a.sample:  # (the cold build's calls sampled too: where a cold cache's seconds go)
+                os.makedirs(a.out, exist_ok=True)
+                os.environ["SCALE_SAMPLE_DIR"] = a.out
+            try:
+                cold = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            stem = f"samples_{m}_{a.variant}_cold"
+            for made, kept in ((f"{m}_{a.variant}_build.collapsed", f"{stem}.collapsed"),
+                               (f"{m}_{a.variant}_build_first.collapsed", f"{stem}_first_call.collapsed")):
+                if a.sample and os.path.exists(os.path.join(a.out, made)):
+                    os.replace(os.path.join(a.out, made), os.path.join(a.out, kept))
+            rec["cold"] = {k: cold.get(k) for k in (*RECORDED, "build_samples", "first_call_samples") if k in cold}
             print(f"{m} cold: {cold.get('build_s')} s {cold.get('flowexec_build_phases')}", flush=True)
             for setting in settings:
                 saved = dict(os.environ)
@@ -75,9 +89,9 @@ def main() -> None:
                     os.environ.clear()
                     os.environ.update(saved)
                 tag = "".join(c if c.isalnum() else "-" for c in setting) or "default"
-                for made, kept in ((f"{m}_{a.variant}_build.collapsed", f"samples_{m}_{a.variant}_warm_{tag}.collapsed"),
-                                   (f"{m}_{a.variant}_build_first.collapsed",
-                                    f"samples_{m}_{a.variant}_warm_first_call_{tag}.collapsed")):
+                stem = f"samples_{m}_{a.variant}_warm"
+                for made, kept in ((f"{m}_{a.variant}_build.collapsed", f"{stem}_{tag}.collapsed"),
+                                   (f"{m}_{a.variant}_build_first.collapsed", f"{stem}_first_call_{tag}.collapsed")):
                     if a.sample and os.path.exists(os.path.join(a.out, made)):
                         os.replace(os.path.join(a.out, made), os.path.join(a.out, kept))
                 rec[setting or "default"] = {k: w.get(k) for k in (*RECORDED, "build_samples", "first_call_samples")
