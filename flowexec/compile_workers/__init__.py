@@ -17,10 +17,10 @@ after another inside one :meth:`~flowexec.inductor.InductorCompiler.together` bl
 their kernels build side by side on its share of the CPUs, and waits for them when no job is
 left. A job is a region's graph as a picklable recipe and its inputs' metas; the worker takes
 this process's settings (:mod:`.settings`: configs, backend switches, deterministic mode,
-dtype, threads, autocast) so that its cache keys are this process's, and refuses every job
+dtype, threads, autocast) so that its cache keys are this process's, and refuses to start
 where Inductor's registered lowerings differ from this process's (no cache key reads them).
-Where its regions then miss the cache here all the same (a setting not mirrored), the workers
-are turned off for the rest of the process, with a warning.
+Where no worker starts, or their regions miss the cache here all the same (a setting not
+mirrored), the workers are turned off for the rest of the process, with a warning.
 
 ``FLOWEXEC_COMPILE_PROCESSES``: ``auto`` (the default: on a CUDA program with at least
 :data:`MIN_COLD` regions to compile (:data:`MIN_COLD_STARTED` where workers were started
@@ -239,6 +239,8 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
         except queue.Empty:
             break
         failed.setdefault(job.key, next((w.why for w in workers if w.why), "no worker took it"))
+    if all(w.why for w in workers):  # (none started: every later build's would fail the same way)
+        raise RuntimeError(workers[0].why)
     return failed
 
 

@@ -192,7 +192,7 @@ def compile_job(job: Any, settings: dict[str, Any], comp: Any) -> None:
 
 def serve(answers_fd: int) -> None:
     """A worker's loop (module docstring); its answers go to ``answers_fd``."""
-    from torch._inductor.async_compile import maybe_warm_pool
+    from torch._inductor import async_compile
 
     from ..inductor import InductorCompiler, why_refused
     from .settings import apply_settings, registrations, registrations_differ
@@ -213,8 +213,9 @@ def serve(answers_fd: int) -> None:
         send(out, f"Inductor's lowerings, fallbacks or decompositions differ in the process that sent the jobs "
                   f"(registered at run time: {differ}): a kernel built here would not be that process's")
         return
-    if torch.cuda.is_available():
-        maybe_warm_pool()  # (Inductor's workers for Triton's builds, which go to them once they are up)
+    warm = getattr(async_compile, "maybe_warm_pool", None)
+    if warm is not None and torch.cuda.is_available():
+        warm()  # (Inductor's workers for Triton's builds, which go to them once they are up)
     send(out, "ready")
     comp = InductorCompiler()
     with comp.together() as late:

@@ -6,7 +6,7 @@ not pickle, a lambda in a config, is left out: its key then differs, and the wor
 not wrong); :func:`apply_settings` makes a worker's state the same. :func:`registrations` names
 what no cache key reads: Inductor's lowerings, fallbacks and decompositions, which a process
 may change at run time (``register_lowering``, ``make_fallback``); a worker where
-:func:`registrations_differ` refuses every job, since the kernel it would build is not this
+:func:`registrations_differ` refuses to start, since the kernels it would build are not this
 process's.
 
     >>> s = current_settings()
