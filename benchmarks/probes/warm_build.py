@@ -33,6 +33,33 @@ RECORDED = ("build_s", "first_call_s", "first_step", "first_step_build_phases", 
             "error")
 
 
+KEPT = (*RECORDED, "build_samples", "first_call_samples")
+
+
+def _build_in_child(m: str, a: argparse.Namespace, cache: str, logdir: str, env: dict[str, str],
+                    tag: str) -> dict:
+    """One build of model ``m`` in a fresh child on ``cache``, with ``env`` set; with --sample
+    its two calls' stacks are kept flat under OUT (the device tool leaves deeper folders
+    behind) as samples_<model>_<variant>_<tag>[_first_call].collapsed."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    if a.sample:
+        os.makedirs(a.out, exist_ok=True)
+        os.environ["SCALE_SAMPLE_DIR"] = a.out
+    try:
+        got = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    made = f"{m}_{a.variant}_build"
+    for suffix in ("", "_first"):
+        path = os.path.join(a.out, f"{made}{suffix}.collapsed")
+        if a.sample and os.path.exists(path):
+            kept = f"samples_{m}_{a.variant}_{tag}{'_first_call' if suffix else ''}.collapsed"
+            os.replace(path, os.path.join(a.out, kept))
+    return got
+
+
 def _with_env(setting: str):
     pairs = [kv.split("=", 1) for kv in setting.split(",") if kv.strip()]
     return {k.strip(): v.strip() for k, v in pairs}
@@ -61,41 +88,13 @@ def main() -> None:
         cache = tempfile.mkdtemp(prefix=f"warm_build_{m}_")
         rec = out["models"][m] = {}
         try:
-            saved = dict(os.environ)
-            if a.sample:  # (the cold build's calls sampled too: where a cold cache's seconds go)
-                os.makedirs(a.out, exist_ok=True)
-                os.environ["SCALE_SAMPLE_DIR"] = a.out
-            try:
-                cold = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
-            stem = f"samples_{m}_{a.variant}_cold"
-            for made, kept in ((f"{m}_{a.variant}_build.collapsed", f"{stem}.collapsed"),
-                               (f"{m}_{a.variant}_build_first.collapsed", f"{stem}_first_call.collapsed")):
-                if a.sample and os.path.exists(os.path.join(a.out, made)):
-                    os.replace(os.path.join(a.out, made), os.path.join(a.out, kept))
-            rec["cold"] = {k: cold.get(k) for k in (*RECORDED, "build_samples", "first_call_samples") if k in cold}
+            cold = _build_in_child(m, a, cache, logdir, {}, "cold")
+            rec["cold"] = {k: cold.get(k) for k in KEPT if k in cold}
             print(f"{m} cold: {cold.get('build_s')} s {cold.get('flowexec_build_phases')}", flush=True)
             for setting in settings:
-                saved = dict(os.environ)
-                os.environ.update(_with_env(setting))
-                if a.sample:  # (flat under OUT: the device tool leaves deeper folders behind)
-                    os.makedirs(a.out, exist_ok=True)
-                    os.environ["SCALE_SAMPLE_DIR"] = a.out
-                try:
-                    w = scale.run_child(m, a.variant, a, "build", cache, False, logdir)
-                finally:
-                    os.environ.clear()
-                    os.environ.update(saved)
                 tag = "".join(c if c.isalnum() else "-" for c in setting) or "default"
-                stem = f"samples_{m}_{a.variant}_warm"
-                for made, kept in ((f"{m}_{a.variant}_build.collapsed", f"{stem}_{tag}.collapsed"),
-                                   (f"{m}_{a.variant}_build_first.collapsed", f"{stem}_first_call_{tag}.collapsed")):
-                    if a.sample and os.path.exists(os.path.join(a.out, made)):
-                        os.replace(os.path.join(a.out, made), os.path.join(a.out, kept))
-                rec[setting or "default"] = {k: w.get(k) for k in (*RECORDED, "build_samples", "first_call_samples")
-                                             if k in w}
+                w = _build_in_child(m, a, cache, logdir, _with_env(setting), f"warm_{tag}")
+                rec[setting or "default"] = {k: w.get(k) for k in KEPT if k in w}
                 print(f"{m} warm [{setting or 'default'}]: {w.get('build_s')} s {w.get('flowexec_build_phases')}",
                       flush=True)
         finally:
