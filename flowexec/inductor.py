@@ -321,10 +321,7 @@ class InductorCompiler:
         """Inductor's function for a region's graph ``gm`` under ``key``, as :meth:`compile`
         compiles it but with no output check and no kernel kept (a compile worker's: it only
         fills the cache); inside :meth:`together`, a kernel that fails to build names ``key``."""
-        batch = _batch_here()
-        if batch is not None:
-            batch.key = key
-            batch.keys.append(key)
+        _batch_takes(key)
         try:
             return inductor_compile(gm, metas)
         except Exception as e:
@@ -341,10 +338,7 @@ class InductorCompiler:
         if key in self.failures:
             return self.failures[key]
         t0 = time.perf_counter()
-        batch = _batch_here()
-        if batch is not None:
-            batch.key = key
-            batch.keys.append(key)
+        _batch_takes(key)
         hits = _cache_hits() if key in self.worker_sent else None
         try:
             gm = region_graph(prog, region)
@@ -512,6 +506,15 @@ def _batch_here() -> _Batch | None:
     """The open block, where it is this thread's."""
     batch = _batch
     return batch if batch is not None and batch.thread == threading.get_ident() else None
+
+
+def _batch_takes(key: str) -> None:
+    """The region ``key`` is the one this thread's open block (if any) now compiles: its kernels'
+    waits and checks are put off under ``key``, which a failure at the block's end then names."""
+    batch = _batch_here()
+    if batch is not None:
+        batch.key = key
+        batch.keys.append(key)
 
 
 def why_refused(e: BaseException) -> str:
