@@ -371,7 +371,9 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     ``key`` (the region's :func:`region_key`) a passed check is kept beside Inductor's cache
     (:func:`output_check_key`), so a warm build neither allocates examples nor runs kernels."""
     kept = output_checks() if key is not None else None
-    check = output_check_key(key, [*metas, *want]) if kept is not None else None
+    batch = _batch_here()
+    check = output_check_key(key, [*metas, *want], batch.config_text() if batch is not None else None) \
+        if kept is not None else None
     compiled = inductor_compile(gm, metas)
     if (want or kept is not None) and not (kept is not None and kept.get(check)):
         def check_outputs() -> None:
@@ -397,7 +399,6 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
                                     f"expects {expect[0]} {list(expect[1])} stride {expect[2]}")
             if kept is not None:
                 kept.put(check, True)
-        batch = _batch_here()
         if batch is not None:
             batch.checks.append((batch.key, check_outputs))  # (its kernels are not built yet)
         else:
@@ -447,6 +448,14 @@ class _Batch:
     keys: list[str] = field(default_factory=list)
     waits: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
     checks: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+    _config_text: str | None = None
+
+    def config_text(self) -> str:
+        """:func:`inductor_config_text`, read once per block (~10 ms a read; a warm GPT-2 build keys
+        a few dozen regions, and nothing changes Inductor's configuration inside a fusion pass)."""
+        if self._config_text is None:
+            self._config_text = inductor_config_text()
+        return self._config_text
 
     def put_off(self, compiler: Any, scope: dict[str, Any]) -> None:
         """``AsyncCompile.wait`` while the block is open: this thread's kept, another's done."""
