@@ -109,7 +109,9 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
 
         compile_workers.turn_off(f"{comp.worker_misses} regions they compiled were not found in Inductor's cache "
                                  "here (a setting differs between this process and its workers)")
-    report = FusionReport(report.regions, comp.seconds + comp.worker_seconds - before, comp.worker_jobs - jobs_before)
+    workers = sys.modules.get("flowexec.compile_workers")
+    report = FusionReport(report.regions, comp.seconds + comp.worker_seconds - before, comp.worker_jobs - jobs_before,
+                          workers.off_reason() if workers is not None else None)
     if os.environ.get("FLOWEXEC_DEBUG") == "1":
         for op in fused.ops:
             check = getattr(op.target, "check_first_call", None)
@@ -142,7 +144,8 @@ def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
         except Exception as e:  # (not the regions': the workers' own; the regions compile here)
             compile_workers.turn_off(f"{type(e).__name__}: {e}"[:300])
             return {}
-        comp.worker_seconds += time.perf_counter() - t0
+        finally:  # (counted as compile time, also where it was spent in vain)
+            comp.worker_seconds += time.perf_counter() - t0
         comp.worker_jobs += len(jobs)
         comp.worker_failures.update(failed)
         comp.worker_sent.update(j.key for j in jobs if j.key not in failed)

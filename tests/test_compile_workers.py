@@ -243,7 +243,11 @@ def test_regions_that_miss_the_cache_after_workers_turn_the_workers_off(tmp_path
     fn = lambda x: (x.cos() * 3).relu()  # noqa: E731
     prog = capture(fn, (torch.randn(4),)).program
     comp.worker_sent.update(inductor.region_key(prog, r) for r in find_regions(prog))  # (as if sent)
+    exe = flowexec.compile(fn, mode="trace", fuse="inductor")
     with pytest.warns(UserWarning, match="compile workers turned off .* 1 regions they compiled were not found"):
-        flowexec.compile(fn, mode="trace", fuse="inductor")(torch.randn(4))
+        exe(torch.randn(4))
     assert comp.worker_misses == 1 and compile_workers._disabled
+    # (said where a user looks, and where scale.py records it)
+    assert "compile workers turned off: 1 regions they compiled" in exe.explain().splitlines()[0]
+    assert compile_workers.off_reason().startswith("1 regions they compiled")
     assert processes_for(23, True, cpus=16, setting="2") == 0

@@ -157,6 +157,11 @@ def processes_for(cold: int, cuda: bool, cpus: int | None = None, setting: str =
     return min(MAX_PROCESSES, cpus // 4, cold)
 
 
+def off_reason() -> str | None:
+    """Why the workers were turned off for this process (:func:`turn_off`), or None."""
+    return _disabled[0] if _disabled else None
+
+
 def turn_off(why: str) -> None:
     """No workers for the rest of this process (a warning says why, once)."""
     if not _disabled:

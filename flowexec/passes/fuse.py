@@ -57,11 +57,14 @@ class RegionReport:
 @dataclass(frozen=True)
 class FusionReport:
     """The regions of one program and what became of each; ``compile_seconds``: time in the
-    compiler; ``worker_jobs``: regions compiled first in worker processes (flowexec.compile_workers)."""
+    compiler; ``worker_jobs``: regions compiled first in worker processes (flowexec.compile_workers);
+    ``workers_off``: why those workers were turned off for the process by the pass's end (None: they
+    were not)."""
 
     regions: tuple[RegionReport, ...] = ()
     compile_seconds: float = 0.0
     worker_jobs: int = 0
+    workers_off: str | None = None
 
     def counts(self) -> dict[str, int]:
         fused = [r for r in self.regions if r.fused]
@@ -80,7 +83,8 @@ class FusionReport:
         c = self.counts()
         head = (f"{c['fused_regions']} fused regions ({c['fused_kernels']} kernels, {c['fused_aten_ops']} ATen ops), "
                 f"{c['fusion_fallbacks']} fallbacks; {self.compile_seconds:.1f} s compiling"
-                + (f" ({self.worker_jobs} regions first in worker processes)" if self.worker_jobs else ""))
+                + (f" ({self.worker_jobs} regions first in worker processes)" if self.worker_jobs else "")
+                + (f"; compile workers turned off: {self.workers_off}" if self.workers_off else ""))
         return "\n".join([head, *rows])
 
 
