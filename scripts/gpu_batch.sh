@@ -79,9 +79,11 @@ for step in "$@"; do
                  $(ls tests/gpu/test_[m-z]*.py) tests/test_guards.py --junitxml="$R/$step.xml" ;;
     fake-vs-real) run_step $step 300 python3 benchmarks/probes/fake_vs_real.py --device cuda \
                  --out "$R" ;;  # the ops a fake capture's program runs that a real one's does not (and back)
+    workers) run_step $step 200 python3 -m pytest -q -rA -p no:cacheprovider -p no:logging -W always \
+                 tests/gpu/test_compile_workers_gpu.py ;;  # whether (and why not) the compile workers compile on CUDA
     cold-workers-gpt2) run_step $step 420 bash -c "FLOWEXEC_COMPILE_PROCESSES=0 python3 benchmarks/probes/warm_build.py \
-                 --models gpt2_124m --sample --out '$R/cw0' && python3 benchmarks/probes/warm_build.py --models gpt2_124m \
-                 --sample --out '$R/cwauto'" ;;  # cold and warm builds without and with compile workers (each call sampled)
+                 --models gpt2_124m --sample --out '$R/cw0' && FLOWEXEC_COMPILE_PROCESSES=auto python3 benchmarks/probes/warm_build.py \
+                 --models gpt2_124m --sample --out '$R/cwauto'" ;;  # cold and warm builds without and with compile workers (each call sampled)
     warm-build-peers) run_step $step 300 python3 benchmarks/probes/warm_build.py --models resnet50,gpt2_124m \
                  --variant inductor --out "$R/peers" ;;  # torch.compile's warm build in the same run
     recompute-peak) run_step $step 400 python3 benchmarks/probes/recompute_peak.py --model gpt2_124m --batch 8 \

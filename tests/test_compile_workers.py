@@ -58,6 +58,17 @@ def test_local_ranks_share_the_cpus_this_process_may_run_on(monkeypatch):
     assert compile_workers.host_cpus() == 1
 
 
+def test_no_workers_unless_asked(monkeypatch):
+    """Off by default (their first run on a GPU host compiled nothing and cost the build
+    seconds), also for a CUDA program on a large host; ``auto`` and a number turn them on."""
+    monkeypatch.delenv("FLOWEXEC_COMPILE_PROCESSES", raising=False)
+    monkeypatch.setattr(compile_workers, "_disabled", [])
+    assert compile_workers.setting() == "0"
+    assert processes_for(23, True, cpus=16, setting=compile_workers.setting()) == 0
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "auto")
+    assert processes_for(23, True, cpus=16, setting=compile_workers.setting()) == 4
+
+
 @pytest.mark.parametrize("value", ["-1", "many", "1.5", "65"])
 def test_a_bad_worker_setting_names_the_choices(monkeypatch, value):
     monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", value)

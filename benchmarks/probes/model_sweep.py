@@ -35,6 +35,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import flowexec  # noqa: E402
+import flowexec.compile_workers  # noqa: E402
 
 LR = 1e-3  # AdamW's, every case
 
@@ -291,7 +292,7 @@ def main() -> None:
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "steps": a.steps, "tol": a.tol, "autocast": a.autocast,
-           "compile_processes": os.environ.get("FLOWEXEC_COMPILE_PROCESSES", "auto"),
+           "compile_processes": flowexec.compile_workers.setting(),
            "worker_failures": dict(flowexec.fusion.compiler().worker_failures), "results": results}
     path = os.path.join(a.out, f"model_sweep_{dev.type}{'_' + a.autocast if a.autocast else ''}.json")
     with open(path, "w") as fh:
