@@ -222,6 +222,26 @@ def test_workers_are_prestarted_only_for_a_cache_no_build_has_filled(tmp_path, m
     assert asked == [1]
 
 
+def test_registrations_differ_only_where_a_function_is_not_torch_s():
+    """Inductor adds registrations of its own as it goes (an implicit fallback, a lowering a
+    module registers on import; hundreds are partials): between two processes those are no
+    difference (its own cache shares kernels so). A function of a user's, on either side, is."""
+    import functools
+
+    from flowexec.compile_workers.settings import _name, registrations, registrations_differ
+
+    mine = registrations()
+    assert all(name.startswith("torch.") for name in mine.values())  # (partials named by what they wrap)
+    theirs = dict(mine, **{"fallback aten.made_up.default": "torch._inductor.lowering.fallbacks",
+                           "lower aten.sinh.default": _name(functools.partial(torch._refs.sinh))})
+    assert registrations_differ(theirs, mine) is None
+
+    def my_sinh(x):
+        return x
+    assert "my_sinh (here torch." in registrations_differ(dict(mine, **{"lower aten.sinh.default": _name(my_sinh)}), mine)
+    assert "none there" in registrations_differ(mine, dict(mine, **{"lower aten.made_up.default": _name(my_sinh)}))
+
+
 def test_workers_refuse_jobs_where_this_process_registered_its_own_lowering(tmp_path, monkeypatch):
     """No cache key reads Inductor's registered lowerings: a worker whose lowerings differ from
     this process's would build a kernel this process would not. It refuses to start, so no job

@@ -16,6 +16,7 @@ process's.
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import warnings
 from typing import Any
@@ -139,31 +140,49 @@ def apply_settings(s: dict[str, Any]) -> None:
 
 def registrations() -> dict[str, str]:
     """Inductor's lowerings, fallbacks and decompositions: for each op (by name), the module and
-    qualified name of its function (what a process registers at run time changes them)."""
+    qualified name of its function (what a process registers at run time changes them); a
+    fallback, which has no function of its own, is named as Inductor's (:data:`_FALLBACK`)."""
     from torch._inductor import decomposition, lowering
 
     found = {f"lower {_name(op)}": _name(fn) for op, fn in lowering.lowerings.items()}
-    found.update({f"fallback {_name(op)}": "" for op in lowering.fallbacks})
+    found.update({f"fallback {_name(op)}": _FALLBACK for op in lowering.fallbacks})
     found.update({f"decomp {_name(op)}": _name(fn) for op, fn in decomposition.decompositions.items()})
     return found
 
 
+_FALLBACK = "torch._inductor.lowering.fallbacks"  # (an op Inductor runs as the ATen kernel)
+
+
+def _torchs(name: str) -> bool:
+    return name.startswith("torch.")
+
+
 def registrations_differ(theirs: dict[str, str], mine: dict[str, str]) -> str | None:
     """Where another process's :func:`registrations` would make it build another kernel than
-    this process: an op whose function differs, or one only it has whose function is not
-    torch's own (Inductor adds some as it goes); None where none does."""
-    for key, fn in theirs.items():
-        here = mine.get(key)
-        if here is None and not fn.startswith("torch."):
+    this process: an op whose function is not torch's own on one side and differs on the other
+    (or is missing there); None where none does. Differences between torch's own functions are
+    not counted: Inductor registers some as it goes (an implicit fallback, a lowering a module
+    adds on import), and its own cache shares kernels between processes that differ so."""
+    for key in {*theirs, *mine}:
+        fn, here = theirs.get(key), mine.get(key)
+        if fn == here or all(name is None or _torchs(name) for name in (fn, here)):
+            continue
+        if here is None:
             return f"{key}: {fn} (none here)"
-        if here is not None and here != fn:
-            return f"{key}: {fn} (here {here})"
+        if fn is None:
+            return f"{key}: none there (here {here})"
+        return f"{key}: {fn} (here {here})"
     return None
 
 
 def _name(obj: Any) -> str:
-    """An op's or a function's name, the same in every process (no address)."""
+    """An op's or a function's name, the same in every process (no address); a partial is named
+    by the function it wraps (torch registers hundreds of decompositions so)."""
     if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(obj)
-    obj = getattr(obj, "__wrapped__", obj)
+    for _ in range(16):  # (a lowering wraps its function, which may be a partial)
+        inner = obj.func if isinstance(obj, functools.partial) else getattr(obj, "__wrapped__", None)
+        if inner is None or inner is obj:
+            break
+        obj = inner
     return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', None) or type(obj).__name__}"
