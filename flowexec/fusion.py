@@ -94,6 +94,8 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
     module's docstring), and the report (None when nothing was asked)."""
     if not wants_fusion(prog, check_fuse(fuse), mode):
         return prog, None
+    from . import compile_workers
+
     comp = compiler()
     before, jobs_before = comp.seconds + comp.worker_seconds, comp.worker_jobs
     regions = find_regions(prog)
@@ -105,13 +107,10 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
             if not late:
                 break
     if comp.worker_misses:  # (a setting not mirrored: the workers' regions were compiled here again)
-        from . import compile_workers
-
         compile_workers.turn_off(f"{comp.worker_misses} regions they compiled were not found in Inductor's cache "
                                  "here (a setting differs between this process and its workers)")
-    workers = sys.modules.get("flowexec.compile_workers")
     report = FusionReport(report.regions, comp.seconds + comp.worker_seconds - before, comp.worker_jobs - jobs_before,
-                          workers.off_reason() if workers is not None else None)
+                          compile_workers.off_reason())
     if os.environ.get("FLOWEXEC_DEBUG") == "1":
         for op in fused.ops:
             check = getattr(op.target, "check_first_call", None)

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from .passes.metas import fake_tensor
 from .passes.regions import Region
-from .program import Program, Ref, TensorMeta, op_name
+from .program import Program, Ref, TensorMeta, map_nested, op_name
 from .verdict_cache import VerdictCache, shared_cache
 
 
@@ -164,18 +164,17 @@ def recipe_of(prog: Program, region: Region) -> GraphRecipe:
     """The region as a :class:`GraphRecipe`: its inputs, its ops, its computed outputs returned."""
     local: dict[int, int] = {v: k for k, v in enumerate(region.inputs)}
 
-    def arg(a: Any) -> Any:
+    def leaf(a: Any) -> Any:
         if isinstance(a, Ref):
             if a.id in local:
                 return Local(local[a.id])
             if a.id in prog.consts:
                 return prog.consts[a.id]
             raise KeyError(f"value {prog.values[a.id].label} is not available inside the region")
-        if isinstance(a, list):
-            return [arg(x) for x in a]
-        if isinstance(a, tuple):
-            return tuple(arg(x) for x in a)
         return a
+
+    def arg(a: Any) -> Any:
+        return map_nested(a, leaf)
 
     ops = []
     for i in region.ops:
@@ -197,13 +196,7 @@ def graph_of(recipe: GraphRecipe) -> fx.GraphModule:
     env: dict[int, fx.Node] = {k: g.placeholder(f"x{k}") for k in range(recipe.n_inputs)}
 
     def arg(a: Any) -> Any:
-        if isinstance(a, Local):
-            return env[a.k]
-        if isinstance(a, list):
-            return [arg(x) for x in a]
-        if isinstance(a, tuple):
-            return tuple(arg(x) for x in a)
-        return a
+        return map_nested(a, lambda x: env[x.k] if isinstance(x, Local) else x)
 
     for target, args, kwargs, outs, unpack in recipe.ops:
         node = g.call_function(_overload(target), arg(args), {k: arg(v) for k, v in kwargs})

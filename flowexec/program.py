@@ -80,6 +80,20 @@ class Ref:
     id: int
 
 
+def map_nested(a: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``a`` with ``leaf`` applied to everything inside it that is not a list or a tuple (lists and
+    tuples rebuilt as such: an op's arguments, whose values are :class:`Ref` s).
+
+    >>> map_nested([Ref(1), (2, Ref(3))], lambda a: a.id if isinstance(a, Ref) else a)
+    [1, (2, 3)]
+    """
+    if isinstance(a, list):
+        return [map_nested(x, leaf) for x in a]
+    if isinstance(a, tuple):
+        return tuple(map_nested(x, leaf) for x in a)
+    return leaf(a)
+
+
 @dataclass(frozen=True, slots=True)
 class Op:
     """One ATen call.

@@ -224,22 +224,26 @@ def test_workers_are_prestarted_only_for_a_cache_no_build_has_filled(tmp_path, m
 
 def test_registrations_differ_only_where_a_function_is_not_torch_s():
     """Inductor adds registrations of its own as it goes (an implicit fallback, a lowering a
-    module registers on import; hundreds are partials): between two processes those are no
-    difference (its own cache shares kernels so). A function of a user's, on either side, is."""
+    module registers on import; hundreds are partials): one that only one of two processes has
+    is no difference (its own cache shares kernels so). A function of a user's on either side
+    is, and so is an op both register with different functions (a user's make_fallback)."""
     import functools
 
     from flowexec.compile_workers.settings import _name, registrations, registrations_differ
 
     mine = registrations()
     assert all(name.startswith("torch.") for name in mine.values())  # (partials named by what they wrap)
-    theirs = dict(mine, **{"fallback aten.made_up.default": "torch._inductor.lowering.fallbacks",
-                           "lower aten.sinh.default": _name(functools.partial(torch._refs.sinh))})
+    theirs = dict(mine, **{"lower aten.made_up.default": "torch._inductor.lowering.fallback_handler",
+                           "decomp aten.made_up.default": _name(functools.partial(torch._refs.sinh))})
     assert registrations_differ(theirs, mine) is None
 
     def my_sinh(x):
         return x
     assert "my_sinh (here torch." in registrations_differ(dict(mine, **{"lower aten.sinh.default": _name(my_sinh)}), mine)
     assert "none there" in registrations_differ(mine, dict(mine, **{"lower aten.made_up.default": _name(my_sinh)}))
+    # (a make_fallback of an op torch lowers: torch's functions on both sides, but not the same)
+    fallback = dict(mine, **{"lower aten.sinh.default": "torch._inductor.lowering.fallback_handler"})
+    assert "aten.sinh.default" in registrations_differ(fallback, mine)
 
 
 def test_workers_refuse_jobs_where_this_process_registered_its_own_lowering(tmp_path, monkeypatch):

@@ -139,33 +139,26 @@ def apply_settings(s: dict[str, Any]) -> None:
 
 
 def registrations() -> dict[str, str]:
-    """Inductor's lowerings, fallbacks and decompositions: for each op (by name), the module and
-    qualified name of its function (what a process registers at run time changes them); a
-    fallback, which has no function of its own, is named as Inductor's (:data:`_FALLBACK`)."""
+    """Inductor's lowerings and decompositions: for each op (by name), the module and qualified
+    name of its function (what a process registers at run time changes them; ``make_fallback``
+    registers a lowering too)."""
     from torch._inductor import decomposition, lowering
 
     found = {f"lower {_name(op)}": _name(fn) for op, fn in lowering.lowerings.items()}
-    found.update({f"fallback {_name(op)}": _FALLBACK for op in lowering.fallbacks})
     found.update({f"decomp {_name(op)}": _name(fn) for op, fn in decomposition.decompositions.items()})
     return found
 
 
-_FALLBACK = "torch._inductor.lowering.fallbacks"  # (an op Inductor runs as the ATen kernel)
-
-
-def _torchs(name: str) -> bool:
-    return name.startswith("torch.")
-
-
 def registrations_differ(theirs: dict[str, str], mine: dict[str, str]) -> str | None:
     """Where another process's :func:`registrations` would make it build another kernel than
-    this process: an op whose function is not torch's own on one side and differs on the other
-    (or is missing there); None where none does. Differences between torch's own functions are
-    not counted: Inductor registers some as it goes (an implicit fallback, a lowering a module
-    adds on import), and its own cache shares kernels between processes that differ so."""
+    this process: an op registered on both sides with different functions, or on one side only
+    with a function that is not torch's; None where none does. An op torch registered on one
+    side only does not count: Inductor registers some as it goes (an implicit fallback, a
+    lowering a module adds on import), and its own cache shares kernels between such processes."""
     for key in {*theirs, *mine}:
         fn, here = theirs.get(key), mine.get(key)
-        if fn == here or all(name is None or _torchs(name) for name in (fn, here)):
+        only = here if fn is None else fn if here is None else None  # (registered on one side only)
+        if fn == here or (only is not None and only.startswith("torch.")):
             continue
         if here is None:
             return f"{key}: {fn} (none here)"

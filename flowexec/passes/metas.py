@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..program import Program, Ref, TensorMeta
+from ..program import Program, Ref, TensorMeta, map_nested
 from ..snapshot import strided_extent
 
 
@@ -75,17 +75,16 @@ def propagate_metas(prog: Program, everything: bool = False) -> Program:
     env: dict[int, Any] = dict(prog.consts)
     changed: set[int] = set()
 
-    def arg(a: Any) -> Any:
+    def leaf(a: Any) -> Any:
         if isinstance(a, Ref):
             if a.id not in env:  # an input, state, or made by an op that did not run
                 meta = prog.values[a.id].meta
                 env[a.id] = _on_storage(meta, mode) if meta is not None else None
             return env[a.id]
-        if isinstance(a, list):
-            return [arg(x) for x in a]
-        if isinstance(a, tuple):
-            return tuple(arg(x) for x in a)
         return a
+
+    def arg(a: Any) -> Any:
+        return map_nested(a, leaf)
 
     values = list(prog.values)
     with mode, torch.no_grad():
