@@ -840,8 +840,10 @@ def parent_main(a: argparse.Namespace) -> None:
                 else:
                     res["build_s_warm"] = w.get("build_s")
                     res["flowexec_build_phases_warm"] = w.get("flowexec_build_phases")
-                    # (a planned first step's program loads its regions on the warm cache too)
-                    for key in ("first_call_s", "first_step_build_phases"):
+                    # (a planned first step's program loads its regions on the warm cache too;
+                    # Inductor's times say whether it loaded or compiled them)
+                    for key in ("first_call_s", "first_step_build_phases", "first_call_inductor_times",
+                                "first_call_compile_workers", "build_inductor_times"):
                         if w.get(key) is not None:
                             res[f"{key}_warm"] = w[key]
                     if a.profile_warm:

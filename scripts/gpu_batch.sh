@@ -58,6 +58,8 @@ for step in "$@"; do
     scale-gpt2_124m|scale-resnet50|scale-llama_207m)  # issue 36: one model's variants, each in a fresh
                run_step $step 590 python3 benchmarks/scale.py --models "${step#scale-}" --timeout 200 \
                  -o "$R/scale_${step#scale-}.json" ;;  # process; then scale.py --merge into scale.json
+    scale-gpt2-fused) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m --variants fx_graph_fused \
+                 --timeout 200 -o "$R/scale_gpt2_124m_fused.json" ;;  # the fused graph step alone, cold and warm (default workers)
     fuse-tests) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_fuse_gpu.py \
                  --junitxml="$R/$step.xml" ;;
     memtests)  run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py \

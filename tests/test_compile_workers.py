@@ -58,15 +58,17 @@ def test_local_ranks_share_the_cpus_this_process_may_run_on(monkeypatch):
     assert compile_workers.host_cpus() == 1
 
 
-def test_no_workers_unless_asked(monkeypatch):
-    """Off by default (their first run on a GPU host compiled nothing and cost the build
-    seconds), also for a CUDA program on a large host; ``auto`` and a number turn them on."""
+def test_workers_by_default_only_for_a_cuda_program_on_a_large_host(monkeypatch):
+    """``auto`` unset: workers for a CUDA program with enough cold regions on a host of 8 CPUs
+    or more (their share: a quarter), none on the CPU or a small host; ``0`` turns them off."""
     monkeypatch.delenv("FLOWEXEC_COMPILE_PROCESSES", raising=False)
     monkeypatch.setattr(compile_workers, "_disabled", [])
-    assert compile_workers.setting() == "0"
-    assert processes_for(23, True, cpus=16, setting=compile_workers.setting()) == 0
-    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "auto")
+    assert compile_workers.setting() == "auto"
     assert processes_for(23, True, cpus=16, setting=compile_workers.setting()) == 4
+    assert processes_for(23, False, cpus=16, setting=compile_workers.setting()) == 0
+    assert processes_for(23, True, cpus=4, setting=compile_workers.setting()) == 0
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "0")
+    assert processes_for(23, True, cpus=16, setting=compile_workers.setting()) == 0
 
 
 @pytest.mark.parametrize("value", ["-1", "many", "1.5", "65"])

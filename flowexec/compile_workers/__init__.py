@@ -22,12 +22,11 @@ where Inductor's registered lowerings differ from this process's (no cache key r
 Where no worker starts, or their regions miss the cache here all the same (a setting not
 mirrored), the workers are turned off for the rest of the process, with a warning.
 
-``FLOWEXEC_COMPILE_PROCESSES``: ``0`` (the default: none), a number of workers, or ``auto``
-(on a CUDA program with at least :data:`MIN_COLD` regions to compile (:data:`MIN_COLD_STARTED`
-where workers were started before the capture) and at least 8 CPUs, ``cpus // 4`` workers, at
-most 8; none on the CPU, where C++ kernels build on threads). ``auto`` was the default until
-its first run on a GPU host (an H100, 49946d8's parent) compiled nothing in its workers and
-cost the cold build 6-11 s: off until that is understood (docs/fusion.md).
+``FLOWEXEC_COMPILE_PROCESSES``: ``auto`` (the default: on a CUDA program with at least
+:data:`MIN_COLD` regions to compile (:data:`MIN_COLD_STARTED` where workers were started
+before the capture) and at least 8 CPUs, ``cpus // 4`` workers, at most 8; none on the CPU,
+where C++ kernels build on threads), or a number of workers (``0``: none). On an H200 at
+8a897b8 they took GPT-2 124M's cold first call from 37.8 to 32.0 s (docs/fusion.md).
 The CPUs are those this process may run on, divided among torchrun's local ranks or
 pytest-xdist's workers. None where Inductor's caches are off, or from a frozen executable.
 
@@ -66,7 +65,7 @@ from .settings import current_settings
 MIN_COLD = 8
 MIN_COLD_STARTED = 2
 MAX_PROCESSES = 8
-DEFAULT = "0"  # (FLOWEXEC_COMPILE_PROCESSES unset: see the module's docstring)
+DEFAULT = "auto"  # (FLOWEXEC_COMPILE_PROCESSES unset: see the module's docstring)
 JOB_TIMEOUT_S = 900.0  # a region's compile (or a worker's start, or its last kernels' wait) that takes longer
 _disabled: list[str] = []  # why the workers were turned off for this process (empty: they are not)
 
