@@ -29,7 +29,8 @@ peak memory (``torch.cuda.max_memory_allocated`` over the process, read after th
 kernels in one step (torch.profiler; the JSON says what was counted for CUDA-graph replays);
 FLOPs of one step (FlopCounterMode over one eager step of the same model in that process) and
 MFU against a dense bf16 matmul peak measured in the same run; the first 5 steps' losses,
-checked against eager's (``loss_check``). A variant that fails records its error.
+checked against eager's (``loss_check``); what its cold builds compiled (``cache_census``: Triton
+compiles, Inductor's kernels and modules). A variant that fails records its error.
 
 Per model: ``vs_torch_compile`` = the better step time of ``inductor`` and ``reduce_overhead``
 divided by the best flowexec whole-step variant's; ``peak_vs_eager`` = that variant's peak
@@ -707,6 +708,36 @@ def fmt(v: Any, spec: str) -> str:
     return format(v, spec) if isinstance(v, (int, float)) and v is not None else "-"
 
 
+def cache_census(cache: str) -> dict[str, int]:
+    """What a variant's builds left in its compile caches (``cache``: :func:`spawn`'s): Triton
+    compiles (``triton_compiles``: a kernel in one configuration, each a directory of Triton's
+    cache holding a ``.cubin`` or ``.hsaco``), Triton's launchers and utilities built with the
+    host's C compiler (``triton_host_modules``), and Inductor's generated sources: Triton
+    kernels (``inductor_triton_kernels``), other Python modules (``inductor_wrappers``: a
+    graph's wrapper, among them) and C++ libraries (``inductor_libraries``, on a CPU). A cold
+    build's compile time goes mostly to the Triton compiles (issue 36: flowexec's regions
+    against torch.compile's one graph)."""
+    out = dict.fromkeys(("triton_compiles", "triton_host_modules", "inductor_triton_kernels", "inductor_wrappers",
+                         "inductor_libraries"), 0)
+    for _, _, files in os.walk(os.path.join(cache, "triton")):
+        if any(f.endswith((".cubin", ".hsaco")) for f in files):
+            out["triton_compiles"] += 1
+        elif any(f.endswith(".so") for f in files):
+            out["triton_host_modules"] += 1
+    for root, _, files in os.walk(os.path.join(cache, "inductor")):
+        for f in files:
+            if f.endswith(".so"):
+                out["inductor_libraries"] += 1
+            elif f.endswith(".py") and not f.startswith("__"):
+                try:
+                    with open(os.path.join(root, f), errors="replace") as fh:
+                        kernel = "@triton.jit" in fh.read()
+                except OSError:
+                    continue
+                out["inductor_triton_kernels" if kernel else "inductor_wrappers"] += 1
+    return out
+
+
 def ready_s(v: dict[str, Any], warm: bool = False) -> float | None:
     """Seconds until the steps run as they will: the build, and before it a flowexec variant's
     first call (its first step's own program, which compiles most regions on a cold cache)."""
@@ -832,6 +863,7 @@ def parent_main(a: argparse.Namespace) -> None:
             res.pop("matmul_peak", None)
             if peak:
                 res["matmul_peak_tflops"] = peak["tflops"]
+            res["cache_census"] = cache_census(cache)  # (what the cold build compiled)
             if warm and "error" not in res:
                 w = run_child(m, v, a, "build-profiled" if a.profile_warm else "build", cache, False, logdir)
                 res["warm_process_s"] = w["process_s"]

@@ -41,7 +41,7 @@ def test_tiny_run_writes_every_figure(tiny_run: dict) -> None:
     for name, v in mod["variants"].items():
         assert "error" not in v, (name, v["error"])
         for key in ("step_ms", "build_s", "peak_gib", "profile", "flops_per_step", "mfu", "losses", "loss_check",
-                    "process_s"):
+                    "process_s", "cache_census"):
             assert key in v, (name, key)
         assert len(v["losses"]) == scale.CHECKED_STEPS
         assert v["timed_steps"] == 3
@@ -54,6 +54,27 @@ def test_tiny_run_writes_every_figure(tiny_run: dict) -> None:
     assert fx["options"] == {"mode": "trace", "fuse": False, "first_step": "planned"} and fx["calls_to_capture"] >= 1
     assert fx["first_step"] == "planned" and fx["first_call_s"] > 0  # AdamW's state made by a program
     assert fx["plan"]["ops"] > 0
+
+
+def test_the_cache_census_counts_what_each_compiler_left(tmp_path) -> None:
+    """Triton's cache: a directory per compile (its binary beside its IR), launchers as shared
+    libraries; Inductor's: kernels' sources, wrappers and C++ libraries."""
+    def put(rel: str, text: str = "") -> None:
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    put("triton/AAA/triton_poi_0.cubin"), put("triton/AAA/triton_poi_0.ptx")
+    put("triton/BBB/triton_red_1.cubin"), put("triton/CCC/triton_red_1.hsaco")
+    put("triton/DDD/__triton_launcher.so"), put("triton/DDD/__triton_launcher.c")
+    put("inductor/ab/cab.py", "@triton.jit\ndef triton_poi_0(): pass\n")
+    put("inductor/cd/ccd.py", "def call(args): pass\n")
+    put("inductor/ef/cef.so"), put("inductor/ef/__init__.py"), put("inductor/fxgraph/ab/entry")
+    assert scale.cache_census(str(tmp_path)) == {
+        "triton_compiles": 3, "triton_host_modules": 1, "inductor_triton_kernels": 1, "inductor_wrappers": 1,
+        "inductor_libraries": 1}
+    assert scale.cache_census(str(tmp_path / "nothing")) == dict.fromkeys(
+        ("triton_compiles", "triton_host_modules", "inductor_triton_kernels", "inductor_wrappers",
+         "inductor_libraries"), 0)
 
 
 def test_ratios_come_from_the_numbers(tiny_run: dict, tmp_path) -> None:
