@@ -107,16 +107,20 @@ def alias_groups(prog: Program, shared: bool = False) -> tuple[int, ...]:
 def read_write_sets(prog: Program, groups: tuple[int, ...] | None = None) -> tuple[tuple[frozenset[int], frozenset[int]], ...]:
     """Per op: (alias groups read, alias groups written in place)."""
     groups = groups if groups is not None else alias_groups(prog)
+    group = groups.__getitem__
+    nothing: frozenset[int] = frozenset()
     result = []
     for op in prog.ops:
-        reads = frozenset(groups[r] for r in op.refs())
-        writes: set[int] = set()
+        reads = frozenset(map(group, op.refs()))
         schema = getattr(op.target, "_schema", None)
-        if schema is not None:
-            wpos = written_args(op.target)
-            for k, (arg, ids) in enumerate(_arg_values(op.args, op.kwargs, schema, with_pos=True)):
-                if arg[0] in wpos:
-                    writes.update(groups[i] for i in ids)
+        wpos = written_args(op.target) if schema is not None else ()
+        if not wpos:  # (most ops: no argument's walk needed)
+            result.append((reads, nothing))
+            continue
+        writes: set[int] = set()
+        for (pos, _), ids in _arg_values(op.args, op.kwargs, schema, with_pos=True):
+            if pos in wpos:
+                writes.update(map(group, ids))
         result.append((reads, frozenset(writes)))
     return tuple(result)
 
