@@ -19,7 +19,9 @@ Variants (one fresh process each, with a fresh TORCHINDUCTOR_CACHE_DIR / TRITON_
   whole step function (zero_grad, forward, backward, optimizer step) in trace / graph mode with
   ``fuse=False`` / ``fuse="inductor"``. Its first call makes AdamW's state with the first
   step's program (``first_step="planned"``; ``SCALE_FIRST_STEP=eager``: fn eagerly, as every run
-  before b730040), timed as ``first_call_s``; the second call captures the steps.
+  before b730040; ``SCALE_FIRST_STEP=prefill``: AdamW's own initialisation before the first
+  capture, which then captures the steps), timed as ``first_call_s``; the second call captures
+  the steps.
 
 Per variant: median step (ms); build time (s): torch.compile's 3 warm-up steps, eager's too, and
 for flowexec the calls after the first up to the one that captured (capture, fusion, plan,
@@ -376,6 +378,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["first_call_s"] = time.perf_counter() - t
         stop_sampler(first_sampler, res, "first_call_samples", f"{model}_{variant}_{phase}_first.collapsed")
         res["first_step"] = ("planned" if exe.first_step_program is not None else
+                             "prefilled" if getattr(exe, "first_step_prefilled", False) else
                              f"eager{f' ({exe.first_step_fallback})' if exe.first_step_fallback else ''}")
         if exe.first_step_program is not None:  # where the first call's seconds went (the rest: its run)
             res["first_step_build_phases"] = exe.first_step_phases
@@ -740,13 +743,14 @@ def cache_census(cache: str) -> dict[str, int]:
 
 def ready_s(v: dict[str, Any], warm: bool = False) -> float | None:
     """Seconds until the steps run as they will: the build, and before it a flowexec variant's
-    first call (its first step's own program, which compiles most regions on a cold cache)."""
+    first call (its first step's own program, which compiles most regions on a cold cache; with
+    the state prefilled, the steps' build itself)."""
     suffix = "_warm" if warm else ""
     build = v.get(f"build_s{suffix}")
     if build is None:
         return None
     first = v.get(f"first_call_s{suffix}")
-    return build + first if first is not None and v.get("first_step") == "planned" else build
+    return build + first if first is not None and v.get("first_step") in ("planned", "prefilled") else build
 
 
 def table(out: dict[str, Any]) -> str:

@@ -191,9 +191,10 @@ class LazyStateError(CaptureError):
 
 
 def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
-    """A torch.optim optimizer that ``fn`` reaches (:func:`reachable`) and that has made no
-    state yet, though its first step will (not SGD without momentum); None if there is none,
-    or if looking raised (a property, a ``__getattr__``: the capture then finds lazy state itself).
+    """The name of a torch.optim optimizer that ``fn`` reaches (:func:`reachable`) and that has
+    made no state yet, though its first step will (not SGD without momentum); None if there is
+    none, or if looking raised (a property, a ``__getattr__``: the capture then finds lazy state
+    itself).
 
     A capture of such a step would find the state made: an Executable asks this before its
     first capture, and captures that first step as a program of its own that makes the state
@@ -206,16 +207,23 @@ def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
         'AdamW'
         >>> fresh_optimizer(lambda x: torch.optim.SGD(net.parameters(), lr=0.1))  # made in the call: not reached
     """
+    found = fresh_optimizers(fn)
+    return type(found[0]).__name__ if found else None
+
+
+def fresh_optimizers(fn: Callable[..., Any]) -> list[torch.optim.Optimizer]:
+    """Every optimizer :func:`fresh_optimizer` would name (none where looking raised)."""
+    found = []
     try:
         for obj in reachable(fn):
             if isinstance(obj, torch.optim.Optimizer):
                 stateless_sgd = isinstance(obj, torch.optim.SGD) and all(not g.get("momentum") for g in obj.param_groups)
                 trainable = any(p.requires_grad for g in obj.param_groups for p in g["params"])
                 if type(obj).__module__.startswith("torch.optim") and not stateless_sgd and trainable and not obj.state:
-                    return type(obj).__name__
+                    found.append(obj)
     except Exception:  # a user's object answered oddly: no verdict (the capture still finds lazy state)
-        return None
-    return None
+        return []
+    return found
 
 
 def reachable(fn: Callable[..., Any], depth: int = 3, budget: int = 2000) -> Iterator[Any]:

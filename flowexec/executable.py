@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .capture import LazyStateError, capture, fresh_optimizer
+from . import optim_state
+from .capture import LazyStateError, capture, fresh_optimizers
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
 from .fake_run import cuda_in_use
 from .build import check_recompute, plan_for
@@ -72,10 +73,12 @@ OPTIONS = {
              "planned peak (branches depth-first, large buffers die early)",
     "gc_backlog": "gc='async': bound on the bytes handed to the collector and not yet freed, as bytes (int) or a "
                   "fraction of the planned peak (float, default 0.1); past it the caller frees itself",
-    "first_step": "'planned' (default) or 'eager': how a first call runs when fn's optimizer has no state yet, "
-                  "which its first step makes. 'planned': as a program of its own in trace mode (this executable's "
-                  "fusion, padding, recomputation and memory options), which also makes the state; the second "
-                  "call captures the steps that follow. 'eager': fn itself runs (its peak memory is eager's)",
+    "first_step": "'planned' (default), 'prefill' or 'eager': how a first call runs when fn's optimizer has no state "
+                  "yet, which its first step makes. 'planned': as a program of its own in trace mode (this "
+                  "executable's fusion, padding, recomputation and memory options), which also makes the state; the "
+                  "second call captures the steps that follow. 'prefill': Adam and AdamW make their state with their "
+                  "own initialisation before the first capture, which then captures the steps at once (no first "
+                  "step's program; other optimizers as 'planned'). 'eager': fn itself runs (its peak memory is eager's)",
     "pool": "graph mode: 'private' (default: each CUDA graph keeps a memory pool of its own and holds its outputs) "
             "or 'shared' (every graph of a device in one pool, through PyTorch's CUDA-graph trees; outputs are not "
             "held once dropped; docs/memory.md)",
@@ -186,8 +189,10 @@ class Executable:
     dict, ``requires_grad``: its guards, ``exe.guards``), while optimizer hyperparameters are
     fed to the program at each call, so an LR schedule captures nothing again. A first call
     that makes state (an optimizer's first step) runs as a program of its own that makes it
-    (``first_step="planned"``), or ``fn`` eagerly, and the next captures (docs/training.md). Attributes ``program`` and ``plan`` show the most recently built
-    signature.
+    (``first_step="planned"``), or ``fn`` eagerly, and the next captures; with
+    ``first_step="prefill"`` Adam and AdamW make their state before the first capture, which
+    then captures the steps (docs/training.md). Attributes ``program`` and ``plan`` show the
+    most recently built signature.
 
     >>> import torch, flowexec
     >>> exe = flowexec.compile(lambda x: x.cumsum(0), torch.ones(3))
@@ -218,9 +223,10 @@ class Executable:
         self.park = bool(options.get("park", True))
         self.pool = options.get("pool", "private")
         self.first_step = options.get("first_step", "planned")
-        if self.first_step not in ("planned", "eager"):
+        if self.first_step not in ("planned", "prefill", "eager"):
             raise OptionError(f"first_step={self.first_step!r}: choose 'planned' (the first step as a program of its "
-                              "own, which makes the optimizer's state) or 'eager' (fn runs eagerly once)")
+                              "own, which makes the optimizer's state), 'prefill' (Adam and AdamW make their state "
+                              "before the first capture) or 'eager' (fn runs eagerly once)")
         self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
         if self.borrow and mode != "graph":
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")
@@ -239,6 +245,7 @@ class Executable:
         self.first_step_phases: dict[str, float] | None = None  # its build_phases (where its build's seconds went)
         self.first_step_capture_run: str | None = None  # how its capture ran fn (as capture_run says of the steps')
         self.first_step_fallback: str | None = None  # why a first step ran eagerly instead
+        self.first_step_prefilled = False  # first_step="prefill" made the optimizers' state before the first capture
         # Last step's gradients the new program discards, parked in host memory from capture to
         # the call's run, which drops them (planning's kernel timings and graph mode's warm-up
         # and capture need not hold them); compile_for, which takes no step, gives them back.
@@ -264,9 +271,11 @@ class Executable:
             self._variadic = True
 
     # -- building -------------------------------------------------------------------------
-    def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str], first_step: bool = False) -> _Compiled:
+    def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str], first_step: bool = False,
+               after_capture: Callable[[Any], None] | None = None) -> _Compiled:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of);
-        # first_step: the program of a step that makes its optimizers' state, run once in trace mode
+        # first_step: the program of a step that makes its optimizers' state, run once in trace mode;
+        # after_capture(captured): called before planning (it may raise a CaptureError)
         t0 = time.perf_counter()
         self._give_back_parked()
         fastcall.load()  # (where built, its C frame tracer serves the capture's guards.Recorder)
@@ -277,6 +286,8 @@ class Executable:
             cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
                           park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
                           make_state=first_step)
+            if after_capture is not None:
+                after_capture(cap)
             self._parked = cap.parked or None
             if self._parked is not None:  # (an executable dropped while they wait gives them back)
                 weakref.finalize(self, self._parked.restore)
@@ -636,29 +647,61 @@ class Executable:
         # Before the first capture only: a fresh optimizer fn reaches makes state on its first
         # step, so a capture now would trace the whole step to discard it. (Once: an optimizer
         # fn reaches but never steps must not keep calls eager.)
-        fresh = fresh_optimizer(self.fn) if not self._asked_fresh and not self._ran_eagerly else None
+        fresh = fresh_optimizers(self.fn) if not self._asked_fresh and not self._ran_eagerly else []
         self._asked_fresh = True
-        if fresh is not None:
-            self._deferred = f"fn reaches an optimizer ({fresh}) that has no state yet, which its first step makes"
+        made = self._prefill(fresh) if fresh and self.first_step == "prefill" else None
+        if fresh and made is None:
+            self._deferred = (f"fn reaches an optimizer ({type(fresh[0]).__name__}) that has no state yet, which its "
+                              "first step makes")
             return None
+        # Prefilled: captured with a placeholder .grad where the steps will find their last
+        # gradients (fn's zero_grad discards them), so that the program is the steps' own and no
+        # second one follows for gradients that exist once this call has run.
+        lent = optim_state.lend_grads((p for p, _ in made), like=True) if made else []
+
+        def give_back(cap: Any) -> None:  # (before planning: graph mode's warm-up would park them)
+            optim_state.take_back(lent)
+            if cap.grad_inputs:  # fn adds to .grad: it would read the placeholders as gradients
+                raise CaptureError("fn reads .grad (adds to it)")
         try:
-            compiled = self._build(leaves, tree, paths)
-        except LazyStateError as e:
-            if self._ran_eagerly:  # the state is made anew on every call, not once
-                raise CaptureError(str(e)) from None
-            self._deferred = str(e).split(". ", 1)[0]
-            return None
+            compiled = self._build(leaves, tree, paths, after_capture=give_back if made else None)
         except CaptureError as e:
+            if made:  # (other lazy state, or a step that reads .grad: the first step's program decides)
+                optim_state.take_back(lent)
+                optim_state.undo(made)
+                self.first_step_fallback = f"prefill: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self._deferred = "fn's first step makes state that a prefill cannot"
+                return None
+            if isinstance(e, LazyStateError):
+                if self._ran_eagerly:  # the state is made anew on every call, not once
+                    raise CaptureError(str(e)) from None
+                self._deferred = str(e).split(". ", 1)[0]
+                return None
             if unfusing is None:
                 raise
             self._unfused.discard(unfusing)  # (the foreach path refused: a GradScaler's scale, say)
             raise GuardError(f"{what} — the param group's foreach path, which would take it fed per call, "
                              f"cannot step this function ({e}); keep that value constant with this optimizer (a "
                              "GradScaler hands its scale and found_inf to fused kernels only)") from None
+        except BaseException:
+            if made:  # (an interrupt, a planning error: nothing of the prefill stays behind)
+                optim_state.take_back(lent)
+                optim_state.undo(made)
+            raise
         if unfusing is not None:
             warnings.warn(f"flowexec: {what}; captured fn again with that param group stepped by its foreach "
                           "path, which takes the value fed per call (fused kernels take it as a number)",
                           RecaptureWarning, stacklevel=4)
+        if made:
+            # Eager makes no state for a parameter left without a gradient, and the next call
+            # finds its .grad None: the guards read so (they saw the prefill's, and a placeholder).
+            dropped = optim_state.prune(made, compiled.plan.program.state.values())
+            bound = {id(p) for p, _ in compiled.grad_bindings}
+            unbound = [p for p, _ in lent if id(p) not in bound]
+            if (dropped or unbound) and compiled.guards is not None:
+                compiled.guards = compiled.guards.without_state_of(dropped).expecting_no_grad(unbound)
+                compiled.guards.attach(fastcall.guard_checker(compiled.guards))
+            self.first_step_prefilled = True
         self._native = None  # closure state may grow: checks built against the old keys go
         self._natives.clear()
         if self._sharing:  # the state is known now
@@ -670,6 +713,21 @@ class Executable:
             self._forget(failed[0], compiled)
         self._cache.setdefault(sig, []).insert(0, compiled)
         return compiled
+
+    def _prefill(self, fresh: Sequence[torch.optim.Optimizer]) -> list[Any] | None:
+        """``first_step="prefill"``: the state of every optimizer in ``fresh`` made by its own
+        initialisation (flowexec.optim_state), or None (nothing made) where one cannot be."""
+        if not all(optim_state.can_prefill(o) for o in fresh):
+            return None
+        made: list[Any] = []
+        try:
+            for opt in fresh:
+                made += optim_state.prefill(opt)
+        except Exception as e:  # (a fused AdamW's device check, say: its first step's program says so again)
+            optim_state.undo(made)
+            self.first_step_fallback = f"prefill: {type(e).__name__}: {e}"
+            return None
+        return made
 
     def _forget(self, c: _Compiled, successor: _Compiled) -> None:
         """Drop program ``c`` from every cache (its signature's list, the guarded fast path);
@@ -760,7 +818,7 @@ class Executable:
         """
         self._eager_next = False
         leaves, _ = flatten(args, kwargs)
-        c = self._first_step_program(leaves, args, kwargs) if self.first_step == "planned" else None
+        c = self._first_step_program(leaves, args, kwargs) if self.first_step != "eager" else None
         if c is None:
             self._ran_eagerly = True
             return self.fn(*args, **kwargs)
@@ -845,7 +903,7 @@ class Executable:
     def _captured(self, what: str) -> _Compiled:
         if self._last is None:
             if self._deferred is not None:
-                how = ("as a program of its own that makes this state" if self.first_step == "planned"
+                how = ("as a program of its own that makes this state" if self.first_step != "eager"
                        else "fn eagerly so that this state exists")
                 raise NotCapturedError(f"{what}: nothing is captured yet — {self._deferred}; the first call runs "
                                        f"{how}, and a later call captures")

@@ -42,7 +42,7 @@ import sysconfig
 import threading
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -945,6 +945,28 @@ class GuardSet:
     def attach(self, checker: Any) -> None:
         """Use ``checker`` (a ``GuardChecker`` built from this set) for :meth:`check`'s fast answer."""
         self._native = checker
+
+    def expecting_no_grad(self, params: Iterable[torch.Tensor]) -> GuardSet:
+        """This set with each guard on the ``.grad`` of one of ``params`` expecting None, as a
+        capture that found it None records (a placeholder gradient a capture ran with, of a
+        parameter the step leaves without one); the C++ check is to be attached again."""
+        ids = {id(p) for p in params}
+        guards = tuple(replace(g, expected=None, match="is", settles=True)
+                       if id(g.root) in ids and g.path == (("attr", "grad"),) else g for g in self.guards)
+        return replace(self, guards=guards, _native=None)
+
+    def without_state_of(self, pruned: Iterable[tuple[torch.Tensor, torch.optim.Optimizer]]) -> GuardSet:
+        """This set after each (parameter, optimizer) of ``pruned`` lost its state entry (a
+        prefilled one the program does not read: flowexec.optim_state.prune): no guard on that
+        entry, and each optimizer's ``len(state)`` as it is now; the C++ check is to be attached
+        again."""
+        gone = {(id(opt.state), id(p)) for p, opt in pruned}
+        lengths = {id(opt): len(opt.state) for _, opt in pruned}
+        state_len = (("attr", "state"), ("len", None))
+        guards = tuple(replace(g, expected=lengths[id(g.root)]) if g.path == state_len and id(g.root) in lengths
+                       else g for g in self.guards
+                       if not (len(g.path) == 1 and g.path[0][0] == "item" and (id(g.root), id(g.path[0][1])) in gone))
+        return replace(self, guards=guards, _native=None)
 
     def records(self) -> list[tuple[Any, list, Any, str]]:
         """(root, path, expected, match) per guard: what the C++ check is built from."""

@@ -123,5 +123,5 @@ def test_first_step_eager_runs_fn_and_bad_values_name_the_choices() -> None:
     x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
     torch.testing.assert_close(exe(x, y), make_step(m1, o1, F.cross_entropy)(x, y))
     assert exe.first_step_program is None and exe.first_step_fallback is None
-    with pytest.raises(flowexec.OptionError, match="first_step='later'.*'planned'.*'eager'"):
+    with pytest.raises(flowexec.OptionError, match="first_step='later'.*'planned'.*'prefill'.*'eager'"):
         flowexec.compile(make_step(m2, o2, F.cross_entropy), first_step="later")

@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor",),  # a region's FX graph compiled by Inductor into one op
     ("passes",),  # pure functions over a Program
     ("fetch", "kernels", "rng"),  # scalar readback; fused ops (torch.library); the generator's state as ops
-    ("program", "signature", "storage", "guards", "hyperparams", "parking", "_cuda_native", "verdict_cache", "snapshot", "fake_run"),  # the IR's records; leaf helpers
+    ("program", "signature", "storage", "guards", "hyperparams", "parking", "_cuda_native", "verdict_cache", "snapshot", "fake_run",
+     "optim_state"),  # the IR's records; leaf helpers
     ("frame_starts",),  # the frames a capture starts, for the guards' recorder
     ("errors",),
 )

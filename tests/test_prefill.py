@@ -1,0 +1,154 @@
+"""An optimizer's state made by its own initialisation before the first capture
+(``first_step="prefill"``, flowexec.optim_state): eager's state to the bit, the steps' program
+captured on the first call, no state for a parameter without a gradient, and every other
+optimizer left to the first step's program."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowexec
+from flowexec import optim_state
+from flowexec.models import make_mlp
+
+
+def make_step(model, opt, loss_fn, set_to_none: bool = True):
+    """The usual step (``zero_grad()``'s default: last step's gradients dropped, not zeroed)."""
+    def step(x, y):
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+ADAMS = {
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam_for_loop_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False, amsgrad=True),
+    "adam_maximize": lambda ps: torch.optim.Adam(ps, lr=1e-2, maximize=True, weight_decay=0.01),
+}
+
+
+def _twins(make_opt, with_unused: bool = False):
+    torch.manual_seed(0)
+    m1 = make_mlp(16, 2)
+    if with_unused:  # a parameter the loss never reaches: eager's first step makes it no state
+        m1.register_parameter("unused", torch.nn.Parameter(torch.randn(3)))
+    m2 = copy.deepcopy(m1)
+    return m1, make_opt(m1.parameters()), m2, make_opt(m2.parameters())
+
+
+def _same_state(o1: torch.optim.Optimizer, o2: torch.optim.Optimizer) -> None:
+    s1, s2 = o1.state_dict(), o2.state_dict()
+    assert list(s1["state"]) == list(s2["state"])
+    for k in s1["state"]:
+        assert list(s1["state"][k]) == list(s2["state"][k]), k
+        for key, a in s1["state"][k].items():
+            b = s2["state"][k][key]
+            assert (a.dtype, a.device, a.shape) == (b.dtype, b.device, b.shape), (k, key)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"state {k} {key}")
+    assert s1["param_groups"] == s2["param_groups"]
+
+
+@pytest.mark.parametrize("name", list(ADAMS))
+def test_prefilled_state_then_eager_steps_are_eager_s_to_the_bit(name) -> None:
+    """Without flowexec: the state prefill makes is what eager's first step makes, so eager's
+    steps after it give eager's parameters and state exactly."""
+    m1, o1, m2, o2 = _twins(ADAMS[name])
+    made = optim_state.prefill(o2)
+    assert len(made) == len(list(m2.parameters())) and all(p.grad is None for p in m2.parameters())
+    s1, s2 = make_step(m1, o1, F.cross_entropy), make_step(m2, o2, F.cross_entropy)
+    for _ in range(3):
+        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+        assert torch.equal(s1(x, y), s2(x, y))
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+    for (p, a), (q, b) in zip(o1.state.items(), o2.state.items()):
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", list(ADAMS))
+@pytest.mark.parametrize("mode", ["trace", "threaded"])
+def test_prefill_captures_the_steps_on_the_first_call_and_trains_as_eager(name, mode) -> None:
+    m1, o1, m2, o2 = _twins(ADAMS[name], with_unused=True)
+    eager = make_step(m1, o1, F.cross_entropy)
+    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy), mode=mode, first_step="prefill")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flowexec.RecaptureWarning)  # (one program: the steps')
+        for k in range(4):
+            x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+            torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
+            if k == 0:  # the steps' program, captured at once: no first step's program
+                assert exe.first_step_prefilled and exe.first_step_program is None
+                assert exe.build_seconds is not None
+                assert m2.unused not in o2.state and m2.unused.grad is None  # as eager leaves it
+    assert sum(len(v) for v in exe._cache.values()) == 1
+    _same_state(o1, o2)
+    for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),  # its first buffer is the gradient itself
+    lambda ps: type("MyAdam", (torch.optim.Adam,), {})(ps, lr=1e-2),  # a subclass may initialise otherwise
+], ids=["sgd_momentum", "adam_subclass"])
+def test_other_optimizers_take_the_first_step_s_program(make_opt) -> None:
+    m1, o1, m2, o2 = _twins(make_opt)
+    assert not optim_state.can_prefill(o2)
+    with pytest.raises(ValueError, match="cannot prefill"):
+        optim_state.prefill(o2)
+    eager = make_step(m1, o1, F.cross_entropy)
+    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy), first_step="prefill")
+    for _ in range(3):
+        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+        torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
+    assert not exe.first_step_prefilled and exe.first_step_program is not None
+    _same_state(o1, o2)
+
+
+def test_a_prefill_that_fails_leaves_nothing_behind_and_the_first_step_s_program_runs(monkeypatch) -> None:
+    """An initialisation that raises part-way (a fused Adam's device check, say): no state and
+    no placeholder gradient is left, and the first call runs the first step's program."""
+    m1, o1, m2, o2 = _twins(ADAMS["adamw_foreach"])
+    init, prefill = torch.optim.AdamW._init_group, optim_state.prefill
+
+    def failing_init(self, group, *lists):
+        init(self, group, *lists)  # (the state made, then the refusal)
+        raise RuntimeError("refused by its own check")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.optim.AdamW, "_init_group", failing_init)
+        with pytest.raises(RuntimeError, match="refused"):
+            optim_state.prefill(o2)
+    assert not o2.state and all(p.grad is None for p in m2.parameters())
+
+    def failing_prefill(opt):  # (through the executable: state made, then an error)
+        prefill(opt)
+        raise RuntimeError("refused after the state was made")
+    monkeypatch.setattr(optim_state, "prefill", failing_prefill)
+    eager = make_step(m1, o1, F.cross_entropy)
+    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy), first_step="prefill")
+    for _ in range(2):
+        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+        torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
+    assert not exe.first_step_prefilled and exe.first_step_program is not None
+    assert "prefill: RuntimeError: refused after" in exe.first_step_fallback
+    _same_state(o1, o2)
+
+
+def test_a_step_that_zeroes_gradients_in_place_takes_the_first_step_s_program() -> None:
+    """``zero_grad(set_to_none=False)`` reads ``.grad``: a placeholder would be read as one, so
+    the first call runs the first step's program (and says why)."""
+    m1, o1, m2, o2 = _twins(ADAMS["adamw_foreach"])
+    eager = make_step(m1, o1, F.cross_entropy, set_to_none=False)
+    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy, set_to_none=False), first_step="prefill")
+    for _ in range(3):
+        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+        torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
+    assert not exe.first_step_prefilled and exe.first_step_program is not None
+    assert "reads .grad" in exe.first_step_fallback
+    _same_state(o1, o2)
