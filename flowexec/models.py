@@ -77,11 +77,13 @@ class ConvNet(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-def make_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """A whole training step: zero grads, forward, loss, backward, optimizer update."""
+def make_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+              set_to_none: bool = False) -> Callable[..., torch.Tensor]:
+    """A whole training step: zero grads (in place, or ``set_to_none``: dropped), forward, loss,
+    backward, optimizer update."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()

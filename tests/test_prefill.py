@@ -13,18 +13,15 @@ import torch.nn.functional as F
 
 import flowexec
 from flowexec import optim_state
-from flowexec.models import make_mlp
+from flowexec.models import make_mlp, make_step
 
 
-def make_step(model, opt, loss_fn, set_to_none: bool = True):
-    """The usual step (``zero_grad()``'s default: last step's gradients dropped, not zeroed)."""
-    def step(x, y):
-        opt.zero_grad(set_to_none=set_to_none)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-    return step
+def _train_both(exe, eager, steps: int) -> None:
+    """``steps`` calls of each on the same batches, the losses compared."""
+    for _ in range(steps):
+        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+        torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
+
 
 ADAMS = {
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
@@ -62,7 +59,7 @@ def test_prefilled_state_then_eager_steps_are_eager_s_to_the_bit(name) -> None:
     m1, o1, m2, o2 = _twins(ADAMS[name])
     made = optim_state.prefill(o2)
     assert len(made) == len(list(m2.parameters())) and all(p.grad is None for p in m2.parameters())
-    s1, s2 = make_step(m1, o1, F.cross_entropy), make_step(m2, o2, F.cross_entropy)
+    s1, s2 = make_step(m1, o1, F.cross_entropy, set_to_none=True), make_step(m2, o2, F.cross_entropy, set_to_none=True)
     for _ in range(3):
         x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
         assert torch.equal(s1(x, y), s2(x, y))
@@ -76,8 +73,8 @@ def test_prefilled_state_then_eager_steps_are_eager_s_to_the_bit(name) -> None:
 @pytest.mark.parametrize("mode", ["trace", "threaded"])
 def test_prefill_captures_the_steps_on_the_first_call_and_trains_as_eager(name, mode) -> None:
     m1, o1, m2, o2 = _twins(ADAMS[name], with_unused=True)
-    eager = make_step(m1, o1, F.cross_entropy)
-    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy), mode=mode, first_step="prefill")
+    eager = make_step(m1, o1, F.cross_entropy, set_to_none=True)
+    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy, set_to_none=True), mode=mode, first_step="prefill")
     with warnings.catch_warnings():
         warnings.simplefilter("error", flowexec.RecaptureWarning)  # (one program: the steps')
         for k in range(4):
@@ -102,11 +99,9 @@ def test_other_optimizers_take_the_first_step_s_program(make_opt) -> None:
     assert not optim_state.can_prefill(o2)
     with pytest.raises(ValueError, match="cannot prefill"):
         optim_state.prefill(o2)
-    eager = make_step(m1, o1, F.cross_entropy)
-    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy), first_step="prefill")
-    for _ in range(3):
-        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
-        torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
+    eager = make_step(m1, o1, F.cross_entropy, set_to_none=True)
+    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy, set_to_none=True), first_step="prefill")
+    _train_both(exe, eager, 3)
     assert not exe.first_step_prefilled and exe.first_step_program is not None
     _same_state(o1, o2)
 
@@ -130,25 +125,20 @@ def test_a_prefill_that_fails_leaves_nothing_behind_and_the_first_step_s_program
         prefill(opt)
         raise RuntimeError("refused after the state was made")
     monkeypatch.setattr(optim_state, "prefill", failing_prefill)
-    eager = make_step(m1, o1, F.cross_entropy)
-    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy), first_step="prefill")
-    for _ in range(2):
-        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
-        torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
-    assert not exe.first_step_prefilled and exe.first_step_program is not None
-    assert "prefill: RuntimeError: refused after" in exe.first_step_fallback
-    _same_state(o1, o2)
+    _check_fallback(m1, o1, m2, o2, "prefill: RuntimeError: refused after")
 
 
 def test_a_step_that_zeroes_gradients_in_place_takes_the_first_step_s_program() -> None:
     """``zero_grad(set_to_none=False)`` reads ``.grad``: a placeholder would be read as one, so
     the first call runs the first step's program (and says why)."""
-    m1, o1, m2, o2 = _twins(ADAMS["adamw_foreach"])
-    eager = make_step(m1, o1, F.cross_entropy, set_to_none=False)
-    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy, set_to_none=False), first_step="prefill")
-    for _ in range(3):
-        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
-        torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
+    _check_fallback(*_twins(ADAMS["adamw_foreach"]), "reads .grad", set_to_none=False)
+
+
+def _check_fallback(m1, o1, m2, o2, reason: str, set_to_none: bool = True) -> None:
+    """With first_step="prefill", the first step's program ran (for ``reason``), as eager."""
+    eager = make_step(m1, o1, F.cross_entropy, set_to_none=set_to_none)
+    exe = flowexec.compile(make_step(m2, o2, F.cross_entropy, set_to_none=set_to_none), first_step="prefill")
+    _train_both(exe, eager, 3)
     assert not exe.first_step_prefilled and exe.first_step_program is not None
-    assert "reads .grad" in exe.first_step_fallback
+    assert reason in exe.first_step_fallback, exe.first_step_fallback
     _same_state(o1, o2)
