@@ -654,54 +654,29 @@ class Executable:
             self._deferred = (f"fn reaches an optimizer ({type(fresh[0]).__name__}) that has no state yet, which its "
                               "first step makes")
             return None
-        # Prefilled: captured with a placeholder .grad where the steps will find their last
-        # gradients (fn's zero_grad discards them), so that the program is the steps' own and no
-        # second one follows for gradients that exist once this call has run.
-        lent = optim_state.lend_grads((p for p, _ in made), like=True) if made else []
-
-        def give_back(cap: Any) -> None:  # (before planning: graph mode's warm-up would park them)
-            optim_state.take_back(lent)
-            if cap.grad_inputs:  # fn adds to .grad: it would read the placeholders as gradients
-                raise CaptureError("fn reads .grad (adds to it)")
-        try:
-            compiled = self._build(leaves, tree, paths, after_capture=give_back if made else None)
-        except CaptureError as e:
-            if made:  # (other lazy state, or a step that reads .grad: the first step's program decides)
-                optim_state.take_back(lent)
-                optim_state.undo(made)
-                self.first_step_fallback = f"prefill: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                self._deferred = "fn's first step makes state that a prefill cannot"
+        if made:
+            compiled = self._build_prefilled(made, leaves, tree, paths)
+            if compiled is None:
                 return None
-            if isinstance(e, LazyStateError):
+        else:
+            try:
+                compiled = self._build(leaves, tree, paths)
+            except LazyStateError as e:
                 if self._ran_eagerly:  # the state is made anew on every call, not once
                     raise CaptureError(str(e)) from None
                 self._deferred = str(e).split(". ", 1)[0]
                 return None
-            if unfusing is None:
-                raise
-            self._unfused.discard(unfusing)  # (the foreach path refused: a GradScaler's scale, say)
-            raise GuardError(f"{what} — the param group's foreach path, which would take it fed per call, "
-                             f"cannot step this function ({e}); keep that value constant with this optimizer (a "
-                             "GradScaler hands its scale and found_inf to fused kernels only)") from None
-        except BaseException:
-            if made:  # (an interrupt, a planning error: nothing of the prefill stays behind)
-                optim_state.take_back(lent)
-                optim_state.undo(made)
-            raise
+            except CaptureError as e:
+                if unfusing is None:
+                    raise
+                self._unfused.discard(unfusing)  # (the foreach path refused: a GradScaler's scale, say)
+                raise GuardError(f"{what} — the param group's foreach path, which would take it fed per call, "
+                                 f"cannot step this function ({e}); keep that value constant with this optimizer (a "
+                                 "GradScaler hands its scale and found_inf to fused kernels only)") from None
         if unfusing is not None:
             warnings.warn(f"flowexec: {what}; captured fn again with that param group stepped by its foreach "
                           "path, which takes the value fed per call (fused kernels take it as a number)",
                           RecaptureWarning, stacklevel=4)
-        if made:
-            # Eager makes no state for a parameter left without a gradient, and the next call
-            # finds its .grad None: the guards read so (they saw the prefill's, and a placeholder).
-            dropped = optim_state.prune(made, compiled.plan.program.state.values())
-            bound = {id(p) for p, _ in compiled.grad_bindings}
-            unbound = [p for p, _ in lent if id(p) not in bound]
-            if (dropped or unbound) and compiled.guards is not None:
-                compiled.guards = compiled.guards.without_state_of(dropped).expecting_no_grad(unbound)
-                compiled.guards.attach(fastcall.guard_checker(compiled.guards))
-            self.first_step_prefilled = True
         self._native = None  # closure state may grow: checks built against the old keys go
         self._natives.clear()
         if self._sharing:  # the state is known now
@@ -712,6 +687,39 @@ class Executable:
         if unfusing is not None:  # the fused program gives way (its graph and pool with it)
             self._forget(failed[0], compiled)
         self._cache.setdefault(sig, []).insert(0, compiled)
+        return compiled
+
+    def _build_prefilled(self, made: list[Any], leaves: list[Any], tree: Any, paths: Sequence[str]) -> _Compiled | None:
+        """The steps' program, captured with the optimizers' state prefilled (``made``:
+        flowexec.optim_state) and a placeholder ``.grad`` where later calls find last step's
+        gradients, which fn's zero_grad drops: the steps' own program, so that no second one
+        follows once this call's gradients exist. None, with the prefill undone, where the first
+        step's program must decide instead (other lazy state; a step that reads ``.grad``)."""
+        lent = optim_state.lend_grads((p for p, _ in made), like=True)
+
+        def give_back(cap: Any) -> None:  # (before planning: graph mode's warm-up would park them)
+            optim_state.take_back(lent)
+            if cap.grad_inputs:  # fn adds to .grad: it would read the placeholders as gradients
+                raise CaptureError("fn reads .grad (adds to it)")
+        try:
+            compiled = self._build(leaves, tree, paths, after_capture=give_back)
+        except BaseException as e:
+            optim_state.take_back(lent)
+            optim_state.undo(made)
+            if not isinstance(e, CaptureError):  # (an interrupt, a planning error: nothing stays behind)
+                raise
+            self.first_step_fallback = f"prefill: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self._deferred = "fn's first step makes state that a prefill cannot"
+            return None
+        # Eager makes no state for a parameter left without a gradient, and the next call finds
+        # its .grad None: the guards read so (they saw the prefill's state, and a placeholder).
+        dropped = optim_state.prune(made, compiled.plan.program.state.values())
+        bound = {id(p) for p, _ in compiled.grad_bindings}
+        unbound = [p for p, _ in lent if id(p) not in bound]
+        if (dropped or unbound) and compiled.guards is not None:
+            compiled.guards = compiled.guards.without_state_of(dropped).expecting_no_grad(unbound)
+            compiled.guards.attach(fastcall.guard_checker(compiled.guards))
+        self.first_step_prefilled = True
         return compiled
 
     def _prefill(self, fresh: Sequence[torch.optim.Optimizer]) -> list[Any] | None:
