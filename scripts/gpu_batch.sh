@@ -60,8 +60,8 @@ for step in "$@"; do
                  -o "$R/scale_${step#scale-}.json" ;;  # process; then scale.py --merge into scale.json
     scale-gpt2-fused) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m --variants fx_graph_fused \
                  --timeout 200 -o "$R/scale_gpt2_124m_fused.json" ;;  # the fused graph step alone, cold and warm (default workers)
-    scale-gpt2-prefill) SCALE_FIRST_STEP=prefill run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m \
-                 --variants eager,fx_graph_fused --timeout 200 -o "$R/scale_gpt2_124m_prefill.json" ;;  # first_step="prefill"
+    scale-gpt2-prefill) SCALE_FIRST_STEP=prefill run_step $step 420 python3 benchmarks/scale.py --models gpt2_124m \
+                 --variants eager,inductor,fx_graph_fused --timeout 200 -o "$R/scale_gpt2_124m_prefill.json" ;;  # first_step="prefill", torch.compile beside it
     prefill-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging tests/gpu/test_prefill_gpu.py \
                  tests/test_prefill.py --junitxml="$R/$step.xml" ;;
     fuse-tests) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_fuse_gpu.py \
