@@ -190,29 +190,23 @@ class LazyStateError(CaptureError):
     capture is discarded, fn runs eagerly once, and the next call captures."""
 
 
-def fresh_optimizer(fn: Callable[..., Any]) -> str | None:
-    """The name of a torch.optim optimizer that ``fn`` reaches (:func:`reachable`) and that has
-    made no state yet, though its first step will (not SGD without momentum); None if there is
-    none, or if looking raised (a property, a ``__getattr__``: the capture then finds lazy state
-    itself).
+def fresh_optimizers(fn: Callable[..., Any]) -> list[torch.optim.Optimizer]:
+    """The torch.optim optimizers that ``fn`` reaches (:func:`reachable`) and that have made no
+    state yet, though their first step will (not SGD without momentum); none if looking raised
+    (a property, a ``__getattr__``: the capture then finds lazy state itself).
 
     A capture of such a step would find the state made: an Executable asks this before its
     first capture, and captures that first step as a program of its own that makes the state
-    (``first_step="planned"``) or runs it eagerly.
+    (``first_step="planned"``), has Adam and AdamW make it first (``"prefill"``) or runs it eagerly.
 
         >>> import torch
         >>> net = torch.nn.Linear(2, 2)
         >>> opt = torch.optim.AdamW(net.parameters())
-        >>> fresh_optimizer(lambda x: opt.step())
-        'AdamW'
-        >>> fresh_optimizer(lambda x: torch.optim.SGD(net.parameters(), lr=0.1))  # made in the call: not reached
+        >>> [type(o).__name__ for o in fresh_optimizers(lambda x: opt.step())]
+        ['AdamW']
+        >>> fresh_optimizers(lambda x: torch.optim.SGD(net.parameters(), lr=0.1))  # made in the call: not reached
+        []
     """
-    found = fresh_optimizers(fn)
-    return type(found[0]).__name__ if found else None
-
-
-def fresh_optimizers(fn: Callable[..., Any]) -> list[torch.optim.Optimizer]:
-    """Every optimizer :func:`fresh_optimizer` would name (none where looking raised)."""
     found = []
     try:
         for obj in reachable(fn):

@@ -239,7 +239,7 @@ class Executable:
         # did that, _eager_next: compile()'s examples found it (the first call then does it outright).
         self._ran_eagerly = False
         self._eager_next = False
-        self._asked_fresh = False  # whether capture.fresh_optimizer was asked (before the first capture)
+        self._asked_fresh = False  # whether capture.fresh_optimizers was asked (before the first capture)
         self._deferred: str | None = None
         self.first_step_program: ExecutionPlan | None = None  # the plan a first_step="planned" call ran
         self.first_step_phases: dict[str, float] | None = None  # its build_phases (where its build's seconds went)
@@ -286,12 +286,12 @@ class Executable:
             cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
                           park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
                           make_state=first_step)
-            if after_capture is not None:
-                after_capture(cap)
             self._parked = cap.parked or None
             if self._parked is not None:  # (an executable dropped while they wait gives them back)
                 weakref.finalize(self, self._parked.restore)
             try:
+                if after_capture is not None:
+                    after_capture(cap)
                 return self._plan_and_lower(cap, args, tree, paths, t0, mode="trace" if first_step else self.mode)
             except BaseException:
                 self._give_back_parked()
