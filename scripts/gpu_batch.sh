@@ -64,6 +64,8 @@ for step in "$@"; do
                  --variants eager,inductor,fx_graph_fused --timeout 200 -o "$R/scale_gpt2_124m_prefill.json" ;;  # first_step="prefill", torch.compile beside it
     prefill-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging tests/gpu/test_prefill_gpu.py \
                  tests/test_prefill.py --junitxml="$R/$step.xml" ;;
+    prefill-peak) run_step $step 200 bash -c "python3 benchmarks/probes/prefill_peak.py --first-step planned --out '$R' && \
+                 python3 benchmarks/probes/prefill_peak.py --first-step prefill --out '$R'" ;;  # what the prefilled first call holds at its peak
     fuse-tests) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_fuse_gpu.py \
                  --junitxml="$R/$step.xml" ;;
     memtests)  run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py \
