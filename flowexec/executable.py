@@ -696,9 +696,11 @@ class Executable:
         follows once this call's gradients exist. None, with the prefill undone, where the first
         step's program must decide instead (other lazy state; a step that reads ``.grad``)."""
         lent = optim_state.lend_grads((p for p, _ in made), like=True)
+        lent_to = [p for p, _ in lent]
 
         def give_back(cap: Any) -> None:  # (before planning: graph mode's warm-up would park them)
             optim_state.take_back(lent)
+            lent.clear()  # (held here through the build, they lifted its warm-up's peak by a gradient's size)
             if cap.grad_inputs:  # fn adds to .grad: it would read the placeholders as gradients
                 raise CaptureError("fn reads .grad (adds to it)")
         try:
@@ -715,7 +717,7 @@ class Executable:
         # its .grad None: the guards read so (they saw the prefill's state, and a placeholder).
         dropped = optim_state.prune(made, compiled.plan.program.state.values())
         bound = {id(p) for p, _ in compiled.grad_bindings}
-        unbound = [p for p, _ in lent if id(p) not in bound]
+        unbound = [p for p in lent_to if id(p) not in bound]
         if (dropped or unbound) and compiled.guards is not None:
             compiled.guards = compiled.guards.without_state_of(dropped).expecting_no_grad(unbound)
             compiled.guards.attach(fastcall.guard_checker(compiled.guards))

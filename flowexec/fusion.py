@@ -262,7 +262,8 @@ def pad_key(case: PadCase) -> str:
     mm = torch.backends.cuda.matmul
     return (f"{name} | torch {torch.__version__} cuda {torch.version.cuda} tf32 {mm.allow_tf32} reduced "
             f"fp16 {mm.allow_fp16_reduced_precision_reduction} bf16 {mm.allow_bf16_reduced_precision_reduction} "
-            f"| {case.kind} batch {case.batch} m {case.m} k {case.k} n {case.n} {case.dtype} -> {case.padded}")
+            f"| {case.kind} batch {case.batch} m {case.m} k {case.k} n {case.n} {case.dtype} -> {case.padded}"
+            + " A^T" * case.a_t + " B^T" * case.b_t)
 
 
 def kept_verdict(case: PadCase, measure: Callable[[], bool]) -> bool:
@@ -278,25 +279,38 @@ def kept_verdict(case: PadCase, measure: Callable[[], bool]) -> bool:
     return hit
 
 
-def _operands(case: PadCase, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _operand(case: PadCase, rows: int, cols: int, transposed: bool) -> torch.Tensor:
+    """A ``[rows, cols]`` operand (batched for bmm) laid out as the program's: a column-major
+    one is a transpose's view of a row-major ``[cols, rows]`` tensor."""
     lead = (case.batch,) if case.batch else ()
-    a = torch.randn(*lead, m, k, dtype=case.dtype, device=case.device)
-    b = torch.randn(*lead, k, n, dtype=case.dtype, device=case.device)
-    return a, b
+    if transposed:
+        return torch.randn(*lead, cols, rows, dtype=case.dtype, device=case.device).transpose(-1, -2)
+    return torch.randn(*lead, rows, cols, dtype=case.dtype, device=case.device)
+
+
+def _operands(case: PadCase) -> tuple[torch.Tensor, torch.Tensor]:
+    return _operand(case, case.m, case.k, case.a_t), _operand(case, case.k, case.n, case.b_t)
+
+
+def _padded(x: torch.Tensor, rows: int, cols: int, transposed: bool) -> torch.Tensor:
+    """``x`` zero-padded to ``[rows, cols]`` as the pass pads it: a transpose's source is
+    padded, so the padded operand keeps the program's layout."""
+    pad = torch.nn.functional.pad
+    r, c = x.shape[-2:]
+    if transposed:
+        return pad(x.transpose(-1, -2), [0, rows - r, 0, cols - c]).transpose(-1, -2)
+    return pad(x, [0, cols - c, 0, rows - r])
 
 
 def _time_plain(case: PadCase) -> float:
-    a, b = _operands(case, case.m, case.k, case.n)
+    a, b = _operands(case)
     return _gpu_time(lambda: torch.matmul(a, b))
 
 
 def _time_padded(case: PadCase) -> float:
-    a, b = _operands(case, case.m, case.k, case.n)
+    a, b = _operands(case)
     m2, k2, n2 = case.padded
-    pa = [0, k2 - case.k, 0, m2 - case.m]
-    pb = [0, n2 - case.n, 0, k2 - case.k]
-    pad = torch.nn.functional.pad
-    return _gpu_time(lambda: torch.matmul(pad(a, pa), pad(b, pb)))
+    return _gpu_time(lambda: torch.matmul(_padded(a, m2, k2, case.a_t), _padded(b, k2, n2, case.b_t)))
 
 
 def _gpu_time(fn: Any, reps: int = 10) -> float:

@@ -242,6 +242,31 @@ def test_pad_true_aligns_products_keeps_answers_and_output_strides_and_pads_a_gr
     assert "constant_pad_nd" not in str(flowexec.compile(f, x, g).program)  # on the CPU nothing is padded by default
 
 
+def test_a_padding_case_is_timed_with_its_operands_layout():
+    """A weight gradient's ``t(g) @ x`` has the vocabulary as its first operand's leading
+    dimension, which a row-major stand-in of the same sizes would not (an aligned 8,192 on
+    GPT-2's head, where the program's product ran cuBLAS's slow misaligned kernel and the
+    verdict said padding did not pay): the case records each operand's layout, and the timed
+    operands, plain and padded, are laid out as the program's."""
+    from flowexec import fusion
+    from flowexec.passes.pad import pad_cases
+
+    w = torch.randn(50, 12)
+    x, g = torch.randn(6, 12), torch.randn(6, 50)
+    prog = flowexec.compile(lambda x, g: (g @ w, g.t() @ x, x @ w.t()), x, g, pad=False, fuse=False).program
+    layouts = {}
+    for i, case in pad_cases(prog):
+        a, b = (prog.values[r].meta for r in prog.ops[i].refs())
+        ta, tb = fusion._operands(case)
+        assert (ta.shape, ta.stride(), tb.shape, tb.stride()) == (a.shape, a.stride, b.shape, b.stride)
+        layouts[(case.m, case.k, case.n)] = (case.a_t, case.b_t)
+        pa = fusion._padded(ta, case.padded[0], case.padded[1], case.a_t)
+        assert pa.shape == case.padded[:2] and (pa.stride() == (1, case.padded[0])) == case.a_t
+        torch.testing.assert_close(pa[:case.m, :case.k], ta)
+    assert layouts == {(6, 50, 12): (False, False), (50, 6, 12): (True, False), (6, 12, 50): (False, True)}
+    assert "A^T" in fusion.pad_key(next(c for _, c in pad_cases(prog) if c.a_t))
+
+
 def test_metas_after_padding_rerun_only_what_the_rewrite_changed():
     """After padding a language model's head, propagate_metas re-derives what running every op
     on fake tensors gives, and an op whose inputs kept their metas is not run again: a stride

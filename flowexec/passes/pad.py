@@ -46,8 +46,11 @@ _TRANSPOSES = ("aten.t.default", "aten.transpose.int")
 
 @dataclass(frozen=True, slots=True)
 class PadCase:
-    """One product to decide on: its kind, sizes (``batch`` 0 for 2-D), dtype, device, and the
-    padded sizes it would get."""
+    """One product to decide on: its kind, sizes (``batch`` 0 for 2-D), dtype, device, the
+    padded sizes it would get, and whether each operand is column-major (``a_t``, ``b_t``: a
+    transpose's view, as a weight gradient's ``t(grad_out)``). The layout decides which size is
+    a leading dimension: ``t(g)`` of a ``[8192, 50257]`` gradient has ``m`` = 50,257 as its
+    leading dimension, where a row-major ``[50257, 8192]`` operand has an aligned 8,192."""
 
     kind: str
     batch: int
@@ -57,6 +60,8 @@ class PadCase:
     dtype: torch.dtype
     device: torch.device
     padded: tuple[int, int, int]
+    a_t: bool = False
+    b_t: bool = False
 
 
 def alignment(dtype: torch.dtype) -> int:
@@ -85,8 +90,15 @@ def pad_cases(prog: Program) -> list[tuple[int, PadCase]]:
         m, k, n = ma.shape[-2], ma.shape[-1], mb.shape[-1]
         padded = (_up(m, al), _up(k, al), _up(n, al))
         if padded != (m, k, n):
-            out.append((op.index, PadCase(kind, ma.shape[0] if kind == "bmm" else 0, m, k, n, ma.dtype, ma.device, padded)))
+            out.append((op.index, PadCase(kind, ma.shape[0] if kind == "bmm" else 0, m, k, n, ma.dtype, ma.device, padded,
+                                          _column_major(ma.shape, ma.stride), _column_major(mb.shape, mb.stride))))
     return out
+
+
+def _column_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a product's operand is laid out column-major in its last two dimensions (a
+    transpose's view: its rows are the leading dimension)."""
+    return len(stride) >= 2 and stride[-1] != 1 and stride[-2] == 1 and shape[-1] > 1
 
 
 def pad_matrix_products(prog: Program, should_pad: Callable[[PadCase], bool]) -> Program:
