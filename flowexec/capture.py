@@ -874,7 +874,7 @@ def _library_compiling(everywhere: bool) -> Iterator[None]:
 
 def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
           park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
-          make_state: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+          make_state: bool = False, first_call: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
     (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
@@ -889,10 +889,14 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     are inputs wait in host memory while fn runs (:mod:`flowexec.parking`; None: none);
     ``unfused``: ids of param groups that step through the foreach path instead of their fused
     kernel (:class:`~flowexec.hyperparams.Lifter`); ``make_state``: a first step's program, whose
-    outputs include the state entries the stepped optimizers make (:attr:`Captured.made_state`).
+    outputs include the state entries the stepped optimizers make (:attr:`Captured.made_state`);
+    ``first_call``: fn has not run yet (a prefilled first step), so lazy state it makes (a
+    GradScaler's scale) is final where the fake run finds it, with no real run to find it again.
+    Both put back what a failed run changed in plain objects (a GradScaler's record of a step
+    taken, which the next run would refuse).
     """
     everywhere, hooks = False, True
-    saved = object_attributes(fn) if make_state else None  # (a first step's lazy state: put back on failure)
+    saved = object_attributes(fn) if make_state or first_call else None
     # A fake run (_FAKE_CAPTURE: the default) computes nothing: no activations held, no undo log
     # of what the step writes. Whatever it cannot do (an op with no fake kernel, a host read of
     # a value it does not have, an argument on closure state's storage), a real run decides.
@@ -907,7 +911,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
         except Exception as e:
             if saved is not None:
                 put_back_attributes(saved)
-            if isinstance(e, LazyStateError) and (not fake or make_state):
+            if isinstance(e, LazyStateError) and (not fake or make_state or first_call):
                 raise
             if fake and isinstance(e, HostReadError) and e.retry_with_flag and not everywhere:
                 everywhere = True  # (as a real run would be retried: the fake one first)
@@ -1163,13 +1167,13 @@ def _new_state(lifter: Lifter, guard: Any) -> list[tuple[torch.optim.Optimizer, 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
             park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
-            make_state: bool = False) -> Captured:
+            make_state: bool = False, first_call: bool = False) -> Captured:
     """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
     The program's inputs are the tensors of ``args``, then (``guarded=True``) ``p.grad`` for
     each parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards
-    (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park`` and
-    ``unfused``, ``make_state``: see :func:`trace`)."""
-    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused, make_state)
+    (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park``,
+    ``unfused``, ``make_state`` and ``first_call``: see :func:`trace`)."""
+    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused, make_state, first_call)
     _warn_fast_paths(sources)
     try:
         return _captured(gm, bindings, n_user, sources, out_tree, reads, args, guarded)

@@ -222,7 +222,7 @@ class Executable:
         self.borrow = tuple(options.get("borrow", ()))
         self.park = bool(options.get("park", True))
         self.pool = options.get("pool", "private")
-        self.first_step = options.get("first_step", "planned")
+        self.first_step = options.get("first_step", "prefill")
         if self.first_step not in ("planned", "prefill", "eager"):
             raise OptionError(f"first_step={self.first_step!r}: choose 'planned' (the first step as a program of its "
                               "own, which makes the optimizer's state), 'prefill' (Adam and AdamW make their state "
@@ -272,10 +272,11 @@ class Executable:
 
     # -- building -------------------------------------------------------------------------
     def _build(self, args: Sequence[Any], tree: Any, paths: Sequence[str], first_step: bool = False,
-               after_capture: Callable[[Any], None] | None = None) -> _Compiled:
+               after_capture: Callable[[Any], None] | None = None, first_call: bool = False) -> _Compiled:
         # args: the call's leaves in flattened order (tree and paths: flowexec.signature.tree_of);
         # first_step: the program of a step that makes its optimizers' state, run once in trace mode;
-        # after_capture(captured): called before planning (it may raise a CaptureError)
+        # after_capture(captured): called before planning (it may raise a CaptureError);
+        # first_call: fn has not run yet (a prefilled first step: capture.trace)
         t0 = time.perf_counter()
         self._give_back_parked()
         fastcall.load()  # (where built, its C frame tracer serves the capture's guards.Recorder)
@@ -285,7 +286,7 @@ class Executable:
         try:
             cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
                           park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
-                          make_state=first_step)
+                          make_state=first_step, first_call=first_call)
             self._parked = cap.parked or None
             if self._parked is not None:  # (an executable dropped while they wait gives them back)
                 weakref.finalize(self, self._parked.restore)
@@ -704,7 +705,7 @@ class Executable:
             if cap.grad_inputs:  # fn adds to .grad: it would read the placeholders as gradients
                 raise CaptureError("fn reads .grad (adds to it)")
         try:
-            compiled = self._build(leaves, tree, paths, after_capture=give_back)
+            compiled = self._build(leaves, tree, paths, after_capture=give_back, first_call=True)
         except BaseException as e:
             optim_state.take_back(lent)
             optim_state.undo(made)

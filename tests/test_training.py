@@ -475,9 +475,12 @@ def test_fresh_optimizers_are_found_where_a_step_reaches_them() -> None:
     assert got == {k: want for k, (_, want) in table.items()}
 
 
-def test_an_optimizer_reached_but_never_stepped_defers_only_the_first_capture() -> None:
-    """An inference method whose object holds an AdamW it never steps: the first call runs
-    eagerly (the optimizer looks fresh), and from then on every signature is captured."""
+@pytest.mark.parametrize("first_step", ["planned", "prefill"])
+def test_an_optimizer_reached_but_never_stepped_defers_only_the_first_capture(first_step) -> None:
+    """An inference method whose object holds an AdamW it never steps: with
+    ``first_step="planned"`` the first call runs eagerly (the optimizer looks fresh), and from
+    then on every signature is captured; prefilled (the default), the first call captures, and
+    the state made for it is dropped again (the program reads none), as eager makes none."""
     class Model:
         def __init__(self) -> None:
             torch.manual_seed(0)
@@ -489,11 +492,13 @@ def test_an_optimizer_reached_but_never_stepped_defers_only_the_first_capture() 
                 return self.net(x).softmax(-1)
 
     m = Model()
-    exe = flowexec.compile(m.predict)
+    exe = flowexec.compile(m.predict, first_step=first_step)
     a, b = torch.randn(3, 4), torch.randn(5, 4)
     for k, x in enumerate([a, a, b, a, b, a, b]):
         torch.testing.assert_close(exe(x), m.predict(x))
-        assert len(exe._cache) == (0, 1, 2, 2, 2, 2, 2)[k], k
+        want = (0, 1, 2, 2, 2, 2, 2) if first_step == "planned" else (1, 1, 2, 2, 2, 2, 2)
+        assert len(exe._cache) == want[k], k
+        assert not m.opt.state and m.net.weight.grad is None
 
 
 def test_grad_scaler_with_an_optimizer_that_is_not_fused_says_what_to_use() -> None:
