@@ -43,6 +43,8 @@ for step in "$@"; do
     schedule-gaps-prime) run_step $step 180 python3 benchmarks/probes/schedule_gaps.py --prime --out "$R/prime" ;;
     scale-llama-peers) run_step $step 400 python3 benchmarks/scale.py --models llama_207m \
                  --variants eager,inductor,fx_graph_fused --no-warm --timeout 240 -o "$R/scale_llama_207m.json" ;;
+    scale-gpt2-pair) run_step $step 200 python3 benchmarks/scale.py --models gpt2_124m \
+                 --variants inductor,fx_graph_fused --no-warm --timeout 150 -o "$R/scale_gpt2_124m_pair.json" ;;  # the step against torch.compile alone, cold builds
     scale-gpt2-peers) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m \
                  --variants eager,inductor,fx_graph_fused --no-warm --timeout 200 -o "$R/scale_gpt2_124m.json" ;;
     first-graph) run_step $step 240 bash -c "python3 benchmarks/probes/first_graph.py --out '$R/fg' && \
