@@ -73,12 +73,13 @@ OPTIONS = {
              "planned peak (branches depth-first, large buffers die early)",
     "gc_backlog": "gc='async': bound on the bytes handed to the collector and not yet freed, as bytes (int) or a "
                   "fraction of the planned peak (float, default 0.1); past it the caller frees itself",
-    "first_step": "'planned' (default), 'prefill' or 'eager': how a first call runs when fn's optimizer has no state "
-                  "yet, which its first step makes. 'planned': as a program of its own in trace mode (this "
-                  "executable's fusion, padding, recomputation and memory options), which also makes the state; the "
-                  "second call captures the steps that follow. 'prefill': Adam and AdamW make their state with their "
-                  "own initialisation before the first capture, which then captures the steps at once (no first "
-                  "step's program; other optimizers as 'planned'). 'eager': fn itself runs (its peak memory is eager's)",
+    "first_step": "'prefill' (default), 'planned' or 'eager': how a first call runs when fn's optimizer has no state "
+                  "yet, which its first step makes. 'prefill': Adam and AdamW make their state with their own "
+                  "initialisation before the first capture, which then captures the steps at once (no first step's "
+                  "program; other optimizers and other lazy state as 'planned'). 'planned': as a program of its own "
+                  "in trace mode (this executable's fusion, padding, recomputation and memory options), which also "
+                  "makes the state; the second call captures the steps that follow. 'eager': fn itself runs (its "
+                  "peak memory is eager's)",
     "pool": "graph mode: 'private' (default: each CUDA graph keeps a memory pool of its own and holds its outputs) "
             "or 'shared' (every graph of a device in one pool, through PyTorch's CUDA-graph trees; outputs are not "
             "held once dropped; docs/memory.md)",
@@ -187,12 +188,12 @@ class Executable:
     captures ``fn`` again (with a :class:`RecaptureWarning`). So does a change of a Python value
     the capture read (a module's ``training`` flag, ``self.temperature``, a number in a global
     dict, ``requires_grad``: its guards, ``exe.guards``), while optimizer hyperparameters are
-    fed to the program at each call, so an LR schedule captures nothing again. A first call
-    that makes state (an optimizer's first step) runs as a program of its own that makes it
-    (``first_step="planned"``), or ``fn`` eagerly, and the next captures; with
-    ``first_step="prefill"`` Adam and AdamW make their state before the first capture, which
-    then captures the steps (docs/training.md). Attributes ``program`` and ``plan`` show the
-    most recently built signature.
+    fed to the program at each call, so an LR schedule captures nothing again. Adam and AdamW
+    make their state before the first capture, which then captures the steps
+    (``first_step="prefill"``, the default); a first call that makes other state (another
+    optimizer's first step) runs as a program of its own that makes it (``"planned"``), or
+    ``fn`` eagerly, and the next captures (docs/training.md). Attributes ``program`` and
+    ``plan`` show the most recently built signature.
 
     >>> import torch, flowexec
     >>> exe = flowexec.compile(lambda x: x.cumsum(0), torch.ones(3))
