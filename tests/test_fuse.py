@@ -242,6 +242,24 @@ def test_pad_true_aligns_products_keeps_answers_and_output_strides_and_pads_a_gr
     assert "constant_pad_nd" not in str(flowexec.compile(f, x, g).program)  # on the CPU nothing is padded by default
 
 
+def test_a_detached_alias_of_a_padded_operand_shares_its_pad():
+    """The backward reads autocast's copy of a weight through ``detach(t(w16))``: padded as
+    ``t(w16)`` is, so the forward's product and the backward's share one padded copy of it (and
+    ``g``, misaligned in K for both, one of its own)."""
+    w = torch.randn(12, 50)
+
+    def f(g):
+        w16 = w * 2  # (an intermediate, as autocast's cast is)
+        return g @ w16.t(), g @ w16.t().detach()
+
+    g = torch.randn(8, 50)
+    exe = flowexec.compile(f, g, pad=True, fuse=False)
+    pads = [op for op in exe.program.ops if op.name == "aten.constant_pad_nd.default"]
+    assert len(pads) == 2, exe.program
+    for a, b in zip(exe(g), f(g)):
+        torch.testing.assert_close(a, b)
+
+
 def test_a_padding_case_is_timed_with_its_operands_layout():
     """A weight gradient's ``t(g) @ x`` has the vocabulary as its first operand's leading
     dimension, which a row-major stand-in of the same sizes would not (an aligned 8,192 on

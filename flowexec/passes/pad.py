@@ -8,8 +8,9 @@ into the product of zero-padded operands, sliced back to the original size: the 
 view, so the rest of the program reads the same values (a column slice has the padded row
 stride: :func:`~flowexec.passes.metas.propagate_metas` re-derives every later value's strides,
 and a product whose consumers cannot view such a result keeps that dimension unpadded). An
-operand that is a transpose (``t``) of a value is padded before the transpose, so the two
-gradient products of one weight share one padded gradient. The pads are pointwise ops: with
+operand that is a transpose (``t``) of a value is padded before the transpose, and a detached
+alias as its source, so the two gradient products of one weight share one padded gradient and
+the forward's product and the backward's one padded weight. The pads are pointwise ops: with
 ``fuse="inductor"`` they join the region that makes their operand, which then writes the
 padded layout directly.
 
@@ -42,6 +43,7 @@ from .streams import is_view_op
 aten = torch.ops.aten
 _PRODUCTS = {"aten.mm.default": "mm", "aten.addmm.default": "addmm", "aten.bmm.default": "bmm"}
 _TRANSPOSES = ("aten.t.default", "aten.transpose.int")
+_ALIASES = ("aten.detach.default", "aten.alias.default")  # the same values, shape and strides as their source
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +186,9 @@ class _Builder:
         if not any(amounts):
             return vid
         op = self.producer.get(vid)
+        if op is not None and op.name in _ALIASES and isinstance(op.args[0], Ref):
+            # (the backward's detached alias of a weight: padded as the weight is, once for both)
+            return self.pad(op.args[0].id, amounts, source)
         if op is not None and op.name in _TRANSPOSES and len(amounts) == 2 and isinstance(op.args[0], Ref):
             src = op.args[0].id
             if self.prog.values[src].meta is not None and len(self.prog.values[src].meta.shape) == 2:
