@@ -49,7 +49,7 @@ from .regions import fusible
 from .streams import is_view_op, stream_groups
 
 _UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
-DEPTH = 3  # how many ops back a source may be recomputed rather than kept
+DEPTH = 6  # how many ops back a source may be recomputed rather than kept (GPT-2's tanh GELU: x -> tanh is five)
 ROUNDS = 4  # peaks found again after each round's recomputations
 # Bytes a recomputation may read per byte it frees at the peak: a parameter's bf16 cast reads 2
 # (its float32 source), GELU's five ops ~5; a norm recomputed for its 4-KiB statistics ~1,000
