@@ -197,7 +197,7 @@ def fresh_optimizers(fn: Callable[..., Any]) -> list[torch.optim.Optimizer]:
 
     A capture of such a step would find the state made: an Executable asks this before its
     first capture, and captures that first step as a program of its own that makes the state
-    (``first_step="planned"``), has Adam and AdamW make it first (``"prefill"``) or runs it eagerly.
+    (``first_step="planned"``), has Adam, AdamW and the like make it first (``"prefill"``) or runs it eagerly.
 
         >>> import torch
         >>> net = torch.nn.Linear(2, 2)

@@ -74,9 +74,10 @@ OPTIONS = {
     "gc_backlog": "gc='async': bound on the bytes handed to the collector and not yet freed, as bytes (int) or a "
                   "fraction of the planned peak (float, default 0.1); past it the caller frees itself",
     "first_step": "'prefill' (default), 'planned' or 'eager': how a first call runs when fn's optimizer has no state "
-                  "yet, which its first step makes. 'prefill': Adam and AdamW make their state with their own "
-                  "initialisation before the first capture, which then captures the steps at once (no first step's "
-                  "program; other optimizers and other lazy state as 'planned'). 'planned': as a program of its own "
+                  "yet, which its first step makes. 'prefill': Adam, AdamW and the other optimizers whose state "
+                  "starts as zeros (optim_state.PREFILLABLE) make it with their own initialisation before the first "
+                  "capture, which then captures the steps at once (no first step's program; other optimizers and "
+                  "other lazy state as 'planned'). 'planned': as a program of its own "
                   "in trace mode (this executable's fusion, padding, recomputation and memory options), which also "
                   "makes the state; the second call captures the steps that follow. 'eager': fn itself runs (its "
                   "peak memory is eager's)",
@@ -188,9 +189,10 @@ class Executable:
     captures ``fn`` again (with a :class:`RecaptureWarning`). So does a change of a Python value
     the capture read (a module's ``training`` flag, ``self.temperature``, a number in a global
     dict, ``requires_grad``: its guards, ``exe.guards``), while optimizer hyperparameters are
-    fed to the program at each call, so an LR schedule captures nothing again. Adam and AdamW
-    make their state before the first capture, which then captures the steps
-    (``first_step="prefill"``, the default); a first call that makes other state (another
+    fed to the program at each call, so an LR schedule captures nothing again. Adam, AdamW and
+    the other optimizers of ``optim_state.PREFILLABLE`` make their state before the first
+    capture, which then captures the steps (``first_step="prefill"``, the default); a first
+    call that makes other state (another
     optimizer's first step) runs as a program of its own that makes it (``"planned"``), or
     ``fn`` eagerly, and the next captures (docs/training.md). Attributes ``program`` and
     ``plan`` show the most recently built signature.
@@ -226,8 +228,8 @@ class Executable:
         self.first_step = options.get("first_step", "prefill")
         if self.first_step not in ("planned", "prefill", "eager"):
             raise OptionError(f"first_step={self.first_step!r}: choose 'planned' (the first step as a program of its "
-                              "own, which makes the optimizer's state), 'prefill' (Adam and AdamW make their state "
-                              "before the first capture) or 'eager' (fn runs eagerly once)")
+                              "own, which makes the optimizer's state), 'prefill' (Adam, AdamW and the like make "
+                              "their state before the first capture) or 'eager' (fn runs eagerly once)")
         self.memory_options = {k: options[k] for k in ("memory", "order", "gc_backlog") if k in options}
         if self.borrow and mode != "graph":
             raise OptionError("borrow applies to mode='graph' only (trace mode reads every argument in place)")

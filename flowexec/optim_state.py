@@ -2,7 +2,8 @@
 (``first_step="prefill"``).
 
 Adam and AdamW make their state in ``_init_group`` on the first ``step()``: a step count and
-zero moments shaped as each parameter, read from the parameter alone, never from its gradient.
+zero moments shaped as each parameter, read from the parameter alone, never from its gradient;
+so do NAdam, RAdam, Adamax, RMSprop, Adadelta and ASGD (:data:`PREFILLABLE`).
 Made there before the first call, the state exists when flowexec captures, so the first call
 captures the steps' program at once: no first step's program to capture, plan and compile,
 which on GPT-2 124M is a second capture and a set of regions of its own (docs/training.md).
@@ -31,13 +32,18 @@ from typing import Any, Iterable
 
 import torch
 
-# Exact types: their _init_group makes state from the parameter alone (a subclass may read more).
-PREFILLABLE: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
-_LISTS = 6  # _init_group's lists after the group: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+# Exact types whose _init_group makes state from the parameter (and its group) alone: zeros,
+# ones and step counts shaped or placed as the parameter (a subclass may read more), with how
+# many lists it fills after the group (params, grads, then its own: Adam's exp_avgs,
+# exp_avg_sqs, max_exp_avg_sqs and steps). Not SGD, whose first momentum buffer is the gradient.
+PREFILLABLE: dict[type, int] = {
+    torch.optim.Adam: 6, torch.optim.AdamW: 6, torch.optim.NAdam: 6, torch.optim.RAdam: 5,
+    torch.optim.Adamax: 5, torch.optim.RMSprop: 6, torch.optim.Adadelta: 5, torch.optim.ASGD: 6,
+}
 
 
 def can_prefill(opt: Any) -> bool:
-    """Whether :func:`prefill` makes ``opt``'s state: an Adam or AdamW (not a subclass) with no
+    """Whether :func:`prefill` makes ``opt``'s state: one of :data:`PREFILLABLE` (not a subclass) with no
     state yet and no differentiable param group."""
     return (type(opt) in PREFILLABLE and not opt.state
             and not any(g.get("differentiable") for g in opt.param_groups))
@@ -50,14 +56,14 @@ def prefill(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.optim.
     Raises what ``_init_group`` raises (a fused AdamW on a device it does not support), with
     no state left behind."""
     if not can_prefill(opt):
-        raise ValueError(f"flowexec: cannot prefill the state of {type(opt).__name__} (Adam and AdamW only, "
-                         "before their first step)")
+        raise ValueError(f"flowexec: cannot prefill the state of {type(opt).__name__} (the optimizers of "
+                         "flowexec.optim_state.PREFILLABLE only, before their first step)")
     made: list[tuple[torch.Tensor, torch.optim.Optimizer]] = []
     try:
         for group in opt.param_groups:
             lent = lend_grads(group["params"])
             try:
-                opt._init_group(group, *([] for _ in range(_LISTS)))  # type: ignore[attr-defined]
+                opt._init_group(group, *([] for _ in range(PREFILLABLE[type(opt)])))  # type: ignore[attr-defined]
             finally:
                 take_back(lent)
             made += [(p, opt) for p in group["params"] if p.requires_grad]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import flowexec
 from flowexec import optim_state
 from flowexec.models import make_mlp, make_step
+from helpers import assert_close_rel
 
 
 def _train_both(exe, eager, steps: int) -> None:
@@ -24,11 +25,17 @@ def _train_both(exe, eager, steps: int) -> None:
         torch.testing.assert_close(exe(x, y), eager(x, y), rtol=1e-5, atol=1e-6)
 
 
-ADAMS = {
+PREFILLED = {
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
     "adam_for_loop_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False, amsgrad=True),
     "adam_maximize": lambda ps: torch.optim.Adam(ps, lr=1e-2, maximize=True, weight_decay=0.01),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "radam_foreach": lambda ps: torch.optim.RAdam(ps, lr=1e-2, foreach=True),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),  # (test_first_step's)
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=2),
 }
 
 
@@ -49,15 +56,16 @@ def _same_state(o1: torch.optim.Optimizer, o2: torch.optim.Optimizer) -> None:
         for key, a in s1["state"][k].items():
             b = s2["state"][k][key]
             assert (a.dtype, a.device, a.shape) == (b.dtype, b.device, b.shape), (k, key)
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"state {k} {key}")
+            assert_close_rel(b, a, 1e-5, f"state {k} {key}")  # (as test_first_step's: centred RMSprop's
+            # momentum divides by the square root of a variance near zero, so single elements differ by rounding)
     assert s1["param_groups"] == s2["param_groups"]
 
 
-@pytest.mark.parametrize("name", list(ADAMS))
+@pytest.mark.parametrize("name", list(PREFILLED))
 def test_prefilled_state_then_eager_steps_are_eager_s_to_the_bit(name) -> None:
     """Without flowexec: the state prefill makes is what eager's first step makes, so eager's
     steps after it give eager's parameters and state exactly."""
-    m1, o1, m2, o2 = _twins(ADAMS[name])
+    m1, o1, m2, o2 = _twins(PREFILLED[name])
     made = optim_state.prefill(o2)
     assert len(made) == len(list(m2.parameters())) and all(p.grad is None for p in m2.parameters())
     s1, s2 = make_step(m1, o1, F.cross_entropy, set_to_none=True), make_step(m2, o2, F.cross_entropy, set_to_none=True)
@@ -70,10 +78,10 @@ def test_prefilled_state_then_eager_steps_are_eager_s_to_the_bit(name) -> None:
         assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("name", list(ADAMS))
+@pytest.mark.parametrize("name", list(PREFILLED))
 @pytest.mark.parametrize("mode", ["trace", "threaded"])
 def test_prefill_captures_the_steps_on_the_first_call_and_trains_as_eager(name, mode) -> None:
-    m1, o1, m2, o2 = _twins(ADAMS[name], with_unused=True)
+    m1, o1, m2, o2 = _twins(PREFILLED[name], with_unused=True)
     eager = make_step(m1, o1, F.cross_entropy, set_to_none=True)
     exe = flowexec.compile(make_step(m2, o2, F.cross_entropy, set_to_none=True), mode=mode, first_step="prefill")
     with warnings.catch_warnings():
@@ -112,7 +120,7 @@ def test_the_placeholder_gradients_are_freed_before_the_build_plans(monkeypatch)
     plan_for = executable.plan_for
     monkeypatch.setattr(optim_state, "lend_grads", recording_lend)
     monkeypatch.setattr(executable, "plan_for", checking_plan_for)
-    m1, o1, m2, o2 = _twins(ADAMS["adamw_foreach"])
+    m1, o1, m2, o2 = _twins(PREFILLED["adamw_foreach"])
     exe = flowexec.compile(make_step(m2, o2, F.cross_entropy, set_to_none=True), first_step="prefill")
     _train_both(exe, make_step(m1, o1, F.cross_entropy, set_to_none=True), 2)
     assert exe.first_step_prefilled and len(lent) == len(list(m2.parameters()))
@@ -138,7 +146,7 @@ def test_other_optimizers_take_the_first_step_s_program(make_opt) -> None:
 def test_a_prefill_that_fails_leaves_nothing_behind_and_the_first_step_s_program_runs(monkeypatch) -> None:
     """An initialisation that raises part-way (a fused Adam's device check, say): no state and
     no placeholder gradient is left, and the first call runs the first step's program."""
-    m1, o1, m2, o2 = _twins(ADAMS["adamw_foreach"])
+    m1, o1, m2, o2 = _twins(PREFILLED["adamw_foreach"])
     init, prefill = torch.optim.AdamW._init_group, optim_state.prefill
 
     def failing_init(self, group, *lists):
@@ -160,7 +168,7 @@ def test_a_prefill_that_fails_leaves_nothing_behind_and_the_first_step_s_program
 def test_a_step_that_zeroes_gradients_in_place_takes_the_first_step_s_program() -> None:
     """``zero_grad(set_to_none=False)`` reads ``.grad``: a placeholder would be read as one, so
     the first call runs the first step's program (and says why)."""
-    _check_fallback(*_twins(ADAMS["adamw_foreach"]), "reads .grad", set_to_none=False)
+    _check_fallback(*_twins(PREFILLED["adamw_foreach"]), "reads .grad", set_to_none=False)
 
 
 def _check_fallback(m1, o1, m2, o2, reason: str, set_to_none: bool = True) -> None:
