@@ -17,11 +17,12 @@ Variants (one fresh process each, with a fresh TORCHINDUCTOR_CACHE_DIR / TRITON_
   the model compiled, the optimizer eager, as in the anchors;
 - ``fx_trace``, ``fx_trace_fused``, ``fx_graph``, ``fx_graph_fused``: ``flowexec.compile`` of the
   whole step function (zero_grad, forward, backward, optimizer step) in trace / graph mode with
-  ``fuse=False`` / ``fuse="inductor"``. Its first call makes AdamW's state with the first
-  step's program (``first_step="planned"``; ``SCALE_FIRST_STEP=eager``: fn eagerly, as every run
-  before b730040; ``SCALE_FIRST_STEP=prefill``: AdamW's own initialisation before the first
-  capture, which then captures the steps), timed as ``first_call_s``; the second call captures
-  the steps.
+  ``fuse=False`` / ``fuse="inductor"``, with flowexec's defaults otherwise. Its first call,
+  timed as ``first_call_s``, makes AdamW's state as flowexec's default does (since f463ca8:
+  AdamW's own initialisation before the first capture, which then captures the steps);
+  ``SCALE_FIRST_STEP=planned`` runs the first step's program instead and the second call
+  captures the steps (every run from b730040 to f463ca8), ``SCALE_FIRST_STEP=eager`` runs fn
+  eagerly (every run before b730040).
 
 Per variant: median step (ms); build time (s): torch.compile's 3 warm-up steps, eager's too, and
 for flowexec the calls after the first up to the one that captured (capture, fusion, plan,
@@ -234,10 +235,11 @@ def matmul_peak(dev: Any) -> dict[str, Any]:
     return best
 
 
-def kernel_summary(prof: Any, cuda: bool, names: bool = False) -> dict[str, Any]:
+def kernel_summary(prof: Any, cuda: bool) -> dict[str, Any]:
     """What one profiled step ran: CUDA kernels (and copies, memsets, graph launches, launch
-    calls) on a GPU; ATen ops called from outside other ATen ops on a CPU. ``names``: the
-    count and GPU time of every kernel name too."""
+    calls) on a GPU; ATen ops called from outside other ATen ops on a CPU; and the count and
+    time of each by name (``by_name``: what a captured step runs beyond eager, and where a
+    fused step's GPU time goes against torch.compile's)."""
     from collections import Counter
 
     from torch.autograd import DeviceType
@@ -269,8 +271,7 @@ def kernel_summary(prof: Any, cuda: bool, names: bool = False) -> dict[str, Any]
     if not cuda:
         out = {"kernels_per_step": None, "aten_ops_per_step": top_ops,
                "counted": "CPU: no kernels; aten_ops_per_step counts ATen ops not called from another ATen op"}
-        if names:
-            out["by_name"] = {k: {"count": c, "us": kernel_us[k]} for k, c in kernels.most_common()}
+        out["by_name"] = {k: {"count": c, "us": kernel_us[k]} for k, c in kernels.most_common()}
         return out
     n = sum(kernels.values())
     out: dict[str, Any] = {"kernels_per_step": n, "gpu_kernel_ms": sum(kernel_us.values()) / 1e3,
@@ -288,12 +289,11 @@ def kernel_summary(prof: Any, cuda: bool, names: bool = False) -> dict[str, Any]
         out["counted"] = (f"CUPTI reported no kernels inside the {graph_launches} CUDA-graph replay(s): the count is "
                           f"the kernels launched outside graphs only; this step's graph kernels are NOT counted")
         out["graph_kernels_visible"] = False
-    if names:
-        out["by_name"] = {k: {"count": c, "us": kernel_us[k]} for k, c in kernels.most_common()}
+    out["by_name"] = {k: {"count": c, "us": kernel_us[k]} for k, c in kernels.most_common()}
     return out
 
 
-def profile_step(call: Callable[[], Any], dev: Any, names: bool = False) -> dict[str, Any]:
+def profile_step(call: Callable[[], Any], dev: Any) -> dict[str, Any]:
     """:func:`kernel_summary` of one call of ``call`` (a step, already warm)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -302,7 +302,7 @@ def profile_step(call: Callable[[], Any], dev: Any, names: bool = False) -> dict
     with profile(activities=acts) as p:
         call()
         sync(dev)
-    return kernel_summary(p, dev.type == "cuda", names)
+    return kernel_summary(p, dev.type == "cuda")
 
 
 def make_step(w: Workload, f: Any, opt: Any, dev: Any) -> Callable[[Any, Any], Any]:
@@ -341,9 +341,11 @@ def env_meta(dev: Any) -> dict[str, Any]:
 
 
 def flowexec_options(variant: str) -> dict[str, Any]:
+    """The variant's options: its mode and fusion, and ``SCALE_FIRST_STEP`` where set (else
+    flowexec's default first step)."""
     _, mode, *fused = variant.split("_")
-    return {"mode": mode, "fuse": "inductor" if fused else False,
-            "first_step": os.environ.get("SCALE_FIRST_STEP", "planned")}
+    first = {"first_step": os.environ["SCALE_FIRST_STEP"]} if os.environ.get("SCALE_FIRST_STEP") else {}
+    return {"mode": mode, "fuse": "inductor" if fused else False, **first}
 
 
 def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res: dict[str, Any],
@@ -368,15 +370,16 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         import flowexec
 
         opts = flowexec_options(variant)
-        res["options"] = opts
         step = make_step(w, m, opt, dev)
         exe = flowexec.compile(step, **opts)
+        res["options"] = {**opts, "first_step": exe.first_step}  # (what ran: flowexec's default where unset)
         inductor_times()  # (cleared: what the first call's compiles take, below)
         first_sampler = start_sampler(phase)
         t = time.perf_counter()
-        # The first call makes AdamW's state: the first step's program (first_step="planned",
-        # flowexec's default), or fn eagerly (SCALE_FIRST_STEP=eager); the build timed below is
-        # the second call's, which captures the steps.
+        # The first call makes AdamW's state: prefilled (flowexec's default), the first call
+        # captures the steps and nothing is left to time below; or the first step's program
+        # (SCALE_FIRST_STEP=planned) or fn eagerly (=eager), and the build timed below is the
+        # second call's, which captures the steps.
         losses.append(exe(x, y).clone())
         sync(dev)
         res["first_call_s"] = time.perf_counter() - t
@@ -478,9 +481,7 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
     res["stage"] = "timed"
     save()
     try:
-        # kernel names and times: what a captured step runs beyond eager (fusion off), and where a
-        # fused step's GPU time goes against torch.compile's
-        res["profile"] = profile_step(lambda: call(x, y), dev, names=True)
+        res["profile"] = profile_step(lambda: call(x, y), dev)
     except Exception as e:  # a figure for the record: the rest stands
         res["profile_error"] = tail(f"{type(e).__name__}: {e}")
     if variant != "eager" and variant not in WHOLE_STEP:

@@ -890,13 +890,14 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     ``unfused``: ids of param groups that step through the foreach path instead of their fused
     kernel (:class:`~flowexec.hyperparams.Lifter`); ``make_state``: a first step's program, whose
     outputs include the state entries the stepped optimizers make (:attr:`Captured.made_state`);
-    ``first_call``: fn has not run yet (a prefilled first step), so lazy state it makes (a
-    GradScaler's scale) is final where the fake run finds it, with no real run to find it again.
-    Both put back what a failed run changed in plain objects (a GradScaler's record of a step
-    taken, which the next run would refuse).
+    ``first_call``: fn has not run yet (a prefilled first step; ``make_state`` implies it), so
+    lazy state it makes (a GradScaler's scale) is final where the fake run finds it, with no real
+    run to find it again, and what a failed run changed in plain objects is put back (a
+    GradScaler's record of a step taken, which the next run would refuse).
     """
     everywhere, hooks = False, True
-    saved = object_attributes(fn) if make_state or first_call else None
+    first_call = first_call or make_state  # (a first step's program is fn's first call too)
+    saved = object_attributes(fn) if first_call else None
     # A fake run (_FAKE_CAPTURE: the default) computes nothing: no activations held, no undo log
     # of what the step writes. Whatever it cannot do (an op with no fake kernel, a host read of
     # a value it does not have, an argument on closure state's storage), a real run decides.
@@ -911,7 +912,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
         except Exception as e:
             if saved is not None:
                 put_back_attributes(saved)
-            if isinstance(e, LazyStateError) and (not fake or make_state or first_call):
+            if isinstance(e, LazyStateError) and (not fake or first_call):
                 raise
             if fake and isinstance(e, HostReadError) and e.retry_with_flag and not everywhere:
                 everywhere = True  # (as a real run would be retried: the fake one first)

@@ -51,8 +51,9 @@ def test_tiny_run_writes_every_figure(tiny_run: dict) -> None:
     for name in ("fx_trace", "backend"):
         assert mod["variants"][name]["loss_check"]["ok"] is True, mod["variants"][name]["loss_check"]
     fx = mod["variants"]["fx_trace"]
-    assert fx["options"] == {"mode": "trace", "fuse": False, "first_step": "planned"} and fx["calls_to_capture"] >= 1
-    assert fx["first_step"] == "planned" and fx["first_call_s"] > 0  # AdamW's state made by a program
+    # flowexec's default first step: AdamW's state prefilled, so the first call captures the steps
+    assert fx["options"] == {"mode": "trace", "fuse": False, "first_step": "prefill"} and fx["calls_to_capture"] == 0
+    assert fx["first_step"] == "prefilled" and fx["first_call_s"] > 0
     assert fx["plan"]["ops"] > 0
 
 
