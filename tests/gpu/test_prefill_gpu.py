@@ -32,18 +32,24 @@ def test_prefilled_graph_step_matches_eager_with_one_program(fused) -> None:
     m2 = copy.deepcopy(m1)
     o1, o2 = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused or None) for m in (m1, m2))
     eager, exe = _step(m1, o1), flowexec.compile(_step(m2, o2), mode="graph", first_step="prefill")
-    # (three steps, as test_fuse_gpu's at 1e-5: Adam at lr 1e-2 turns the fused kernels' rounding
-    # of a near-zero gradient into a step-sized difference, 1.06e-5 on a layer norm's bias by the fourth)
+    # (three steps, as test_fuse_gpu's. The losses agree to 1e-5; so does the state under fused AdamW,
+    # whose step is eager's own kernel. Under the default (foreach) AdamW the program's step math is
+    # fused by Inductor and rounds otherwise than eager's foreach kernels, and Adam at lr 1e-2 turns
+    # that rounding of a near-zero gradient into a step-sized difference: 1.06e-5 on a layer norm's
+    # bias by the fourth step, 1.21e-5 by the third on another draw of the weights (H100, 26c9ead).
+    # So that variant's state is held to 1e-4, as the other multi-step Adam tests on the GPU are;
+    # a missed or doubled step is ~lr / |bias| = 0.5 apart)
+    tol = 1e-5 if fused else 1e-4
     for k in range(3):
         x, y = (torch.randint(0, 50, (2, 16), device="cuda") for _ in range(2))
         assert_close_rel(exe(x, y), eager(x, y), 1e-5, f"loss {k}")
         if k == 0:
             assert exe.first_step_prefilled and exe.first_step_program is None, exe.first_step_fallback
     assert sum(len(v) for v in exe._cache.values()) == 1
-    assert_same_state(m1, m2, 1e-5)
+    assert_same_state(m1, m2, tol)
     for p, q in zip(m1.parameters(), m2.parameters()):
         for key, a in o1.state[p].items():
-            assert_close_rel(o2.state[q][key].to(a.device), a, 1e-5, f"state {key}")
+            assert_close_rel(o2.state[q][key].to(a.device), a, tol, f"state {key}")
 
 
 _PEAK_OF_TWO_CALLS = """
