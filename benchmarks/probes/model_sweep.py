@@ -187,10 +187,25 @@ def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: i
         torch.manual_seed(100 + k)
         losses.append(float(call(b)))
     CAPTURE_RUN[0] = getattr(call, "capture_run", None) if call is not step else None
+    FUSION[0] = fusion_of(call) if call is not step else None
     return losses, [(n, t.detach().float().cpu().clone()) for n, t in list(model.named_parameters()) + list(model.named_buffers())]
 
 
 CAPTURE_RUN: list[str | None] = [None]  # the last train()'s Executable.capture_run (fake or real, and why)
+FUSION: list[dict[str, Any] | None] = [None]  # the last train()'s fused regions and fallbacks (fusion_of)
+
+
+def fusion_of(exe: Any) -> dict[str, Any] | None:
+    """A fused executable's regions and fallbacks, with each distinct reason a region fell back
+    (a fallback runs ATen ops where a kernel was meant to: slower, not wrong)."""
+    plan = getattr(exe, "plan", None)
+    report = getattr(plan, "fusion", None)
+    if report is None:
+        return None
+    c = report.counts()
+    why = sorted({r.current_status.removeprefix("fallback: ")[:200] for r in report.regions if not r.fused})
+    return {"fused_regions": c["fused_regions"], "fused_kernels": c["fused_kernels"],
+            "fusion_fallbacks": c["fusion_fallbacks"], "fallback_reasons": why}
 
 
 def compare(eager: Any, mine: Any, tol: float) -> dict[str, Any]:
@@ -270,6 +285,8 @@ def main() -> None:
                 mine = train(name, dev, VARIANTS[v], a.steps, autocast)
                 rec[v] = compare_to_reference(ref, eager, mine) if autocast else compare(eager, mine, a.tol)
                 rec[v]["capture_run"] = CAPTURE_RUN[0]
+                if FUSION[0] is not None:
+                    rec[v]["fusion"] = FUSION[0]
                 # (regions compiled first by compile workers: FLOWEXEC_COMPILE_PROCESSES)
                 rec[v]["worker_jobs"] = flowexec.fusion.compiler().worker_jobs - jobs
             except Exception as e:
@@ -285,8 +302,9 @@ def main() -> None:
             else:
                 said = (f"loss rel {r['loss_rel']:.1e}, worst {r['worst_state']} {r['worst_abs']:.1e}"
                         + (f", noise {len(r['noise'])}" if r["noise"] else ""))
-            run = r.get("capture_run")
-            print(f"{name:22s} {v:12s} {r['verdict']} {said}" + (f" [capture {run[:70]}]" if run else ""), flush=True)
+            run, fz = r.get("capture_run"), r.get("fusion")
+            print(f"{name:22s} {v:12s} {r['verdict']} {said}" + (f" [capture {run[:70]}]" if run else "")
+                  + (f" [{fz['fused_regions']} fused, {fz['fusion_fallbacks']} fallbacks]" if fz else ""), flush=True)
     os.makedirs(a.out, exist_ok=True)
     out = {"probe": "model_sweep", "command": " ".join([sys.executable] + sys.argv), "device": str(dev),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
