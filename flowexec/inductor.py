@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import operator
 import threading
 import time
@@ -160,8 +161,11 @@ class GraphRecipe:
     returned: tuple[int, ...]
 
 
-def recipe_of(prog: Program, region: Region) -> GraphRecipe:
-    """The region as a :class:`GraphRecipe`: its inputs, its ops, its computed outputs returned."""
+def recipe_of(prog: Program, region: Region, force_strides: bool = False) -> GraphRecipe:
+    """The region as a :class:`GraphRecipe`: its inputs, its ops, its computed outputs returned;
+    with ``force_strides``, each dense output that no view or in-place op of the region takes or
+    returns asks Inductor for the program's strides (:func:`_dense_stride`; what
+    :meth:`InductorCompiler.compile` tries where a kernel returned other strides)."""
     local: dict[int, int] = {v: k for k, v in enumerate(region.inputs)}
 
     def leaf(a: Any) -> Any:
@@ -187,7 +191,44 @@ def recipe_of(prog: Program, region: Region) -> GraphRecipe:
             outs.append(local[o] if o >= 0 else -1)
         target = op_name(op.target) if isinstance(op.target, torch._ops.OpOverload) else op.target
         ops.append((target, args, kwargs, tuple(outs), op.unpack))
-    return GraphRecipe(len(region.inputs), tuple(ops), tuple(local[o] for o in region.computed))
+    if not force_strides:
+        return GraphRecipe(len(region.inputs), tuple(ops), tuple(local[o] for o in region.computed))
+    # (forced into other strides, a value that shares memory with another would be a copy,
+    # parted from it)
+    aliased = {v for i in region.ops if _returns_alias(prog.ops[i].target)
+               for v in (*prog.ops[i].outputs, *prog.ops[i].refs())}
+    returned: list[int] = []
+    for v in region.computed:
+        stride = _dense_stride(prog.values[v].meta) if v not in aliased else None
+        if stride is None:
+            returned.append(local[v])
+        else:
+            returned.append(len(local) + len(ops) - len(region.ops))
+            ops.append((_FORCE_STRIDES, (Local(local[v]), stride), (), (returned[-1],), False))
+    return GraphRecipe(len(region.inputs), tuple(ops), tuple(returned))
+
+
+_FORCE_STRIDES = "prims.inductor_force_stride_order.default"  # (Inductor's: no-op where they are already)
+
+
+def _returns_alias(target: Any) -> bool:
+    """Whether ``target``'s schema returns a tensor that shares an argument's memory (a view, an
+    in-place op; a target without a schema counts as one)."""
+    schema = getattr(target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _dense_stride(meta: TensorMeta | None) -> tuple[int, ...] | None:
+    """``meta``'s strides where they lay out a dense tensor of two or more dimensions longer than
+    one (row-major or permuted), else None (a slice of a wider tensor, a broadcast, a vector)."""
+    if meta is None or meta.stride is None or sum(s > 1 for s in meta.shape) < 2:
+        return None
+    expect = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(meta.stride, meta.shape) if sz > 1):
+        if st != expect:
+            return None
+        expect *= sz
+    return tuple(meta.stride)
 
 
 def graph_of(recipe: GraphRecipe) -> fx.GraphModule:
@@ -214,13 +255,15 @@ def _overload(target: Any) -> Any:
     """An ATen overload from its name (``aten.add.Tensor``); any other target as it is."""
     if not isinstance(target, str):
         return target
+    if target == _FORCE_STRIDES:
+        importlib.import_module("torch._inductor.inductor_prims")  # (registers the prim)
     ns, name, overload = target.split(".")
     return getattr(getattr(getattr(torch.ops, ns), name), overload)
 
 
-def region_graph(prog: Program, region: Region) -> fx.GraphModule:
+def region_graph(prog: Program, region: Region, force_strides: bool = False) -> fx.GraphModule:
     """The region's ops as an FX graph: placeholders for its inputs, its computed outputs returned."""
-    return graph_of(recipe_of(prog, region))
+    return graph_of(recipe_of(prog, region, force_strides))
 
 
 def region_key(prog: Program, region: Region) -> str:
@@ -276,6 +319,9 @@ class InductorCompiler:
     worker_failures: dict[str, str] = field(default_factory=dict)  # those they did not compile, why
     worker_sent: set[str] = field(default_factory=set)  # keys they compiled, to be found in the cache
     worker_misses: int = 0  # of those, compiled here again all the same (not found in the cache)
+    # (inside a together() block: key -> the program and region compiled under it, for a second
+    # try where the block's end refuses its kernel; dropped there, since a program holds its state)
+    _block: dict[str, tuple[Program, Region, str | None]] | None = field(default=None, repr=False)
 
     @contextlib.contextmanager
     def together(self, progress: Callable[[int, int], None] | None = None) -> Iterator[list[str]]:
@@ -284,8 +330,9 @@ class InductorCompiler:
         generated, and the block's exit waits for them all (``progress(done, total)`` per
         region waited for), then runs the output checks :func:`compile_graph` put off. The
         list it yields gets, on exit, the keys of regions refused only then (a kernel that did
-        not build, or returned other metas): their kernels are gone from :attr:`kernels`, so a
-        program fused inside must be fused again. While a block is open (an inner one, another
+        not build, or returned other metas): their kernels are gone from :attr:`kernels` (or, where
+        only the strides differed, replaced by one compiled for the program's:
+        :meth:`with_forced_strides`), so a program fused inside must be fused again. While a block is open (an inner one, another
         thread's), a block compiles as it would without one; an interrupt during the end's waits
         drops every kernel of the block."""
         late: list[str] = []
@@ -293,11 +340,13 @@ class InductorCompiler:
         if batch is None:
             yield late
             return
+        sources = self._block = {}
         try:
             try:
                 yield late
             finally:
                 _close_batch(batch)
+                self._block = None
             t0 = time.perf_counter()
             refused = batch.finish(progress)
         except BaseException:  # (an interrupt: no kernel of the block was surely waited for and checked)
@@ -308,6 +357,9 @@ class InductorCompiler:
             self.kernels.pop(key, None)
             self.failures[key] = why
         self.seconds += time.perf_counter() - t0
+        for key in refused:  # (kept under its key: the pass, fusing again, takes the second kernel)
+            if key in sources:
+                self.with_forced_strides(key, *sources[key])
         late.extend(refused)
 
     def compile_graph_of(self, key: str, gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[..., Any]:
@@ -333,6 +385,8 @@ class InductorCompiler:
         t0 = time.perf_counter()
         _batch_takes(key)
         hits = _cache_hits() if key in self.worker_sent else None
+        if self._block is not None:
+            self._block[key] = (prog, region, name)
         try:
             gm = region_graph(prog, region)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
@@ -341,12 +395,36 @@ class InductorCompiler:
                 self.worker_misses += 1
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
             why = self.failures[key] = why_refused(e)
-            return why
+            return self.with_forced_strides(key, prog, region, name) or why
         finally:
             self.seconds += time.perf_counter() - t0
         kernel = FusedKernel(name or f"fused_{len(self.kernels)}", compiled, gm, len(region.inputs), region.mutated,
                              region.aliases, summarize(prog, region), key)
         self.kernels[key] = kernel
+        return kernel
+
+    def with_forced_strides(self, key: str, prog: Program, region: Region, name: str | None) -> FusedKernel | None:
+        """Where the kernel for ``key`` returned an output in other strides than the program's
+        (Inductor may lay a concatenation of permuted tensors out in their order; later kernels
+        are compiled for the program's strides), the region compiled again asking Inductor for
+        the program's strides (:func:`recipe_of`), checked, and kept under ``key``; None where
+        that is not the refusal, or the second kernel is refused too (the first refusal stands)."""
+        if not self.failures.get(key, "").startswith(f"{OtherStrides.__name__}:") or _batch_here():
+            return None  # (inside a block its check would be put off: the block's end tries it)
+        if not any(_dense_stride(prog.values[v].meta) for v in region.computed):
+            return None
+        t0 = time.perf_counter()
+        try:
+            gm = region_graph(prog, region, force_strides=True)
+            compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
+                                     [prog.values[v].meta for v in region.computed], key=key + "\nforced strides")
+        except Exception:
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+        del self.failures[key]
+        kernel = self.kernels[key] = FusedKernel(name or f"fused_{len(self.kernels)}", compiled, gm, len(region.inputs),
+                                                 region.mutated, region.aliases, summarize(prog, region), key)
         return kernel
 
 
@@ -384,12 +462,20 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
                     examples[same] = _example(m)
             with torch.no_grad(), _quiet():
                 outs = compiled(*[examples[same] for same in alike])
+            # (a computed output is a new tensor: an input's memory handed back as one, which
+            # Inductor does where it drops a copy as a no-op, would let later writes to either
+            # reach the other)
+            inputs = {e.untyped_storage().data_ptr() for e in examples.values() if e.numel()}
+            for k, o in enumerate(outs):
+                if isinstance(o, torch.Tensor) and o.numel() and o.untyped_storage().data_ptr() in inputs:
+                    raise TypeError(f"output {k} came back in the memory of an input, the program expects a new tensor")
             for k, (o, m) in enumerate(zip(outs, want)):
                 got = (o.dtype, tuple(o.shape), tuple(o.stride()) if m.stride is not None and o.numel() > 1 else None)
                 expect = (m.dtype, m.shape, m.stride if m.stride is not None and o.numel() > 1 else None)
                 if got != expect:
-                    raise TypeError(f"output {k} came back as {got[0]} {list(got[1])} stride {got[2]}, the program "
-                                    f"expects {expect[0]} {list(expect[1])} stride {expect[2]}")
+                    error = OtherStrides if got[:2] == expect[:2] else TypeError
+                    raise error(f"output {k} came back as {got[0]} {list(got[1])} stride {got[2]}, the program "
+                                f"expects {expect[0]} {list(expect[1])} stride {expect[2]}")
             if kept is not None:
                 kept.put(check, True)
         if batch is not None:
@@ -397,6 +483,10 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
         else:
             check_outputs()
     return compiled
+
+
+class OtherStrides(TypeError):
+    """A kernel returned an output of the program's dtype and shape in other strides."""
 
 
 def _cache_hits() -> tuple[int, int]:

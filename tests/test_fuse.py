@@ -508,6 +508,54 @@ def test_a_kernel_whose_outputs_differ_from_the_program_s_metas_is_refused():
         inductor.compile_graph(inductor.region_graph(prog, r), metas, [wrong])
 
 
+def _rotary_then_cache(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A rotary embedding of permuted heads, then concatenated to an empty cache (Mistral's)."""
+    q = h.view(2, 16, -1, 16).transpose(1, 2)
+    rot = torch.cat([-q[..., 8:], q[..., :8]], dim=-1)
+    return torch.cat([torch.tensor([]), q * cos + rot * sin], dim=-2)
+
+
+def test_a_kernel_returning_other_strides_is_compiled_again_for_the_program_s(monkeypatch):
+    """Inductor lays a concatenation of permuted tensors out in their order; the program (eager)
+    has it row-major, and later kernels are compiled for that. The first kernel's check refuses
+    it; the region is compiled again asking for the program's strides, and that kernel is kept
+    (the CPU sweep's Mistral, Phi, Gemma, Mixtral and OPT kept such regions as ATen ops)."""
+    args = (torch.randn(32, 32), torch.randn(1, 1, 16, 16), torch.randn(1, 1, 16, 16))
+    prog = capture(_rotary_then_cache, args).program
+    (r,) = find_regions(prog)
+    metas, want = [prog.values[v].meta for v in r.inputs], [prog.values[v].meta for v in r.computed]
+    assert want[0].stride == (512, 256, 16, 1)
+    with pytest.raises(TypeError, match=r"output 0 came back as torch.float32 \[2, 2, 16, 16\] stride \(512, 16, 32, 1\)"):
+        inductor.compile_graph(inductor.region_graph(prog, r), metas, want)
+    inductor.compile_graph(inductor.region_graph(prog, r, force_strides=True), metas, want)  # (checked)
+    for forced in (True, False):
+        monkeypatch.setattr(flowexec.fusion, "_compiler", None)  # a compiler of this case's own
+        if not forced:
+            monkeypatch.setattr(inductor.InductorCompiler, "with_forced_strides", lambda self, *a: None)
+        exe = flowexec.compile(_rotary_then_cache, *args, fuse="inductor")
+        out = exe(*args)
+        st = exe.plan.stats()
+        if forced:
+            assert (st["fused_regions"], st["fusion_fallbacks"]) == (1, 0), st
+        else:  # (split until the halves compile: the piece with the concatenation stays ATen ops)
+            assert st["fusion_fallbacks"] >= 1 and "came back as" in exe.explain(), st
+        assert out.stride() == _rotary_then_cache(*args).stride()
+        assert_close_rel(out, _rotary_then_cache(*args), 1e-6)
+
+
+def test_a_kernel_that_hands_back_an_input_as_a_new_tensor_is_refused(monkeypatch):
+    """Inductor drops a copy it finds to be a no-op, and returned the gradient itself as the
+    momentum buffer that momentum SGD makes as ``clone(grad)`` (where the copy was no longer the
+    graph's output): each later step's gradient then wrote the buffer. The output check refuses
+    a kernel whose computed output is an input's memory."""
+    prog = capture(lambda g: (g * 2).relu() + 1, (torch.randn(4, 8),)).program
+    (r,) = find_regions(prog)
+    metas, want = [prog.values[v].meta for v in r.inputs], [prog.values[v].meta for v in r.computed]
+    monkeypatch.setattr(inductor, "inductor_compile", lambda gm, metas: lambda *xs: [xs[0]])
+    with pytest.raises(TypeError, match="output 0 came back in the memory of an input"):
+        inductor.compile_graph(inductor.region_graph(prog, r), metas, want)
+
+
 def test_a_passed_output_check_is_kept_so_a_warm_build_runs_no_example(tmp_path, monkeypatch):
     """A region's output check passes once per Inductor cache directory: a new process (fresh
     in-memory verdicts) on the same directory compiles the region without making example
