@@ -319,9 +319,7 @@ class InductorCompiler:
     worker_failures: dict[str, str] = field(default_factory=dict)  # those they did not compile, why
     worker_sent: set[str] = field(default_factory=set)  # keys they compiled, to be found in the cache
     worker_misses: int = 0  # of those, compiled here again all the same (not found in the cache)
-    # (inside a together() block: key -> the program and region compiled under it, for a second
-    # try where the block's end refuses its kernel; dropped there, since a program holds its state)
-    _block: dict[str, tuple[Program, Region, str | None]] | None = field(default=None, repr=False)
+    made: int = 0  # kernels made so far (their names: fused_0, fused_1, ...; a replaced one keeps counting)
 
     @contextlib.contextmanager
     def together(self, progress: Callable[[int, int], None] | None = None) -> Iterator[list[str]]:
@@ -340,13 +338,11 @@ class InductorCompiler:
         if batch is None:
             yield late
             return
-        sources = self._block = {}
         try:
             try:
                 yield late
             finally:
                 _close_batch(batch)
-                self._block = None
             t0 = time.perf_counter()
             refused = batch.finish(progress)
         except BaseException:  # (an interrupt: no kernel of the block was surely waited for and checked)
@@ -358,8 +354,9 @@ class InductorCompiler:
             self.failures[key] = why
         self.seconds += time.perf_counter() - t0
         for key in refused:  # (kept under its key: the pass, fusing again, takes the second kernel)
-            if key in sources:
-                self.with_forced_strides(key, *sources[key])
+            if key in batch.sources:
+                self.with_forced_strides(key, *batch.sources[key])
+        batch.sources.clear()  # (a program holds its state: none kept past the block)
         late.extend(refused)
 
     def compile_graph_of(self, key: str, gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[..., Any]:
@@ -385,8 +382,9 @@ class InductorCompiler:
         t0 = time.perf_counter()
         _batch_takes(key)
         hits = _cache_hits() if key in self.worker_sent else None
-        if self._block is not None:
-            self._block[key] = (prog, region, name)
+        batch = _batch_here()
+        if batch is not None:  # (for a second try where the block's end refuses the kernel)
+            batch.sources[key] = (prog, region, name)
         try:
             gm = region_graph(prog, region)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
@@ -398,10 +396,14 @@ class InductorCompiler:
             return self.with_forced_strides(key, prog, region, name) or why
         finally:
             self.seconds += time.perf_counter() - t0
-        kernel = FusedKernel(name or f"fused_{len(self.kernels)}", compiled, gm, len(region.inputs), region.mutated,
-                             region.aliases, summarize(prog, region), key)
-        self.kernels[key] = kernel
+        kernel = self.kernels[key] = self._kernel(name, compiled, gm, prog, region, key)
         return kernel
+
+    def _kernel(self, name: str | None, compiled: Callable[..., Any], gm: fx.GraphModule, prog: Program,
+                region: Region, key: str) -> FusedKernel:
+        self.made += 1
+        return FusedKernel(name or f"fused_{self.made - 1}", compiled, gm, len(region.inputs), region.mutated,
+                           region.aliases, summarize(prog, region), key)
 
     def with_forced_strides(self, key: str, prog: Program, region: Region, name: str | None) -> FusedKernel | None:
         """Where the kernel for ``key`` returned an output in other strides than the program's
@@ -411,20 +413,20 @@ class InductorCompiler:
         that is not the refusal, or the second kernel is refused too (the first refusal stands)."""
         if not self.failures.get(key, "").startswith(f"{OtherStrides.__name__}:") or _batch_here():
             return None  # (inside a block its check would be put off: the block's end tries it)
-        if not any(_dense_stride(prog.values[v].meta) for v in region.computed):
+        recipe = recipe_of(prog, region, force_strides=True)
+        if len(recipe.ops) == len(region.ops):  # (no output it may force: the same graph again)
             return None
         t0 = time.perf_counter()
         try:
-            gm = region_graph(prog, region, force_strides=True)
+            gm = graph_of(recipe)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
                                      [prog.values[v].meta for v in region.computed], key=key + "\nforced strides")
         except Exception:
             return None
         finally:
             self.seconds += time.perf_counter() - t0
-        del self.failures[key]
-        kernel = self.kernels[key] = FusedKernel(name or f"fused_{len(self.kernels)}", compiled, gm, len(region.inputs),
-                                                 region.mutated, region.aliases, summarize(prog, region), key)
+        self.failures.pop(key, None)
+        kernel = self.kernels[key] = self._kernel(name, compiled, gm, prog, region, key)
         return kernel
 
 
@@ -531,6 +533,9 @@ class _Batch:
     keys: list[str] = field(default_factory=list)
     waits: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
     checks: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+    # (key -> the program, region and name compiled under it: for a second try where the end
+    # refuses the kernel only on its strides; cleared there, since a program holds its state)
+    sources: dict[str, tuple[Program, Region, str | None]] = field(default_factory=dict)
     _config_text: str | None = None
 
     def config_text(self) -> str:

@@ -528,6 +528,9 @@ def test_a_kernel_returning_other_strides_is_compiled_again_for_the_program_s(mo
     with pytest.raises(TypeError, match=r"output 0 came back as torch.float32 \[2, 2, 16, 16\] stride \(512, 16, 32, 1\)"):
         inductor.compile_graph(inductor.region_graph(prog, r), metas, want)
     inductor.compile_graph(inductor.region_graph(prog, r, force_strides=True), metas, want)  # (checked)
+    comp = inductor.InductorCompiler()  # (outside a block: refused at once, compiled again at once)
+    kernel = comp.compile(prog, r)
+    assert isinstance(kernel, inductor.FusedKernel) and not comp.failures, comp.failures
     for forced in (True, False):
         monkeypatch.setattr(flowexec.fusion, "_compiler", None)  # a compiler of this case's own
         if not forced:

@@ -165,9 +165,10 @@ class _Facts:
 
     @staticmethod
     def of(prog: Program) -> _Facts:
-        """The facts of ``prog``, computed once per program object (a program is immutable):
-        a fusion pass splits every refused region with them, and a program whose outputs come
-        back in other strides had 108 splits, 5.9 s of recomputing them (CPU GPT-2 124M)."""
+        """The facts of ``prog``, computed once per program object (its ops and values do not
+        change; its state's storages are read as they are at the first call, which a fusion
+        pass makes): the pass splits every refused region with them, and a CPU GPT-2 124M
+        had 108 splits, 5.9 s of recomputing them."""
         last = _last_facts[0]  # (one read: another thread may replace it)
         if last is not None and last[0]() is prog:
             return last[1]
