@@ -25,6 +25,7 @@ Example::
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import importlib
@@ -37,8 +38,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from .passes.copy_in import dense
 from .passes.metas import fake_tensor
-from .passes.regions import Region
+from .passes.regions import Region, alias_groups_of
 from .program import Program, Ref, TensorMeta, map_nested, op_name
 from .verdict_cache import VerdictCache, shared_cache
 
@@ -163,8 +165,8 @@ class GraphRecipe:
 
 def recipe_of(prog: Program, region: Region, force_strides: bool = False) -> GraphRecipe:
     """The region as a :class:`GraphRecipe`: its inputs, its ops, its computed outputs returned;
-    with ``force_strides``, each dense output that no view or in-place op of the region takes or
-    returns asks Inductor for the program's strides (:func:`_dense_stride`; what
+    with ``force_strides``, each dense output that shares memory with no other value of the
+    region asks Inductor for the program's strides (:func:`_dense_stride`; what
     :meth:`InductorCompiler.compile` tries where a kernel returned other strides)."""
     local: dict[int, int] = {v: k for k, v in enumerate(region.inputs)}
 
@@ -193,13 +195,14 @@ def recipe_of(prog: Program, region: Region, force_strides: bool = False) -> Gra
         ops.append((target, args, kwargs, tuple(outs), op.unpack))
     if not force_strides:
         return GraphRecipe(len(region.inputs), tuple(ops), tuple(local[o] for o in region.computed))
-    # (forced into other strides, a value that shares memory with another would be a copy,
-    # parted from it)
-    aliased = {v for i in region.ops if _returns_alias(prog.ops[i].target)
-               for v in (*prog.ops[i].outputs, *prog.ops[i].refs())}
+    # (forced into other strides, a value that shares memory with another of the region would
+    # be a copy, parted from it: the program's alias groups say which do, views, in-place ops
+    # and _unsafe_view alike)
+    groups = alias_groups_of(prog)
+    members = collections.Counter(groups[v] for v in local)
     returned: list[int] = []
     for v in region.computed:
-        stride = _dense_stride(prog.values[v].meta) if v not in aliased else None
+        stride = _dense_stride(prog.values[v].meta) if members[groups[v]] == 1 else None
         if stride is None:
             returned.append(local[v])
         else:
@@ -211,24 +214,12 @@ def recipe_of(prog: Program, region: Region, force_strides: bool = False) -> Gra
 _FORCE_STRIDES = "prims.inductor_force_stride_order.default"  # (Inductor's: no-op where they are already)
 
 
-def _returns_alias(target: Any) -> bool:
-    """Whether ``target``'s schema returns a tensor that shares an argument's memory (a view, an
-    in-place op; a target without a schema counts as one)."""
-    schema = getattr(target, "_schema", None)
-    return schema is None or any(r.alias_info is not None for r in schema.returns)
-
-
 def _dense_stride(meta: TensorMeta | None) -> tuple[int, ...] | None:
-    """``meta``'s strides where they lay out a dense tensor of two or more dimensions longer than
-    one (row-major or permuted), else None (a slice of a wider tensor, a broadcast, a vector)."""
+    """``meta``'s strides where they lay out a dense tensor (:func:`~flowexec.passes.copy_in.dense`)
+    of two or more dimensions longer than one, else None (a slice of a wider tensor, a vector)."""
     if meta is None or meta.stride is None or sum(s > 1 for s in meta.shape) < 2:
         return None
-    expect = 1
-    for st, sz in sorted((st, sz) for st, sz in zip(meta.stride, meta.shape) if sz > 1):
-        if st != expect:
-            return None
-        expect *= sz
-    return tuple(meta.stride)
+    return tuple(meta.stride) if dense(torch.empty_strided(meta.shape, meta.stride, device="meta")) else None
 
 
 def graph_of(recipe: GraphRecipe) -> fx.GraphModule:

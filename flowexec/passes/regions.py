@@ -190,6 +190,12 @@ class _Facts:
 _last_facts: list[tuple[weakref.ref[Program], _Facts] | None] = [None]
 
 
+def alias_groups_of(prog: Program) -> tuple[int, ...]:
+    """:func:`~flowexec.passes.dependencies.alias_groups` of ``prog``, as the region passes
+    computed them (once per program)."""
+    return _Facts.of(prog).groups
+
+
 def find_regions(prog: Program, min_ops: int = 2, exclude: frozenset[int] = frozenset()) -> tuple[Region, ...]:
     """Convex regions of fusible ops, each with at least ``min_ops`` ops that are not views.
 
