@@ -542,13 +542,15 @@ def stop_sampler(sampler: Any, res: dict[str, Any], key: str, name: str) -> None
 
 def compile_workers_record() -> dict[str, Any]:
     """What flowexec's compile workers did so far in this process (flowexec.compile_workers):
-    regions sent, seconds waited on them (also in vain), those they did not compile (the count, a
+    regions sent, those this process compiled while they ran (``jobs_here``), seconds spent
+    meanwhile (also in vain), those they did not compile (the count, a
     reason), and why they were turned off for the process (None: they were not)."""
     from flowexec import compile_workers
     from flowexec.fusion import compiler
 
     c = compiler()
-    return {"setting": compile_workers.setting(), "jobs": c.worker_jobs, "seconds": round(c.worker_seconds, 3),
+    return {"setting": compile_workers.setting(), "jobs": c.worker_jobs, "jobs_here": c.worker_jobs_here,
+            "seconds": round(c.worker_seconds, 3),
             "failed": len(c.worker_failures), "a_reason": next(iter(c.worker_failures.values()), None),
             "turned_off": compile_workers.off_reason()}
 

@@ -123,9 +123,10 @@ def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
                             progress: Callable[[int, int], None] | None = None) -> dict[str, str]:
     """Compile the regions this build would otherwise generate here
     (:func:`~flowexec.compile_workers.cold_jobs`) in worker processes first, where
-    ``FLOWEXEC_COMPILE_PROCESSES`` asks for any (:mod:`flowexec.compile_workers`); returns
-    those no worker compiled, with why (they compile here as before). An error of the workers'
-    own turns them off for the process (a warning says why): they only ever save time."""
+    ``FLOWEXEC_COMPILE_PROCESSES`` asks for any (:mod:`flowexec.compile_workers`), this process
+    taking jobs from the same queue meanwhile (its kernels are then ready: the pass finds them);
+    returns those no worker compiled, with why (they compile here as before). An error of the
+    workers' own turns them off for the process (a warning says why): they only ever save time."""
     from . import compile_workers
 
     try:
@@ -137,17 +138,28 @@ def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
         n = compile_workers.processes_for(len(jobs), cuda, setting=wanted)
         if n == 0:
             return {}
-        t0 = time.perf_counter()
+        mine: set[str] = set()
+
+        def here(job: Any) -> None:  # (this process's own compile, as the pass would do it later)
+            mine.add(job.key)
+            comp.compile(prog, regions[job.region])
+
+        here_too = here if compile_workers.THIS_PROCESS_COMPILES else None
+        t0, here_s = time.perf_counter(), comp.seconds
         try:
-            failed = compile_workers.compile_in_processes(jobs, n, progress)
+            with comp.together() as late:  # (this process's kernels build while it takes more jobs)
+                failed = compile_workers.compile_in_processes(jobs, n, progress, here_too)
+            del late  # (a kernel refused at the block's end is gone or replaced: the pass compiles it again)
         except Exception as e:  # (not the regions': the workers' own; the regions compile here)
             compile_workers.turn_off(f"{type(e).__name__}: {e}"[:300])
             return {}
-        finally:  # (counted as compile time, also where it was spent in vain)
-            comp.worker_seconds += time.perf_counter() - t0
-        comp.worker_jobs += len(jobs)
+        finally:  # (counted as compile time, also where it was spent in vain; this process's own is in seconds)
+            comp.worker_seconds += time.perf_counter() - t0 - (comp.seconds - here_s)
+        sent = [j for j in jobs if j.key not in mine]
+        comp.worker_jobs += len(sent)
+        comp.worker_jobs_here += len(mine)
         comp.worker_failures.update(failed)
-        comp.worker_sent.update(j.key for j in jobs if j.key not in failed)
+        comp.worker_sent.update(j.key for j in sent if j.key not in failed)
         return failed
     finally:
         release_compile_workers()  # (those prestart_compile_workers started that this build left)

@@ -307,6 +307,7 @@ class InductorCompiler:
     seconds: float = 0.0
     worker_seconds: float = 0.0  # spent waiting on compile workers (flowexec.compile_workers)
     worker_jobs: int = 0  # regions sent to them
+    worker_jobs_here: int = 0  # cold regions this process compiled itself while they ran
     worker_failures: dict[str, str] = field(default_factory=dict)  # those they did not compile, why
     worker_sent: set[str] = field(default_factory=set)  # keys they compiled, to be found in the cache
     worker_misses: int = 0  # of those, compiled here again all the same (not found in the cache)

@@ -161,6 +161,7 @@ def test_regions_compiled_by_a_worker_are_loaded_from_the_cache_here(tmp_path, m
 
     _fresh_cache(monkeypatch, tmp_path)
     monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "1")
+    monkeypatch.setattr(compile_workers, "THIS_PROCESS_COMPILES", False)  # (the worker takes every job)
     comp = InductorCompiler()
     monkeypatch.setattr(flowexec.fusion, "_compiler", comp)
     x, w = torch.randn(4, 8), torch.randn(8)
@@ -181,6 +182,46 @@ def test_regions_compiled_by_a_worker_are_loaded_from_the_cache_here(tmp_path, m
     assert exe.plan.stats()["fused_regions"] == n
     assert f"({n} regions first in worker processes)" in exe.explain().splitlines()[0]
     assert cold_jobs(prog, regions, InductorCompiler()) == []  # checked and kept: nothing cold now
+
+
+def _four_regions(x, w):
+    # four regions between matrix products, none equal to another (each its own job)
+    h = (x.sin() * 2).relu() @ w
+    h = (h.cos() + 1).tanh() @ w
+    h = (h.exp() - 1).abs() @ w
+    return (h.sigmoid() * 3).sum()
+
+
+def test_this_process_compiles_cold_regions_beside_its_workers(tmp_path, monkeypatch):
+    """While its worker starts (a fresh interpreter importing torch: seconds), this process takes
+    jobs from the same queue and compiles them itself rather than wait: the first job at least
+    is its own. Every region is compiled once, by one or the other: those the worker compiled
+    are loaded from Inductor's cache here, this process's are its own kernels (no second
+    compile, no cache load), the counts say which is which, and the program equals eager."""
+    from torch._dynamo.utils import counters
+
+    _fresh_cache(monkeypatch, tmp_path)
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "1")
+    assert compile_workers.THIS_PROCESS_COMPILES
+    comp = InductorCompiler()
+    monkeypatch.setattr(flowexec.fusion, "_compiler", comp)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    prog = capture(_four_regions, (x, w)).program
+    regions = find_regions(prog)
+    n = len(regions)
+    assert n == 4 and len(cold_jobs(prog, regions, comp)) == n
+    counters.clear()
+    exe = flowexec.compile(_four_regions, mode="trace", fuse="inductor")
+    for _ in range(2):
+        torch.testing.assert_close(exe(x, w), _four_regions(x, w))
+    assert comp.worker_jobs_here >= 1 and comp.worker_jobs + comp.worker_jobs_here == n
+    assert not comp.worker_failures and comp.worker_misses == 0
+    aot = dict(counters["aot_autograd"])
+    # (a worker's region: a hit here; this process's own: one miss, compiled once, never loaded)
+    assert aot.get("autograd_cache_hit", 0) == comp.worker_jobs, aot
+    assert aot.get("autograd_cache_miss", 0) == comp.worker_jobs_here, aot
+    assert exe.plan.stats()["fused_regions"] == n and len(comp.kernels) == n
+    assert cold_jobs(prog, regions, InductorCompiler()) == []  # (all checked and kept)
 
 
 def test_a_region_a_worker_refuses_is_left_to_this_process_with_why(tmp_path, monkeypatch):
