@@ -473,6 +473,60 @@ def test_a_failed_verdict_write_leaves_no_temporary_file(tmp_path, monkeypatch) 
     assert cache.get("case") is True and os.listdir(tmp_path) == []
 
 
+def test_a_vector_instruction_probe_is_kept_until_its_library_changes(tmp_path, monkeypatch) -> None:
+    """Inductor's probe of the CPU's vector instructions (a process that loads a small library)
+    runs once per library: a new process on the same cache asks the kept verdict; a rebuilt
+    library, another cache or a corrupt file probes again, and a failure is never kept."""
+    import os
+
+    from flowexec import inductor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    lib = tmp_path / "probe.so"
+    lib.write_bytes(b"\x7fELF one")
+    probed: list[str] = []
+
+    def probe(verdict):
+        return lambda isa, path: probed.append(isa) or verdict
+
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(False)) is False
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(True)) is True  # (the failure was not kept)
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # as a new process sees it
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(False)) is True and probed == ["avx2", "avx2"]
+    assert inductor.kept_vec_isa_probe("avx512", str(lib), probe(False)) is False  # another instruction set
+    lib.write_bytes(b"\x7fELF two, rebuilt")
+    os.utime(lib, ns=(1, 1))
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(False)) is False and len(probed) == 4
+    assert inductor.kept_vec_isa_probe("avx2", str(tmp_path / "gone.so"), probe(False)) is False  # no key: probed
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "b"))  # a cold cache probes again
+    (tmp_path / "b" / "flowexec").mkdir(parents=True)
+    (tmp_path / "b" / "flowexec" / "vec_isa_probes.json").write_text("{not json")
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(True)) is True and len(probed) == 6
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(False)) is True and len(probed) == 6
+
+
+def test_inductor_s_vector_instruction_probe_goes_through_the_kept_verdicts(tmp_path, monkeypatch) -> None:
+    """A CPU region's compile replaces Inductor's probe once; the replacement keeps a success."""
+    from torch._inductor import cpu_vec_isa
+
+    from flowexec import inductor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    monkeypatch.setattr(inductor, "_PROBE", {})
+    calls = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", lambda self, path: calls.append(path) or True)
+    inductor.keep_vec_isa_probes()
+    inductor.keep_vec_isa_probes()  # (once)
+    lib = tmp_path / "probe.so"
+    lib.write_bytes(b"\x7fELF")
+    isa = cpu_vec_isa.VecAVX2()
+    assert isa._probe_load(str(lib)) is True and isa._probe_load(str(lib)) is True and calls == [str(lib)]
+    assert inductor.shared_cache("vec_isa_probes").path.startswith(str(tmp_path))
+
+
 def test_a_padding_verdict_follows_tf32_within_a_process(tmp_path, monkeypatch) -> None:
     """The in-process verdicts are keyed as the disk's: a process that turns TF32 off between
     builds times the product again (stand-in timings: padding wins only without TF32)."""
