@@ -30,8 +30,6 @@ import contextlib
 import hashlib
 import importlib
 import operator
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from .inductor_keys import keep_process_keys
 from .passes.copy_in import dense
 from .passes.metas import fake_tensor
 from .passes.regions import Region, alias_groups_of
@@ -506,8 +505,8 @@ def inductor_compile(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callabl
     # specialised to the region's sizes.
     fake = FakeTensorMode(shape_env=ShapeEnv())
     inputs = [fake_tensor(m, fake) for m in metas]
-    if any(torch.device(m.device).type == "cpu" for m in metas):
-        keep_vec_isa_probes()  # (C++ kernels: the CPU's vector instructions are probed once a process)
+    # (what Inductor computes once a process, from a disk on which it does not change)
+    keep_process_keys(cpu=any(torch.device(m.device).type == "cpu" for m in metas))
     with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):
         return compile_fx(gm, inputs)
 
@@ -607,78 +606,6 @@ def _batch_takes(key: str) -> None:
     if batch is not None:
         batch.key = key
         batch.keys.append(key)
-
-
-_PROBE: dict[str, Any] = {}  # "original": Inductor's VecISA._probe_load, once replaced
-_PROBE_LOCK = threading.Lock()
-
-
-def keep_vec_isa_probes() -> None:
-    """Have Inductor's probe of the CPU's vector instructions keep what it found beside its cache.
-
-    Before it compiles a C++ kernel, Inductor picks the widest vector instructions the CPU has
-    and that build and load (``torch._inductor.cpu_vec_isa``): for each candidate (AMX, AVX-512
-    VNNI, AVX-512, AVX2 on an x86 host: ten small libraries), it builds a library into its cache
-    (a warm cache has them) and starts a Python process that loads it, once per process: on the
-    2-core CPU host ~1.5 s of every warm fused build. A load that succeeded is kept here
-    (:func:`vec_isa_probe_key`: the library's path, size and time, torch's own library, the
-    interpreter), so a later process asks its verdict instead of starting a process; a failed
-    one, or anything this cannot key, is probed as before. Replaces the probe once a process
-    (torch.compile in the same process gains the same); a torch without it is left alone."""
-    if "original" in _PROBE:
-        return
-    try:
-        from torch._inductor import cpu_vec_isa
-    except ImportError:
-        return
-    with _PROBE_LOCK:
-        original = vars(cpu_vec_isa.VecISA).get("_probe_load")
-        if "original" in _PROBE or not callable(original):
-            return
-        _PROBE["original"] = original
-
-        def _probe_load(self: Any, output_path: str) -> bool:
-            return kept_vec_isa_probe(self, output_path, original)
-
-        cpu_vec_isa.VecISA._probe_load = _probe_load  # type: ignore[method-assign]
-
-
-def vec_isa_probe_key(isa: str, library: str) -> str | None:
-    """What decides whether a vector-instruction probe's ``library`` loads: the library itself
-    (its path, which Inductor derives from its source and flags, its size and modification
-    time), the instruction set, torch's version and its ``libtorch_cpu`` (which the library
-    links), the interpreter and ``LD_LIBRARY_PATH``, hashed; None where a file cannot be read."""
-    import os
-    import sys
-
-    def stat(path: str) -> str:
-        st = os.stat(path)
-        return f"{path} {st.st_size} {st.st_mtime_ns}"
-
-    libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    parts = [f"torch {torch.__version__}", sys.executable, os.environ.get("LD_LIBRARY_PATH", ""), isa]
-    try:
-        parts.append(stat(os.path.abspath(library)))
-        parts.append(stat(libtorch) if os.path.exists(libtorch) else "no libtorch_cpu.so")
-    except OSError:
-        return None
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def kept_vec_isa_probe(isa: Any, library: str, probe: Callable[[Any, str], bool]) -> bool:
-    """Whether ``library`` loads: a kept success (``vec_isa_probes`` beside Inductor's cache),
-    else ``probe(isa, library)``, kept where it succeeded (a failure may be passing: a probe
-    that timed out)."""
-    key = vec_isa_probe_key(str(isa), library)
-    if key is None:
-        return probe(isa, library)
-    kept = shared_cache("vec_isa_probes")
-    if kept.get(key):
-        return True
-    ok = bool(probe(isa, library))
-    if ok:
-        kept.put(key, True)
-    return ok
 
 
 def why_refused(e: BaseException) -> str:
