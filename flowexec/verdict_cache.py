@@ -8,7 +8,8 @@ a fused region's kernel runs once on example inputs to check what it returns
 build's 8 s of fusion. A :class:`VerdictCache` keeps such a verdict under a key naming what decides it (the case, the
 device, torch and CUDA versions) in ``<Inductor's cache dir>/flowexec/<name>.json``, the
 directory ``TORCHINDUCTOR_CACHE_DIR`` sets: a cold Inductor cache is a cold verdict cache too.
-A file that cannot be read or written is no error: the verdict is measured again.
+A file that cannot be read or written is no error: the verdict is measured again. A cache
+made with ``kind=str`` keeps text instead (Inductor's code keys: :mod:`flowexec.inductor_keys`).
 
     >>> import tempfile
     >>> cache = VerdictCache("example", tempfile.mkdtemp())
