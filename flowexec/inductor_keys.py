@@ -22,6 +22,9 @@ a cold Inductor cache is a cold one here too) under keys that name what decides 
   source and flags), size and time, torch's own library, the interpreter and
   ``LD_LIBRARY_PATH``. A failed probe is never kept (it may have timed out).
 
+Triton's compiler keeps a copy of its key of its own (``triton.runtime.cache.triton_key``),
+which it computes where it compiles a kernel (on a GPU host): that one is not reached here.
+
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
     >>> open(f"{d}/a.py", "w").write("x = 1")
