@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from .inductor_keys import keep_process_keys
 from .passes.copy_in import dense
 from .passes.metas import fake_tensor
 from .passes.regions import Region, alias_groups_of
@@ -505,6 +506,8 @@ def inductor_compile(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callabl
     # specialised to the region's sizes.
     fake = FakeTensorMode(shape_env=ShapeEnv())
     inputs = [fake_tensor(m, fake) for m in metas]
+    # (what Inductor computes once a process, from a disk on which it does not change)
+    keep_process_keys(cpu=any(torch.device(m.device).type == "cpu" for m in metas))
     with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):
         return compile_fx(gm, inputs)
 

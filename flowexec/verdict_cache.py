@@ -8,7 +8,8 @@ a fused region's kernel runs once on example inputs to check what it returns
 build's 8 s of fusion. A :class:`VerdictCache` keeps such a verdict under a key naming what decides it (the case, the
 device, torch and CUDA versions) in ``<Inductor's cache dir>/flowexec/<name>.json``, the
 directory ``TORCHINDUCTOR_CACHE_DIR`` sets: a cold Inductor cache is a cold verdict cache too.
-A file that cannot be read or written is no error: the verdict is measured again.
+A file that cannot be read or written is no error: the verdict is measured again. A cache
+made with ``kind=str`` keeps text instead (Inductor's code keys: :mod:`flowexec.inductor_keys`).
 
     >>> import tempfile
     >>> cache = VerdictCache("example", tempfile.mkdtemp())
@@ -43,19 +44,22 @@ def default_directory() -> str:
 
 
 class VerdictCache:
-    """Boolean verdicts by string key, in memory and in one JSON file."""
+    """Verdicts by string key (booleans; values of another ``kind`` where asked: a string),
+    in memory and in one JSON file."""
 
-    def __init__(self, name: str, directory: str | None = None) -> None:
+    def __init__(self, name: str, directory: str | None = None, kind: type = bool) -> None:
         self.directory = directory or default_directory()
         self.path = os.path.join(self.directory, f"{name}.json")
-        self._known: dict[str, bool] | None = None
+        self.kind = kind
+        self._known: dict[str, Any] | None = None
 
-    def _load(self) -> dict[str, bool]:
+    def _load(self) -> dict[str, Any]:
         if self._known is None:
             try:
                 with open(self.path) as fh:
                     data: Any = json.load(fh)
-                self._known = {k: v for k, v in data.items() if isinstance(v, bool)} if isinstance(data, dict) else {}
+                self._known = ({k: v for k, v in data.items() if isinstance(v, self.kind)} if isinstance(data, dict)
+                               else {})
             except (OSError, ValueError):
                 self._known = {}
         return self._known
@@ -63,11 +67,11 @@ class VerdictCache:
     def __len__(self) -> int:
         return len(self._load())
 
-    def get(self, key: str) -> bool | None:
+    def get(self, key: str) -> Any:
         """The verdict kept for ``key``, or None."""
         return self._load().get(key)
 
-    def put(self, key: str, verdict: bool) -> None:
+    def put(self, key: str, verdict: Any) -> None:
         """Keep ``verdict`` for ``key``: in memory, and in the file (merged with what another
         process wrote there since, and replaced in one step)."""
         known = self._load()
@@ -79,7 +83,8 @@ class VerdictCache:
                     on_disk = json.load(fh)
             except (OSError, ValueError):
                 on_disk = {}
-            merged = {**(on_disk if isinstance(on_disk, dict) else {}), **known}
+            merged = {**({k: v for k, v in on_disk.items() if isinstance(v, self.kind)}
+                         if isinstance(on_disk, dict) else {}), **known}
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".verdicts_")
             try:
                 with os.fdopen(fd, "w") as fh:
@@ -98,11 +103,11 @@ class VerdictCache:
 _shared: dict[tuple[str, str], VerdictCache] = {}
 
 
-def shared_cache(name: str) -> VerdictCache:
+def shared_cache(name: str, kind: type = bool) -> VerdictCache:
     """The process's one :class:`VerdictCache` called ``name`` in the current
     :func:`default_directory` (``TORCHINDUCTOR_CACHE_DIR`` can change between builds)."""
     directory = default_directory()
     cache = _shared.get((name, directory))
     if cache is None:
-        cache = _shared[name, directory] = VerdictCache(name, directory)
+        cache = _shared[name, directory] = VerdictCache(name, directory, kind)
     return cache

@@ -473,6 +473,117 @@ def test_a_failed_verdict_write_leaves_no_temporary_file(tmp_path, monkeypatch) 
     assert cache.get("case") is True and os.listdir(tmp_path) == []
 
 
+def test_a_vector_instruction_probe_is_kept_until_its_library_changes(tmp_path, monkeypatch) -> None:
+    """Inductor's probe of the CPU's vector instructions (a process that loads a small library)
+    runs once per library: a new process on the same cache asks the kept verdict; a rebuilt
+    library, another cache or a corrupt file probes again, and a failure is never kept."""
+    import os
+
+    from flowexec import inductor_keys as inductor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    lib = tmp_path / "probe.so"
+    lib.write_bytes(b"\x7fELF one")
+    probed: list[str] = []
+
+    def probe(verdict):
+        return lambda isa, path: probed.append(isa) or verdict
+
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(False)) is False
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(True)) is True  # (the failure was not kept)
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # as a new process sees it
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(False)) is True and probed == ["avx2", "avx2"]
+    assert inductor.kept_vec_isa_probe("avx512", str(lib), probe(False)) is False  # another instruction set
+    lib.write_bytes(b"\x7fELF two, rebuilt")
+    os.utime(lib, ns=(1, 1))
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(False)) is False and len(probed) == 4
+    assert inductor.kept_vec_isa_probe("avx2", str(tmp_path / "gone.so"), probe(False)) is False  # no key: probed
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "b"))  # a cold cache probes again
+    (tmp_path / "b" / "flowexec").mkdir(parents=True)
+    (tmp_path / "b" / "flowexec" / "vec_isa_probes.json").write_text("{not json")
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(True)) is True and len(probed) == 6
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    assert inductor.kept_vec_isa_probe("avx2", str(lib), probe(False)) is True and len(probed) == 6
+
+
+def test_inductor_s_vector_instruction_probe_goes_through_the_kept_verdicts(tmp_path, monkeypatch) -> None:
+    """A CPU region's compile replaces Inductor's probe once; the replacement keeps a success."""
+    from torch._inductor import cpu_vec_isa
+
+    from flowexec import inductor_keys as inductor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    monkeypatch.setattr(inductor, "_DONE", {})
+    calls = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", lambda self, path: calls.append(path) or True)
+    inductor.keep_vec_isa_probes()
+    inductor.keep_vec_isa_probes()  # (once)
+    lib = tmp_path / "probe.so"
+    lib.write_bytes(b"\x7fELF")
+    isa = cpu_vec_isa.VecAVX2()
+    assert isa._probe_load(str(lib)) is True and isa._probe_load(str(lib)) is True and calls == [str(lib)]
+    assert inductor.shared_cache("vec_isa_probes").path.startswith(str(tmp_path))
+
+
+def test_inductor_s_code_keys_are_kept_under_the_stamp_of_the_files_they_hash(tmp_path, monkeypatch) -> None:
+    """A code key (Inductor's hash of torch's or Triton's files, once a process) is handed to
+    Inductor's cache of it in a later process while every file's path, size and time hold; a
+    changed or added file, a symbolic link, a corrupt file or a kept value of another form
+    computes it again, and nothing is an error."""
+    import os
+
+    from torch.utils._functools import prefetchable_cache
+
+    from flowexec import inductor_keys
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    tree = tmp_path / "torch"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.py").write_text("a = 1")
+    (tree / "sub" / "b.py").write_text("b = 2")
+    computed: list[bytes] = []
+
+    def process(value: bytes = b"\x01key"):
+        """A new process: fresh in-memory caches and a fresh cache of the key."""
+        monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+        key_fn = prefetchable_cache(lambda: computed.append(value) or value)
+        monkeypatch.setattr(inductor_keys, "_code_keys", lambda: [("torch_key", key_fn, str(tree))])
+        inductor_keys._keep_code_keys()
+        return key_fn()
+
+    assert process() == b"\x01key" and len(computed) == 1
+    assert process(b"other") == b"\x01key" and len(computed) == 1  # kept: not computed
+    (tree / "sub" / "b.py").write_text("b = 22")  # another size
+    assert process(b"\x02new") == b"\x02new" and len(computed) == 2
+    (tree / "sub" / "c.py").write_text("")  # a file more
+    assert process(b"\x03") == b"\x03" and len(computed) == 3
+    assert process(b"nope") == b"\x03" and len(computed) == 3
+    (tree / "link.py").symlink_to(tree / "a.py")  # no stamp: computed by Inductor, nothing kept
+    assert inductor_keys.tree_stamp(str(tree)) is None
+    assert process(b"\x04") == b"\x04" and process(b"\x05") == b"\x05" and len(computed) == 5
+    os.unlink(tree / "link.py")
+    kept = tmp_path / "cache" / "flowexec" / "inductor_keys.json"
+    kept.write_text("{not json")
+    assert process(b"\x06") == b"\x06" and len(computed) == 6
+    kept.write_text(kept.read_text().replace("bytes:", "other:"))  # a value of another form
+    assert process(b"\x07") == b"\x07" and len(computed) == 7
+    assert process(b"\x08") == b"\x07" and len(computed) == 7
+
+
+def test_a_kept_code_key_is_the_one_inductor_computes() -> None:
+    """torch_key as kept (bytes, through its text form) is the value Inductor computes."""
+    from torch._inductor import codecache
+
+    from flowexec import inductor_keys
+
+    value = codecache.torch_key()
+    assert isinstance(value, bytes) and inductor_keys._parse("bytes:" + value.hex()) == value
+    assert inductor_keys._parse("str:3.6.0-abc") == "3.6.0-abc" and inductor_keys._parse("3.6.0") is None
+    assert inductor_keys._parse("bytes:zz") is None
+
+
 def test_a_padding_verdict_follows_tf32_within_a_process(tmp_path, monkeypatch) -> None:
     """The in-process verdicts are keyed as the disk's: a process that turns TF32 off between
     builds times the product again (stand-in timings: padding wins only without TF32)."""

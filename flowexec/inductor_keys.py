@@ -1,0 +1,201 @@
+"""Inductor's once-a-process costs, kept beside its cache so that a warm build pays them once.
+
+Before its first compile (or its first cache lookup) in a process, Inductor computes what does
+not change between processes on one host, and computes it again in the next:
+
+- the keys of its own and Triton's code (``codecache.torch_key``, ``codecache.triton_key``):
+  a hash of every module of torch and of Triton's compiler, language and library, read whole
+  (~0.7 s of a warm CPU fused build on the 2-core host);
+- the CPU's vector instructions (``cpu_vec_isa``): for each candidate (AMX, AVX-512 VNNI,
+  AVX-512, AVX2 on an x86 host: ten small libraries) a library built into its cache and a
+  Python process started to load it (~1.5 s on that host).
+
+:func:`keep_process_keys` keeps both beside Inductor's cache (:mod:`flowexec.verdict_cache`;
+a cold Inductor cache is a cold one here too) under keys that name what decides them:
+
+- a code key under the *stamp* of the files it reads (every file's path, size and modification
+  time under torch's, or Triton's, directory; the rule by which Python trusts its bytecode
+  cache), handed to Inductor through the ``set`` its cache of the key offers. A file edited in
+  place, keeping its size and modification time, is not seen, as Python's ``.pyc`` check does
+  not see it; a tree with a symbolic link, or one that cannot be read, is hashed as before;
+- a probe that loaded its library under the library's path (Inductor names it after its
+  source and flags), size and time, torch's own library, the interpreter and
+  ``LD_LIBRARY_PATH``. A failed probe is never kept (it may have timed out).
+
+Triton's compiler keeps a copy of its key of its own (``triton.runtime.cache.triton_key``),
+which it computes where it compiles a kernel (on a GPU host): that one is not reached here.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> open(f"{d}/a.py", "w").write("x = 1")
+    5
+    >>> tree_stamp(d) == tree_stamp(d), tree_stamp(d + "/missing")
+    (True, None)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .verdict_cache import shared_cache
+
+_LOCK = threading.Lock()
+_DONE: dict[str, Any] = {}  # "keys": the code keys were kept or set; "probe": Inductor's VecISA._probe_load
+
+
+def keep_process_keys(cpu: bool) -> None:
+    """Hand Inductor the code keys kept for this torch and Triton (or keep them, computed now);
+    with ``cpu`` (a C++ kernel is to be compiled), also have its vector-instruction probe keep
+    what it finds. Once a process; anything unexpected leaves Inductor to compute as before."""
+    if "keys" not in _DONE:
+        with _LOCK:
+            if "keys" not in _DONE:
+                _DONE["keys"] = True
+                try:
+                    _keep_code_keys()
+                except Exception:  # (a torch whose caches differ: Inductor computes them itself)
+                    pass
+    if cpu and "probe" not in _DONE:
+        keep_vec_isa_probes()
+
+
+# --- the code keys ---------------------------------------------------------------------------
+
+def tree_stamp(root: str) -> str | None:
+    """A hash of every file's path, size and modification time under ``root`` (``__pycache__``
+    left out: neither key reads it); None where ``root`` cannot be read whole or holds a symbolic
+    link (a linked tree may change without its stamp)."""
+    h = hashlib.sha256()
+    todo = [root]
+    try:
+        if os.path.islink(root) or not os.path.isdir(root):
+            return None
+        while todo:
+            d = todo.pop()
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+            for e in entries:
+                if e.is_symlink():
+                    return None
+                if e.is_dir():
+                    if e.name != "__pycache__":
+                        todo.append(e.path)
+                    continue
+                st = e.stat()
+                h.update(f"{e.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def _code_keys() -> list[tuple[str, Any, str]]:
+    """(name, Inductor's cached function, the directory whose files it hashes) per code key."""
+    from torch._inductor import codecache
+
+    out = [("torch_key", codecache.torch_key, os.path.dirname(torch.__file__))]
+    try:
+        from torch._inductor.runtime.triton_compat import HAS_TRITON
+    except ImportError:
+        HAS_TRITON = False
+    if HAS_TRITON:
+        import triton
+
+        out.append(("triton_key", codecache.triton_key, os.path.dirname(os.path.abspath(triton.__file__))))
+    return out
+
+
+def _keep_code_keys() -> None:
+    kept = shared_cache("inductor_keys", kind=str)
+    for name, key_fn, root in _code_keys():
+        if not callable(getattr(key_fn, "set", None)):
+            continue  # (a torch whose key is cached another way)
+        stamp = tree_stamp(root)
+        if stamp is None:
+            continue
+        case = hashlib.sha256(f"{name}\0{torch.__version__}\0{sys.executable}\0{root}\0{stamp}".encode()).hexdigest()
+        value = _parse(kept.get(case))
+        if value is not None:
+            try:
+                key_fn.set(value)
+            except RuntimeError:
+                pass  # (computed already in this process)
+            continue
+        computed = key_fn()
+        if isinstance(computed, bytes):
+            kept.put(case, "bytes:" + computed.hex())
+        elif isinstance(computed, str):
+            kept.put(case, "str:" + computed)
+
+
+def _parse(text: str | None) -> bytes | str | None:
+    """A kept key as Inductor returns it (``bytes:<hex>`` or ``str:<text>``), or None where the
+    file held something else."""
+    if text is None:
+        return None
+    if text.startswith("bytes:"):
+        try:
+            return bytes.fromhex(text[6:])
+        except ValueError:
+            return None
+    return text[4:] if text.startswith("str:") else None
+
+
+# --- the vector-instruction probe --------------------------------------------------------------
+
+def keep_vec_isa_probes() -> None:
+    """Replace Inductor's probe that a vector-instruction library loads (``VecISA._probe_load``,
+    a Python process per library) with :func:`kept_vec_isa_probe` over it, once a process
+    (torch.compile in the same process gains the same); a torch without it is left alone."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return
+    with _LOCK:
+        original = vars(cpu_vec_isa.VecISA).get("_probe_load")
+        if "probe" in _DONE or not callable(original):
+            return
+        _DONE["probe"] = original
+
+        def _probe_load(self: Any, output_path: str) -> bool:
+            return kept_vec_isa_probe(self, output_path, original)
+
+        cpu_vec_isa.VecISA._probe_load = _probe_load  # type: ignore[method-assign]
+
+
+def vec_isa_probe_key(isa: str, library: str) -> str | None:
+    """What decides whether a vector-instruction probe's ``library`` loads: the library itself
+    (its path, which Inductor derives from its source and flags, its size and modification
+    time), the instruction set, torch's version and its ``libtorch_cpu`` (which the library
+    links), the interpreter and ``LD_LIBRARY_PATH``, hashed; None where the library cannot be read."""
+    def stat(path: str) -> str:
+        st = os.stat(path)
+        return f"{path} {st.st_size} {st.st_mtime_ns}"
+
+    libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    parts = [f"torch {torch.__version__}", sys.executable, os.environ.get("LD_LIBRARY_PATH", ""), isa]
+    try:
+        parts.append(stat(os.path.abspath(library)))
+        parts.append(stat(libtorch) if os.path.exists(libtorch) else "no libtorch_cpu.so")
+    except OSError:
+        return None
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def kept_vec_isa_probe(isa: Any, library: str, probe: Callable[[Any, str], bool]) -> bool:
+    """Whether ``library`` loads: a kept success (``vec_isa_probes`` beside Inductor's cache),
+    else ``probe(isa, library)``, kept where it succeeded."""
+    key = vec_isa_probe_key(str(isa), library)
+    if key is None:
+        return probe(isa, library)
+    kept = shared_cache("vec_isa_probes")
+    if kept.get(key):
+        return True
+    ok = bool(probe(isa, library))
+    if ok:
+        kept.put(key, True)
+    return ok
