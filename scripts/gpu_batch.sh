@@ -60,6 +60,12 @@ for step in "$@"; do
     scale-gpt2_124m|scale-resnet50|scale-llama_207m)  # issue 36: one model's variants, each in a fresh
                run_step $step 590 python3 benchmarks/scale.py --models "${step#scale-}" --timeout 200 \
                  -o "$R/scale_${step#scale-}.json" ;;  # process; then scale.py --merge into scale.json
+    scale-gpt2-builds) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m --variants inductor,fx_graph_fused \
+                 --timeout 200 -o "$R/scale_gpt2_124m_builds.json" ;;  # cold and warm builds against torch.compile's, steps too
+    fuse-workers-tests) run_step $step 240 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging tests/gpu/test_fuse_gpu.py \
+                 tests/gpu/test_compile_workers_gpu.py --junitxml="$R/$step.xml" ;;
+    regress-quick) run_step $step 240 python3 benchmarks/step_time.py --only mlp,hf --hf-backends eager,cudagraphs,flowexec_graph \
+                 --n 200 --out "$R" ;;  # issue 36's "nothing slower": MLP 8x256 graph vs eager, GPT-2 tiny backend vs cudagraphs
     scale-gpt2-fused) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m --variants fx_graph_fused \
                  --timeout 200 -o "$R/scale_gpt2_124m_fused.json" ;;  # the fused graph step alone, cold and warm (default workers)
     scale-gpt2-prefill) SCALE_FIRST_STEP=prefill run_step $step 420 python3 benchmarks/scale.py --models gpt2_124m \
