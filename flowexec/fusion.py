@@ -84,6 +84,9 @@ def warm_compile_workers() -> None:
     workers only: C++ kernels compile on threads."""
     from torch._inductor import async_compile
 
+    from .inductor_keys import keep_process_keys
+
+    keep_process_keys(cpu=False)  # (first: the pool's start computes torch_key for its helper process)
     warm = getattr(async_compile, "maybe_warm_pool", None)
     if warm is not None:
         warm()

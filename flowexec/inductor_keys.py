@@ -13,11 +13,13 @@ not change between processes on one host, and computes it again in the next:
 :func:`keep_process_keys` keeps both beside Inductor's cache (:mod:`flowexec.verdict_cache`;
 a cold Inductor cache is a cold one here too) under keys that name what decides them:
 
-- a code key under the *stamp* of the files it reads (every file's path, size and modification
-  time under torch's, or Triton's, directory; the rule by which Python trusts its bytecode
-  cache), handed to Inductor through the ``set`` its cache of the key offers. A file edited in
-  place, keeping its size and modification time, is not seen, as Python's ``.pyc`` check does
-  not see it; a tree with a symbolic link, or one that cannot be read, is hashed as before;
+- a code key under the *stamp* of the files it reads (every file's path, size, modification
+  and change times and inode under torch's, or Triton's, directory: more than Python asks to
+  trust its bytecode cache, since an image build may set every modification time alike), handed
+  to Inductor through the ``set`` its cache of the key offers (where torch has none, as 2.11
+  has no module-level ``triton_key``, that key is computed as before). A file rewritten in
+  place with its size and both times restored is not seen; a tree with a symbolic link, or one
+  that cannot be read, is hashed as before;
 - a probe that loaded its library under the library's path (Inductor names it after its
   source and flags), size and time, torch's own library, the interpreter and
   ``LD_LIBRARY_PATH``. A failed probe is never kept (it may have timed out).
@@ -67,7 +69,7 @@ def keep_process_keys(cpu: bool) -> None:
 # --- the code keys ---------------------------------------------------------------------------
 
 def tree_stamp(root: str) -> str | None:
-    """A hash of every file's path, size and modification time under ``root`` (``__pycache__``
+    """A hash of every file's path, size, times and inode under ``root`` (``__pycache__``
     left out: neither key reads it); None where ``root`` cannot be read whole or holds a symbolic
     link (a linked tree may change without its stamp)."""
     h = hashlib.sha256()
@@ -86,8 +88,8 @@ def tree_stamp(root: str) -> str | None:
                     if e.name != "__pycache__":
                         todo.append(e.path)
                     continue
-                st = e.stat()
-                h.update(f"{e.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                st = e.stat()  # (ctime and inode too: an image build may set every mtime alike)
+                h.update(f"{e.path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
     except OSError:
         return None
     return h.hexdigest()
@@ -102,10 +104,11 @@ def _code_keys() -> list[tuple[str, Any, str]]:
         from torch._inductor.runtime.triton_compat import HAS_TRITON
     except ImportError:
         HAS_TRITON = False
-    if HAS_TRITON:
+    triton_key = getattr(codecache, "triton_key", None)  # (torch 2.11's codecache imports it where used)
+    if HAS_TRITON and triton_key is not None:
         import triton
 
-        out.append(("triton_key", codecache.triton_key, os.path.dirname(os.path.abspath(triton.__file__))))
+        out.append(("triton_key", triton_key, os.path.dirname(os.path.abspath(triton.__file__))))
     return out
 
 
@@ -122,8 +125,8 @@ def _keep_code_keys() -> None:
         if value is not None:
             try:
                 key_fn.set(value)
-            except RuntimeError:
-                pass  # (computed already in this process)
+            except (RuntimeError, AssertionError):
+                pass  # (computed already in this process: 2.13 raises, 2.11's list-based cache asserts)
             continue
         computed = key_fn()
         if isinstance(computed, bytes):

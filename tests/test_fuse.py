@@ -572,6 +572,47 @@ def test_inductor_s_code_keys_are_kept_under_the_stamp_of_the_files_they_hash(tm
     assert process(b"\x08") == b"\x07" and len(computed) == 7
 
 
+def test_code_keys_where_torch_keeps_them_otherwise(tmp_path, monkeypatch) -> None:
+    """torch 2.11's shapes: no module-level ``triton_key`` in ``codecache`` (only torch_key is
+    kept, even with Triton), and a key cache whose ``set`` asserts where the key was computed
+    already in the process (the pool's start computes torch_key): nothing is raised, and the
+    key the process computed stands."""
+    from torch._inductor import codecache
+    from torch._inductor.runtime import triton_compat
+
+    from flowexec import inductor_keys
+
+    monkeypatch.delattr(codecache, "triton_key", raising=False)
+    monkeypatch.setattr(triton_compat, "HAS_TRITON", True)
+    assert [name for name, _, _ in inductor_keys._code_keys()] == ["torch_key"]
+
+    class ListCache:  # (2.11's: a list, and set asserts it is empty)
+        def __init__(self, value):
+            self.value, self.cache = value, []
+
+        def __call__(self):
+            if not self.cache:
+                self.cache.append(self.value)
+            return self.cache[0]
+
+        def set(self, value):
+            assert len(self.cache) == 0
+            self.cache.append(value)
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    tree = tmp_path / "torch"
+    tree.mkdir()
+    (tree / "a.py").write_text("a = 1")
+    for value, computed_first in ((b"\x01", False), (b"\x02", True)):
+        monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+        key_fn = ListCache(value)
+        if computed_first:
+            key_fn()
+        monkeypatch.setattr(inductor_keys, "_code_keys", lambda: [("torch_key", key_fn, str(tree))])
+        inductor_keys._keep_code_keys()
+        assert key_fn() == (b"\x02" if computed_first else b"\x01")  # (the second: computed, kept one not set)
+
+
 def test_a_kept_code_key_is_the_one_inductor_computes() -> None:
     """torch_key as kept (bytes, through its text form) is the value Inductor computes."""
     from torch._inductor import codecache

@@ -213,6 +213,9 @@ def serve(answers_fd: int) -> None:
         send(out, f"Inductor's lowerings, fallbacks or decompositions differ in the process that sent the jobs "
                   f"(registered at run time: {differ}): a kernel built here would not be that process's")
         return
+    from ..inductor_keys import keep_process_keys
+
+    keep_process_keys(cpu=False)  # (before the pool, whose start computes torch_key)
     warm = getattr(async_compile, "maybe_warm_pool", None)
     if warm is not None and torch.cuda.is_available():
         warm()  # (Inductor's workers for Triton's builds, which go to them once they are up)
