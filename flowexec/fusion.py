@@ -144,23 +144,32 @@ def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
         mine: set[str] = set()
 
         def here(job: Any) -> None:  # (this process's own compile, as the pass would do it later)
-            mine.add(job.key)
-            comp.compile(prog, regions[job.region])
+            if job.region is not None:
+                mine.add(job.key)
+                comp.compile(prog, regions[job.region])
 
         here_too = here if compile_workers.THIS_PROCESS_COMPILES else None
         t0, here_s = time.perf_counter(), comp.seconds
+        unavailable = ""
+        comp.defer_names = True  # (named by the pass, in its order: the queue's is another)
         try:
-            with comp.together() as late:  # (this process's kernels build while it takes more jobs)
-                failed = compile_workers.compile_in_processes(jobs, n, progress, here_too)
-            del late  # (a kernel refused at the block's end is gone or replaced: the pass compiles it again)
+            with comp.together():  # (this process's kernels build while it takes more jobs; one refused
+                try:               # at the block's end is gone or replaced: the pass compiles it again)
+                    failed = compile_workers.compile_in_processes(jobs, n, progress, here_too)
+                except compile_workers.WorkersUnavailable as e:  # (this process's kernels stand)
+                    failed, unavailable = {}, f"{type(e).__name__}: {e}"
         except Exception as e:  # (not the regions': the workers' own; the regions compile here)
             compile_workers.turn_off(f"{type(e).__name__}: {e}"[:300])
             return {}
         finally:  # (counted as compile time, also where it was spent in vain; this process's own is in seconds)
+            comp.defer_names = False
             comp.worker_seconds += time.perf_counter() - t0 - (comp.seconds - here_s)
+        comp.worker_jobs_here += len(mine)
+        if unavailable:
+            compile_workers.turn_off(unavailable[:300])
+            return {}
         sent = [j for j in jobs if j.key not in mine]
         comp.worker_jobs += len(sent)
-        comp.worker_jobs_here += len(mine)
         comp.worker_failures.update(failed)
         comp.worker_sent.update(j.key for j in sent if j.key not in failed)
         return failed

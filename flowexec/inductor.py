@@ -59,7 +59,6 @@ class FusedKernel:
 
     def __init__(self, name: str, compiled: Callable[..., Any], reference: Callable[..., Any], n_inputs: int,
                  mutated: Sequence[int], aliases: Sequence[int], summary: str, key: str) -> None:
-        self.__name__ = self.__qualname__ = name
         self.summary, self.key = summary, key
         self.status = "compiled"
         self.tags: tuple[Any, ...] = ()
@@ -68,9 +67,15 @@ class FusedKernel:
         self._aliases = tuple(aliases)
         args = ", ".join(f"Tensor(a{k}!) x{k}" if k in self._mutated else f"Tensor x{k}" for k in range(n_inputs))
         rets = ", ".join(f"Tensor(a{a}!)" if a >= 0 else "Tensor" for a in aliases)
-        self._schema = torch._C.parse_schema(f"flowexec::{name}({args}) -> ({rets})")
+        self._signature = f"({args}) -> ({rets})"
+        self.rename(name)
         self._fast = self._assemble(compiled)
         self._call = self._fast
+
+    def rename(self, name: str) -> None:
+        """Name the kernel (and its schema): before any program holds it."""
+        self.__name__ = self.__qualname__ = name
+        self._schema = torch._C.parse_schema(f"flowexec::{name}{self._signature}")
 
     def _assemble(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (which returns the computed outputs) as the op: outputs that are inputs added."""
@@ -312,7 +317,12 @@ class InductorCompiler:
     worker_failures: dict[str, str] = field(default_factory=dict)  # those they did not compile, why
     worker_sent: set[str] = field(default_factory=set)  # keys they compiled, to be found in the cache
     worker_misses: int = 0  # of those, compiled here again all the same (not found in the cache)
-    made: int = 0  # kernels made so far (their names: fused_0, fused_1, ...; a replaced one keeps counting)
+    made: int = 0  # kernels named so far (their names: fused_0, fused_1, ...; a replaced one keeps counting)
+    # While set, a kernel made is named only where a pass first takes it (:meth:`compile`'s hit):
+    # kernels compiled ahead of the pass, in another order (flowexec.compile_workers' queue), are
+    # then named in the pass's order, as without them (keys in ``unnamed``).
+    defer_names: bool = False
+    unnamed: set[str] = field(default_factory=set)
 
     @contextlib.contextmanager
     def together(self, progress: Callable[[int, int], None] | None = None) -> Iterator[list[str]]:
@@ -369,6 +379,9 @@ class InductorCompiler:
         key = region_key(prog, region)
         hit = self.kernels.get(key)
         if hit is not None:
+            if key in self.unnamed and not self.defer_names:
+                self.unnamed.discard(key)
+                hit.rename(name or self._next_name())
             return hit
         if key in self.failures:
             return self.failures[key]
@@ -394,9 +407,17 @@ class InductorCompiler:
 
     def _kernel(self, name: str | None, compiled: Callable[..., Any], gm: fx.GraphModule, prog: Program,
                 region: Region, key: str) -> FusedKernel:
-        self.made += 1
-        return FusedKernel(name or f"fused_{self.made - 1}", compiled, gm, len(region.inputs), region.mutated,
+        if self.defer_names and name is None:
+            self.unnamed.add(key)
+            name = "fused_unnamed"
+        else:
+            self.unnamed.discard(key)
+        return FusedKernel(name or self._next_name(), compiled, gm, len(region.inputs), region.mutated,
                            region.aliases, summarize(prog, region), key)
+
+    def _next_name(self) -> str:
+        self.made += 1
+        return f"fused_{self.made - 1}"
 
     def with_forced_strides(self, key: str, prog: Program, region: Region, name: str | None) -> FusedKernel | None:
         """Where the kernel for ``key`` returned an output in other strides than the program's

@@ -185,11 +185,12 @@ def test_regions_compiled_by_a_worker_are_loaded_from_the_cache_here(tmp_path, m
 
 
 def _four_regions(x, w):
-    # four regions between matrix products, none equal to another (each its own job)
+    # four regions between matrix products, none equal to another (each its own job), the last
+    # the longest (the queue's first)
     h = (x.sin() * 2).relu() @ w
     h = (h.cos() + 1).tanh() @ w
     h = (h.exp() - 1).abs() @ w
-    return (h.sigmoid() * 3).sum()
+    return ((h.sigmoid() * 3 + 1).square() - h).sum()
 
 
 def test_this_process_compiles_cold_regions_beside_its_workers(tmp_path, monkeypatch):
@@ -213,7 +214,7 @@ def test_this_process_compiles_cold_regions_beside_its_workers(tmp_path, monkeyp
     counters.clear()
     exe = flowexec.compile(_four_regions, mode="trace", fuse="inductor")
     for _ in range(2):
-        torch.testing.assert_close(exe(x, w), _four_regions(x, w))
+        torch.testing.assert_close(exe(x, w), _four_regions(x, w), rtol=1e-5, atol=1e-5)  # (a fused sum's order)
     assert comp.worker_jobs_here >= 1 and comp.worker_jobs + comp.worker_jobs_here == n
     assert not comp.worker_failures and comp.worker_misses == 0
     aot = dict(counters["aot_autograd"])
@@ -222,6 +223,61 @@ def test_this_process_compiles_cold_regions_beside_its_workers(tmp_path, monkeyp
     assert aot.get("autograd_cache_miss", 0) == comp.worker_jobs_here, aot
     assert exe.plan.stats()["fused_regions"] == n and len(comp.kernels) == n
     assert cold_jobs(prog, regions, InductorCompiler()) == []  # (all checked and kept)
+    # named in the program's order, as a build without workers names them (the queue's is
+    # longest first, and which side takes a job is a race)
+    assert [r.name for r in exe.plan.fusion.regions] == [f"fused_{k}" for k in range(n)]
+    assert not comp.unnamed
+
+
+def test_where_no_worker_starts_this_process_s_kernels_stand(tmp_path, monkeypatch):
+    """Every worker fails to start (as where this process registered a lowering of its own):
+    the jobs this process compiled meanwhile are kept and not compiled again, the workers are
+    turned off with the reason, and the program equals eager."""
+    from flowexec.compile_workers import pipe
+
+    _fresh_cache(monkeypatch, tmp_path)
+    monkeypatch.setenv("FLOWEXEC_COMPILE_PROCESSES", "1")
+    monkeypatch.setattr(compile_workers, "_disabled", [])
+
+    def refuse(self, settings, threads, timeout):
+        raise RuntimeError("refused to start, as a test asks")
+    monkeypatch.setattr(pipe.Worker, "start", refuse)
+    comp = InductorCompiler()
+    monkeypatch.setattr(flowexec.fusion, "_compiler", comp)
+    compiled: list[str] = []
+    real = inductor.inductor_compile
+    monkeypatch.setattr(inductor, "inductor_compile", lambda gm, metas: compiled.append(gm.code) or real(gm, metas))
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    exe = flowexec.compile(_four_regions, mode="trace", fuse="inductor")
+    with pytest.warns(UserWarning, match="compile workers turned off .*refused to start, as a test asks"):
+        got = exe(x, w)
+    torch.testing.assert_close(got, _four_regions(x, w), rtol=1e-5, atol=1e-5)
+    assert len(compiled) == 4 and comp.worker_jobs_here >= 1 and comp.worker_jobs == 0
+    assert [r.name for r in exe.plan.fusion.regions] == [f"fused_{k}" for k in range(4)]
+
+
+def test_a_worker_still_starting_when_this_process_took_every_job_is_stopped_not_failed(tmp_path, monkeypatch):
+    """This process takes the only job at once, while the worker still imports torch: the
+    worker is stopped rather than waited for, and that is no failed start (no reason, nothing
+    raised, nothing left to compile)."""
+    _fresh_cache(monkeypatch, tmp_path)
+    prog = capture(lambda x: (x.sin() * 2).relu(), (torch.randn(4),)).program
+    (r,) = find_regions(prog)
+    job = Job("mine", recipe_of(prog, r), tuple(prog.values[v].meta for v in r.inputs), 0)
+    taken: list[str] = []
+    started: list = []
+    real = compile_workers.Worker
+
+    class Seen(real):
+        def __init__(self):
+            super().__init__()
+            started.append(self)
+    monkeypatch.setattr(compile_workers, "Worker", Seen)
+    assert compile_in_processes([job], 1, here=lambda j: taken.append(j.key)) == {}
+    assert taken == ["mine"] and len(started) == 1
+    w = started[0]
+    assert not w.ready  # (stopped while it started: it never said ready)
+    assert not w.why and not w.taken and (w.proc is None or w.proc.poll() is not None)
 
 
 def test_a_region_a_worker_refuses_is_left_to_this_process_with_why(tmp_path, monkeypatch):

@@ -6,9 +6,11 @@ workers. A cold build of GPT-2 124M's first step spent 22 of its 30 s in the fus
 H100, generating its regions one after another. Here the regions a build has not compiled
 before are first compiled in a few fresh processes, each writing Inductor's on-disk caches
 (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, inherited), while this process takes jobs
-from the same queue and compiles them itself (:data:`THIS_PROCESS_COMPILES`); the fusion pass
-then compiles each region as before and finds it in the cache, as a warm build does (or, one
-this process compiled, among its kernels). Nothing a worker does
+from the same queue and compiles them itself (:data:`THIS_PROCESS_COMPILES`; a worker still
+starting once it has taken the last job is stopped, not waited for, and no worker starting at
+all leaves its kernels standing: :class:`WorkersUnavailable`); the fusion pass then compiles
+each region as before and finds it in the cache, as a warm build does (or, one this process
+compiled, among its kernels, named only then, in the pass's order). Nothing a worker does
 decides a result: a region a worker could not compile is compiled here as if no worker had
 tried (and refused here, with Inductor's reason, if it is refused), and any error of the
 workers' own only turns them off.
@@ -74,6 +76,10 @@ JOB_TIMEOUT_S = 900.0  # a region's compile (or a worker's start, or its last ke
 _disabled: list[str] = []  # why the workers were turned off for this process (empty: they are not)
 
 
+class WorkersUnavailable(RuntimeError):
+    """No worker started (the reason of the first); the jobs this process compiled meanwhile stand."""
+
+
 @dataclass(frozen=True)
 class Job:
     """One region to compile: its :func:`~flowexec.inductor.region_key`, its graph as a
@@ -84,7 +90,7 @@ class Job:
     key: str
     recipe: GraphRecipe
     metas: tuple[TensorMeta, ...]
-    region: int = -1  # its region's index in the list cold_jobs was given (for this process's own compile)
+    region: int | None = None  # its region's index in the list cold_jobs was given (this process's own compile)
 
 
 def cold_jobs(prog: Program, regions: Sequence[Region], comp: InductorCompiler) -> list[Job]:
@@ -199,12 +205,19 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
     workers += [Worker() for _ in range(n - len(workers))]
     threads = max(1, host_cpus() // len(workers))
 
+    idle = threading.Event()  # (set: this process found no job left; a worker still starting is stopped)
+
     def serve(w: Worker) -> None:
+        if idle.is_set():
+            return
         try:
             w.start(settings, threads, JOB_TIMEOUT_S)
         except Exception as e:  # (its jobs go to the others, or stay for this process)
-            w.why = f"worker did not start: {e}"
+            if not idle.is_set():  # (not where it was stopped, unneeded, while starting)
+                w.why = f"worker did not start: {e}"
             return
+        with lock:
+            w.ready = True
         while True:
             try:
                 job = todo.get_nowait()
@@ -250,6 +263,12 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
                 done[0] += 1
                 if progress is not None:
                     progress(done[0], len(jobs))
+        if here is not None:  # (every job taken: a worker still starting would only start to finish)
+            with lock:
+                idle.set()
+                starting = [w for w in workers if not w.ready]
+            for w in starting:  # (its start then ends on its answers' pipe's end; the thread tidies up)
+                w.kill()
         for t in serving:
             t.join()
     finally:
@@ -266,7 +285,7 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
             break
         failed.setdefault(job.key, next((w.why for w in workers if w.why), "no worker took it"))
     if all(w.why for w in workers):  # (none started: every later build's would fail the same way)
-        raise RuntimeError(workers[0].why)
+        raise WorkersUnavailable(workers[0].why)
     return failed
 
 

@@ -88,6 +88,8 @@ class Worker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = tempfile.TemporaryFile()
         self.why = ""
+        self.ready = False  # (started and handed its settings: compile_in_processes sets it)
+        self.cancelled = False  # (kill() asked: a start not yet spawned then ends at once)
         self.taken: list[str] = []  # keys of the jobs it generated
         self._answers = -1  # the read end of its answers' pipe
 
@@ -114,6 +116,8 @@ class Worker:
         is ready, raises where it refuses (its Inductor registrations are not this process's)."""
         if self.proc is None:
             self.spawn(threads)
+        if self.cancelled:  # (kill() came before the process it would kill: after it, kill() sees it)
+            raise RuntimeError("stopped while starting: no job left for it")
         assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(settings)
         self.proc.stdin.flush()
@@ -154,6 +158,14 @@ class Worker:
             return "nothing"
         errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
         return (errors[-1] if errors else lines[-1] if lines else "nothing")[:300]
+
+    def kill(self) -> None:
+        """Kill the process (from another thread than the one waiting on its answers: that wait
+        ends on the pipe's end and stops it)."""
+        self.cancelled = True
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     def stop(self) -> None:
         """End the process (its pipe's end first, then a kill) and close its pipes."""
