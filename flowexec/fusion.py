@@ -100,7 +100,7 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
     from . import compile_workers
 
     comp = compiler()
-    before, jobs_before = comp.seconds + comp.worker_seconds, comp.worker_jobs
+    before, jobs_before, here_before = comp.seconds + comp.worker_seconds, comp.worker_jobs, comp.worker_jobs_here
     regions = find_regions(prog)
     with _Progress() as bar:
         compile_cold_in_workers(prog, regions, comp, bar.worked)
@@ -113,7 +113,7 @@ def fuse_for(prog: Program, fuse: str | bool | None, mode: str = "graph") -> tup
         compile_workers.turn_off(f"{comp.worker_misses} regions they compiled were not found in Inductor's cache "
                                  "here (a setting differs between this process and its workers)")
     report = FusionReport(report.regions, comp.seconds + comp.worker_seconds - before, comp.worker_jobs - jobs_before,
-                          compile_workers.off_reason())
+                          compile_workers.off_reason(), comp.worker_jobs_here - here_before)
     if os.environ.get("FLOWEXEC_DEBUG") == "1":
         for op in fused.ops:
             check = getattr(op.target, "check_first_call", None)
@@ -218,7 +218,7 @@ class _Progress:
 
     def worked(self, done: int, total: int) -> None:
         """``done`` of ``total`` regions compiled by worker processes."""
-        self._show(done, total, "compiling regions in worker processes")
+        self._show(done, total, "compiling regions in worker processes and here")
 
     def waited(self, done: int, total: int) -> None:
         """``done`` of ``total`` regions' kernels built."""

@@ -227,6 +227,9 @@ def test_this_process_compiles_cold_regions_beside_its_workers(tmp_path, monkeyp
     # longest first, and which side takes a job is a race)
     assert [r.name for r in exe.plan.fusion.regions] == [f"fused_{k}" for k in range(n)]
     assert not comp.unnamed
+    head = exe.explain().splitlines()[0]
+    assert exe.plan.fusion.worker_jobs_here == comp.worker_jobs_here
+    assert (f", {comp.worker_jobs_here} here beside them)" in head) == (comp.worker_jobs > 0), head
 
 
 def test_where_no_worker_starts_this_process_s_kernels_stand(tmp_path, monkeypatch):

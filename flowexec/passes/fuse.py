@@ -57,7 +57,8 @@ class RegionReport:
 @dataclass(frozen=True)
 class FusionReport:
     """The regions of one program and what became of each; ``compile_seconds``: time in the
-    compiler; ``worker_jobs``: regions compiled first in worker processes (flowexec.compile_workers);
+    compiler; ``worker_jobs``: regions compiled first in worker processes (flowexec.compile_workers),
+    ``worker_jobs_here``: the cold ones this process compiled meanwhile;
     ``workers_off``: why those workers were turned off for the process by the pass's end (None: they
     were not)."""
 
@@ -65,6 +66,7 @@ class FusionReport:
     compile_seconds: float = 0.0
     worker_jobs: int = 0
     workers_off: str | None = None
+    worker_jobs_here: int = 0  # cold regions this process compiled beside its workers
 
     def counts(self) -> dict[str, int]:
         fused = [r for r in self.regions if r.fused]
@@ -83,7 +85,9 @@ class FusionReport:
         c = self.counts()
         head = (f"{c['fused_regions']} fused regions ({c['fused_kernels']} kernels, {c['fused_aten_ops']} ATen ops), "
                 f"{c['fusion_fallbacks']} fallbacks; {self.compile_seconds:.1f} s compiling"
-                + (f" ({self.worker_jobs} regions first in worker processes)" if self.worker_jobs else "")
+                + (f" ({self.worker_jobs} regions first in worker processes"
+                   + (f", {self.worker_jobs_here} here beside them)" if self.worker_jobs_here else ")")
+                   if self.worker_jobs else "")
                 + (f"; compile workers turned off: {self.workers_off}" if self.workers_off else ""))
         return "\n".join([head, *rows])
 
