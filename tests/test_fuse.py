@@ -14,6 +14,8 @@ from flowexec import inductor
 from flowexec.capture import capture
 from flowexec.errors import OptionError
 from flowexec.models import Block, lm_loss, make_mlp, make_step
+import flowexec.passes.fuse
+from flowexec.passes import regions
 from flowexec.passes.regions import edges, find_regions, order_with_regions
 from flowexec.pipeline.compiled import CompiledRunner
 from helpers import assert_close_rel, assert_same_state, assert_stage_jobs_match_eager, sgd_losses
@@ -696,6 +698,46 @@ def test_a_kernel_returning_other_strides_is_compiled_again_for_the_program_s(mo
             assert st["fusion_fallbacks"] >= 1 and "came back as" in exe.explain(), st
         assert out.stride() == _rotary_then_cache(*args).stride()
         assert_close_rel(out, _rotary_then_cache(*args), 1e-6)
+
+
+def _half_rotated(x, c, d):
+    # rotate_half's pieces, as the rotary models' backward has them: a slice of a region's own
+    # product leaves it (here as a result) with gaps in its layout
+    a = x.transpose(1, 2)[..., :8]
+    m = a * c
+    lo, hi = m[..., :4], m[..., 4:]
+    return (-lo).exp().sum(), hi, a * d  # (exp: a sum of positive terms, held to a relative error)
+
+
+def test_a_slice_a_kernel_returns_compact_leaves_the_region_and_its_base_goes_out(monkeypatch):
+    """Inductor computes just the slice and returns it compact, where the program has a slice of
+    a wider value (gaps: no strides to force). The refused region is tried again without that
+    view, its base leaving instead and the slice taken after it; without this, the halves came
+    back in an input's memory and both stayed ATen ops (the CPU sweep's rotary models kept 4
+    such pieces each)."""
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 16, 4, 16, generator=g), torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g))
+    want = _half_rotated(*args)
+    prog = capture(_half_rotated, args).program
+    (r,) = find_regions(prog)
+    assert regions.without_gapped_views(prog, r) is not None
+    for peel in (True, False):
+        monkeypatch.setattr(flowexec.fusion, "_compiler", None)  # a compiler of this case's own
+        if not peel:
+            monkeypatch.setattr(flowexec.passes.fuse, "without_gapped_views", lambda prog, r: None)
+        exe = flowexec.compile(_half_rotated, *args, mode="trace", fuse="inductor")
+        got = exe(*args)
+        st = exe.plan.stats()
+        if peel:
+            assert (st["fused_regions"], st["fusion_fallbacks"]) == (1, 0), exe.explain()
+        else:
+            assert st["fusion_fallbacks"] >= 1 and "came back" in exe.explain(), exe.explain()
+        for g, t in zip(got, want):
+            assert g.stride() == t.stride()
+            assert_close_rel(g, t, 1e-5)
+    # a region with no such slice is left alone (nothing to take out)
+    plain = capture(lambda x: (x.sin() * 2).relu()[:, :4].exp(), (torch.randn(8, 8),)).program
+    assert all(regions.without_gapped_views(plain, q) is None for q in find_regions(plain))
 
 
 def test_a_kernel_that_hands_back_an_input_as_a_new_tensor_is_refused(monkeypatch):

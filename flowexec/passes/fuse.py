@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..program import Op, Program, Ref
-from .regions import Region, find_regions, order_with_regions, split_region, work_count
+from .regions import Region, find_regions, order_with_regions, split_region, without_gapped_views, work_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,10 @@ def fuse_program(prog: Program, compile_region: Callable[[Program, Region], Any]
         names = tuple(prog.ops[i].name for i in r.ops)
         source = next((prog.ops[i].source for i in r.ops if prog.ops[i].source), "")
         if kernel is None or isinstance(kernel, str):
+            peeled = without_gapped_views(prog, r) if (kernel or "").startswith("OtherStrides") else None
+            if peeled is not None:  # (a slice that came back compact: its base goes out, the slice after)
+                pending.insert(0, peeled)
+                continue
             if work_count(prog, r.ops) >= 2 * min_ops:  # refused: the halves may compile
                 pending[:0] = split_region(prog, r)
                 total += 1

@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 
 from ..program import Op, Program, Ref
+from .copy_in import dense
 from .dependencies import alias_groups, chain_ordered_anyway, dependencies, read_write_sets
 from .streams import is_view_op
 
@@ -473,3 +474,34 @@ def split_region(prog: Program, region: Region) -> tuple[Region, Region]:
     facts = _Facts.of(prog)
     half = len(region.ops) // 2
     return _with_io(prog, region.ops[:half], facts), _with_io(prog, region.ops[half:], facts)
+
+
+def without_gapped_views(prog: Program, region: Region) -> Region | None:
+    """``region`` without the view ops whose outputs only leave it and leave it with gaps in
+    their layout (a slice of a wider value: a kernel whose compiler computes just the slice
+    returns it compact, in other strides than the program's); their bases leave it instead and
+    the views run after it as library ops. None where there is no such view, or too little
+    would be left. Removing an op no op of the region reads keeps the region convex."""
+    facts = _Facts.of(prog)
+    inside = set(region.ops)
+
+    def gapped_sink(i: int) -> bool:
+        op = prog.ops[i]
+        if not is_view_op(op.target):
+            return False
+        outs = [o for o in op.outputs if o >= 0]
+        return bool(outs) and all(not any(u in inside for u in facts.readers.get(o, ()))
+                                  and _gapped(prog.values[o].meta) for o in outs)
+
+    ops = [i for i in region.ops if not gapped_sink(i)]
+    if len(ops) == len(region.ops) or work_count(prog, ops) < 1:
+        return None
+    return _with_io(prog, ops, facts)
+
+
+def _gapped(meta: object) -> bool:
+    """Whether a value's layout leaves gaps in its memory (a slice of a wider tensor)."""
+    shape, stride = getattr(meta, "shape", None), getattr(meta, "stride", None)
+    if shape is None or stride is None:
+        return False
+    return not dense(torch.empty_strided(shape, stride, device="meta"))
