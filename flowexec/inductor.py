@@ -642,15 +642,24 @@ def output_checks() -> VerdictCache:
     return shared_cache("region_output_checks")
 
 
+# The output check's own version: raised whenever what it checks changes, so that a verdict an
+# older check kept is not taken for this one's (f9b1442 added the test that no output comes back
+# in an input's memory; a cache filled before it kept such kernels as passed: T5 on the CPU
+# fused 5 regions more on a cache filled before it than on a fresh one, each a kernel now refused).
+OUTPUT_CHECK_VERSION = 2
+
+
 def output_check_key(key: str, metas: Sequence[TensorMeta], config_text: str | None = None) -> str:
     """What decides whether a region's kernel returns what the program expects: the region
     (:func:`region_key`), its input and output ``metas``, torch's and CUDA's versions, the
-    devices it runs on and Inductor's configuration (``config_text``: :func:`inductor_config_text`,
-    read once by a caller that keys many regions), hashed to a short key."""
+    devices it runs on, Inductor's configuration (``config_text``: :func:`inductor_config_text`,
+    read once by a caller that keys many regions) and the check's own version
+    (:data:`OUTPUT_CHECK_VERSION`), hashed to a short key."""
     devices = sorted({torch.device(m.device) for m in metas}, key=str)
     names = [torch.cuda.get_device_name(d) if d.type == "cuda" else str(d) for d in devices]
     conf = config_text if config_text is not None else inductor_config_text()
-    text = "\n".join([f"torch {torch.__version__} cuda {torch.version.cuda} on {names}", conf, key,
+    text = "\n".join([f"check {OUTPUT_CHECK_VERSION}; torch {torch.__version__} cuda {torch.version.cuda} on {names}",
+                      conf, key,
                       ";".join(f"{m.dtype}{list(m.shape)}{list(m.stride or ())}" for m in metas)])
     return hashlib.sha256(text.encode()).hexdigest()
 

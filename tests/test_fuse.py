@@ -787,6 +787,11 @@ def test_a_passed_output_check_is_kept_so_a_warm_build_runs_no_example(tmp_path,
             inductor.compile_graph(gm, metas, wrong, key)
     assert len(made) == 4
     assert inductor.output_check_key(key, [*metas, *want]) != inductor.output_check_key(key, [*metas, *wrong])
+    # a verdict an older check kept is not this check's (a new test of the outputs: checked again)
+    monkeypatch.setattr(inductor, "OUTPUT_CHECK_VERSION", inductor.OUTPUT_CHECK_VERSION + 1)
+    monkeypatch.setattr(verdict_cache, "_shared", {})
+    inductor.compile_graph(gm, metas, want, key)
+    assert len(made) == 5
 
 
 def test_regions_compiled_together_wait_for_their_kernels_at_the_end():
