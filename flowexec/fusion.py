@@ -146,12 +146,11 @@ def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
         def here(job: Any) -> None:  # (this process's own compile, as the pass would do it later)
             if job.region is not None:
                 mine.add(job.key)
-                comp.compile(prog, regions[job.region])
+                comp.prepare(prog, regions[job.region])  # (named by the pass, in its order)
 
         here_too = here if compile_workers.THIS_PROCESS_COMPILES else None
         t0, here_s = time.perf_counter(), comp.seconds
         unavailable = ""
-        comp.defer_names = True  # (named by the pass, in its order: the queue's is another)
         try:
             with comp.together():  # (this process's kernels build while it takes more jobs; one refused
                 try:               # at the block's end is gone or replaced: the pass compiles it again)
@@ -162,7 +161,6 @@ def compile_cold_in_workers(prog: Program, regions: Sequence[Region], comp: Any,
             compile_workers.turn_off(f"{type(e).__name__}: {e}"[:300])
             return {}
         finally:  # (counted as compile time, also where it was spent in vain; this process's own is in seconds)
-            comp.defer_names = False
             comp.worker_seconds += time.perf_counter() - t0 - (comp.seconds - here_s)
         comp.worker_jobs_here += len(mine)
         if unavailable:

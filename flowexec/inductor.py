@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from .inductor_keys import keep_process_keys
-from .passes.copy_in import dense
+from .passes.copy_in import dense_layout
 from .passes.metas import fake_tensor
 from .passes.regions import Region, alias_groups_of
 from .program import Program, Ref, TensorMeta, map_nested, op_name
@@ -57,7 +57,7 @@ class FusedKernel:
     ops for good (``status`` says why).
     """
 
-    def __init__(self, name: str, compiled: Callable[..., Any], reference: Callable[..., Any], n_inputs: int,
+    def __init__(self, name: str | None, compiled: Callable[..., Any], reference: Callable[..., Any], n_inputs: int,
                  mutated: Sequence[int], aliases: Sequence[int], summary: str, key: str) -> None:
         self.summary, self.key = summary, key
         self.status = "compiled"
@@ -68,7 +68,8 @@ class FusedKernel:
         args = ", ".join(f"Tensor(a{k}!) x{k}" if k in self._mutated else f"Tensor x{k}" for k in range(n_inputs))
         rets = ", ".join(f"Tensor(a{a}!)" if a >= 0 else "Tensor" for a in aliases)
         self._signature = f"({args}) -> ({rets})"
-        self.rename(name)
+        self.rename(name or "fused_unnamed")
+        self.named = name is not None  # (None: named where a compiler first hands it out, in a pass's order)
         self._fast = self._assemble(compiled)
         self._call = self._fast
 
@@ -76,6 +77,7 @@ class FusedKernel:
         """Name the kernel (and its schema): before any program holds it."""
         self.__name__ = self.__qualname__ = name
         self._schema = torch._C.parse_schema(f"flowexec::{name}{self._signature}")
+        self.named = True
 
     def _assemble(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (which returns the computed outputs) as the op: outputs that are inputs added."""
@@ -221,11 +223,11 @@ _FORCE_STRIDES = "prims.inductor_force_stride_order.default"  # (Inductor's: no-
 
 
 def _dense_stride(meta: TensorMeta | None) -> tuple[int, ...] | None:
-    """``meta``'s strides where they lay out a dense tensor (:func:`~flowexec.passes.copy_in.dense`)
+    """``meta``'s strides where they lay out a dense tensor (:func:`~flowexec.passes.copy_in.dense_layout`)
     of two or more dimensions longer than one, else None (a slice of a wider tensor, a vector)."""
     if meta is None or meta.stride is None or sum(s > 1 for s in meta.shape) < 2:
         return None
-    return tuple(meta.stride) if dense(torch.empty_strided(meta.shape, meta.stride, device="meta")) else None
+    return tuple(meta.stride) if dense_layout(meta.shape, meta.stride) else None
 
 
 def graph_of(recipe: GraphRecipe) -> fx.GraphModule:
@@ -317,12 +319,10 @@ class InductorCompiler:
     worker_failures: dict[str, str] = field(default_factory=dict)  # those they did not compile, why
     worker_sent: set[str] = field(default_factory=set)  # keys they compiled, to be found in the cache
     worker_misses: int = 0  # of those, compiled here again all the same (not found in the cache)
-    made: int = 0  # kernels named so far (their names: fused_0, fused_1, ...; a replaced one keeps counting)
-    # While set, a kernel made is named only where a pass first takes it (:meth:`compile`'s hit):
-    # kernels compiled ahead of the pass, in another order (flowexec.compile_workers' queue), are
-    # then named in the pass's order, as without them (keys in ``unnamed``).
-    defer_names: bool = False
-    unnamed: set[str] = field(default_factory=set)
+    # Kernels named so far (fused_0, fused_1, ...: a kernel is named where :meth:`compile` first
+    # hands it out, so in the pass's order also where :meth:`prepare` made it ahead, in the
+    # compile workers' queue order; a replaced one keeps counting).
+    made: int = 0
 
     @contextlib.contextmanager
     def together(self, progress: Callable[[int, int], None] | None = None) -> Iterator[list[str]]:
@@ -375,13 +375,19 @@ class InductorCompiler:
 
     def compile(self, prog: Program, region: Region, name: str | None = None) -> FusedKernel | str:
         """The kernel for ``region`` (compiled now, or shared with an equal region), or why
-        Inductor refused it (inside :meth:`together`, the kernel is ready once its block ends)."""
+        Inductor refused it (inside :meth:`together`, the kernel is ready once its block ends);
+        a kernel not yet named is named now (``name``, else the next ``fused_N``)."""
+        got = self.prepare(prog, region)
+        if isinstance(got, FusedKernel) and not got.named:
+            got.rename(name or f"fused_{self.made}")
+            self.made += 1
+        return got
+
+    def prepare(self, prog: Program, region: Region) -> FusedKernel | str:
+        """:meth:`compile` without naming a kernel it makes (one compiled ahead of a pass)."""
         key = region_key(prog, region)
         hit = self.kernels.get(key)
         if hit is not None:
-            if key in self.unnamed and not self.defer_names:
-                self.unnamed.discard(key)
-                hit.rename(name or self._next_name())
             return hit
         if key in self.failures:
             return self.failures[key]
@@ -390,7 +396,7 @@ class InductorCompiler:
         hits = _cache_hits() if key in self.worker_sent else None
         batch = _batch_here()
         if batch is not None:  # (for a second try where the block's end refuses the kernel)
-            batch.sources[key] = (prog, region, name)
+            batch.sources[key] = (prog, region)
         try:
             gm = region_graph(prog, region)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
@@ -399,27 +405,18 @@ class InductorCompiler:
                 self.worker_misses += 1
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
             why = self.failures[key] = why_refused(e)
-            return self.with_forced_strides(key, prog, region, name) or why
+            return self.with_forced_strides(key, prog, region) or why
         finally:
             self.seconds += time.perf_counter() - t0
-        kernel = self.kernels[key] = self._kernel(name, compiled, gm, prog, region, key)
+        kernel = self.kernels[key] = self._kernel(compiled, gm, prog, region, key)
         return kernel
 
-    def _kernel(self, name: str | None, compiled: Callable[..., Any], gm: fx.GraphModule, prog: Program,
-                region: Region, key: str) -> FusedKernel:
-        if self.defer_names and name is None:
-            self.unnamed.add(key)
-            name = "fused_unnamed"
-        else:
-            self.unnamed.discard(key)
-        return FusedKernel(name or self._next_name(), compiled, gm, len(region.inputs), region.mutated,
-                           region.aliases, summarize(prog, region), key)
+    def _kernel(self, compiled: Callable[..., Any], gm: fx.GraphModule, prog: Program, region: Region,
+                key: str) -> FusedKernel:
+        return FusedKernel(None, compiled, gm, len(region.inputs), region.mutated, region.aliases,
+                           summarize(prog, region), key)
 
-    def _next_name(self) -> str:
-        self.made += 1
-        return f"fused_{self.made - 1}"
-
-    def with_forced_strides(self, key: str, prog: Program, region: Region, name: str | None) -> FusedKernel | None:
+    def with_forced_strides(self, key: str, prog: Program, region: Region) -> FusedKernel | None:
         """Where the kernel for ``key`` returned an output in other strides than the program's
         (Inductor may lay a concatenation of permuted tensors out in their order; later kernels
         are compiled for the program's strides), the region compiled again asking Inductor for
@@ -440,7 +437,7 @@ class InductorCompiler:
         finally:
             self.seconds += time.perf_counter() - t0
         self.failures.pop(key, None)
-        kernel = self.kernels[key] = self._kernel(name, compiled, gm, prog, region, key)
+        kernel = self.kernels[key] = self._kernel(compiled, gm, prog, region, key)
         return kernel
 
 
@@ -549,9 +546,9 @@ class _Batch:
     keys: list[str] = field(default_factory=list)
     waits: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
     checks: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
-    # (key -> the program, region and name compiled under it: for a second try where the end
-    # refuses the kernel only on its strides; cleared there, since a program holds its state)
-    sources: dict[str, tuple[Program, Region, str | None]] = field(default_factory=dict)
+    # (key -> the program and region compiled under it: for a second try where the end refuses
+    # the kernel only on its strides; cleared there, since a program holds its state)
+    sources: dict[str, tuple[Program, Region]] = field(default_factory=dict)
     _config_text: str | None = None
 
     def config_text(self) -> str:

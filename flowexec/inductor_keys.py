@@ -21,7 +21,7 @@ a cold Inductor cache is a cold one here too) under keys that name what decides 
   place with its size and both times restored is not seen; a tree with a symbolic link, or one
   that cannot be read, is hashed as before;
 - a probe that loaded its library under the library's path (Inductor names it after its
-  source and flags), size and time, torch's own library, the interpreter and
+  source and flags) and stamp (:func:`file_stamp`), torch's own library, the interpreter and
   ``LD_LIBRARY_PATH``. A failed probe is never kept (it may have timed out).
 
 Triton's compiler keeps a copy of its key of its own (``triton.runtime.cache.triton_key``),
@@ -68,6 +68,13 @@ def keep_process_keys(cpu: bool) -> None:
 
 # --- the code keys ---------------------------------------------------------------------------
 
+def file_stamp(path: str, st: os.stat_result | None = None) -> str:
+    """A file's path, size, modification and change times and inode (ctime and inode too: an
+    image build may set every modification time alike); OSError where it cannot be read."""
+    st = st if st is not None else os.stat(path)
+    return f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n"
+
+
 def tree_stamp(root: str) -> str | None:
     """A hash of every file's path, size, times and inode under ``root`` (``__pycache__``
     left out: neither key reads it); None where ``root`` cannot be read whole or holds a symbolic
@@ -88,8 +95,7 @@ def tree_stamp(root: str) -> str | None:
                     if e.name != "__pycache__":
                         todo.append(e.path)
                     continue
-                st = e.stat()  # (ctime and inode too: an image build may set every mtime alike)
-                h.update(f"{e.path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+                h.update(file_stamp(e.path, e.stat()).encode())
     except OSError:
         return None
     return h.hexdigest()
@@ -172,18 +178,14 @@ def keep_vec_isa_probes() -> None:
 
 def vec_isa_probe_key(isa: str, library: str) -> str | None:
     """What decides whether a vector-instruction probe's ``library`` loads: the library itself
-    (its path, which Inductor derives from its source and flags, its size and modification
-    time), the instruction set, torch's version and its ``libtorch_cpu`` (which the library
-    links), the interpreter and ``LD_LIBRARY_PATH``, hashed; None where the library cannot be read."""
-    def stat(path: str) -> str:
-        st = os.stat(path)
-        return f"{path} {st.st_size} {st.st_mtime_ns}"
-
+    (its path, which Inductor derives from its source and flags, and :func:`file_stamp`), the
+    instruction set, torch's version and its ``libtorch_cpu`` (which the library links), the
+    interpreter and ``LD_LIBRARY_PATH``, hashed; None where the library cannot be read."""
     libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     parts = [f"torch {torch.__version__}", sys.executable, os.environ.get("LD_LIBRARY_PATH", ""), isa]
     try:
-        parts.append(stat(os.path.abspath(library)))
-        parts.append(stat(libtorch) if os.path.exists(libtorch) else "no libtorch_cpu.so")
+        parts.append(file_stamp(os.path.abspath(library)))
+        parts.append(file_stamp(libtorch) if os.path.exists(libtorch) else "no libtorch_cpu.so")
     except OSError:
         return None
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()

@@ -100,14 +100,14 @@ class VerdictCache:
             pass  # a read-only or full disk: this process keeps the verdict in memory
 
 
-_shared: dict[tuple[str, str], VerdictCache] = {}
+_shared: dict[tuple[str, str, type], VerdictCache] = {}
 
 
 def shared_cache(name: str, kind: type = bool) -> VerdictCache:
     """The process's one :class:`VerdictCache` called ``name`` in the current
     :func:`default_directory` (``TORCHINDUCTOR_CACHE_DIR`` can change between builds)."""
     directory = default_directory()
-    cache = _shared.get((name, directory))
+    cache = _shared.get((name, directory, kind))
     if cache is None:
-        cache = _shared[name, directory] = VerdictCache(name, directory, kind)
+        cache = _shared[name, directory, kind] = VerdictCache(name, directory, kind)
     return cache

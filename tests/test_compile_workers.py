@@ -226,7 +226,7 @@ def test_this_process_compiles_cold_regions_beside_its_workers(tmp_path, monkeyp
     # named in the program's order, as a build without workers names them (the queue's is
     # longest first, and which side takes a job is a race)
     assert [r.name for r in exe.plan.fusion.regions] == [f"fused_{k}" for k in range(n)]
-    assert not comp.unnamed
+    assert all(k.named for k in comp.kernels.values())
     head = exe.explain().splitlines()[0]
     assert exe.plan.fusion.worker_jobs_here == comp.worker_jobs_here
     assert (f", {comp.worker_jobs_here} here beside them)" in head) == (comp.worker_jobs > 0), head

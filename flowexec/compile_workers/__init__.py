@@ -207,6 +207,13 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
 
     idle = threading.Event()  # (set: this process found no job left; a worker still starting is stopped)
 
+    def one_done(key: str, why: str | None = None) -> None:  # (under the lock)
+        if why is not None:
+            failed[key] = why
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], len(jobs))
+
     def serve(w: Worker) -> None:
         if idle.is_set():
             return
@@ -236,11 +243,7 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
                     failed.update({key: f"worker exited: {e}" for key in [*w.taken, job.key]})
                 return
             with lock:
-                if why is not None:
-                    failed[job.key] = why
-                done[0] += 1
-                if progress is not None:
-                    progress(done[0], len(jobs))
+                one_done(job.key, why)
         try:  # every job generated: the worker waits for their kernels, and says which did not build
             late = w.finish(JOB_TIMEOUT_S)
         except Exception as e:
@@ -260,9 +263,7 @@ def compile_in_processes(jobs: Sequence[Job], processes: int,
                 break
             here(job)
             with lock:
-                done[0] += 1
-                if progress is not None:
-                    progress(done[0], len(jobs))
+                one_done(job.key)
         if here is not None:  # (every job taken: a worker still starting would only start to finish)
             with lock:
                 idle.set()

@@ -74,9 +74,18 @@ def dense(t: torch.Tensor) -> bool:
     >>> dense(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)), dense(torch.zeros(4, 4)[:, :2])
     (True, False)
     """
+    return dense_layout(t.shape, t.stride())
+
+
+def dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """:func:`dense` of a layout (a value's meta: no tensor needed).
+
+    >>> dense_layout((4, 2), (1, 4)), dense_layout((4, 2), (4, 1))
+    (True, False)
+    """
     expect = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expect:
+    for st, size in sorted((st, n) for n, st in zip(shape, stride) if n != 1):
+        if st != expect:
             return False
         expect *= size
     return True

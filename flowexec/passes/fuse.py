@@ -84,11 +84,12 @@ class FusionReport:
                         f"{ops}{src}")
         c = self.counts()
         head = (f"{c['fused_regions']} fused regions ({c['fused_kernels']} kernels, {c['fused_aten_ops']} ATen ops), "
-                f"{c['fusion_fallbacks']} fallbacks; {self.compile_seconds:.1f} s compiling"
-                + (f" ({self.worker_jobs} regions first in worker processes"
-                   + (f", {self.worker_jobs_here} here beside them)" if self.worker_jobs_here else ")")
-                   if self.worker_jobs else "")
-                + (f"; compile workers turned off: {self.workers_off}" if self.workers_off else ""))
+                f"{c['fusion_fallbacks']} fallbacks; {self.compile_seconds:.1f} s compiling")
+        here = f", {self.worker_jobs_here} here beside them" if self.worker_jobs_here else ""
+        if self.worker_jobs:
+            head += f" ({self.worker_jobs} regions first in worker processes{here})"
+        if self.workers_off:
+            head += f"; compile workers turned off: {self.workers_off}"
         return "\n".join([head, *rows])
 
 
@@ -97,9 +98,11 @@ def fuse_program(prog: Program, compile_region: Callable[[Program, Region], Any]
                  min_ops: int = 2) -> tuple[Program, FusionReport]:
     """``prog`` with each region whose kernel ``compile_region(prog, region)`` returns replaced
     by one op calling that kernel (a string or None instead: the region keeps its ATen ops, and
-    the string says why); and the report. A refused region of at least ``2 * min_ops`` ops that
-    do work is tried again as two halves (recursively), so that one op the compiler cannot take
-    keeps only itself and its neighbours out.
+    the string says why); and the report. A refused region is tried again first without the
+    views whose outputs leave it with gaps (:func:`~flowexec.passes.regions.without_gapped_views`:
+    a compiler that computes just a slice returns it compact), then, of at least ``2 * min_ops``
+    ops that do work, as two halves (recursively), so that one op the compiler cannot take keeps
+    only itself and its neighbours out.
 
     ``progress(done, total)`` is called after each region.
     """
@@ -115,8 +118,8 @@ def fuse_program(prog: Program, compile_region: Callable[[Program, Region], Any]
         names = tuple(prog.ops[i].name for i in r.ops)
         source = next((prog.ops[i].source for i in r.ops if prog.ops[i].source), "")
         if kernel is None or isinstance(kernel, str):
-            peeled = without_gapped_views(prog, r) if (kernel or "").startswith("OtherStrides") else None
-            if peeled is not None:  # (a slice that came back compact: its base goes out, the slice after)
+            peeled = without_gapped_views(prog, r)
+            if peeled is not None:  # (a slice may have come back compact: its base goes out, the slice after)
                 pending.insert(0, peeled)
                 continue
             if work_count(prog, r.ops) >= 2 * min_ops:  # refused: the halves may compile

@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from ..program import Op, Program, Ref
-from .copy_in import dense
+from .copy_in import dense_layout
 from .dependencies import alias_groups, chain_ordered_anyway, dependencies, read_write_sets
 from .streams import is_view_op
 
@@ -504,4 +504,4 @@ def _gapped(meta: object) -> bool:
     shape, stride = getattr(meta, "shape", None), getattr(meta, "stride", None)
     if shape is None or stride is None:
         return False
-    return not dense(torch.empty_strided(shape, stride, device="meta"))
+    return not dense_layout(shape, stride)
