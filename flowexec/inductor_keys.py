@@ -16,16 +16,13 @@ a cold Inductor cache is a cold one here too) under keys that name what decides 
 - a code key under the *stamp* of the files it reads (every file's path, size, modification
   and change times and inode under torch's, or Triton's, directory: more than Python asks to
   trust its bytecode cache, since an image build may set every modification time alike), handed
-  to Inductor through the ``set`` its cache of the key offers (where torch has none, as 2.11
-  has no module-level ``triton_key``, that key is computed as before). A file rewritten in
-  place with its size and both times restored is not seen; a tree with a symbolic link, or one
-  that cannot be read, is hashed as before;
+  to Inductor through the ``set`` its cache of ``torch_key`` offers, and for ``triton_key`` by
+  rebinding the name Inductor and Triton's compiler call (:func:`_triton_key_binder`). A file
+  rewritten in place with its size and both times restored is not seen; a tree with a symbolic
+  link, or one that cannot be read, is hashed as before;
 - a probe that loaded its library under the library's path (Inductor names it after its
   source and flags) and stamp (:func:`file_stamp`), torch's own library, the interpreter and
   ``LD_LIBRARY_PATH``. A failed probe is never kept (it may have timed out).
-
-Triton's compiler keeps a copy of its key of its own (``triton.runtime.cache.triton_key``),
-which it computes where it compiles a kernel (on a GPU host): that one is not reached here.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -36,11 +33,12 @@ which it computes where it compiles a kernel (on a GPU host): that one is not re
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -101,28 +99,60 @@ def tree_stamp(root: str) -> str | None:
     return h.hexdigest()
 
 
-def _code_keys() -> list[tuple[str, Any, str]]:
-    """(name, Inductor's cached function, the directory whose files it hashes) per code key."""
+class CodeKey(NamedTuple):
+    """One of Inductor's code keys: ``compute`` (Inductor's or Triton's function, cached once a
+    process), the directory whose files it hashes, and ``hand``, which gives this process the
+    kept value instead (raises RuntimeError or AssertionError where it was computed already)."""
+
+    name: str
+    compute: Callable[[], Any]
+    root: str
+    hand: Callable[[Any], None]
+
+
+def _code_keys() -> list[CodeKey]:
+    """The code keys this torch computes: ``torch_key`` through its cache's ``set``, and with
+    Triton, ``triton_key`` rebound (:func:`_triton_key_binder`)."""
     from torch._inductor import codecache
 
-    out = [("torch_key", codecache.torch_key, os.path.dirname(torch.__file__))]
-    try:
-        from torch._inductor.runtime.triton_compat import HAS_TRITON
-    except ImportError:
-        HAS_TRITON = False
-    triton_key = getattr(codecache, "triton_key", None)  # (torch 2.11's codecache imports it where used)
-    if HAS_TRITON and triton_key is not None:
-        import triton
-
-        out.append(("triton_key", triton_key, os.path.dirname(os.path.abspath(triton.__file__))))
+    out = []
+    if callable(getattr(codecache.torch_key, "set", None)):
+        out.append(CodeKey("torch_key", codecache.torch_key, os.path.dirname(torch.__file__), codecache.torch_key.set))
+    triton = _triton_key_binder()
+    if triton is not None:
+        out.append(triton)
     return out
+
+
+def _triton_key_binder() -> CodeKey | None:
+    """``triton_key`` where Triton is present. torch 2.11's ``get_system`` calls the function
+    ``triton_compat`` imported from Triton (an ``lru_cache``, no ``set``; 0.6 s of a warm GPU
+    build on the H100), 2.13's through its own cache, which reads the same name when called: so
+    the kept value is handed over by rebinding ``triton_compat.triton_key`` and, where it is
+    still Triton's own, ``triton.runtime.cache.triton_key`` (as Triton's compile-warm-up pool
+    does in its workers) to a function that returns it."""
+    try:
+        from torch._inductor.runtime import triton_compat
+    except ImportError:
+        return None
+    original = getattr(triton_compat, "triton_key", None)
+    if not getattr(triton_compat, "HAS_TRITON", False) or not callable(original):
+        return None
+    import triton
+    import triton.runtime.cache as triton_cache
+
+    def hand(value: Any) -> None:
+        kept = functools.lru_cache(None)(lambda: value)
+        if triton_cache.__dict__.get("triton_key") is original:
+            triton_cache.triton_key = kept
+        triton_compat.triton_key = kept
+
+    return CodeKey("triton_key", original, os.path.dirname(os.path.abspath(triton.__file__)), hand)
 
 
 def _keep_code_keys() -> None:
     kept = shared_cache("inductor_keys", kind=str)
-    for name, key_fn, root in _code_keys():
-        if not callable(getattr(key_fn, "set", None)):
-            continue  # (a torch whose key is cached another way)
+    for name, compute, root, hand in _code_keys():
         stamp = tree_stamp(root)
         if stamp is None:
             continue
@@ -130,11 +160,11 @@ def _keep_code_keys() -> None:
         value = _parse(kept.get(case))
         if value is not None:
             try:
-                key_fn.set(value)
+                hand(value)
             except (RuntimeError, AssertionError):
                 pass  # (computed already in this process: 2.13 raises, 2.11's list-based cache asserts)
             continue
-        computed = key_fn()
+        computed = compute()
         if isinstance(computed, bytes):
             kept.put(case, "bytes:" + computed.hex())
         elif isinstance(computed, str):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -551,7 +552,8 @@ def test_inductor_s_code_keys_are_kept_under_the_stamp_of_the_files_they_hash(tm
         """A new process: fresh in-memory caches and a fresh cache of the key."""
         monkeypatch.setattr("flowexec.verdict_cache._shared", {})
         key_fn = prefetchable_cache(lambda: computed.append(value) or value)
-        monkeypatch.setattr(inductor_keys, "_code_keys", lambda: [("torch_key", key_fn, str(tree))])
+        code_key = inductor_keys.CodeKey("torch_key", key_fn, str(tree), key_fn.set)
+        monkeypatch.setattr(inductor_keys, "_code_keys", lambda: [code_key])
         inductor_keys._keep_code_keys()
         return key_fn()
 
@@ -575,18 +577,41 @@ def test_inductor_s_code_keys_are_kept_under_the_stamp_of_the_files_they_hash(tm
 
 
 def test_code_keys_where_torch_keeps_them_otherwise(tmp_path, monkeypatch) -> None:
-    """torch 2.11's shapes: no module-level ``triton_key`` in ``codecache`` (only torch_key is
-    kept, even with Triton), and a key cache whose ``set`` asserts where the key was computed
-    already in the process (the pool's start computes torch_key): nothing is raised, and the
-    key the process computed stands."""
+    """torch 2.11's shapes: no module-level ``triton_key`` in ``codecache`` (its ``get_system``
+    calls the function ``triton_compat`` imported from Triton), and a key cache whose ``set``
+    asserts where the key was computed already in the process (the pool's start computes
+    torch_key): Triton's key is kept all the same, handed over by rebinding the names Inductor
+    and Triton call; nothing is raised, and a key the process computed already stands."""
+    pytest.importorskip("triton")
+    import triton.runtime.cache as triton_cache
     from torch._inductor import codecache
     from torch._inductor.runtime import triton_compat
 
     from flowexec import inductor_keys
 
+    computed: list[str] = []
+
+    def triton_key(value="3.x-abc"):
+        return computed.append(value) or value
+
     monkeypatch.delattr(codecache, "triton_key", raising=False)
     monkeypatch.setattr(triton_compat, "HAS_TRITON", True)
-    assert [name for name, _, _ in inductor_keys._code_keys()] == ["torch_key"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.py").write_text("a = 1")
+    code_keys = inductor_keys._code_keys
+    for value in ("3.x-abc", "3.x-other"):  # (a new process each: the second finds the first's kept)
+        monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+        monkeypatch.setattr(triton_compat, "triton_key", functools.cache(lambda: triton_key(value)))  # (as Triton's)
+        monkeypatch.setattr(triton_cache, "triton_key", triton_compat.triton_key)
+        keys = code_keys()
+        assert [k.name for k in keys] == ["torch_key", "triton_key"]
+        monkeypatch.setattr(inductor_keys, "_code_keys", lambda: [keys[1]._replace(root=str(tree))])
+        inductor_keys._keep_code_keys()
+        got = triton_compat.triton_key()
+        assert got == "3.x-abc" and triton_cache.triton_key() == got
+    assert computed == ["3.x-abc"]  # (the second process computed nothing)
 
     class ListCache:  # (2.11's: a list, and set asserts it is empty)
         def __init__(self, value):
@@ -601,16 +626,13 @@ def test_code_keys_where_torch_keeps_them_otherwise(tmp_path, monkeypatch) -> No
             assert len(self.cache) == 0
             self.cache.append(value)
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    tree = tmp_path / "torch"
-    tree.mkdir()
-    (tree / "a.py").write_text("a = 1")
     for value, computed_first in ((b"\x01", False), (b"\x02", True)):
         monkeypatch.setattr("flowexec.verdict_cache._shared", {})
         key_fn = ListCache(value)
         if computed_first:
             key_fn()
-        monkeypatch.setattr(inductor_keys, "_code_keys", lambda: [("torch_key", key_fn, str(tree))])
+        code_key = inductor_keys.CodeKey("torch_key", key_fn, str(tree), key_fn.set)
+        monkeypatch.setattr(inductor_keys, "_code_keys", lambda: [code_key])
         inductor_keys._keep_code_keys()
         assert key_fn() == (b"\x02" if computed_first else b"\x01")  # (the second: computed, kept one not set)
 
