@@ -43,6 +43,7 @@ from .rng import holds_rng_state_ops
 from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
 from .runtime.lower import lower_for
+from .snapshot import prepin
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
 from .passes.copy_in import inputs_to_copy_in
 from .passes.dependencies import mutated_state
@@ -701,6 +702,8 @@ class Executable:
         step's program must decide instead (other lazy state; a step that reads ``.grad``)."""
         lent = optim_state.lend_grads((p for p, _ in made), like=True)
         lent_to = [p for p, _ in lent]
+        if self.mode == "graph":
+            _prepin_for_warm_up(made)
 
         def give_back(cap: Any) -> None:  # (before planning: graph mode's warm-up would park them)
             optim_state.take_back(lent)
@@ -1057,6 +1060,20 @@ def _call_with_containers(fn: Callable[..., Any], tree: Any, paths: Sequence[str
                 "Keep such state in tensors written in place, or return the new values.")
         return out
     return flat_fn
+
+
+def _prepin_for_warm_up(made: Sequence[Any]) -> None:
+    """Graph mode's warm-up steps the parameters and optimizer state in ``made`` and puts them
+    back from a snapshot, whose copies go to pinned host memory where the device has no room for
+    them below the peak it has reached (a process's first build: a fake capture lifts no peak).
+    That memory is pinned on a thread while the capture runs (:func:`snapshot.prepin`)."""
+    sizes = optim_state.cuda_state_sizes(made)
+    dev = next((p.device for p, _ in made if p.is_cuda), None)
+    if not sizes or dev is None:
+        return
+    room = torch.cuda.max_memory_allocated(dev) - torch.cuda.memory_allocated(dev)
+    if room // 2 < sum(sizes):  # (snapshot.DeviceRoom lets copies take half the room, at most)
+        prepin(sizes)
 
 
 def _check_graph_devices(tensors: Sequence[torch.Tensor], paths: Sequence[str]) -> None:

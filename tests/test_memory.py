@@ -334,6 +334,27 @@ def _cpu_blocks(monkeypatch, block: int = 4096) -> None:
     monkeypatch.setattr(snapshot, "in_blocks", lambda t: True)
 
 
+def test_prepin_plans_the_blocks_a_snapshot_of_the_same_tensors_cuts(monkeypatch) -> None:
+    """snapshot.block_sizes (what prepin pins ahead) is the list of blocks a HostSnapshot of
+    tensors of those sizes, saved in that order, cuts: shared blocks, aligned, and one of its
+    own per tensor larger than a block; prepin pins them all at once on a thread."""
+    from flowexec import snapshot
+
+    _cpu_blocks(monkeypatch, block=4096)
+    made: list[int] = []
+    monkeypatch.setattr(snapshot, "_new_block", lambda n: made.append(n) or torch.empty(n, dtype=torch.uint8))
+    shapes = [(10,), (1000,), (7, 3), (2000,), (0,), (1, 1), (900,), (5000,), (3,)]
+    ts = [torch.ones(s) for s in shapes]
+    snap = snapshot.HostSnapshot(ts)
+    cut, made[:] = list(made), []
+    sizes = [snapshot.extent(t) * t.element_size() for t in ts]
+    assert snapshot.block_sizes(sizes) == cut == [4096, 4096, 4096, 8000, 4096, 20000]
+    snapshot.prepin(sizes).join(timeout=30)
+    assert made == cut
+    assert snapshot.prepin([0, 0]) is None
+    snap.restore()
+
+
 def test_copies_stay_on_the_device_within_half_its_room_below_the_peak(monkeypatch) -> None:
     """A snapshot keeps a copy on its tensor's device while the copies fit in half the room
     between what is allocated there and the peak, less what the run ahead allocates; the rest

@@ -241,6 +241,37 @@ def test_a_host_snapshot_keeps_cuda_copies_in_a_few_pinned_blocks(monkeypatch):
     assert sum(s.untyped_storage().data_ptr() == snap._blocks[0].data_ptr() for s in saved) == 4
 
 
+def test_a_snapshot_after_prepin_pins_no_block_of_its_own(monkeypatch):
+    """snapshot.prepin pins, on a thread, the blocks a snapshot of tensors of those sizes takes
+    and frees them into torch's pinned-memory cache: that snapshot then creates no pinned block
+    (without it, the same snapshot creates them), and its copies come back as they were."""
+    from flowexec import snapshot
+
+    monkeypatch.setattr(snapshot, "_BLOCK", 24 << 20)
+    ts = [torch.randn(n, device="cuda") for n in (3 << 20, 5 << 20, 1 << 10, 8 << 20, 2 << 20)]  # one > a block
+    want = [t.clone() for t in ts]
+    sizes = [snapshot.extent(t) * t.element_size() for t in ts]
+
+    def blocks_created() -> int:
+        return torch.cuda.host_memory_stats()["num_host_alloc"]
+
+    for prepinned in (False, True):
+        torch._C._host_emptyCache()
+        before = blocks_created()
+        if prepinned:
+            snapshot.prepin(sizes).join(timeout=60)
+            assert blocks_created() - before == len(snapshot.block_sizes(sizes)) == 4
+            before = blocks_created()
+        snap = snapshot.HostSnapshot(ts)
+        assert (blocks_created() - before == 0) == prepinned
+        for t in ts:
+            t.zero_()
+        snap.restore()
+        torch.cuda.synchronize()
+        assert all(torch.equal(t, w) for t, w in zip(ts, want))
+        del snap
+
+
 def test_a_host_snapshot_of_a_lazily_negated_or_conjugated_view_comes_back():
     """A conj/neg view is saved as its memory: torch applies the flag to an async copy's host
     side at once, before the copy lands (queued behind a sleep here, so it lands late)."""

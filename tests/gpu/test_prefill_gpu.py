@@ -95,3 +95,27 @@ def test_the_prefilled_first_call_peaks_no_higher_than_the_planned_first_step() 
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[how] = int(out.stdout.split()[-1])
     assert peaks["prefill"] <= peaks["planned"] * 1.02, peaks
+
+
+def test_a_prefilled_graph_build_pins_its_warm_up_s_snapshot_blocks_while_it_captures(monkeypatch) -> None:
+    """A process's first graph build has no room below its peak for the warm-up's copies of the
+    parameters and AdamW's state: their pinned blocks are pinned on a thread while the capture
+    runs (snapshot.prepin), for every parameter and state tensor, and the run is eager's."""
+    from flowexec import executable, snapshot
+
+    asked: list[list[int]] = []
+    monkeypatch.setattr(executable, "prepin", lambda sizes: asked.append(list(sizes)) or snapshot.prepin(sizes))
+    m1 = Block().cuda()
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (m1, m2))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    eager, exe = _step(m1, o1), flowexec.compile(_step(m2, o2), mode="graph", first_step="prefill")
+    for k in range(2):
+        x, y = (torch.randint(0, 50, (2, 16), device="cuda") for _ in range(2))
+        assert_close_rel(exe(x, y), eager(x, y), 1e-5, f"loss {k}")
+    assert exe.first_step_prefilled, exe.first_step_fallback
+    params = list(m2.parameters())
+    state = [t for p in params for t in o2.state[p].values() if t.is_cuda]
+    assert len(asked) == 1 and sum(asked[0]) == sum(t.numel() * t.element_size() for t in [*params, *state])
+    assert_same_state(m1, m2, 1e-5)
