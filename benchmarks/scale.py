@@ -375,6 +375,11 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["options"] = {**opts, "first_step": exe.first_step}  # (what ran: flowexec's default where unset)
         inductor_times()  # (cleared: what the first call's compiles take, below)
         first_sampler = start_sampler(phase)
+        # --profile-warm: the warm rebuild under cProfile, where its seconds go (its time then reads
+        # ~1.4x): the first call's where it is the build (a prefilled first step), and the build's
+        prof = cProfile.Profile() if phase == "build-profiled" else None
+        if prof is not None:
+            prof.enable()
         t = time.perf_counter()
         # The first call makes AdamW's state: prefilled (flowexec's default), the first call
         # captures the steps and nothing is left to time below; or the first step's program
@@ -383,6 +388,8 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         losses.append(exe(x, y).clone())
         sync(dev)
         res["first_call_s"] = time.perf_counter() - t
+        if prof is not None:
+            prof.disable()
         stop_sampler(first_sampler, res, "first_call_samples", f"{model}_{variant}_{phase}_first.collapsed")
         res["first_step"] = ("planned" if exe.first_step_program is not None else
                              "prefilled" if getattr(exe, "first_step_prefilled", False) else
@@ -392,8 +399,6 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
             res["first_step_plan_passes"] = dict(exe.first_step_program.pass_seconds)
         res["first_call_inductor_times"] = inductor_times()
         res["first_call_compile_workers"] = compile_workers_record()
-        # --profile-warm: the warm rebuild under cProfile, where its seconds go (its time then reads ~1.4x)
-        prof = cProfile.Profile() if phase == "build-profiled" else None
         sampler = start_sampler(phase)
         t0 = time.perf_counter()
         if prof is not None:

@@ -65,6 +65,8 @@ for step in "$@"; do
     fuse-workers-tests) run_step $step 240 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging tests/gpu/test_fuse_gpu.py \
                  tests/gpu/test_compile_workers_gpu.py --junitxml="$R/$step.xml" ;;
     prepin-overlap) run_step $step 150 python3 benchmarks/probes/prepin_overlap.py --out "$R" ;;  # pinning on a thread beside tracing
+    profile-warm-gpt2) SCALE_PROFILE_DIR="$R" run_step $step 240 python3 benchmarks/scale.py --models gpt2_124m \
+                 --variants fx_graph_fused --profile-warm --timeout 200 -o "$R/scale_gpt2_124m_profiled.json" ;;  # the warm first call under cProfile
     regress-quick) run_step $step 240 python3 benchmarks/step_time.py --only mlp,hf --hf-backends eager,cudagraphs,flowexec_graph \
                  --n 200 --out "$R" ;;  # issue 36's "nothing slower": MLP 8x256 graph vs eager, GPT-2 tiny backend vs cudagraphs
     scale-gpt2-fused) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m --variants fx_graph_fused \
