@@ -43,7 +43,7 @@ from .rng import holds_rng_state_ops
 from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
 from .runtime.lower import lower_for
-from .snapshot import prepin
+from .snapshot import extent, prepin
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
 from .passes.copy_in import inputs_to_copy_in
 from .passes.dependencies import mutated_state
@@ -1067,7 +1067,8 @@ def _prepin_for_warm_up(made: Sequence[Any]) -> None:
     back from a snapshot, whose copies go to pinned host memory where the device has no room for
     them below the peak it has reached (a process's first build: a fake capture lifts no peak).
     That memory is pinned on a thread while the capture runs (:func:`snapshot.prepin`)."""
-    sizes = optim_state.cuda_state_sizes(made)
+    sizes = [extent(t) * t.element_size() for p, opt in made for t in (p, *opt.state.get(p, {}).values())
+             if isinstance(t, torch.Tensor) and t.is_cuda]  # (the tensors the warm-up snapshot saves)
     dev = next((p.device for p, _ in made if p.is_cuda), None)
     if not sizes or dev is None:
         return

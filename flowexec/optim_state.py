@@ -28,7 +28,7 @@ too, whose ``_init_group`` may read more) is left to the first step's program.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 
@@ -71,19 +71,6 @@ def prefill(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.optim.
         opt.state.clear()
         raise
     return made
-
-
-def cuda_state_sizes(made: Sequence[tuple[torch.Tensor, torch.optim.Optimizer]]) -> list[int]:
-    """Bytes (each tensor's extent) of the CUDA parameters in ``made`` (:func:`prefill`'s) and of
-    their state's CUDA tensors: what a graph warm-up that steps them snapshots, in that order."""
-    from .snapshot import extent
-
-    out = []
-    for p, opt in made:
-        for t in (p, *opt.state.get(p, {}).values()):
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                out.append(extent(t) * t.element_size())
-    return out
 
 
 def lend_grads(params: Iterable[torch.Tensor], like: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
