@@ -327,6 +327,9 @@ def env_meta(dev: Any) -> dict[str, Any]:
 
     meta = host_meta("")
     meta.pop("command")
+    # (where set, PYTHONPYCACHEPREFIX: bytecode read from there, as an install that carries it;
+    # a torch installed without bytecode and read-only compiles what it imports in every process)
+    meta["pycache_prefix"] = sys.pycache_prefix
     meta["host_cpu"] = meta.pop("device")
     meta["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     meta["cuda"] = torch.version.cuda
