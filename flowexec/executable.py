@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 import warnings
 import weakref
@@ -254,6 +255,9 @@ class Executable:
         # the call's run, which drops them (planning's kernel timings and graph mode's warm-up
         # and capture need not hold them); compile_for, which takes no step, gives them back.
         self._parked: ParkedGrads | None = None
+        # the thread pinning graph mode's warm-up snapshot's blocks (_prepin_for_warm_up), joined
+        # before that snapshot is taken: none may pin while a CUDA graph captures
+        self._pinning: threading.Thread | None = None
         # ids of param groups stepped through foreach instead of their fused kernel, which took a
         # value a schedule changes (betas, eps, weight_decay) as a number (Lifter.unfused)
         self._unfused: set[int] = set()
@@ -329,6 +333,14 @@ class Executable:
         self._parked = ParkedGrads.park(p.grad for p in params)
         weakref.finalize(self, self._parked.restore)
 
+    def _join_pinning(self) -> None:
+        """Wait for the blocks :func:`_prepin_for_warm_up` pins (at most as long as the snapshot
+        would have taken to pin them itself; a snapshot that does not wait finds none cached and
+        pins its own beside them)."""
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+
     def _give_back_parked(self) -> None:
         if self._parked is not None:
             self._parked.restore()
@@ -379,7 +391,8 @@ class Executable:
 
             def capture_runner(targs: Sequence[torch.Tensor], borrow: Sequence[bool]) -> CudaGraphRunner:
                 # Warm-up must leave the caller's tensors as they were: borrowed inputs the
-                # program writes are snapshotted with the state.
+                # program writes are snapshotted with the state (in blocks pinned meanwhile).
+                self._join_pinning()
                 mutated = state_mutated + [targs[k] for k in mutated_inputs if borrow[k]]
                 r = CudaGraphRunner(run, targs, mutated, borrow=borrow, state=prog.state.values(),
                                     mutated_inputs=mutated_inputs, unprotected_outputs=bound, warmup=self.warmup,
@@ -703,7 +716,7 @@ class Executable:
         lent = optim_state.lend_grads((p for p, _ in made), like=True)
         lent_to = [p for p, _ in lent]
         if self.mode == "graph":
-            _prepin_for_warm_up(made)
+            self._pinning = _prepin_for_warm_up(made)
 
         def give_back(cap: Any) -> None:  # (before planning: graph mode's warm-up would park them)
             optim_state.take_back(lent)
@@ -713,6 +726,7 @@ class Executable:
         try:
             compiled = self._build(leaves, tree, paths, after_capture=give_back, first_call=True)
         except BaseException as e:
+            self._join_pinning()
             optim_state.take_back(lent)
             optim_state.undo(made)
             if not isinstance(e, CaptureError):  # (an interrupt, a planning error: nothing stays behind)
@@ -720,6 +734,7 @@ class Executable:
             self.first_step_fallback = f"prefill: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self._deferred = "fn's first step makes state that a prefill cannot"
             return None
+        self._join_pinning()  # (where no warm-up took them: a trace-mode signature)
         # Eager makes no state for a parameter left without a gradient, and the next call finds
         # its .grad None: the guards read so (they saw the prefill's state, and a placeholder).
         dropped = optim_state.prune(made, compiled.plan.program.state.values())
@@ -1062,19 +1077,21 @@ def _call_with_containers(fn: Callable[..., Any], tree: Any, paths: Sequence[str
     return flat_fn
 
 
-def _prepin_for_warm_up(made: Sequence[Any]) -> None:
+def _prepin_for_warm_up(made: Sequence[Any]) -> threading.Thread | None:
     """Graph mode's warm-up steps the parameters and optimizer state in ``made`` and puts them
     back from a snapshot, whose copies go to pinned host memory where the device has no room for
     them below the peak it has reached (a process's first build: a fake capture lifts no peak).
-    That memory is pinned on a thread while the capture runs (:func:`snapshot.prepin`)."""
+    That memory is pinned on a thread while the capture runs (:func:`snapshot.prepin`); returns
+    the thread (None where nothing is pinned)."""
     sizes = [extent(t) * t.element_size() for p, opt in made for t in (p, *opt.state.get(p, {}).values())
              if isinstance(t, torch.Tensor) and t.is_cuda]  # (the tensors the warm-up snapshot saves)
     dev = next((p.device for p, _ in made if p.is_cuda), None)
     if not sizes or dev is None:
-        return
+        return None
     room = torch.cuda.max_memory_allocated(dev) - torch.cuda.memory_allocated(dev)
-    if room // 2 < sum(sizes):  # (snapshot.DeviceRoom lets copies take half the room, at most)
-        prepin(sizes)
+    if room // 2 >= sum(sizes):  # (snapshot.DeviceRoom lets copies take half the room, at most)
+        return None
+    return prepin(sizes)
 
 
 def _check_graph_devices(tensors: Sequence[torch.Tensor], paths: Sequence[str]) -> None:

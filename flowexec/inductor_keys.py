@@ -102,7 +102,9 @@ def tree_stamp(root: str) -> str | None:
 class CodeKey(NamedTuple):
     """One of Inductor's code keys: ``compute`` (Inductor's or Triton's function, cached once a
     process), the directory whose files it hashes, and ``hand``, which gives this process the
-    kept value instead (raises RuntimeError or AssertionError where it was computed already)."""
+    kept value instead (torch's caches raise RuntimeError or AssertionError where the key was
+    computed already, and the computed one stands; the rebound ``triton_key`` replaces it, with
+    the same value while the stamp holds)."""
 
     name: str
     compute: Callable[[], Any]
@@ -152,23 +154,31 @@ def _triton_key_binder() -> CodeKey | None:
 
 def _keep_code_keys() -> None:
     kept = shared_cache("inductor_keys", kind=str)
-    for name, compute, root, hand in _code_keys():
-        stamp = tree_stamp(root)
-        if stamp is None:
-            continue
-        case = hashlib.sha256(f"{name}\0{torch.__version__}\0{sys.executable}\0{root}\0{stamp}".encode()).hexdigest()
-        value = _parse(kept.get(case))
-        if value is not None:
-            try:
-                hand(value)
-            except (RuntimeError, AssertionError):
-                pass  # (computed already in this process: 2.13 raises, 2.11's list-based cache asserts)
-            continue
-        computed = compute()
-        if isinstance(computed, bytes):
-            kept.put(case, "bytes:" + computed.hex())
-        elif isinstance(computed, str):
-            kept.put(case, "str:" + computed)
+    for key in _code_keys():
+        try:
+            _keep_code_key(kept, *key)
+        except Exception:  # (this key as Inductor computes it; the next is kept all the same)
+            pass
+
+
+def _keep_code_key(kept: Any, name: str, compute: Callable[[], Any], root: str, hand: Callable[[Any], None]) -> None:
+    """Hand ``name``'s kept value over, or keep the one computed now."""
+    stamp = tree_stamp(root)
+    if stamp is None:
+        return
+    case = hashlib.sha256(f"{name}\0{torch.__version__}\0{sys.executable}\0{root}\0{stamp}".encode()).hexdigest()
+    value = _parse(kept.get(case))
+    if value is not None:
+        try:
+            hand(value)
+        except (RuntimeError, AssertionError):
+            pass  # (computed already in this process: 2.13 raises, 2.11's list-based cache asserts)
+        return
+    computed = compute()
+    if isinstance(computed, bytes):
+        kept.put(case, "bytes:" + computed.hex())
+    elif isinstance(computed, str):
+        kept.put(case, "str:" + computed)
 
 
 def _parse(text: str | None) -> bytes | str | None:

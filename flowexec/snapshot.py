@@ -75,7 +75,8 @@ def prepin(sizes: Iterable[int]) -> threading.Thread | None:
     1.5 GB of parameters and AdamW state: 1.5 s of a warm first call in graph mode, its
     warm-up's snapshot, by the sampled stacks on an H100) while the interpreter is free for the
     capture that runs meanwhile: torch releases it while it allocates. Returns the thread (None
-    where there is nothing to pin); a failure leaves the snapshot to pin its own."""
+    where there is nothing to pin), which the snapshot's taker joins first (a CUDA graph's
+    capture allows no pinning beside it); a failure leaves the snapshot to pin its own."""
     blocks = block_sizes(sizes)
     if not blocks:
         return None
@@ -84,7 +85,7 @@ def prepin(sizes: Iterable[int]) -> threading.Thread | None:
         try:
             held = [_new_block(n) for n in blocks]  # (all at once: each frees into the cache below)
             del held
-        except RuntimeError:
+        except Exception:  # (out of pinnable memory, say: the snapshot pins what it can itself)
             pass
 
     thread = threading.Thread(target=pin, name="flowexec-prepin", daemon=True)

@@ -67,9 +67,11 @@ for step in "$@"; do
     prepin-overlap) run_step $step 150 python3 benchmarks/probes/prepin_overlap.py --out "$R" ;;  # pinning on a thread beside tracing
     profile-warm-gpt2) SCALE_PROFILE_DIR="$R" run_step $step 240 python3 benchmarks/scale.py --models gpt2_124m \
                  --variants fx_graph_fused --profile-warm --timeout 200 -o "$R/scale_gpt2_124m_profiled.json" ;;  # the warm first call under cProfile
-    scale-gpt2-builds-pyc) export PYTHONPYCACHEPREFIX=/tmp/flowexec_pyc  # (bytecode for every module first, as pip
-               python3 -m compileall -q -j 0 $(python3 -c "import os, torch, triton, transformers as t; \
-                 print(*(os.path.dirname(m.__file__) for m in (torch, triton, t)))") > /dev/null 2>&1  # writes it)
+    scale-gpt2-builds-pyc) export PYTHONPYCACHEPREFIX=/tmp/flowexec_pyc  # bytecode for every module first, as pip
+               # writes it (with a prefix Python reads none from __pycache__: the standard library, site-packages, here)
+               run_step pyc-compile 300 bash -c 'd=$(python3 -c "import site, sysconfig; \
+                 print(sysconfig.get_paths()[\"stdlib\"], *site.getsitepackages())") && test -n "$d" && \
+                 python3 -m compileall -q -j 0 $d flowexec benchmarks' ;
                run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m --variants inductor,fx_graph_fused \
                  --timeout 200 -o "$R/scale_gpt2_124m_builds_pyc.json"; unset PYTHONPYCACHEPREFIX ;;
     regress-quick) run_step $step 240 python3 benchmarks/step_time.py --only mlp,hf --hf-backends eager,cudagraphs,flowexec_graph \

@@ -247,8 +247,10 @@ def test_a_snapshot_after_prepin_pins_no_block_of_its_own(monkeypatch):
     (without it, the same snapshot creates them), and its copies come back as they were."""
     from flowexec import snapshot
 
-    monkeypatch.setattr(snapshot, "_BLOCK", 24 << 20)
-    ts = [torch.randn(n, device="cuda") for n in (3 << 20, 5 << 20, 1 << 10, 8 << 20, 2 << 20)]  # one > a block
+    # (blocks of 16 MiB, and one of its own of 40 MiB, in torch's 64 MiB bucket: a block of
+    # another size than the snapshot takes would not be found in the cache)
+    monkeypatch.setattr(snapshot, "_BLOCK", 16 << 20)
+    ts = [torch.randn(n, device="cuda") for n in (2 << 20, 3 << 20, 1 << 10, 10 << 20, 1 << 20)]  # one > a block
     want = [t.clone() for t in ts]
     sizes = [snapshot.extent(t) * t.element_size() for t in ts]
 
