@@ -171,11 +171,12 @@ class GraphRecipe:
     returned: tuple[int, ...]
 
 
-def recipe_of(prog: Program, region: Region, force_strides: bool = False) -> GraphRecipe:
+def recipe_of(prog: Program, region: Region, force_strides: bool = False, views_as_reshapes: bool = False) -> GraphRecipe:
     """The region as a :class:`GraphRecipe`: its inputs, its ops, its computed outputs returned;
     with ``force_strides``, each dense output that shares memory with no other value of the
     region asks Inductor for the program's strides (:func:`_dense_stride`; what
-    :meth:`InductorCompiler.compile` tries where a kernel returned other strides)."""
+    :meth:`InductorCompiler.compile` tries where a kernel returned other strides); with
+    ``views_as_reshapes``, each ``aten.view`` a ``reshape`` (:meth:`InductorCompiler.with_views_as_reshapes`)."""
     local: dict[int, int] = {v: k for k, v in enumerate(region.inputs)}
 
     def leaf(a: Any) -> Any:
@@ -200,6 +201,8 @@ def recipe_of(prog: Program, region: Region, force_strides: bool = False) -> Gra
                 local[o] = len(local)
             outs.append(local[o] if o >= 0 else -1)
         target = op_name(op.target) if isinstance(op.target, torch._ops.OpOverload) else op.target
+        if views_as_reshapes and target == _VIEW:
+            target = _RESHAPE
         ops.append((target, args, kwargs, tuple(outs), op.unpack))
     if not force_strides:
         return GraphRecipe(len(region.inputs), tuple(ops), tuple(local[o] for o in region.computed))
@@ -220,6 +223,7 @@ def recipe_of(prog: Program, region: Region, force_strides: bool = False) -> Gra
 
 
 _FORCE_STRIDES = "prims.inductor_force_stride_order.default"  # (Inductor's: no-op where they are already)
+_VIEW, _RESHAPE = "aten.view.default", "aten.reshape.default"
 
 
 def _dense_stride(meta: TensorMeta | None) -> tuple[int, ...] | None:
@@ -405,7 +409,7 @@ class InductorCompiler:
                 self.worker_misses += 1
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
             why = self.failures[key] = why_refused(e)
-            return self.with_forced_strides(key, prog, region) or why
+            return self.with_forced_strides(key, prog, region) or self.with_views_as_reshapes(key, prog, region) or why
         finally:
             self.seconds += time.perf_counter() - t0
         kernel = self.kernels[key] = self._kernel(compiled, gm, prog, region, key)
@@ -439,6 +443,37 @@ class InductorCompiler:
         self.failures.pop(key, None)
         kernel = self.kernels[key] = self._kernel(compiled, gm, prog, region, key)
         return kernel
+
+    def with_views_as_reshapes(self, key: str, prog: Program, region: Region) -> FusedKernel | None:
+        """Where Inductor refused the region for ``key``, the region compiled again with each
+        ``aten.view`` a ``reshape`` and kept under ``key``; None where it has no view, writes
+        anything in place, or the second kernel is refused too (the first refusal stands).
+        Inductor lays a region's intermediates out as it chooses, and a view the program took of
+        eager's layout may not exist in Inductor's (T5's attention: a transposed concatenation
+        viewed to three dimensions); inside a region nothing else reads that memory, so a
+        reshape, which is the view where one exists and a copy where not, computes the same.
+        Only where nothing is written in place: a write through a copied view would miss its base."""
+        if not any(op_name(prog.ops[i].target) == _VIEW for i in region.ops) or region.mutated \
+                or any(a >= 0 for a in region.aliases) or any(_writes(prog.ops[i].target) for i in region.ops):
+            return None
+        t0 = time.perf_counter()
+        try:
+            gm = graph_of(recipe_of(prog, region, views_as_reshapes=True))
+            compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
+                                     [prog.values[v].meta for v in region.computed], key=key + "\nviews as reshapes")
+        except Exception:
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+        self.failures.pop(key, None)
+        kernel = self.kernels[key] = self._kernel(compiled, gm, prog, region, key)
+        return kernel
+
+
+def _writes(target: Any) -> bool:
+    """Whether an op writes an argument in place, as its schema says (an in-place or out= op)."""
+    schema = getattr(target, "_schema", None)
+    return schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequence[TensorMeta] = (),

@@ -577,11 +577,9 @@ def test_inductor_s_code_keys_are_kept_under_the_stamp_of_the_files_they_hash(tm
 
 
 def test_code_keys_where_torch_keeps_them_otherwise(tmp_path, monkeypatch) -> None:
-    """torch 2.11's shapes: no module-level ``triton_key`` in ``codecache`` (its ``get_system``
-    calls the function ``triton_compat`` imported from Triton), and a key cache whose ``set``
-    asserts where the key was computed already in the process (the pool's start computes
-    torch_key): Triton's key is kept all the same, handed over by rebinding the names Inductor
-    and Triton call; nothing is raised, and a key the process computed already stands."""
+    """torch 2.11's shape: no module-level ``triton_key`` in ``codecache`` (its ``get_system``
+    calls the function ``triton_compat`` imported from Triton): Triton's key is kept all the
+    same, handed over by rebinding the names Inductor and Triton call."""
     pytest.importorskip("triton")
     import triton.runtime.cache as triton_cache
     from torch._inductor import codecache
@@ -612,6 +610,18 @@ def test_code_keys_where_torch_keeps_them_otherwise(tmp_path, monkeypatch) -> No
         got = triton_compat.triton_key()
         assert got == "3.x-abc" and triton_cache.triton_key() == got
     assert computed == ["3.x-abc"]  # (the second process computed nothing)
+
+
+def test_a_kept_torch_key_where_the_process_computed_one_already(tmp_path, monkeypatch) -> None:
+    """torch 2.11's ``torch_key`` cache: a list whose ``set`` asserts where the key was computed
+    already in the process (the pool's start computes it): nothing is raised, and the key the
+    process computed stands."""
+    from flowexec import inductor_keys
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.py").write_text("a = 1")
 
     class ListCache:  # (2.11's: a list, and set asserts it is empty)
         def __init__(self, value):
@@ -720,6 +730,49 @@ def test_a_kernel_returning_other_strides_is_compiled_again_for_the_program_s(mo
             assert st["fusion_fallbacks"] >= 1 and "came back as" in exe.explain(), st
         assert out.stride() == _rotary_then_cache(*args).stride()
         assert_close_rel(out, _rotary_then_cache(*args), 1e-6)
+
+
+def _viewed(x):
+    return (x * 2).transpose(0, 1).contiguous().view(8, 4).relu() + 1
+
+
+def _viewed_and_written(x):
+    y = (x * 2).transpose(0, 1).contiguous()
+    y.view(8, 4).add_(1)
+    return y.relu() + 1
+
+
+@pytest.mark.parametrize("fn, retried", [(_viewed, True), (_viewed_and_written, False)], ids=["view", "written"])
+def test_a_region_refused_for_a_view_is_compiled_again_with_reshapes(monkeypatch, tmp_path, fn, retried) -> None:
+    """A region Inductor refuses (here: any graph with an aten.view, as a view of its own layout
+    refused T5's attention) is compiled again with each view a reshape and equals eager; not
+    where the region writes in place (a write through a copied view would miss its base)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    real = inductor.inductor_compile
+    graphs: list[set[str]] = []
+
+    def refusing_views(gm, metas):
+        names = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        graphs.append(names)
+        if "aten.view.default" in names:
+            raise ValueError("Cannot view a tensor with shape torch.Size([4, 8]) as a tensor with shape (8, 4)!")
+        return real(gm, metas)
+
+    monkeypatch.setattr(inductor, "inductor_compile", refusing_views)
+    x = torch.randn(8, 4)
+    prog = capture(fn, (x,)).program
+    (r,) = find_regions(prog)
+    assert any(prog.ops[i].name == "aten.view.default" for i in r.ops)
+    comp = inductor.InductorCompiler()
+    kernel = comp.compile(prog, r)
+    assert isinstance(kernel, inductor.FusedKernel) == retried, kernel
+    assert any("aten.reshape.default" in g for g in graphs) == retried
+    if not retried:
+        assert "Cannot view" in kernel
+    monkeypatch.setattr(flowexec.fusion, "_compiler", None)
+    exe = flowexec.compile(fn, x, fuse="inductor")
+    assert_close_rel(exe(x), fn(x), 1e-6)
+    assert (exe.plan.stats()["fusion_fallbacks"] == 0) == retried, exe.explain()
 
 
 def _half_rotated(x, c, d):
