@@ -431,18 +431,7 @@ class InductorCompiler:
         recipe = recipe_of(prog, region, force_strides=True)
         if len(recipe.ops) == len(region.ops):  # (no output it may force: the same graph again)
             return None
-        t0 = time.perf_counter()
-        try:
-            gm = graph_of(recipe)
-            compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
-                                     [prog.values[v].meta for v in region.computed], key=key + "\nforced strides")
-        except Exception:
-            return None
-        finally:
-            self.seconds += time.perf_counter() - t0
-        self.failures.pop(key, None)
-        kernel = self.kernels[key] = self._kernel(compiled, gm, prog, region, key)
-        return kernel
+        return self._compile_again(key, prog, region, recipe, "forced strides")
 
     def with_views_as_reshapes(self, key: str, prog: Program, region: Region) -> FusedKernel | None:
         """Where Inductor refused the region for ``key``, the region compiled again with each
@@ -456,11 +445,17 @@ class InductorCompiler:
         if not any(op_name(prog.ops[i].target) == _VIEW for i in region.ops) or region.mutated \
                 or any(a >= 0 for a in region.aliases) or any(_writes(prog.ops[i].target) for i in region.ops):
             return None
+        return self._compile_again(key, prog, region, recipe_of(prog, region, views_as_reshapes=True), "views as reshapes")
+
+    def _compile_again(self, key: str, prog: Program, region: Region, recipe: GraphRecipe,
+                       how: str) -> FusedKernel | None:
+        """The refused region for ``key`` compiled from another ``recipe`` (checked under the key
+        and ``how``) and kept under ``key`` in place of the refusal; None where it is refused too."""
         t0 = time.perf_counter()
         try:
-            gm = graph_of(recipe_of(prog, region, views_as_reshapes=True))
+            gm = graph_of(recipe)
             compiled = compile_graph(gm, [prog.values[v].meta for v in region.inputs],
-                                     [prog.values[v].meta for v in region.computed], key=key + "\nviews as reshapes")
+                                     [prog.values[v].meta for v in region.computed], key=f"{key}\n{how}")
         except Exception:
             return None
         finally:
