@@ -206,11 +206,12 @@ def recipe_of(prog: Program, region: Region, force_strides: bool = False, views_
         ops.append((target, args, kwargs, tuple(outs), op.unpack))
     if not force_strides:
         return GraphRecipe(len(region.inputs), tuple(ops), tuple(local[o] for o in region.computed))
-    # (forced into other strides, a value that shares memory with another of the region would
-    # be a copy, parted from it: the program's alias groups say which do, views, in-place ops
-    # and _unsafe_view alike)
+    # (forced into other strides, a value that shares memory with another the program sees of
+    # the region, an input or another output, would be a copy, parted from it: the program's
+    # alias groups say which do, views, in-place ops and _unsafe_view alike. One that shares it
+    # only with the region's own intermediates parts from nothing anyone reads)
     groups = alias_groups_of(prog)
-    members = collections.Counter(groups[v] for v in local)
+    members = collections.Counter(groups[v] for v in (*region.inputs, *region.computed))
     returned: list[int] = []
     for v in region.computed:
         stride = _dense_stride(prog.values[v].meta) if members[groups[v]] == 1 else None
@@ -322,6 +323,7 @@ class InductorCompiler:
     worker_jobs_here: int = 0  # cold regions this process compiled itself while they ran
     worker_failures: dict[str, str] = field(default_factory=dict)  # those they did not compile, why
     worker_sent: set[str] = field(default_factory=set)  # keys they compiled, to be found in the cache
+    reshaped: set[str] = field(default_factory=set)  # keys whose kernel took its views as reshapes
     worker_misses: int = 0  # of those, compiled here again all the same (not found in the cache)
     # Kernels named so far (fused_0, fused_1, ...: a kernel is named where :meth:`compile` first
     # hands it out, so in the pass's order also where :meth:`prepare` made it ahead, in the
@@ -428,10 +430,11 @@ class InductorCompiler:
         that is not the refusal, or the second kernel is refused too (the first refusal stands)."""
         if not self.failures.get(key, "").startswith(f"{OtherStrides.__name__}:") or _batch_here():
             return None  # (inside a block its check would be put off: the block's end tries it)
-        recipe = recipe_of(prog, region, force_strides=True)
+        reshaped = key in self.reshaped  # (the refused kernel took its views as reshapes: so does this one)
+        recipe = recipe_of(prog, region, force_strides=True, views_as_reshapes=reshaped)
         if len(recipe.ops) == len(region.ops):  # (no output it may force: the same graph again)
             return None
-        return self._compile_again(key, prog, region, recipe, "forced strides")
+        return self._compile_again(key, prog, region, recipe, "forced strides" + (", views as reshapes" if reshaped else ""))
 
     def with_views_as_reshapes(self, key: str, prog: Program, region: Region) -> FusedKernel | None:
         """Where Inductor refused the region for ``key``, the region compiled again with each
@@ -445,7 +448,10 @@ class InductorCompiler:
         if not any(op_name(prog.ops[i].target) == _VIEW for i in region.ops) or region.mutated \
                 or any(a >= 0 for a in region.aliases) or any(_writes(prog.ops[i].target) for i in region.ops):
             return None
-        return self._compile_again(key, prog, region, recipe_of(prog, region, views_as_reshapes=True), "views as reshapes")
+        kernel = self._compile_again(key, prog, region, recipe_of(prog, region, views_as_reshapes=True), "views as reshapes")
+        if kernel is not None:
+            self.reshaped.add(key)
+        return kernel
 
     def _compile_again(self, key: str, prog: Program, region: Region, recipe: GraphRecipe,
                        how: str) -> FusedKernel | None:

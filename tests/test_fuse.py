@@ -775,6 +775,29 @@ def test_a_region_refused_for_a_view_is_compiled_again_with_reshapes(monkeypatch
     assert (exe.plan.stats()["fusion_fallbacks"] == 0) == retried, exe.explain()
 
 
+def _result_and_more_of_its_transpose(x):
+    y = x * 2 + 1
+    return y, (y.t() * 3).exp()
+
+
+def test_forced_strides_part_an_output_only_from_the_region_s_own_intermediates() -> None:
+    """An output asks Inductor for the program's strides (forced) where no other value the
+    program sees of the region (an input, another output) shares its memory: ``y`` here shares
+    it only with ``y.t()``, an intermediate nothing outside the region reads, so both outputs
+    are forced, and both come back as eager's, in its strides."""
+    x = torch.randn(8, 4)
+    fn = _result_and_more_of_its_transpose
+    prog = capture(fn, (x,)).program
+    (r,) = find_regions(prog)
+    assert len(r.computed) == 2 and any(prog.ops[i].name == "aten.t.default" for i in r.ops), r
+    recipe = inductor.recipe_of(prog, r, force_strides=True)
+    made = {outs[0]: op for op, _, _, outs, _ in recipe.ops}
+    assert [made[k] == inductor._FORCE_STRIDES for k in recipe.returned] == [True, True], recipe.ops
+    for g, w in zip(inductor.graph_of(recipe)(x), fn(x)):
+        torch.testing.assert_close(g, w)
+        assert g.stride() == w.stride()
+
+
 def _half_rotated(x, c, d):
     # rotate_half's pieces, as the rotary models' backward has them: a slice of a region's own
     # product leaves it (here as a result) with gaps in its layout
