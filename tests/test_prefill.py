@@ -179,3 +179,32 @@ def _check_fallback(m1, o1, m2, o2, reason: str, set_to_none: bool = True) -> No
     assert not exe.first_step_prefilled and exe.first_step_program is not None
     assert reason in exe.first_step_fallback, exe.first_step_fallback
     _same_state(o1, o2)
+
+
+def test_the_warm_up_snapshot_is_pinned_ahead_only_where_the_device_has_no_room_for_it(monkeypatch) -> None:
+    """A prefilled graph build pins its warm-up snapshot's blocks ahead (on a thread) for every
+    CUDA parameter and state tensor, in bytes, where half the device's room below its peak
+    cannot hold them (snapshot.DeviceRoom's share), and pins nothing where it can. Fake CUDA
+    tensors stand in for the device's (the decision is the host's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flowexec import executable
+
+    with FakeTensorMode():
+        params = [torch.nn.Parameter(torch.empty(4, 3, device="cuda")), torch.nn.Parameter(torch.empty(5, device="cuda"))]
+        opt = torch.optim.AdamW(params)
+        for p in params:
+            opt.state[p] = {"exp_avg": torch.empty_like(p), "exp_avg_sq": torch.empty_like(p),
+                            "step": torch.zeros((), device="cuda")}
+    made = [(p, opt) for p in params]
+    want = [48, 48, 48, 4, 20, 20, 20, 4]  # (each parameter, then its state, as bytes)
+    asked: list[list[int]] = []
+    monkeypatch.setattr(executable, "prepin", lambda sizes: asked.append(list(sizes)) or "thread")
+    allocated = 1000
+    for peak, pins in ((1000 + 2 * sum(want), False), (1000 + 2 * sum(want) - 2, True)):
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None, peak=peak: peak)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+        asked.clear()
+        got = executable._prepin_for_warm_up(made)
+        assert (got == "thread") == pins and asked == ([want] if pins else [])
+    assert executable._prepin_for_warm_up([(torch.nn.Parameter(torch.ones(3)), opt)]) is None  # (no CUDA tensor)
