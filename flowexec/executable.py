@@ -44,7 +44,7 @@ from .rng import holds_rng_state_ops
 from .runtime import fastcall
 from .runtime.borrowed import distinct_storages
 from .runtime.lower import lower_for
-from .snapshot import extent, prepin
+from .snapshot import DeviceRoom, extent, prepin
 from .signature import builder, call_arguments, call_difference, flatten, tree_of
 from .passes.copy_in import inputs_to_copy_in
 from .passes.dependencies import mutated_state
@@ -1088,8 +1088,7 @@ def _prepin_for_warm_up(made: Sequence[Any]) -> threading.Thread | None:
     dev = next((p.device for p, _ in made if p.is_cuda), None)
     if not sizes or dev is None:
         return None
-    room = torch.cuda.max_memory_allocated(dev) - torch.cuda.memory_allocated(dev)
-    if room // 2 >= sum(sizes):  # (snapshot.DeviceRoom lets copies take half the room, at most)
+    if DeviceRoom().take(dev, sum(sizes)):  # (the warm-up's room, less the run it has ahead: no more)
         return None
     return prepin(sizes)
 

@@ -42,7 +42,7 @@ from .inductor_keys import keep_process_keys
 from .passes.copy_in import dense_layout
 from .passes.metas import fake_tensor
 from .passes.regions import Region, alias_groups_of
-from .program import Program, Ref, TensorMeta, map_nested, op_name
+from .program import Program, Ref, TensorMeta, map_nested, op_name, written_args
 from .verdict_cache import VerdictCache, shared_cache
 
 
@@ -446,7 +446,8 @@ class InductorCompiler:
         reshape, which is the view where one exists and a copy where not, computes the same.
         Only where nothing is written in place: a write through a copied view would miss its base."""
         if not any(op_name(prog.ops[i].target) == _VIEW for i in region.ops) or region.mutated \
-                or any(a >= 0 for a in region.aliases) or any(_writes(prog.ops[i].target) for i in region.ops):
+                or any(a >= 0 for a in region.aliases) \
+                or any(getattr(t, "_schema", None) is None or written_args(t) for t in (prog.ops[i].target for i in region.ops)):
             return None
         kernel = self._compile_again(key, prog, region, recipe_of(prog, region, views_as_reshapes=True), "views as reshapes")
         if kernel is not None:
@@ -469,12 +470,6 @@ class InductorCompiler:
         self.failures.pop(key, None)
         kernel = self.kernels[key] = self._kernel(compiled, gm, prog, region, key)
         return kernel
-
-
-def _writes(target: Any) -> bool:
-    """Whether an op writes an argument in place, as its schema says (an in-place or out= op)."""
-    schema = getattr(target, "_schema", None)
-    return schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequence[TensorMeta] = (),

@@ -156,25 +156,25 @@ def _keep_code_keys() -> None:
     kept = shared_cache("inductor_keys", kind=str)
     for key in _code_keys():
         try:
-            _keep_code_key(kept, *key)
+            _keep_code_key(kept, key)
         except Exception:  # (this key as Inductor computes it; the next is kept all the same)
             pass
 
 
-def _keep_code_key(kept: Any, name: str, compute: Callable[[], Any], root: str, hand: Callable[[Any], None]) -> None:
-    """Hand ``name``'s kept value over, or keep the one computed now."""
-    stamp = tree_stamp(root)
+def _keep_code_key(kept: Any, key: CodeKey) -> None:
+    """Hand ``key``'s kept value over, or keep the one computed now."""
+    stamp = tree_stamp(key.root)
     if stamp is None:
         return
-    case = hashlib.sha256(f"{name}\0{torch.__version__}\0{sys.executable}\0{root}\0{stamp}".encode()).hexdigest()
+    case = hashlib.sha256(f"{key.name}\0{torch.__version__}\0{sys.executable}\0{key.root}\0{stamp}".encode()).hexdigest()
     value = _parse(kept.get(case))
     if value is not None:
         try:
-            hand(value)
+            key.hand(value)
         except (RuntimeError, AssertionError):
             pass  # (computed already in this process: 2.13 raises, 2.11's list-based cache asserts)
         return
-    computed = compute()
+    computed = key.compute()
     if isinstance(computed, bytes):
         kept.put(case, "bytes:" + computed.hex())
     elif isinstance(computed, str):

@@ -53,19 +53,26 @@ def block_sizes(sizes: Iterable[int]) -> list[int]:
         [268435456, 314572800]
     """
     out: list[int] = []
-    used = None  # bytes taken from the last shared block (None: none yet)
+    used = None
     for n in sizes:
-        if n <= 0:
-            continue
-        if n > _BLOCK:
-            out.append(n)
-            continue
-        start = None if used is None else -(-used // _ALIGN) * _ALIGN
-        if start is None or start + n > _BLOCK:
-            out.append(_BLOCK)
-            start = 0
-        used = start + n
+        if n > 0:
+            new, _, used = _place(used, n)
+            if new:
+                out.append(new)
     return out
+
+
+def _place(used: int | None, nbytes: int) -> tuple[int, int, int | None]:
+    """Where a copy of ``nbytes`` goes, ``used`` bytes being taken from the last shared block
+    (None: there is none yet): (the size of a block to pin for it, 0 where it fits the last
+    one; its start in its block; the last shared block's bytes taken after it). A copy larger
+    than a block has one of its own; others are aligned to ``_ALIGN`` in shared blocks."""
+    if nbytes > _BLOCK:
+        return nbytes, 0, used
+    start = None if used is None else -(-used // _ALIGN) * _ALIGN
+    if start is None or start + nbytes > _BLOCK:
+        return _BLOCK, 0, nbytes
+    return 0, start, start + nbytes
 
 
 def prepin(sizes: Iterable[int]) -> threading.Thread | None:
@@ -166,7 +173,7 @@ class HostSnapshot:
     def __init__(self, tensors: Iterable[torch.Tensor] = (), device_room: DeviceRoom | None = None) -> None:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._blocks: list[torch.Tensor] = []
-        self._used = 0  # bytes taken from the last block
+        self._used: int | None = None  # bytes taken from the last shared block (None: none yet)
         self._taking = threading.Lock()  # guards _blocks, _used and the device room
         self.device_room = device_room
         self.on_device = 0  # bytes of copies kept on a device
@@ -204,14 +211,12 @@ class HostSnapshot:
         self.pairs.append((t, saved))
 
     def _take(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of pinned memory, aligned, from the last block or a new one."""
-        if nbytes > _BLOCK:  # a tensor larger than a block has one of its own
-            return _new_block(nbytes)
-        start = -(-self._used // _ALIGN) * _ALIGN
-        if not self._blocks or start + nbytes > _BLOCK:
-            self._blocks.append(_new_block(_BLOCK))
-            start = 0
-        self._used = start + nbytes
+        """``nbytes`` of pinned memory, aligned, from the last block or a new one (:func:`_place`)."""
+        new, start, self._used = _place(self._used, nbytes)
+        if nbytes > _BLOCK:  # (a block of its own: not shared)
+            return _new_block(new)
+        if new:
+            self._blocks.append(_new_block(new))
         return self._blocks[-1][start:start + nbytes]
 
     def restore(self) -> None:

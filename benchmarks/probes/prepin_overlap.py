@@ -20,6 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import scale  # noqa: E402  (its write)
 from host_meta import host_meta  # noqa: E402
 
 from flowexec import snapshot  # noqa: E402
@@ -78,9 +79,7 @@ def main() -> None:
     }
     out = {"probe": "prepin_overlap", **host_meta(" ".join(sys.argv)), "gpu": torch.cuda.get_device_name(),
            "bytes": sum(sizes), "rounds": cases, "summary": summary}
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "prepin_overlap.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    scale.write(out, os.path.join(a.out, "prepin_overlap.json"))
     print(json.dumps(summary))
 
 

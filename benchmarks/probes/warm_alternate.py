@@ -21,6 +21,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import scale  # noqa: E402  (benchmarks/scale.py: this checkout's, for writing the results)
+
 CHILD = """
 import argparse, json, sys
 sys.path.insert(0, {bench!r})
@@ -79,8 +82,7 @@ def main() -> None:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     path = os.path.join(a.out, "warm_alternate.json")
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+    scale.write(out, path)
     print("wrote", path)
 
 

@@ -11,7 +11,6 @@ empty one is the default), each recording flowexec's build phases. Each child is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -99,10 +98,8 @@ def main() -> None:
                       flush=True)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
-    os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "warm_build.json")
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+    scale.write(out, path)
     print("wrote", path)
 
 
