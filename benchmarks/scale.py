@@ -426,6 +426,8 @@ def run_variant(model: str, variant: str, dev: Any, tiny: bool, phase: str, res:
         res["calls_to_capture"] = calls
         res["flowexec_build_seconds"] = exe.build_seconds
         res["flowexec_build_phases"] = exe.build_phases  # where a warm build's seconds go
+        res["kept"] = exe.kept  # whether the build loaded a kept program, or captured (and kept) one
+        res["capture_run"] = exe.capture_run
         res["flowexec_plan_passes"] = dict(exe.plan.pass_seconds)  # the plan phase by step (fuse: with compiles)
         res["flowexec_build_peaks"] = exe.build_peaks  # after which phase the peak grew
         res["build_inductor_times"] = inductor_times()
@@ -895,7 +897,7 @@ def parent_main(a: argparse.Namespace) -> None:
                     # (a planned first step's program loads its regions on the warm cache too;
                     # Inductor's times say whether it loaded or compiled them)
                     for key in ("first_call_s", "first_step_build_phases", "first_call_inductor_times",
-                                "first_call_compile_workers", "build_inductor_times"):
+                                "first_call_compile_workers", "build_inductor_times", "kept", "capture_run"):
                         if w.get(key) is not None:
                             res[f"{key}_warm"] = w[key]
                     if a.profile_warm:  # (the warm figures above were timed under cProfile: ~1.4x)

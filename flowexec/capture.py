@@ -100,6 +100,8 @@ class Captured:
     # make_state (an optimizer's first step as a program): after the run the caller sets
     # ``optimizer.state[param][key]`` to output ``idx``, for each (optimizer, param, key, idx)
     made_state: tuple[tuple[Any, Any, str, int], ...] = ()
+    # the user's and libraries' code objects the run started (a kept program checks their files)
+    codes: tuple[Any, ...] = ()
 
 
 _metas = threading.local()  # per thread: the fake modes of the captures under way, innermost last
@@ -946,6 +948,11 @@ if _fake_setting not in _FAKE_CAPTURE_CHOICES:
 _FAKE_CAPTURE: bool | str = _FAKE_CAPTURE_CHOICES[_fake_setting]
 
 
+def fake_capture_setting() -> bool | str:
+    """Whether captures run on fake tensors (``FLOWEXEC_FAKE_CAPTURE``: True, False or "cpu")."""
+    return _FAKE_CAPTURE
+
+
 class _FakeAliasing(CaptureError):
     """A fake run read closure state on an argument's storage: its fake copy of the state
     stood for the argument, which a real run keeps apart."""
@@ -1213,7 +1220,7 @@ def _captured(gm: fx.GraphModule, bindings: list[tuple[torch.Tensor, int]], n_us
     reads.parked.restore(keep={id(p.grad) for p in discarded if p.grad is not None})
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + [p.grad for p in read], sources)
     return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded,
-                    reads.parked, reads.run, reads.made)
+                    reads.parked, reads.run, reads.made, tuple(reads.recorder.user_codes()))
 
 
 def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[torch.Tensor],

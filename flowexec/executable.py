@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 import time
 import warnings
@@ -28,8 +29,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import optim_state
-from .capture import LazyStateError, capture, fresh_optimizers
+from . import kept, optim_state
+from .capture import Captured, LazyStateError, capture, fake_capture_setting, fresh_optimizers
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
 from .fake_run import cuda_in_use
 from .build import check_recompute, plan_for
@@ -271,6 +272,9 @@ class Executable:
         self._natives: dict[tuple[int, int], Any] = {}
         self._first: _Compiled | None = None
         self._first_sig: tuple[Any, ...] | None = None
+        # How the last build came by its program: loaded from disk, or captured (and kept or
+        # not, and why): flowexec.kept
+        self.kept: str | None = None
         self._last: _Compiled | None = None
         self._check_devices = False  # compile() sets it; tests stand graphs in on CPU
         try:
@@ -292,9 +296,7 @@ class Executable:
             warm_compile_workers()  # (ready by the time the captured program's regions compile)
             prestart_compile_workers()  # (a cold cache's: started while the capture runs)
         try:
-            cap = capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
-                          park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
-                          make_state=first_step, first_call=first_call)
+            cap = self._capture(args, tree, paths, first_step, first_call)
             self._parked = cap.parked or None
             if self._parked is not None:  # (an executable dropped while they wait gives them back)
                 weakref.finalize(self, self._parked.restore)
@@ -307,6 +309,45 @@ class Executable:
                 raise
         finally:
             release_compile_workers()  # (prestarted ones the build did not take: none once fusion ran)
+
+    def _capture(self, args: Sequence[Any], tree: Any, paths: Sequence[str], first_step: bool,
+                 first_call: bool) -> Captured:
+        """The program of ``fn`` for this call: a kept one (flowexec.kept) where one binds to
+        this process's objects, else captured (and kept, where it can be); ``self.kept`` says
+        which."""
+        def run_capture() -> Captured:
+            return capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
+                           park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
+                           make_state=first_step, first_call=first_call)
+
+        if not kept.enabled():
+            self.kept = "off (FLOWEXEC_KEEP=0)"
+            return run_capture()
+        r = kept.reach(self.fn)
+        unfused = sorted(kept.show(r.where[i]) if i in r.where else "?" for i in self._unfused)
+        key = kept.index_key(self.fn, kept.signature_of(args, _signature(args), tree),
+                             (first_step, first_call, unfused, fake_capture_setting()))
+        data = kept.load(key)
+        why = "no program kept for this call"
+        if data is not None:
+            try:
+                fields = kept.decode(data, r, [a for a in args if isinstance(a, torch.Tensor)])
+                self.kept = f"loaded {key}"
+                return Captured(run="kept", **fields)
+            except kept.NotKept as e:
+                why = f"the kept program does not bind: {e}"
+        cap = run_capture()
+        if cap.run != "fake":  # (a real run read real values: nothing says a later process would read the same)
+            self.kept = f"{why}; not kept: fn ran for real"
+            return cap
+        try:
+            path = kept.save(key, kept.encode(cap, r, kept.files_of(cap.codes)))
+            self.kept = f"{why}; kept {os.path.basename(path)}"
+        except kept.NotKept as e:
+            self.kept = f"{why}; not kept: {e}"
+        except OSError as e:
+            self.kept = f"{why}; not kept: {e}"
+        return cap
 
     def _drop_parked(self, c: _Compiled) -> None:
         """Drop the gradients ``c`` discards (as :meth:`_finish` does) and their parked bytes;
@@ -361,7 +402,7 @@ class Executable:
         t2 = time.perf_counter()
         plan_peak = _cuda_peak()
         run_bytes = plan.planned_peak_bytes()  # (what graph mode's warm-up allocates on top)
-        if mode == "graph" and self.park and cap.run == "fake" and self._parked is None:
+        if mode == "graph" and self.park and cap.run in ("fake", "kept") and self._parked is None:
             self._park_for_warm_up(cap.discarded_grads, run_bytes)
         hooks, node = None, None
         if mode == "graph" and self.pool != "shared" and cap.guards is not None and cap.guards.feeds is not None:

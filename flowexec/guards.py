@@ -686,6 +686,11 @@ class Recorder:
             self._active = True
 
     # -- after the run --
+    def user_codes(self) -> list[types.CodeType]:
+        """The code objects of the user's and libraries' (not torch's, flowexec's or the standard
+        library's) whose frames the run started."""
+        return [c for c in self._seen_code if user_code(c.co_filename)]
+
     def use_leaf(self, t: torch.Tensor) -> None:
         """A leaf tensor that requires grad was an argument of a traced op."""
         self._used.add(id(t))

@@ -291,6 +291,12 @@ class Feeds:
             return bad
         return min(self.failing.values()) if self.failing else -1
 
+    def reads_hold(self) -> bool:
+        """Whether every host read answers for the values in the buffers as it did at capture
+        (a program kept on disk, fed this process's values: :mod:`flowexec.kept`)."""
+        values = [float(self.hosts[s.device][s.position]) for s in self.slots]
+        return all(_answer(r.expr, values) == r.value for r in self.reads)
+
     def native_spec(self) -> tuple[list[tuple], list[torch.Tensor], list[torch.Tensor], list[tuple],
                                    list[list[torch.Tensor]], list[list[Callable[[], None]]]]:
         """What the C++ check (``csrc/guards.cpp``) takes: per slot (group, key, index, device,

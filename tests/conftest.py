@@ -19,6 +19,16 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _kept_programs_per_test(tmp_path_factory, monkeypatch):
+    """Each test keeps its captured programs (flowexec/kept.py) in a directory of its own: a test
+    that counts captures or watches one park gradients must not load what an earlier test kept
+    of the same step (a run of the whole suite on one shared directory, which loads wherever
+    that is sound, passes but for such tests: docs/kept.md)."""
+    if os.environ.get("FLOWEXEC_KEEP_SHARED") != "1":  # (FLOWEXEC_KEEP_SHARED=1: the FLOWEXEC_KEEP_DIR given)
+        monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path_factory.mktemp("kept")))
+
+
 @pytest.fixture(scope="session")
 def ranks():
     """``ranks(world)``: gloo ranks kept for the whole run (``flowexec.pipeline.launch.Ranks``),

@@ -1,0 +1,204 @@
+"""Kept programs (flowexec/kept.py): a capture kept on disk is taken by a later build only where
+a capture would have made the same program, and then trains as eager does.
+
+Each cross-process test runs a training script twice in fresh processes on one directory of
+kept programs: the first captures and keeps, the second loads (or, where something changed,
+captures again), and both are compared with eager PyTorch running the same steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import flowexec
+from flowexec import kept
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODEL = """
+import torch
+
+SCALE = 2.0
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.drop = torch.nn.Dropout(0.0)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.norm(torch.nn.functional.gelu(self.fc1(x)) * SCALE)))
+"""
+
+SCRIPT = """
+import json, os, sys
+import torch
+import flowexec
+from model import Net
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+if "eval" in sys.argv:
+    model.eval()
+
+
+def step(x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+g = torch.Generator().manual_seed(1)
+data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(5)]
+run = step if "eager" in sys.argv else flowexec.compile(step, mode="trace", fuse=False)
+losses = []
+for x, y in data:
+    losses.append(run(x, y).item())
+    sched.step()
+print(json.dumps({"kept": getattr(run, "kept", None), "capture_run": getattr(run, "capture_run", None),
+                  "losses": losses, "params": [p.detach().flatten().tolist() for p in model.parameters()]}))
+"""
+
+
+def _run(where: Path, *argv: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(where)]),
+               FLOWEXEC_KEEP_DIR=str(where / "programs"), FLOWEXEC_KEEP="1")
+    done = subprocess.run([sys.executable, str(where / "train.py"), *argv], env=env, capture_output=True, text=True,
+                          timeout=240, cwd=where)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _write(where: Path, model: str = MODEL) -> None:
+    (where / "model.py").write_text(textwrap.dedent(model))
+    if not (where / "train.py").exists():
+        (where / "train.py").write_text(textwrap.dedent(SCRIPT))
+
+
+def _same(a: dict, b: dict) -> None:
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-6)
+    for p, q in zip(a["params"], b["params"]):
+        torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_a_later_process_loads_the_kept_program_and_trains_as_eager(tmp_path):
+    _write(tmp_path)
+    eager = _run(tmp_path, "eager")
+    first = _run(tmp_path)
+    second = _run(tmp_path)
+    assert first["capture_run"] == "fake" and "; kept " in first["kept"], first["kept"]
+    assert second["capture_run"] == "kept" and second["kept"].startswith("loaded "), second["kept"]
+    _same(first, eager)
+    _same(second, eager)  # (the LR schedule reaches the loaded program: its values are fed)
+
+
+@pytest.mark.timeout(600)
+def test_a_guard_that_fails_in_the_later_process_captures_again(tmp_path):
+    _write(tmp_path)
+    _run(tmp_path)
+    later = _run(tmp_path, "eval")  # model.eval(): the capture read each module's training flag
+    assert later["capture_run"] == "fake", later["kept"]
+    assert "does not bind: a guard fails" in later["kept"] and "training" in later["kept"], later["kept"]
+    _same(later, _run(tmp_path, "eval", "eager"))
+
+
+@pytest.mark.timeout(600)
+def test_a_changed_source_file_captures_again(tmp_path):
+    _write(tmp_path)
+    _run(tmp_path)
+    changed = MODEL.replace("* SCALE", "* SCALE * 0.5")
+    assert changed != MODEL
+    _write(tmp_path, changed)
+    later = _run(tmp_path)  # (a guard on SCALE would pass: the code that reads it changed)
+    assert later["capture_run"] == "fake", later["kept"]
+    assert "model.py changed since the program was kept" in later["kept"], later["kept"]
+    _same(later, _run(tmp_path, "eager"))
+
+
+def _mlp_step():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        loss = net(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return net, step
+
+
+def test_a_second_executable_loads_what_the_first_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path))
+    monkeypatch.setenv("FLOWEXEC_KEEP", "1")
+    x = torch.randn(3, 4)
+    net, step = _mlp_step()
+    a = flowexec.compile(step, mode="trace")
+    got_a = [a(x).item() for _ in range(3)]
+    assert a.capture_run == "fake" and "; kept " in a.kept, a.kept
+    b = flowexec.compile(step, mode="trace")
+    got_b = [b(x).item() for _ in range(3)]
+    assert b.capture_run == "kept" and b.kept.startswith("loaded "), b.kept
+    net2, step2 = _mlp_step()
+    want = [step2(x).item() for _ in range(6)]
+    torch.testing.assert_close(torch.tensor(got_a + got_b), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def test_state_no_path_reaches_is_not_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path))
+    monkeypatch.setenv("FLOWEXEC_KEEP", "1")
+    hidden = {"w": torch.randn(4)}
+
+    def make():
+        w = hidden["w"]
+        return lambda x: (x * w).sum()  # (w in a closure cell: reached)
+
+    exe = flowexec.compile(make(), mode="trace")
+    exe(torch.ones(4))
+    assert "; kept " in exe.kept, exe.kept
+
+    def lookup(x, table=hidden):  # (a default argument: no path the walk follows)
+        return (x * table["w"]).sum()
+
+    exe = flowexec.compile(lookup, mode="trace")
+    exe(torch.ones(4))
+    assert "not kept: the program binds a tensor (f32[4] cpu) that no path from fn reaches" in exe.kept, exe.kept
+
+
+def test_keeping_is_off_with_flowexec_keep_0(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path))
+    monkeypatch.setenv("FLOWEXEC_KEEP", "0")
+    exe = flowexec.compile(lambda x: x * 2, mode="trace")
+    exe(torch.ones(2))
+    assert exe.kept == "off (FLOWEXEC_KEEP=0)"
+    assert not os.path.exists(tmp_path / "programs") and not list(tmp_path.iterdir())
+    monkeypatch.setenv("FLOWEXEC_KEEP", "yes")
+    with pytest.raises(ValueError, match="FLOWEXEC_KEEP='yes': expected 1"):
+        kept.enabled()
+
+
+def test_paths_from_fn_name_parameters_and_optimizer_state():
+    net, step = _mlp_step()
+    step(torch.randn(3, 4))  # (SGD with momentum: state made)
+    r = kept.reach(step)
+    opt = step.__closure__[step.__code__.co_freevars.index("opt")].cell_contents
+    assert kept.show(r.loc(net[0].weight)) == "fn.cell[net].param[0.weight]"
+    assert kept.show(r.loc(opt.param_groups[0])) == "fn.cell[opt].group[0]"
+    assert kept.show(r.loc(opt.state[net[2].bias]["momentum_buffer"])) == "fn.cell[opt].pstate[0, 3].item[momentum_buffer]"
+    assert r.loc(torch.ones(1)) is None
