@@ -86,6 +86,8 @@ for step in "$@"; do
                  python3 benchmarks/probes/prefill_peak.py --first-step prefill --out '$R'" ;;  # what the prefilled first call holds at its peak
     fuse-tests) run_step $step 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_fuse_gpu.py \
                  --junitxml="$R/$step.xml" ;;
+    kept-tests) run_step $step 300 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging tests/gpu/test_kept_gpu.py \
+                 tests/test_kept.py --junitxml="$R/$step.xml" ;;  # kept programs: graph mode, fused, across processes
     memtests)  run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py \
                  --junitxml="$R/$step.xml" ;;
     build-peak) run_step $step 300 python3 benchmarks/probes/build_peak.py --out "$R" ;;  # what is alive at the build's peak
