@@ -323,19 +323,24 @@ class Executable:
         if not kept.enabled():
             self.kept = "off (FLOWEXEC_KEEP=0)"
             return run_capture()
-        r = kept.reach(self.fn)
-        unfused = sorted(kept.show(r.where[i]) if i in r.where else "?" for i in self._unfused)
-        key = kept.index_key(self.fn, kept.signature_of(args, _signature(args), tree),
-                             (first_step, first_call, unfused, fake_capture_setting()))
-        data = kept.load(key)
+        # (nothing of keeping may fail a build: whatever goes wrong there, the build captures)
+        try:
+            r = kept.reach(self.fn)
+            unfused = sorted(kept.show(r.where[i]) if i in r.where else "?" for i in self._unfused)
+            key = kept.index_key(self.fn, kept.signature_of(args, _signature(args), tree),
+                                 (first_step, first_call, unfused, fake_capture_setting()))
+            data = kept.load(key)
+        except Exception as e:
+            self.kept = f"not kept: {type(e).__name__}: {e}"
+            return run_capture()
         why = "no program kept for this call"
         if data is not None:
             try:
                 fields = kept.decode(data, r, [a for a in args if isinstance(a, torch.Tensor)])
                 self.kept = f"loaded {key}"
                 return Captured(run="kept", **fields)
-            except kept.NotKept as e:
-                why = f"the kept program does not bind: {e}"
+            except Exception as e:  # (kept.NotKept: it does not bind; anything else: it does not load)
+                why = f"the kept program does not bind: {e if isinstance(e, kept.NotKept) else repr(e)}"
         cap = run_capture()
         if cap.run != "fake":  # (a real run read real values: nothing says a later process would read the same)
             self.kept = f"{why}; not kept: fn ran for real"
@@ -343,10 +348,8 @@ class Executable:
         try:
             path = kept.save(key, kept.encode(cap, r, kept.files_of(cap.codes)))
             self.kept = f"{why}; kept {os.path.basename(path)}"
-        except kept.NotKept as e:
-            self.kept = f"{why}; not kept: {e}"
-        except OSError as e:
-            self.kept = f"{why}; not kept: {e}"
+        except Exception as e:  # (kept.NotKept: something no path names; OSError: the directory)
+            self.kept = f"{why}; not kept: {e if isinstance(e, kept.NotKept) else repr(e)}"
         return cap
 
     def _drop_parked(self, c: _Compiled) -> None:
