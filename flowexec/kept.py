@@ -63,7 +63,7 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
 _VOLATILE_ENV = frozenset({"_", "OLDPWD", "PWD", "SHLVL", "TERM", "TERM_SESSION_ID", "COLUMNS", "LINES", "DISPLAY",
                            "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK", "TMUX", "TMUX_PANE",
                            "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID",
-                           "PYTEST_XDIST_WORKER_COUNT", "FLOWEXEC_KEEP_DIR"})
+                           "PYTEST_XDIST_WORKER_COUNT", "FLOWEXEC_KEEP", "FLOWEXEC_KEEP_DIR"})
 _DEPTH = 3  # how deep plain objects and containers are walked for modules, optimizers and tensors
 _WIDTH = 64  # entries of one object or container walked
 

@@ -202,3 +202,16 @@ def test_paths_from_fn_name_parameters_and_optimizer_state():
     assert kept.show(r.loc(opt.param_groups[0])) == "fn.cell[opt].group[0]"
     assert kept.show(r.loc(opt.state[net[2].bias]["momentum_buffer"])) == "fn.cell[opt].pstate[0, 3].item[momentum_buffer]"
     assert r.loc(torch.ones(1)) is None
+
+
+def test_the_key_ignores_the_keeping_switches(monkeypatch):
+    """A process started with FLOWEXEC_KEEP=1 finds what one without it kept (the switch is not
+    the program's business); another environment variable is."""
+    fn = lambda x: x + 1  # noqa: E731
+    monkeypatch.delenv("FLOWEXEC_KEEP", raising=False)
+    plain = kept.index_key(fn, ("sig",), ())
+    monkeypatch.setenv("FLOWEXEC_KEEP", "1")
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", "/elsewhere")
+    assert kept.index_key(fn, ("sig",), ()) == plain
+    monkeypatch.setenv("SOME_SETTING", "1")
+    assert kept.index_key(fn, ("sig",), ()) != plain
