@@ -351,7 +351,7 @@ class Recorder:
                     pass
             # A library function's globals are its module's, not the user's: only its closure
             # (a wrapper or decorator keeps the user's function there) leads on.
-            found = cells + ([(name, f.__globals__[name]) for name in _global_names(code) if name in f.__globals__]
+            found = cells + ([(name, f.__globals__[name]) for name in global_names(code) if name in f.__globals__]
                              if user_code(code.co_filename) else [])
             for k, (_, v) in enumerate(found):
                 for g in _functions_in(v):
@@ -777,11 +777,12 @@ def _cell_value(cell: Any) -> Any:
         return _MISSING
 
 
-def _global_names(code: types.CodeType) -> list[str]:
+def global_names(code: types.CodeType) -> list[str]:
+    """The names ``code`` and the code objects nested in it load (globals among them)."""
     names = list(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            names.extend(_global_names(c))
+            names.extend(global_names(c))
     return names
 
 

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .guards import Guard, GuardSet, Replay, user_code
+from .guards import GuardSet, global_names, user_code
 from .hyperparams import Feeds, FeedSlot
 from .program import Op, Program, Ref, Role, TensorMeta, Value, map_nested
 from .storage import shared_storage
@@ -163,7 +163,7 @@ def _visit(r: Reach, loc: Loc, v: Any, depth: int, todo: deque) -> None:
             todo.append((loc + (("cell", name),), contents))
         if user_code(code.co_filename):
             g = v.__globals__
-            for name in _global_names(code):
+            for name in global_names(code):
                 if name in g:
                     todo.append(((("global", g.get("__name__"), name),), g[name]))
         return
@@ -248,14 +248,6 @@ def _code_digest(code: types.CodeType) -> str:
 def _is_plain_user_object(v: Any) -> bool:
     module = sys.modules.get(type(v).__module__)
     return user_code(getattr(module, "__file__", None) or "<unknown>")
-
-
-def _global_names(code: types.CodeType) -> list[str]:
-    names = list(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names.extend(_global_names(c))
-    return names
 
 
 def _module_named(d: Any) -> str | None:
