@@ -48,7 +48,10 @@ from model import Net
 
 torch.manual_seed(0)
 model = Net()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+if "sgd" in sys.argv:  # (momentum: its first step is a program of its own, which makes the buffers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+else:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
 if "eval" in sys.argv:
     model.eval()
@@ -70,6 +73,7 @@ for x, y in data:
     losses.append(run(x, y).item())
     sched.step()
 print(json.dumps({"kept": getattr(run, "kept", None), "capture_run": getattr(run, "capture_run", None),
+                  "first_step_capture_run": getattr(run, "first_step_capture_run", None),
                   "losses": losses, "params": [p.detach().flatten().tolist() for p in model.parameters()]}))
 """
 
@@ -105,6 +109,21 @@ def test_a_later_process_loads_the_kept_program_and_trains_as_eager(tmp_path):
     assert second["capture_run"] == "kept" and second["kept"].startswith("loaded "), second["kept"]
     _same(first, eager)
     _same(second, eager)  # (the LR schedule reaches the loaded program: its values are fed)
+
+
+@pytest.mark.timeout(600)
+def test_a_kept_first_step_program_makes_the_optimizer_state_in_a_later_process(tmp_path):
+    """SGD with momentum: the first call runs a first step's program that makes the momentum
+    buffers (its outputs bound into opt.state), the second captures the steps. A later process
+    loads both, and trains as eager."""
+    _write(tmp_path)
+    eager = _run(tmp_path, "sgd", "eager")
+    first = _run(tmp_path, "sgd")
+    second = _run(tmp_path, "sgd")
+    assert first["first_step_capture_run"] == "fake" and first["capture_run"] == "fake", first
+    assert second["first_step_capture_run"] == "kept" and second["capture_run"] == "kept", second["kept"]
+    _same(first, eager)
+    _same(second, eager)
 
 
 @pytest.mark.timeout(600)
