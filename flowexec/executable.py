@@ -321,7 +321,7 @@ class Executable:
                            make_state=first_step, first_call=first_call)
 
         if not kept.enabled():
-            self.kept = "off (FLOWEXEC_KEEP=0)"
+            self.kept = "off (FLOWEXEC_KEEP=1 turns it on)"
             return run_capture()
         # (nothing of keeping may fail a build: whatever goes wrong there, the build captures)
         try:

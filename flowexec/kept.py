@@ -25,7 +25,7 @@ process and takes the program only where a capture would have made that same pro
 A capture holding anything no path from ``fn`` names (a tensor in a local cache, a code
 object without a file) is not kept, and a program that does not bind is not taken: the build
 captures, as it always did. ``Executable.kept`` says which happened and why.
-``FLOWEXEC_KEEP=0`` turns keeping off.
+``FLOWEXEC_KEEP=1`` turns keeping on (off by default: docs/kept.md).
 
     >>> import torch
     >>> def make(net):
@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import numbers
 import os
 import pickle
 import platform
@@ -51,13 +52,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .guards import GuardSet, global_names, user_code
+from .guards import GuardSet, global_names, is_scalar, user_code
 from .hyperparams import Feeds, FeedSlot
 from .program import Op, Program, Ref, Role, TensorMeta, Value, map_nested
 from .storage import shared_storage
 from .verdict_cache import default_directory
 
-FORMAT = 1  # (a change in what a record holds changes every key)
+FORMAT = 2  # (a change in what a record holds changes every key)
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
 # Names whose values differ between two runs of one command and steer no capture.
 _VOLATILE_ENV = frozenset({"_", "OLDPWD", "PWD", "SHLVL", "TERM", "TERM_SESSION_ID", "COLUMNS", "LINES", "DISPLAY",
@@ -69,10 +70,12 @@ _WIDTH = 64  # entries of one object or container walked
 
 
 def enabled() -> bool:
-    """Whether builds keep and look up programs (``FLOWEXEC_KEEP``: ``1``, the default, or ``0``)."""
-    setting = os.environ.get("FLOWEXEC_KEEP", "1")
+    """Whether builds keep and look up programs (``FLOWEXEC_KEEP``: ``0``, the default, or ``1``).
+    Off by default until more of what a step can read outside its guards is covered (docs/kept.md)."""
+    setting = os.environ.get("FLOWEXEC_KEEP", "0")
     if setting not in ("0", "1"):
-        raise ValueError(f"FLOWEXEC_KEEP={setting!r}: expected 1 (keep captured programs, the default) or 0")
+        raise ValueError(f"FLOWEXEC_KEEP={setting!r}: expected 0 (capture in every process, the default) or 1 "
+                         "(keep captured programs and load them in later processes)")
     return setting == "1"
 
 
@@ -109,6 +112,12 @@ class Reach:
         self.objects[loc] = obj
         return True
 
+    def identities(self) -> dict[Loc, Any]:
+        """:func:`identity` of every object found but tensors, containers and cells (whose
+        contents are checked where a program binds them)."""
+        return {loc: identity(o) for loc, o in self.objects.items()
+                if not isinstance(o, (torch.Tensor, dict, list, tuple, types.CellType))}
+
     def loc(self, obj: Any) -> Loc | None:
         """The path to ``obj``, or None where the walk did not find it."""
         loc = self.where.get(id(obj))
@@ -131,27 +140,34 @@ def reach(fn: Callable[..., Any]) -> Reach:
 
 
 def _visit(r: Reach, loc: Loc, v: Any, depth: int, todo: deque) -> None:
+    # What a walk finds and records beyond the objects a record binds: every object's identity
+    # (a module's class, a function's code: kept.identities), and every plain value held where
+    # no guard looks (kept facts): a function's defaults and a library function's closure, a
+    # partial's arguments, every module's and plain object's attributes, user classes'
+    # attributes. A program is taken only where all of them are as they were.
     if isinstance(v, (types.MethodType, functools.partial)):
         if not r.put(loc, v):
             return
         inner = v.__func__ if isinstance(v, types.MethodType) else v.func
         _visit(r, loc + (("func", None),), inner, depth, todo)
         if isinstance(v, types.MethodType):
-            obj = v.__self__
-            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) and not _is_plain_user_object(obj) \
-                    and hasattr(obj, "__dict__"):  # (a library's object: what its method reads is not guarded)
-                _facts(r, loc + (("self", None),), list(vars(obj).items()))
-            _visit(r, loc + (("self", None),), obj, depth, todo)
+            _visit(r, loc + (("self", None),), v.__self__, depth, todo)
         else:
-            _facts(r, loc, [(("arg", k), a) for k, a in enumerate(v.args)] + [(("kw", k), a) for k, a in v.keywords.items()])
-            for k, a in enumerate(v.args[:_WIDTH]):
-                _visit(r, loc + (("arg", k),), a, depth + 1, todo)
+            items = [(("arg", k), a) for k, a in enumerate(v.args)] + [(("kw", k), a) for k, a in v.keywords.items()]
+            _facts(r, loc, items)
+            for key, a in items[:_WIDTH]:
+                _visit(r, loc + (key,), a, depth + 1, todo)
         return
     if isinstance(v, types.FunctionType):
         if not r.put(loc, v):
             return
         code = v.__code__
         library = not user_code(code.co_filename)
+        defaults = [(("default", k), d) for k, d in enumerate(v.__defaults__ or ())]
+        defaults += [(("kwdefault", k), d) for k, d in (v.__kwdefaults__ or {}).items()]
+        _facts(r, loc, defaults)  # (read by LOAD_FAST: no guard sees them)
+        for key, d in defaults:
+            todo.append((loc + (key,), d))
         for name, cell in zip(code.co_freevars, v.__closure__ or ()):
             r.put(loc + (("cellobj", name),), cell)
             try:
@@ -161,7 +177,7 @@ def _visit(r: Reach, loc: Loc, v: Any, depth: int, todo: deque) -> None:
             if library:
                 _facts(r, loc, [(("cell", name), contents)])
             todo.append((loc + (("cell", name),), contents))
-        if user_code(code.co_filename):
+        if not library:
             g = v.__globals__
             for name in global_names(code):
                 if name in g:
@@ -178,6 +194,7 @@ def _visit(r: Reach, loc: Loc, v: Any, depth: int, todo: deque) -> None:
             for table in ("_parameters", "_buffers", "_modules"):
                 if isinstance(d.get(table), dict):
                     r.put(at + (("table", table),), d[table])
+            _object_facts(r, at, m, todo)
         for qual, p in v.named_parameters(remove_duplicate=False):
             r.put(loc + (("param", qual),), p)
         for qual, b in v.named_buffers(remove_duplicate=False):
@@ -202,28 +219,48 @@ def _visit(r: Reach, loc: Loc, v: Any, depth: int, todo: deque) -> None:
     if isinstance(v, torch.Tensor):
         r.put(loc, v)
         return
-    if depth >= _DEPTH or isinstance(v, (type, types.ModuleType, str, bytes)) or v is None:
+    if isinstance(v, type) or (callable(v) and not hasattr(v, "__dict__")):
+        r.put(loc, v)  # (a class, a builtin function: its identity is its name)
+        return
+    if depth >= _DEPTH or isinstance(v, (types.ModuleType, str, bytes)) or v is None:
         return
     if type(v) in (dict, list, tuple):
         if not r.put(loc, v):
             return
         items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+        _facts(r, loc, [(("item", k), e) for k, e in items])
         for k, e in items[:_WIDTH]:
             if isinstance(k, (str, int)):
                 _visit(r, loc + (("item", k),), e, depth + 1, todo)
         return
-    if hasattr(v, "__dict__") and not callable(v) and _is_plain_user_object(v):
+    if hasattr(v, "__dict__"):
         if not r.put(loc, v):
             return
+        _object_facts(r, loc, v, todo)
         for k, e in list(vars(v).items())[:_WIDTH]:
             _visit(r, loc + (("attr", k),), e, depth + 1, todo)
 
 
-def _facts(r: Reach, loc: Loc, items: Sequence[tuple[Any, Any]]) -> None:
-    from .guards import is_scalar
+def _object_facts(r: Reach, loc: Loc, obj: Any, todo: deque) -> None:
+    """The plain values of an object's ``__dict__``; and for its class and bases that are the
+    user's or a library's (not torch's or the standard library's), theirs, and their methods
+    (walked as functions: the globals a ``forward`` reads)."""
+    _facts(r, loc, [(("attr", k), e) for k, e in vars(obj).items()])
+    for cls in type(obj).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if cls is object or not user_code(getattr(module, "__file__", None) or "<unknown>"):
+            continue
+        at = (("class", cls.__module__, cls.__qualname__),)
+        _facts(r, at, [(("attr", k), e) for k, e in vars(cls).items() if not k.startswith("__")])
+        for k, e in vars(cls).items():
+            f = e.__func__ if isinstance(e, (staticmethod, classmethod)) else e
+            if isinstance(f, types.FunctionType):
+                todo.append((at + (("method", k),), f))
 
-    for key, value in items[:_WIDTH]:
-        if is_scalar(value):
+
+def _facts(r: Reach, loc: Loc, items: Sequence[tuple[Any, Any]]) -> None:
+    for key, value in items:
+        if is_scalar(value) or isinstance(value, numbers.Number):  # (numpy's scalars among them)
             r.facts[loc + (key if isinstance(key, tuple) else ("attr", key),)] = (type(value), value)
 
 
@@ -232,6 +269,8 @@ def identity(obj: Any) -> Any:
     function's code (file, name, line and bytecode), else the object's type."""
     if isinstance(obj, types.FunctionType):
         return ("code", _code_digest(obj.__code__))
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "__dict__")):
+        return ("named", getattr(obj, "__module__", None), getattr(obj, "__qualname__", repr(obj)))
     return ("type", type(obj).__module__, type(obj).__qualname__)
 
 
@@ -243,11 +282,6 @@ def _code_digest(code: types.CodeType) -> str:
     for c in code.co_consts:
         h.update(_code_digest(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
     return h.hexdigest()[:32]
-
-
-def _is_plain_user_object(v: Any) -> bool:
-    module = sys.modules.get(type(v).__module__)
-    return user_code(getattr(module, "__file__", None) or "<unknown>")
 
 
 def _module_named(d: Any) -> str | None:
@@ -301,6 +335,10 @@ class _Writer(pickle.Pickler):
         name = _module_named(obj)
         if name is not None:
             return ("module", name)
+        if isinstance(obj, types.FunctionType):  # (one no path reaches, as a guard expects it: by name, and code)
+            if "<locals>" in obj.__qualname__ or sys.modules.get(obj.__module__) is None:
+                raise NotKept(f"the program holds function {obj.__qualname__}, which no path from fn reaches")
+            return ("func", obj.__module__, obj.__qualname__, _code_digest(obj.__code__))
         if isinstance(obj, torch.Tensor) and not self.values:
             raise NotKept(f"the program binds a tensor ({TensorMeta.of(obj)}) that no path from fn reaches")
         if isinstance(obj, (torch.Generator, types.CellType)) or type(obj).__name__ in ("Stream", "Event"):
@@ -326,6 +364,13 @@ class _Reader(pickle.Unpickler):
                 what = "other code" if pid[2][0] == "code" else f"a {type(obj).__qualname__}"
                 raise NotKept(f"{show(pid[1])} is {what} than the program was captured with")
             return obj
+        if kind == "func":
+            f: Any = sys.modules.get(pid[1])
+            for part in pid[2].split("."):
+                f = getattr(f, part, None)
+            if not isinstance(f, types.FunctionType) or _code_digest(f.__code__) != pid[3]:
+                raise NotKept(f"{pid[1]}.{pid[2]} is other code than the program was captured with")
+            return f
         if kind == "module":
             module = sys.modules.get(pid[1])
             if module is None:
@@ -347,6 +392,12 @@ def _enc(a: Any) -> Any:
 
 def _dec(a: Any) -> Any:
     return map_nested(a, lambda x: Ref(int(x)) if type(x) is _Ref else x)
+
+
+def _shown(ident: Any) -> str:
+    if ident is None:
+        return "nothing"
+    return "other code" if ident[0] == "code" else f"{ident[1]}.{ident[2]}"
 
 
 def _fresh_constants(prog: Program) -> set[int]:
@@ -404,7 +455,7 @@ def encode(cap: Any, r: Reach, files: dict[str, tuple[int, int]]) -> bytes:
         slots = ([(s.name, s.group, s.key, s.index, s.position, s.device, s.captured) for s in feeds.slots],
                  {d: (b.numel(), b.dtype) for d, b in feeds.buffers.items()}, reads.getvalue())
     record = {
-        "files": files, "facts": r.facts,
+        "files": files, "facts": r.facts, "identities": r.identities(),
         "values": [(v.id, v.role.value, _meta(v.meta), v.name) for v in prog.values],
         "ops": [(op.index, op.target, _enc(op.args), tuple((k, _enc(v)) for k, v in op.kwargs), op.outputs,
                  op.unpack, op.source, op.recomputed) for op in prog.ops],
@@ -440,6 +491,11 @@ def decode(data: bytes, r: Reach, call_tensors: Sequence[torch.Tensor]) -> dict[
         raise
     except Exception as e:
         raise NotKept(f"the record does not load: {type(e).__name__}: {e}") from None
+    identities = r.identities()
+    if rec["identities"] != identities:
+        loc = next(k for k in {**rec["identities"], **identities} if rec["identities"].get(k) != identities.get(k))
+        raise NotKept(f"{show(loc)} is {_shown(identities.get(loc))} where the program was captured with "
+                      f"{_shown(rec['identities'].get(loc))}")
     if rec["facts"] != r.facts:
         loc = next((k for k in {**rec["facts"], **r.facts} if rec["facts"].get(k) != r.facts.get(k)), None)
         was, now = rec["facts"].get(loc, (None, "nothing")), r.facts.get(loc, (None, "nothing"))

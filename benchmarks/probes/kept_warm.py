@@ -82,6 +82,7 @@ def main() -> None:
     root = os.path.dirname(os.path.dirname(HERE))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache, "triton"), FLOWEXEC_KEEP_DIR=os.path.join(cache, "programs"),
+               FLOWEXEC_KEEP="1",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cold = run(a, env)
     print("cold", json.dumps(cold)[:300], flush=True)
