@@ -36,6 +36,7 @@ from __future__ import annotations
 import dis
 import enum
 import functools
+import numbers
 import os
 import sys
 import sysconfig
@@ -180,8 +181,8 @@ def state_guard() -> Guard:
 
 def is_scalar(v: Any) -> bool:
     """Whether ``v`` is a value a guard compares (numbers, strings, dtypes, enums, tuples of them)."""
-    if isinstance(v, _SCALAR_TYPES):
-        return True
+    if isinstance(v, _SCALAR_TYPES) or (isinstance(v, numbers.Number) and not isinstance(v, torch.Tensor)):
+        return True  # (numbers.Number: numpy's scalars among them)
     return type(v) is tuple and all(is_scalar(e) for e in v)  # (compared whole: one guard)
 
 
@@ -190,6 +191,16 @@ def user_code(filename: str) -> bool:
     """Whether a code object's file is the user's (not torch's, flowexec's or the standard library's)."""
     return (not filename.startswith((_TORCH_DIR, _OWN_DIR, *_STDLIB)) and not filename.startswith("<frozen")
             and filename not in _OWN_FILES)
+
+
+def generated_code(code: types.CodeType) -> bool:
+    """Code that dataclasses, namedtuple and typing generate by ``exec`` of ``<string>`` (an
+    ``__init__`` and its ``__create_fn__``, a namedtuple's ``__new__`` lambda, an annotation's
+    ``<module>``): it follows from a definition, and reads only their own helpers."""
+    if code.co_filename != "<string>":
+        return False
+    n = code.co_name
+    return (n.startswith("__") and n.endswith("__")) or n == "<module>" or (n == "<lambda>" and code.co_names == ("_tuple_new",))
 
 
 # --- which values a chain of bytecode reads ------------------------------------------------
@@ -445,9 +456,17 @@ class Recorder:
             self._index_function(v)
             return
         if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
+            # (by identity: a module swapped into a Sequential, or into a global, is another
+            # program; a named attribute's is guarded where nn.Module.__getattr__ reads it)
+            budget[0] -= 1
+            self.add(Guard(label, root, path, v, "is"))
             self._name_tree(label, v)
             return
-        if _is_library_object(v) or callable(v) or depth >= 3:
+        if callable(v) and not isinstance(v, (type, types.ModuleType)):
+            budget[0] -= 1  # (a library function in a global or closure: F.silu for F.gelu is another program)
+            self.add(Guard(label, root, path, v, "is"))
+            return
+        if _is_library_object(v) or depth >= 3:
             return
         if type(v) in (dict, list, tuple) or isinstance(v, (dict, list)):
             self.add(Guard(f"len({label})", root, path + (("len", None),), len(v), "eq"))
@@ -670,7 +689,7 @@ class Recorder:
         """The first frame of a code object: scanned if the code is the user's."""
         code = frame.f_code
         self._seen_code.add(code)
-        if self._active and user_code(code.co_filename):
+        if self._active and user_code(code.co_filename) and not generated_code(code):
             self._scan(self.frame_entered, frame)
 
     def _object_code(self, frame: Any) -> None:

@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .guards import GuardSet, global_names, is_scalar, user_code
+from .guards import GuardSet, generated_code, global_names, is_scalar, user_code
 from .hyperparams import Feeds, FeedSlot
 from .program import Op, Program, Ref, Role, TensorMeta, Value, map_nested
 from .storage import shared_storage
@@ -620,21 +620,13 @@ def files_of(codes: Iterable[types.CodeType]) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
     for code in codes:
         name = code.co_filename
-        if name in out or not user_code(name) or _generated(code):
+        if name in out or not user_code(name) or generated_code(code):
             continue
         st = _stamp(name)
         if st is None:
             raise NotKept(f"code of {code.co_name} ran from {name}, which is not a file a later process can check")
         out[name] = st
     return out
-
-
-def _generated(code: types.CodeType) -> bool:
-    """Code that dataclasses, namedtuple and typing generate from a class's fields or an
-    annotation (``exec`` of ``<string>``: an ``__init__``, its ``__create_fn__``, a ``<lambda>``
-    or ``<module>``), which follows from definitions, not from a file that can change."""
-    n = code.co_name
-    return code.co_filename == "<string>" and ((n.startswith("__") and n.endswith("__")) or n in ("<module>", "<lambda>"))
 
 
 def save(key: str, data: bytes) -> str:

@@ -159,6 +159,31 @@ def _add_group(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.add_param_group({"params": [bias], "lr": 1.0})
 
 
+G_LIB = torch.tanh
+
+
+def _library_global_case() -> tuple:
+    global G_LIB
+    G_LIB = torch.tanh
+
+    def fn(x):
+        return G_LIB(x) * 2  # (a builtin in a global: guarded by identity)
+
+    def change() -> None:
+        global G_LIB
+        G_LIB = torch.sigmoid
+    return fn, change, None
+
+
+def _numpy_case() -> tuple:
+    import numpy as np
+
+    _reset_globals()
+    net = Net()
+    net.temperature = np.float32(1.0)
+    return (lambda x: net(x)), (lambda: setattr(net, "temperature", np.float32(4.0))), net
+
+
 CASES: dict[str, Callable[[], tuple]] = {
     "module training flag": _forward_case(lambda n: n.drop.eval()),
     "module attribute": _forward_case(lambda n: setattr(n, "temperature", 4.0)),
@@ -170,6 +195,9 @@ CASES: dict[str, Callable[[], tuple]] = {
     "global nested dict item read by a helper": _global_case(lambda: G_TABLE["inner"].update(gain=5.0)),
     "global object attribute": _global_case(lambda: setattr(G_OPTS, "power", 2.0)),
     "global function replaced": _global_case(_set_global("g_act", torch.sigmoid)),
+    "library function in a global replaced": _library_global_case,
+    "numpy scalar module attribute": _numpy_case,
+    "module swapped into a Sequential": _training_case(lambda m, o: m.__setitem__(1, torch.nn.ReLU())),
     "closure numbers": _closure_case,
     "plain object attribute read by its method": _object_case(lambda o: setattr(o, "gain", 3.0)),
     "plain object container read by its method": _object_case(lambda o: o.table.update(shift=-1.0)),
