@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import CaptureError, InputError
-from .guards import GuardSet, Recorder, state_guard, optimizer_guards, user_code
+from .guards import GuardSet, Recorder, global_names, state_guard, optimizer_guards, user_code
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
 from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
@@ -235,12 +235,6 @@ def reachable(fn: Callable[..., Any], depth: int = 3, budget: int = 2000) -> Ite
     seen: set[int] = set()
     left = [budget]
 
-    def names(code: types.CodeType) -> Iterator[str]:
-        yield from code.co_names
-        for c in code.co_consts:
-            if isinstance(c, types.CodeType):
-                yield from names(c)
-
     def visit(obj: Any, depth: int) -> Iterator[Any]:
         if id(obj) in seen or left[0] <= 0:
             return
@@ -260,7 +254,7 @@ def reachable(fn: Callable[..., Any], depth: int = 3, budget: int = 2000) -> Ite
             return
         elif isinstance(obj, types.FunctionType):
             found += [c.cell_contents for c in obj.__closure__ or () if _cell_filled(c)]
-            found += [obj.__globals__[n] for n in names(obj.__code__) if n in obj.__globals__]
+            found += [obj.__globals__[n] for n in global_names(obj.__code__) if n in obj.__globals__]
             found += [getattr(obj, "__wrapped__", None)]
         elif isinstance(obj, functools.partial):
             found += [obj.func, *obj.args, *obj.keywords.values()]

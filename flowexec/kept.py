@@ -100,9 +100,9 @@ class Reach:
 
     objects: dict[Loc, Any] = field(default_factory=dict)
     where: dict[int, Loc] = field(default_factory=dict)
-    # What library code reached from fn holds as plain values (a closure cell of a step made by
-    # a library's function, a partial's arguments): no guard records what such code reads, so a
-    # program kept for one value must not be taken for another. loc -> (type, value)
+    # The plain values the walk meets where no guard looks (defaults, a library function's
+    # closure, a partial's arguments, objects' and user classes' attributes: _visit): a program
+    # kept for one value must not be taken for another. loc -> (type, value)
     facts: dict[Loc, tuple[type, Any]] = field(default_factory=dict)
 
     def put(self, loc: Loc, obj: Any) -> bool:
@@ -119,9 +119,9 @@ class Reach:
                 if not isinstance(o, (torch.Tensor, dict, list, tuple, types.CellType))}
 
     def loc(self, obj: Any) -> Loc | None:
-        """The path to ``obj``, or None where the walk did not find it."""
-        loc = self.where.get(id(obj))
-        return loc if loc is not None and self.objects[loc] is obj else None
+        """The path to ``obj``, or None where the walk did not find it (``objects`` holds what
+        it found, so an id in ``where`` is never another object's)."""
+        return self.where.get(id(obj))
 
 
 def reach(fn: Callable[..., Any]) -> Reach:
