@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import hashlib
 import importlib
 import operator
@@ -569,7 +570,13 @@ class _Batch:
     kernels at a time, while torch.compile's one graph has all of its kernels compiling at once.
     In a block that wait is kept here (``waits``: region key, compiler, the module's globals,
     whose futures the wait replaces by kernels) and done at the block's end; so are the output
-    checks, which run the kernels (``checks``)."""
+    checks, which run the kernels (``checks``), and the writes of the regions' entries in
+    Inductor's FX graph cache (``saves``): Inductor bundles into an entry the Triton kernels that
+    resolved while the region compiled (``TritonBundler``: their binaries, and the statically
+    launchable ones ready to launch), and a kernel whose wait is put off resolves only after
+    that; an entry written at once would hold none of them, and a warm build would then load
+    each of those kernels one by one (~0.1 s each on CUDA). At the block's end each region's
+    waits run inside a bundle of their own, which joins the entry before it is written."""
 
     thread: int
     wait: Callable[[Any, dict[str, Any]], None]  # AsyncCompile.wait as it was
@@ -580,6 +587,10 @@ class _Batch:
     # (key -> the program and region compiled under it: for a second try where the end refuses
     # the kernel only on its strides; cleared there, since a program holds its state)
     sources: dict[str, tuple[Program, Region]] = field(default_factory=dict)
+    # (region key, FxGraphCache._save_graph's arguments with the graph as it was then, and the
+    # tracing context whose shape environment the write reads)
+    saves: list[tuple[str, tuple[Any, ...], Any]] = field(default_factory=list)
+    save: Callable[..., None] | None = None  # FxGraphCache._save_graph as it was
     _config_text: str | None = None
 
     def config_text(self) -> str:
@@ -596,16 +607,42 @@ class _Batch:
         else:
             self.wait(compiler, scope)
 
+    def put_off_save(self, key: str, compiled: Any, *rest: Any) -> None:
+        """``FxGraphCache._save_graph`` while the block is open: this thread's kept (with a
+        shallow copy of the graph, as the write itself takes one), another's done."""
+        assert self.save is not None  # (set with the hook that calls this)
+        if threading.get_ident() != self.thread:
+            self.save(key, compiled, *rest)
+            return
+        self.saves.append((self.key, (key, copy.copy(compiled), *rest), torch._guards.TracingContext.try_get()))
+
     def finish(self, progress: Callable[[int, int], None] | None) -> dict[str, str]:
-        """Every wait put off, then every output check: the regions refused, with why."""
+        """Every wait put off (each region's inside a Triton bundle of its own), every cache
+        entry put off (with that bundle), then every output check: the regions refused, with why."""
         refused: dict[str, str] = {}
-        for k, (key, compiler, scope) in enumerate(self.waits):
-            try:
-                self.wait(compiler, scope)
-            except Exception as e:
-                refused.setdefault(key, why_refused(e))
-            if progress is not None:
-                progress(k + 1, len(self.waits))
+        waits: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
+        for key, compiler, scope in self.waits:
+            waits.setdefault(key, []).append((compiler, scope))
+        saves: dict[str, list[tuple[tuple[Any, ...], Any]]] = {}
+        for key, args, context in self.saves:
+            saves.setdefault(key, []).append((args, context))
+        done = 0
+        for key in dict.fromkeys([*waits, *saves]):
+            bundle = None
+            with _bundling(key in saves) as bundled:
+                for compiler, scope in waits.get(key, ()):
+                    try:
+                        self.wait(compiler, scope)
+                    except Exception as e:
+                        refused.setdefault(key, why_refused(e))
+                    done += 1
+                    if progress is not None:
+                        progress(done, len(self.waits))
+                bundle = bundled()
+            if key not in refused:  # (as Inductor writes no entry for a kernel that did not build)
+                for args, context in saves.get(key, ()):
+                    _save_with(self.save, args, context, bundle)
+        self.saves.clear()
         for key, check in self.checks:
             if key not in refused:
                 try:
@@ -631,6 +668,10 @@ def _open_batch() -> _Batch | None:
         batch = _batch = _Batch(threading.get_ident(), AsyncCompile.wait)
         # (a function, which binds the compiler as a method does; a bound method would not)
         AsyncCompile.wait = lambda compiler, scope: batch.put_off(compiler, scope)  # type: ignore[method-assign]
+        cache = _fx_graph_cache()
+        if cache is not None:
+            batch.save = cache._save_graph
+            cache._save_graph = staticmethod(batch.put_off_save)
         return batch
 
 
@@ -640,7 +681,58 @@ def _close_batch(batch: _Batch) -> None:
 
     with _batch_lock:
         AsyncCompile.wait = batch.wait  # type: ignore[method-assign]
+        cache = _fx_graph_cache()
+        if cache is not None and batch.save is not None:
+            cache._save_graph = staticmethod(batch.save)
         _batch = None
+
+
+def _fx_graph_cache() -> Any:
+    """Inductor's FX graph cache class, where it writes entries as :class:`_Batch` expects
+    (``_save_graph(key, compiled_graph, example_inputs, local, remote_cache)``, torch 2.11 to
+    2.13); None elsewhere (its entries are then written at once, without the kernels put off)."""
+    import inspect
+
+    from torch._inductor.codecache import FxGraphCache
+
+    try:
+        inspect.signature(FxGraphCache._save_graph).bind("key", "graph", [], True, None)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return FxGraphCache
+
+
+@contextlib.contextmanager
+def _bundling(on: bool) -> Iterator[Callable[[], Any]]:
+    """Inside, the Triton kernels that resolve are noted by Inductor's ``TritonBundler``; the
+    function it yields collects them (a ``TritonBundle``, or None where bundling is off, not
+    ``on``, or a bundle is already open: Inductor's is one per process)."""
+    from torch._inductor.triton_bundler import TritonBundler
+
+    if not on or not TritonBundler.is_enabled() or TritonBundler._entries is not None:
+        yield lambda: None
+        return
+    TritonBundler.begin_compile()
+    try:
+        yield lambda: TritonBundler.collect()[0]
+    finally:
+        TritonBundler.end_compile()
+
+
+def _save_with(save: Callable[..., None] | None, args: tuple[Any, ...], context: Any, bundle: Any) -> None:
+    """Inductor's cache write ``save(*args)`` in the tracing ``context`` it was asked for in,
+    with the kernels of ``bundle`` joined to those the graph bundled itself."""
+    if save is None:
+        return
+    compiled = args[1]
+    if bundle is not None and (bundle.kernel_artifacts or bundle.static_autotuners):
+        own = getattr(compiled, "_triton_bundle", None)
+        if own is not None:
+            bundle = type(bundle)(own.kernel_artifacts + bundle.kernel_artifacts,
+                                  own.static_autotuners + bundle.static_autotuners)
+        compiled.set_triton_bundle(bundle)
+    with torch._guards.tracing(context) if context is not None else contextlib.nullcontext():
+        save(*args)
 
 
 def _batch_here() -> _Batch | None:

@@ -932,6 +932,45 @@ def test_regions_compiled_together_wait_for_their_kernels_at_the_end():
     torch.testing.assert_close(kernels[0](x)[0], (torch.tanh(x) * 3).relu() + 1)
 
 
+def test_a_region_s_cache_entry_is_written_at_the_block_s_end_with_the_kernels_its_wait_resolved(tmp_path, monkeypatch):
+    """Inside InductorCompiler.together a region's kernels resolve only at the block's end (the
+    waits put off), after Inductor would have bundled them into the region's FX cache entry:
+    the entry is written then, holding what resolved in its wait (on CUDA, the Triton binaries
+    and launchers a warm build loads instead of compiling; here a kernel the test notes in
+    Inductor's bundler during the wait, as a pool's kernel is noted when its future resolves)."""
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.triton_bundler import TritonBundler
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # (a cold cache: the entry is written)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    (tmp_path / "triton" / "k0").mkdir(parents=True)
+    (tmp_path / "triton" / "k0" / "fused.json").write_text("{}")
+    saved: list = []
+    real_save = FxGraphCache._save_graph
+
+    def save(key, graph, *rest):
+        saved.append(graph._triton_bundle)
+        real_save(key, graph, *rest)
+    monkeypatch.setattr(FxGraphCache, "_save_graph", staticmethod(save))
+    real_wait = AsyncCompile.wait
+
+    def wait(self, scope):
+        TritonBundler.put("k0", 0)
+        real_wait(self, scope)
+    monkeypatch.setattr(AsyncCompile, "wait", wait)
+    prog = capture(lambda x: (torch.tanh(x) * 5).relu() - 3, (torch.randn(3, 11),)).program
+    region = find_regions(prog)[0]
+    comp = inductor.InductorCompiler()
+    with comp.together():
+        kernel = comp.compile(prog, region)
+        assert saved == []  # (put off with its wait)
+    assert FxGraphCache._save_graph is save  # (Inductor's own again)
+    assert len(saved) == 1 and [a.kernel_hash for a in saved[0].kernel_artifacts] == ["k0"], saved
+    x = torch.randn(3, 11)
+    torch.testing.assert_close(kernel(x)[0], (torch.tanh(x) * 5).relu() - 3)
+
+
 def test_a_kernel_that_fails_to_build_at_the_block_s_end_leaves_its_region_as_aten_ops(monkeypatch):
     """The fusion pass fuses again where a region was refused only when its kernels were waited
     for: the program keeps that region's ATen ops, says why, and runs as eager."""
