@@ -329,12 +329,12 @@ class Executable:
             unfused = sorted(kept.show(r.where[i]) if i in r.where else "?" for i in self._unfused)
             key = kept.index_key(self.fn, kept.signature_of(args, _signature(args), tree),
                                  (first_step, first_call, unfused, fake_capture_setting()))
-            data = kept.load(key)
+            records = kept.load(key)
         except Exception as e:
             self.kept = f"not kept: {type(e).__name__}: {e}"
             return run_capture()
         why = "no program kept for this call"
-        if data is not None:
+        for data in records:  # (the newest first; the first that binds is taken)
             try:
                 fields = kept.decode(data, r, [a for a in args if isinstance(a, torch.Tensor)])
                 self.kept = f"loaded {key}"

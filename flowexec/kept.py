@@ -629,24 +629,56 @@ def files_of(codes: Iterable[types.CodeType]) -> dict[str, tuple[int, int]]:
     return out
 
 
+# Records kept under one key: a step can make more than one program for one call's key (a first
+# call that finds ``.grad`` None, later ones that find gradients: plain SGD, a run resumed from a
+# checkpoint), and one record a key would have each build write over the other's.
+RECORDS_PER_KEY = 4
+
+
 def save(key: str, data: bytes) -> str:
-    """Write a record (atomically: a reader never sees half of one); its path."""
+    """Write a record under ``key`` (atomically: a reader never sees half of one) beside the
+    others kept under it, the oldest dropped past :data:`RECORDS_PER_KEY`; its path."""
     d = directory()
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, key + ".pkl")
+    path = os.path.join(d, f"{key}.{hashlib.sha256(data).hexdigest()[:12]}.pkl")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+    for old in _records(key)[RECORDS_PER_KEY:]:
+        try:
+            os.remove(old)
+        except OSError:
+            pass  # (another process dropped it first)
     return path
 
 
-def load(key: str) -> bytes | None:
+def load(key: str) -> list[bytes]:
+    """The records kept under ``key``, the newest first (a build takes the first that binds)."""
+    out = []
+    for path in _records(key):
+        try:
+            with open(path, "rb") as f:
+                out.append(f.read())
+        except OSError:
+            pass
+    return out
+
+
+def _records(key: str) -> list[str]:
+    """The paths of the records under ``key``, the newest first."""
+    d = directory()
     try:
-        with open(os.path.join(directory(), key + ".pkl"), "rb") as f:
-            return f.read()
+        names = [os.path.join(d, n) for n in os.listdir(d) if n.startswith(key + ".") and n.endswith(".pkl")]
     except OSError:
-        return None
+        return []
+    stamped = []
+    for path in names:
+        try:
+            stamped.append((os.stat(path).st_mtime_ns, path))
+        except OSError:
+            pass
+    return [path for _, path in sorted(stamped, reverse=True)]
 
 
 def signature_of(args: Sequence[Any], sig: Any, tree: Any) -> Any:

@@ -181,6 +181,48 @@ def test_a_second_executable_loads_what_the_first_kept(tmp_path, monkeypatch):
     torch.testing.assert_close(torch.tensor(got_a + got_b), torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
+def test_two_programs_of_one_key_are_both_kept(tmp_path, monkeypatch):
+    """A step that keeps its gradients between calls (plain SGD, zero_grad after the step)
+    makes one program where ``.grad`` is None and another where it holds last step's, both for a
+    first call's key (a fresh process, a run resumed from a checkpoint): both records stay, and
+    each later build loads the one whose guards hold."""
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path))
+    monkeypatch.setenv("FLOWEXEC_KEEP", "1")
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x):
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss.detach()
+        return net, step
+
+    x = torch.randn(3, 4)
+    net, step = make()
+    got = []
+    for grads in (None, "held", None, "held"):  # (a build's first call finds .grad None, or held)
+        if grads is None:
+            for p in net.parameters():
+                p.grad = None
+        exe = flowexec.compile(step, mode="trace")
+        got.append(exe(x).item())
+        assert ("; kept " in exe.kept) if len(got) <= 2 else exe.kept.startswith("loaded "), (len(got), exe.kept)
+    assert len(os.listdir(tmp_path)) == 2
+    net2, step2 = make()
+    want = []
+    for grads in (None, "held", None, "held"):
+        if grads is None:
+            for p in net2.parameters():
+                p.grad = None
+        want.append(step2(x).item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
 def test_state_no_path_reaches_is_not_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path))
     monkeypatch.setenv("FLOWEXEC_KEEP", "1")
