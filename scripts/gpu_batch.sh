@@ -62,6 +62,8 @@ for step in "$@"; do
                  -o "$R/scale_${step#scale-}.json" ;;  # process; then scale.py --merge into scale.json
     scale-gpt2-builds) run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m --variants inductor,fx_graph_fused \
                  --timeout 200 -o "$R/scale_gpt2_124m_builds.json" ;;  # cold and warm builds against torch.compile's, steps too
+    scale-gpt2-builds-kept) FLOWEXEC_KEEP=1 run_step $step 300 python3 benchmarks/scale.py --models gpt2_124m \
+                 --variants inductor,fx_graph_fused --timeout 200 -o "$R/scale_gpt2_124m_builds_kept.json" ;;  # the warm build loading its kept program
     fuse-workers-tests) run_step $step 240 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging tests/gpu/test_fuse_gpu.py \
                  tests/gpu/test_compile_workers_gpu.py --junitxml="$R/$step.xml" ;;
     prepin-overlap) run_step $step 150 python3 benchmarks/probes/prepin_overlap.py --out "$R" ;;  # pinning on a thread beside tracing
