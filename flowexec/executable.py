@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import threading
 import time
 import warnings
@@ -403,6 +404,7 @@ class Executable:
         plan = plan_for(cap.program, mode, gc=self.gc, streams=self.streams, fuse=fuse, pad=self.pad,
                         fuse_lerp=self.fuse_lerp, copied_in=copied, recompute=self.recompute, **self.memory_options)
         t2 = time.perf_counter()
+        _warn_outer_autocast_cache(cap.program, plan.mutated)
         plan_peak = _cuda_peak()
         run_bytes = plan.planned_peak_bytes()  # (what graph mode's warm-up allocates on top)
         if mode == "graph" and self.park and cap.run in ("fake", "kept") and self._parked is None:
@@ -1119,6 +1121,31 @@ def _call_with_containers(fn: Callable[..., Any], tree: Any, paths: Sequence[str
                 "Keep such state in tensors written in place, or return the new values.")
         return out
     return flat_fn
+
+
+def _warn_outer_autocast_cache(prog: Program, mutated: Sequence[int]) -> None:
+    """A warning where fn is called inside ``torch.autocast`` (entered outside fn, its weight
+    cache on) and writes in place a parameter (a leaf that requires grad: an optimizer step).
+    Eager autocast caches its low-precision cast of such a leaf until the outermost autocast
+    block exits, so across calls inside one block eager keeps using the first call's casts of
+    weights the steps have since updated; a program casts its state afresh on every call (as
+    ``torch.autocast(cache_enabled=False)`` does), and would otherwise differ from eager
+    silently."""
+    on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if not on or not torch.is_autocast_cache_enabled():
+        return
+    written = sum(1 for v in mutated if v in prog.state and prog.state[v].is_leaf and prog.state[v].requires_grad)
+    if written:
+        level, f = 1, sys._getframe(0)  # (the warning points at the user's call, past flowexec's frames)
+        while f is not None and f.f_code.co_filename.startswith(os.path.dirname(__file__) + os.sep):
+            level, f = level + 1, f.f_back
+        warnings.warn(
+            f"flowexec: fn is called inside torch.autocast({on[0]!r}) with its weight cache on, and updates "
+            f"{written} parameter(s) in place; eager PyTorch "
+            "would reuse its first cast of those parameters until the autocast block exits (stale weights), "
+            "flowexec casts them afresh each call, as torch.autocast(cache_enabled=False) does. Put autocast "
+            "inside fn, around the forward and the loss (PyTorch's AMP recipe), to have both agree.",
+            stacklevel=level)
 
 
 def _prepin_for_warm_up(made: Sequence[Any]) -> threading.Thread | None:

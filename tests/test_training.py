@@ -625,3 +625,38 @@ def test_sparse_gradients_are_refused_saying_what_to_do() -> None:
     with pytest.raises(flowexec.CaptureError, match="strided tensors only.*sparse=False"):
         for _ in range(2):  # (a gradient exists from the second call on)
             exe(torch.randint(0, 30, (6, 4)))
+
+
+@pytest.mark.parametrize("cache_enabled", [True, False])
+def test_a_loop_inside_autocast_with_its_weight_cache_says_eager_differs(cache_enabled) -> None:
+    """A training loop run inside one ``torch.autocast`` block: eager caches its bf16 cast of
+    each weight until the block exits, so its second step computes with the first step's weights;
+    a program casts afresh each call, as autocast with its cache off does. flowexec then equals
+    eager with the cache off, and with it on says so (a warning naming the fix), not silently."""
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+
+    def make(net):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+    eager, exe = make(nets[0]), flowexec.compile(make(nets[1]), mode="trace")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as seen, torch.autocast("cpu", torch.bfloat16, cache_enabled=cache_enabled):
+        warnings.simplefilter("always")
+        got = [(exe(x, y).item(), eager(x, y).item()) for x, y in data]
+    said = [w for w in seen if "weight cache on" in str(w.message)]
+    if cache_enabled:
+        assert said and "cache_enabled=False" in str(said[0].message) and said[0].filename == __file__, said
+        assert got[1][0] != got[1][1]  # (what the warning is about: eager's stale cast)
+    else:
+        assert not said
+        assert [a for a, _ in got] == [b for _, b in got]
