@@ -870,7 +870,8 @@ def _library_compiling(everywhere: bool) -> Iterator[None]:
 
 def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
           park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
-          make_state: bool = False, first_call: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+          make_state: bool = False, first_call: bool = False,
+          untouched: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
     (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
@@ -888,12 +889,16 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     outputs include the state entries the stepped optimizers make (:attr:`Captured.made_state`);
     ``first_call``: fn has not run yet (a prefilled first step; ``make_state`` implies it), so
     lazy state it makes (a GradScaler's scale) is final where the fake run finds it, with no real
-    run to find it again, and what a failed run changed in plain objects is put back (a
-    GradScaler's record of a step taken, which the next run would refuse).
+    run to find it again. There, and where fn has not run in this process before (``untouched``:
+    no eager step and no program of it yet), what a failed run changed in plain objects is put
+    back before the next (a GradScaler's record of a step taken, which the next run would
+    refuse). (Not on later captures: the record holds the containers fn replaces, a
+    GradScaler's per-optimizer dict, and with them the tensors the run put there, which would
+    then count as state fn left behind.)
     """
     everywhere, hooks = False, True
     first_call = first_call or make_state  # (a first step's program is fn's first call too)
-    saved = object_attributes(fn) if first_call else None
+    saved = object_attributes(fn) if first_call or untouched else None
     # A fake run (_FAKE_CAPTURE: the default) computes nothing: no activations held, no undo log
     # of what the step writes. Whatever it cannot do (an op with no fake kernel, a host read of
     # a value it does not have, an argument on closure state's storage), a real run decides.
@@ -1169,13 +1174,14 @@ def _new_state(lifter: Lifter, guard: Any) -> list[tuple[torch.optim.Optimizer, 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
             park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
-            make_state: bool = False, first_call: bool = False) -> Captured:
+            make_state: bool = False, first_call: bool = False, untouched: bool = False) -> Captured:
     """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
     The program's inputs are the tensors of ``args``, then (``guarded=True``) ``p.grad`` for
     each parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards
     (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park``,
     ``unfused``, ``make_state`` and ``first_call``: see :func:`trace`)."""
-    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused, make_state, first_call)
+    gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused, make_state, first_call,
+                                                           untouched)
     _warn_fast_paths(sources)
     try:
         return _captured(gm, bindings, n_user, sources, out_tree, reads, args, guarded)

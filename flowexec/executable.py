@@ -319,7 +319,8 @@ class Executable:
         def run_capture() -> Captured:
             return capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
                            park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
-                           make_state=first_step, first_call=first_call)
+                           make_state=first_step, first_call=first_call,
+                           untouched=not self._ran_eagerly and not self._cache)
 
         if not kept.enabled():
             self.kept = "off (FLOWEXEC_KEEP=1 turns it on)"

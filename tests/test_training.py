@@ -660,3 +660,35 @@ def test_a_loop_inside_autocast_with_its_weight_cache_says_eager_differs(cache_e
     else:
         assert not said
         assert [a for a, _ in got] == [b for _, b in got]
+
+
+def test_a_grad_scaler_step_whose_first_runs_fail_trains_as_eager() -> None:
+    """A GradScaler with a fused SGD on the CPU: the first capture's fake run fails (the scaler
+    makes its scale lazily) and a real run follows; what the failed run changed in the scaler
+    (its record of a step taken) is put back first, so the real run is not refused with
+    "step() has already been called since the last update()"; the loop trains as eager."""
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+
+    def make(net):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(net(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss.detach()
+        return step, scaler
+    (eager, s1), (step, s2) = make(nets[0]), make(nets[1])
+    exe = flowexec.compile(step, mode="trace")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+        assert_close_rel(exe(x, y), eager(x, y), 1e-5, "loss")
+    assert s1.get_scale() == s2.get_scale()
+    for p, q in zip(*(n.parameters() for n in nets)):
+        assert_close_rel(q, p, 1e-5, "parameter")
