@@ -1259,6 +1259,7 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
     ``requires_grad`` and ``.grad``, the stepped optimizers' settings that are not fed, and
     the global state; refuses a run that changed what it read."""
     rec, lifter = reads.recorder, reads.lifter
+    rec.drop_gone()
     replays = rec.replays()  # (lists tensors fn assigns to globals among module_tensor_writes)
     _refuse_lost_writes(rec)
     stepped = [p for opt in lifter.optimizers for g in opt.param_groups for p in g["params"]]
@@ -1279,6 +1280,7 @@ def read_guards(reads: _Reads, prog: Program) -> GuardSet:
     caller to repeat after each call (:meth:`~flowexec.guards.GuardSet.replay`). Nothing is fed;
     refuses what :func:`guards_of` refuses."""
     rec = reads.recorder
+    rec.drop_gone()
     replays = rec.replays()
     _refuse_lost_writes(rec)
     _use_leaves(reads)

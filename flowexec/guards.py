@@ -15,8 +15,16 @@ what is reachable:
 - module attributes: ``nn.Module.__getattribute__`` is wrapped during capture, so every plain
   attribute read from a module's ``__dict__`` is seen, with the subscripts and attributes the
   reading bytecode applies to it next (``self.cfg["scale"]`` guards that entry, not ``cfg``);
+  one its class answers (``self.shift`` where ``class Block: shift = 0.5``) is guarded as
+  ``getattr(module, "shift")``, where a class of the user's holds it as plain data
+  (:func:`class_value`: not a method, property or other descriptor, nor torch's);
 - globals and closure variables: each user frame entered during capture is scanned once for
   ``LOAD_GLOBAL`` / ``LOAD_DEREF`` chains (``CFG["lr"]``, ``opts.scale``), resolved at entry;
+- the first argument of a user frame: a plain object of the user's is used whole (its
+  attributes and the plain data its classes hold), read through a weak reference where it holds
+  tensors (:class:`WeakAttrs`); for a module or a class, the attribute names the code loads
+  that its class answers (``type(self).shift``); an object the run makes (its ``__init__``
+  runs during capture: an output record) is fn's own, only its class's data is guarded;
 - module attribute writes (``model.train()`` inside ``fn``) are replayed after each call, and a
   value ``fn`` reads and then changes (a Python step counter) is refused: no capture can replay it;
 - tensors: ``requires_grad`` of the parameters, whether their ``.grad`` is the tensor the
@@ -36,6 +44,7 @@ from __future__ import annotations
 import dis
 import enum
 import functools
+import itertools
 import numbers
 import os
 import sys
@@ -247,6 +256,9 @@ class CodeReads:
     reads: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...]
     writes: tuple[tuple[str, str], ...]
     uses_arg0: bool = False  # the code reads its first argument (a method's self)
+    # The attribute names it and the code nested in it (a comprehension, a lambda) load: those
+    # a class may answer (``type(self).shift``, which no module hook sees).
+    attrs: frozenset[str] = frozenset()
 
 
 _CODE_READS: "weakref.WeakKeyDictionary[types.CodeType, CodeReads]" = weakref.WeakKeyDictionary()
@@ -263,7 +275,10 @@ def code_reads(code: types.CodeType) -> CodeReads:
     free = set(code.co_freevars)
     arg0 = code.co_varnames[0] if code.co_argcount else None
     uses_arg0 = False
+    attrs = {name for c in code.co_consts if isinstance(c, types.CodeType) for name in code_reads(c).attrs}
     for k, i in enumerate(ins):
+        if i.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"):
+            attrs.add(i.argval)
         if arg0 is not None and i.opname.startswith("LOAD_FAST") and (
                 i.argval == arg0 or (isinstance(i.argval, tuple) and arg0 in i.argval)):
             uses_arg0 = True
@@ -275,7 +290,7 @@ def code_reads(code: types.CodeType) -> CodeReads:
             writes[("global", i.argval)] = None
         elif i.opname in ("STORE_DEREF", "DELETE_DEREF") and i.argval in free:
             writes[("deref", i.argval)] = None
-    hit = _CODE_READS[code] = CodeReads(tuple(reads), tuple(writes), uses_arg0)
+    hit = _CODE_READS[code] = CodeReads(tuple(reads), tuple(writes), uses_arg0, frozenset(attrs))
     return hit
 
 
@@ -285,13 +300,90 @@ def _is_library_object(v: Any) -> bool:
                           torch.nn.Module, torch.optim.Optimizer))
 
 
+def _user_class(cls: type) -> bool:
+    """Whether ``cls`` is a class of the user's or a library's (not torch's, flowexec's, the
+    standard library's or a builtin)."""
+    return cls.__module__ != "builtins" and user_code(
+        getattr(sys.modules.get(cls.__module__), "__file__", None) or "<unknown>")
+
+
 def _is_plain(obj: Any) -> bool:
     """An instance of a class of the user's that is not a module, optimizer or function."""
     if _is_library_object(obj) or isinstance(obj, types.FunctionType) or not hasattr(obj, "__dict__"):
         return False
     if isinstance(obj, (dict, list, tuple, set)):  # a container (a model's output record is a dict)
         return False
-    return user_code(getattr(sys.modules.get(type(obj).__module__), "__file__", None) or "<unknown>")
+    return _user_class(type(obj))
+
+
+def class_value(cls: type, name: str) -> Any:
+    """What ``obj.name`` finds on ``obj``'s class ``cls`` (or the base that holds it) where that
+    is plain data of a user class (a number, a table, a library function); ``_MISSING`` where a
+    library's class answers (torch's ``nn.Module``), and for methods, properties and other
+    descriptors (anything with ``__get__``): code, bound or run at each read, so that the value
+    read would be another bound method at every check. (What a property's code reads is seen
+    in its own frame; a method replaced on the class is not seen between calls.)"""
+    if name[:2] == "__":
+        return _MISSING
+    for c in cls.__mro__:
+        v = c.__dict__.get(name, _MISSING)
+        if v is not _MISSING:
+            return v if _user_class(c) and not hasattr(type(v), "__get__") else _MISSING
+    return _MISSING
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    """An object's attributes as it is used whole: its own, then what its classes hold as plain
+    data that its own do not cover (:func:`class_value`); up to ``MAX_LEAVES``."""
+    own = vars(obj)
+    items = [(k, v) for k, v in own.items() if not k.startswith("__")]
+    cls = type(obj)
+    names = dict.fromkeys(k for c in cls.__mro__ if _user_class(c) for k in vars(c) if k not in own)
+    items += [(k, v) for k in names if (v := class_value(cls, k)) is not _MISSING]
+    return items[:MAX_LEAVES]
+
+
+def _holds_tensor(v: Any) -> bool:
+    """Whether ``v`` is a tensor, or a list, tuple or dict with one among its first items."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (list, tuple, dict)):
+        items = v.values() if isinstance(v, dict) else v
+        return any(isinstance(e, torch.Tensor) for e in itertools.islice(items, MAX_LEAVES))
+    return False
+
+
+class WeakAttrs:
+    """The attributes of an object, read without keeping it alive: ``holder[name]`` is
+    ``getattr(obj, name)``, a ``KeyError`` once the object is gone (a guard then fails: fn
+    reaches another object now). The root of the guards on a plain object that holds tensors,
+    which a guard holding it would keep alive as long as the program.
+
+        >>> class Helper: ...
+        >>> h = Helper(); h.scale = 2.0
+        >>> g = Guard("h.scale", WeakAttrs(h), (("item", "scale"),), 2.0)
+        >>> holds(g), setattr(h, "scale", 3.0), holds(g)
+        (True, None, False)
+        >>> del h; describe(g)
+        'h.scale: 2.0 -> <gone>'
+    """
+
+    __slots__ = ("ref",)
+
+    def __init__(self, obj: Any) -> None:
+        self.ref = weakref.ref(obj)
+
+    def __getitem__(self, name: str) -> Any:
+        obj = self.ref()
+        if obj is None:
+            raise KeyError(name)
+        return getattr(obj, name)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (a kept program writes the object by its path from fn)
+        obj = self.ref()
+        if obj is None:
+            raise TypeError("the object a guard reads is gone")
+        return (WeakAttrs, (obj,))
 
 
 def _is_user_function(v: Any) -> bool:
@@ -329,6 +421,11 @@ class Recorder:
     _seen_code: set = field(default_factory=set)
     _per_object: set = field(default_factory=set)  # user codes that use their first argument
     _seen_objects: set = field(default_factory=set)  # ids of the plain objects guarded whole
+    # ids of the plain objects the run made (their __init__ ran): fn's own, no guard's. (An id a
+    # later object takes once one dies is that of an object the run made too.)
+    _made: set = field(default_factory=set)
+    _class_scanned: set = field(default_factory=set)  # (code, object id or class): class reads guarded
+    _weak: list = field(default_factory=list)  # the WeakAttrs roots of guards (drop_gone)
     _active: bool = False
     _prev_trace: Any = None
     _hook: str = ""  # how frames reach the recorder: "monitoring" (frame_starts) or "trace" (sys.settrace)
@@ -480,9 +577,8 @@ class Recorder:
                 self._guard_value(f"{label}[{k!r}]", root, path + (("item", k),), e, depth + 1, budget)
         elif hasattr(v, "__dict__") and not isinstance(v, types.FunctionType):
             self.names.setdefault(id(v), label)
-            for k, e in list(vars(v).items())[:MAX_LEAVES]:
-                if not k.startswith("__"):
-                    self._guard_value(f"{label}.{k}", root, path + (("attr", k),), e, depth + 1, budget)
+            for k, e in _attributes(v):
+                self._guard_value(f"{label}.{k}", root, path + (("attr", k),), e, depth + 1, budget)
 
     def module_read(self, module: torch.nn.Module, name: str, value: Any, frame: Any) -> None:
         """``module.name`` was read from its ``__dict__`` (by the wrapped ``__getattribute__``)."""
@@ -498,6 +594,25 @@ class Recorder:
             path += _chain_at(frame, name)
             label += "".join(f"[{a!r}]" if k == "item" else f".{a}" for k, a in path[1:])
         self.add_chain(label, d, path)
+
+    def class_read(self, module: torch.nn.Module, name: str) -> None:
+        """``module.name`` was answered by the module's class, not its ``__dict__`` (by the wrapped
+        ``__getattribute__``): guarded where a class of the user's holds it as plain data."""
+        value = class_value(type(module), name)
+        if value is not _MISSING:
+            d = object.__getattribute__(module, "__dict__")
+            self._class_guard(module, name, value, on_class=id(d) in self._ignored)
+
+    def _class_guard(self, obj: Any, name: str, value: Any, on_class: bool) -> None:
+        """Guard ``obj.name``, which ``obj``'s class answers with ``value``: read from the object
+        (an instance attribute set later covers the class's), or (``on_class``: the object is
+        the run's own, or a class itself) from the class."""
+        if on_class:
+            cls = obj if isinstance(obj, type) else type(obj)
+            root, label = cls, f"{cls.__name__}.{name}"
+        else:
+            root, label = obj, f"{self.name_of(obj, type(obj).__name__)}.{name}"
+        self._guard_value(label, root, (("attr", name),), value, 1, [MAX_LEAVES])
 
     def member_read(self, module: torch.nn.Module, name: str, value: Any) -> None:
         """A parameter, buffer or submodule read (``nn.Module.__getattr__``): the program binds
@@ -573,29 +688,58 @@ class Recorder:
                     self._objects.append(cell)
 
     def object_entered(self, frame: Any) -> None:
-        """A user frame that uses its first argument started: where that argument is a plain
-        object of the user's (a helper class's ``self``, a config passed in; not a module, whose
-        reads the hooks see, nor a tensor or container), it is used whole: its scalar attributes
-        are guarded (once per object), so a change between calls re-captures and a change
-        during the run (``self.n += 1``) is refused."""
+        """A user frame that uses its first argument started. Where that argument is a plain
+        object of the user's (a helper class's ``self``, a config passed in; not a tensor or
+        container), it is used whole: its attributes, its own and the plain data its classes
+        hold, are guarded (once per object), so a change between calls re-captures and a change
+        during the run (``self.n += 1``) is refused. One that holds tensors is read through a
+        weak reference (:class:`WeakAttrs`): a guard must not keep them alive. An object the run
+        makes (its ``__init__`` runs now: an output record) is fn's own: only what its class
+        holds is guarded, as for a module (whose own reads the hooks see) and a class (a
+        classmethod's ``cls``): :meth:`_class_reads`."""
         code = frame.f_code
-        if code.co_name in ("__init__", "__new__", "__post_init__"):
-            return  # an object being made (by this call, most likely): nothing to guard yet
         obj = frame.f_locals.get(code.co_varnames[0], _MISSING)
-        if obj is _MISSING or not _is_plain(obj) or id(obj) in self._seen_objects:
+        if obj is _MISSING:
+            return
+        if code.co_name in ("__init__", "__new__", "__post_init__"):
+            if code.co_name != "__new__" and _is_plain(obj):
+                self._made.add(id(obj))  # an object being made, by this run: nothing of it to guard
+            return
+        if isinstance(obj, (torch.nn.Module, type)) or (id(obj) in self._made and _is_plain(obj)):
+            self._class_reads(code, obj)
+            return
+        if not _is_plain(obj) or id(obj) in self._seen_objects:
             return
         self._seen_objects.add(id(obj))
-        items = list(vars(obj).items())[:MAX_LEAVES]
-        if any(isinstance(e, torch.Tensor) for _, e in items):
-            # A container of tensors (an output record made by this very call, most likely):
-            # guarding it would keep the capture run's tensors alive as long as the program.
-            return
-        self._objects.append(obj)
-        label = self.names.setdefault(id(obj), type(obj).__name__)
+        if any(_holds_tensor(e) for e in vars(obj).values()):
+            try:
+                root: Any = WeakAttrs(obj)
+            except TypeError:  # (no weak reference to it: nothing is read that would hold it)
+                return
+            self._weak.append(root)
+            step, label = "item", self.names.get(id(obj)) or type(obj).__name__
+        else:
+            self._objects.append(obj)
+            root, step, label = obj, "attr", self.names.setdefault(id(obj), type(obj).__name__)
         budget = [MAX_LEAVES]
-        for k, e in items:
-            if not k.startswith("__"):
-                self._guard_value(f"{label}.{k}", obj, (("attr", k),), e, 1, budget)
+        for k, e in _attributes(obj):
+            self._guard_value(f"{label}.{k}", root, ((step, k),), e, 1, budget)
+
+    def _class_reads(self, code: types.CodeType, obj: Any) -> None:
+        """Guard the attribute names ``code`` loads that ``obj``'s class answers with plain data
+        (``type(self).shift``, ``self.shift`` where ``class Block: shift = 0.5``), once per code
+        and object: on the object where it outlives the run, else (a class, an object the run
+        made) on the class."""
+        on_class = isinstance(obj, type) or id(obj) in self._made or id(vars(obj)) in self._ignored
+        cls = obj if isinstance(obj, type) else type(obj)
+        key = (code, cls if on_class else id(obj))
+        if key in self._class_scanned:
+            return
+        self._class_scanned.add(key)
+        own = {} if isinstance(obj, type) else vars(obj)
+        for name in code_reads(code).attrs:
+            if name not in own and (value := class_value(cls, name)) is not _MISSING:
+                self._class_guard(obj, name, value, on_class)
 
     def _cells(self, code: types.CodeType) -> dict[str, list[Any]]:
         """The closure cells of the functions with this code that fn reaches (a function made
@@ -689,8 +833,13 @@ class Recorder:
         """The first frame of a code object: scanned if the code is the user's."""
         code = frame.f_code
         self._seen_code.add(code)
-        if self._active and user_code(code.co_filename) and not generated_code(code):
+        if not (self._active and user_code(code.co_filename)):
+            return
+        if not generated_code(code):
             self._scan(self.frame_entered, frame)
+        elif code.co_name == "__init__":  # a dataclass's: what it makes is the run's own (object_entered)
+            self._per_object.add(code)
+            self._scan(self.object_entered, frame)
 
     def _object_code(self, frame: Any) -> None:
         """Another frame of a user code that takes its object as first argument."""
@@ -709,6 +858,15 @@ class Recorder:
         """The code objects of the user's and libraries' (not torch's, flowexec's or the standard
         library's) whose frames the run started."""
         return [c for c in self._seen_code if user_code(c.co_filename)]
+
+    def drop_gone(self) -> None:
+        """After the run: drop the guards read through a weak reference (:class:`WeakAttrs`) to
+        an object that did not outlive it. The run made that one (an output record a dataclass
+        made, handed to a method), and each call makes another: a guard on it would fail at
+        every call."""
+        gone = {id(w) for w in self._weak if w.ref() is None}
+        if gone:
+            self.guards = {k: g for k, g in self.guards.items() if id(g.root) not in gone}
 
     def use_leaf(self, t: torch.Tensor) -> None:
         """A leaf tensor that requires grad was an argument of a traced op."""
@@ -868,15 +1026,18 @@ def _recorder() -> Recorder | None:
 def _recording_getattribute(self: Any, name: str) -> Any:
     value = _object_getattribute(self, name)
     if _ACTIVE and name[:2] != "__":
-        d = _object_getattribute(self, "__dict__")
-        if d.get(name, _MISSING) is value:
+        own = _object_getattribute(self, "__dict__").get(name, _MISSING) is value
+        if own or not isinstance(value, types.MethodType):  # (a bound method is code: no guard's)
             rec = _recorder()
             frame = sys._getframe(1)
             # reads by the recorder itself or by the tracer (make_fx's root module) are not fn's
             if rec is not None and not frame.f_code.co_filename.startswith(_FX_DIR):
                 rec._active = False
                 try:
-                    rec.module_read(self, name, value, frame)
+                    if own:
+                        rec.module_read(self, name, value, frame)
+                    else:  # answered by the class (or a property's code: class_read tells)
+                        rec.class_read(self, name)
                 finally:
                     rec._active = True
     return value

@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .guards import GuardSet, generated_code, global_names, is_scalar, user_code
+from .guards import GuardSet, WeakAttrs, generated_code, global_names, is_scalar, user_code
 from .hyperparams import Feeds, FeedSlot
 from .program import Op, Program, Ref, Role, TensorMeta, Value, map_nested
 from .storage import shared_storage
@@ -424,7 +424,9 @@ def encode(cap: Any, r: Reach, files: dict[str, tuple[int, int]]) -> bytes:
     gs: GuardSet = cap.guards
     feeds = gs.feeds
     for g in gs.guards:  # read from a copy, a guard would hold whatever the live value did
-        if g.root is not None and r.loc(g.root) is None and _module_named(g.root) is None:
+        # (a weak root is written as the object it reads: WeakAttrs.__reduce__)
+        root = g.root.ref() if isinstance(g.root, WeakAttrs) else g.root
+        if root is not None and r.loc(root) is None and _module_named(root) is None:
             raise NotKept(f"guard {g.name}: no path from fn reaches what it reads")
     for rp in gs.replays:
         if r.loc(rp.where) is None and _module_named(rp.where) is None:

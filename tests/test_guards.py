@@ -8,7 +8,9 @@ must alter eager's answer (else the case would prove nothing).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
+import weakref
 import warnings
 from typing import Any, Callable
 
@@ -184,6 +186,87 @@ def _numpy_case() -> tuple:
     return (lambda x: net(x)), (lambda: setattr(net, "temperature", np.float32(4.0))), net
 
 
+def _class_attribute_case(read: str, change: str) -> Callable[[], tuple]:
+    """A module that reads a number its class holds (``read``: ``"self"`` as ``self.shift``,
+    ``"type"`` as ``type(self).shift``), held by its base class; ``change``: ``"class"`` sets one
+    on its own class between calls, ``"base"`` sets the base's, ``"instance"`` sets one on the
+    instance, in front of the classes'."""
+    def make() -> tuple:
+        class Base(torch.nn.Module):
+            shift = 0.5
+
+        class Block(Base):
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(0)
+                self.lin = torch.nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.lin(x) * (type(self).shift if read == "type" else self.shift)
+
+        block = Block()
+        where = {"class": Block, "base": Base, "instance": block}[change]
+        return (lambda x: block(x)), (lambda: setattr(where, "shift", 2.0)), block
+    return make
+
+
+class _Gain:
+    """A plain helper whose method reads a number its class holds."""
+
+    factor = 2.0
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def _class_attribute_of_object_case() -> tuple:
+    gain = _Gain()
+
+    def fn(x):
+        return gain.apply(x).tanh()
+
+    def change() -> None:
+        _Gain.factor = 3.0
+    _Gain.factor = 2.0
+    return fn, change, gain
+
+
+class _Helper:
+    """A plain helper that holds a tensor beside its numbers (issue: its numbers went unseen)."""
+
+    def __init__(self) -> None:
+        self.w = torch.linspace(0.5, 1.5, 4)
+        self.scale = 2.0
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w * self.scale
+
+
+class _Holds(torch.nn.Module):
+    """A module that keeps a helper (a plain object) and calls it."""
+
+    def __init__(self, helper: _Helper, passed: bool) -> None:
+        super().__init__()
+        self.helper, self.passed = helper, passed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.passed:
+            return _scaled(self.helper.apply, x)
+        return self.helper.apply(x).tanh()
+
+
+def _scaled(apply: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return apply(x) - 1
+
+
+def _tensor_holder_case(passed: bool = False) -> tuple:
+    """A helper holding a tensor, kept by a module: its method reads its number, called by the
+    module or (``passed``) by a function the module hands the method to."""
+    helper = _Helper()
+    holds = _Holds(helper, passed)
+    return (lambda x: holds(x)), (lambda: setattr(helper, "scale", 3.0)), helper
+
+
 CASES: dict[str, Callable[[], tuple]] = {
     "module training flag": _forward_case(lambda n: n.drop.eval()),
     "module attribute": _forward_case(lambda n: setattr(n, "temperature", 4.0)),
@@ -214,6 +297,13 @@ CASES: dict[str, Callable[[], tuple]] = {
     "parameter replaced": _training_case(lambda m, o: (setattr(m[0], "weight", torch.nn.Parameter(torch.ones(8, 4))),
                                                        o.param_groups[0]["params"].__setitem__(0, m[0].weight))),
     "submodule replaced": _forward_case(lambda n: setattr(n, "drop", torch.nn.Identity())),
+    "class attribute read through self": _class_attribute_case("self", "class"),
+    "class attribute read through type(self)": _class_attribute_case("type", "class"),
+    "base class attribute": _class_attribute_case("self", "base"),
+    "class attribute covered by an instance attribute": _class_attribute_case("self", "instance"),
+    "plain object class attribute": _class_attribute_of_object_case,
+    "plain object holding a tensor": _tensor_holder_case,
+    "plain object holding a tensor passed to a helper": lambda: _tensor_holder_case(passed=True),
 }
 
 
@@ -462,6 +552,23 @@ def test_a_counter_on_a_plain_object_is_refused_not_frozen() -> None:
         exe(torch.ones(2))
 
 
+def test_a_counter_beside_a_tensor_is_refused_not_frozen() -> None:
+    """As above, on an object that also holds a tensor (whose numbers went unguarded before)."""
+    class Counter:
+        def __init__(self) -> None:
+            self.w = torch.ones(2)
+            self.calls = 0
+
+        def bump(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return x * self.w
+
+    c = Counter()
+    exe = flowexec.compile(lambda x: c.bump(x) * 2)
+    with pytest.raises(flowexec.CaptureError, match=r"c\.calls: 0 -> 1"):
+        exe(torch.ones(2))
+
+
 def test_a_record_the_step_makes_and_hands_to_a_helper_is_not_kept() -> None:
     """An object made by each call (an output record holding tensors) passed to a helper: not
     guarded (guarding would keep the capture run's tensors alive, and capture would refuse them
@@ -483,6 +590,156 @@ def test_a_record_the_step_makes_and_hands_to_a_helper_is_not_kept() -> None:
     x, y = torch.randn(2, 4), torch.randn(2, 4)
     for _ in range(3):
         torch.testing.assert_close(exe(x, y), fn(x, y))
+
+
+class _Shifted(torch.nn.Module):
+    """Reads a number its class holds, through ``self`` and through ``type(self)``."""
+
+    shift = 0.5  # (no instance holds one)
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x) + self.shift)) * type(self).shift
+
+
+def _sgd_step(model: torch.nn.Module, then: Callable[[torch.Tensor], torch.Tensor] = torch.tanh
+              ) -> Callable[[torch.Tensor], torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = then(model(x)).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def _train_twins(make: Callable[[], tuple], change: Callable[[Any], None] | None, match: str = "",
+                 steps: int = 4) -> tuple[Any, list[int], list[float]]:
+    """Train ``make()``'s (step, model, changed object) eagerly and compiled on the same batches;
+    ``change(obj)`` is applied to both twins' objects before the third step, whose compiled call
+    must warn ``match``; no other call may warn. Returns the executable, its number of programs
+    after each call and the eager losses."""
+    (eager, m1, o1), (step, m2, o2) = make(), make()
+    exe = flowexec.compile(step)
+    losses, programs = [], []
+    for k, x in enumerate(torch.randn(steps, 3, 4, generator=torch.Generator().manual_seed(2))):
+        if k == 2 and change is not None:
+            change(o1)
+            change(o2)
+            with pytest.warns(flowexec.RecaptureWarning, match=match):
+                got = exe(x)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", flowexec.RecaptureWarning)
+                got = exe(x)
+        programs.append(sum(map(len, exe._cache.values())))
+        losses.append(float(eager(x)))
+        torch.testing.assert_close(float(got), losses[-1], rtol=1e-5, atol=1e-6, msg=f"step {k}")
+    for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+    return exe, programs, losses
+
+
+def test_a_class_attribute_changed_between_steps_recaptures_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_Shifted.shift = 2.0`` between two training steps: the next call captures again (its
+    program had 0.5 in it) and trains as eager."""
+    def make() -> tuple:
+        model = _Shifted()
+        return _sgd_step(model), model, _Shifted
+
+    _, _, changed = _train_twins(make, lambda cls: monkeypatch.setattr(cls, "shift", 2.0), r"shift: 0\.5 -> 2\.0")
+    monkeypatch.undo()
+    _, _, unchanged = _train_twins(make, None)
+    assert abs(changed[-1] - unchanged[-1]) > 1e-3  # (the change matters)
+
+
+def test_a_helper_holding_a_tensor_changed_between_steps_recaptures_naming_it() -> None:
+    """A helper object holding a tensor beside a number (``helper.scale = 3.0`` between two
+    training steps): the next call captures again and trains as eager."""
+    def make() -> tuple:
+        torch.manual_seed(0)
+        model, helper = torch.nn.Linear(4, 4), _Helper()
+        return _sgd_step(model, helper.apply), model, helper  # (the step reaches the helper by its method alone)
+
+    _, _, changed = _train_twins(make, lambda h: setattr(h, "scale", 3.0), r"scale: 2\.0 -> 3\.0")
+    _, _, unchanged = _train_twins(make, None)
+    assert abs(changed[-1] - unchanged[-1]) > 1e-3
+
+
+@dataclasses.dataclass
+class _Record:
+    """An output record the step makes on every call (a generated ``__init__``)."""
+
+    hidden: torch.Tensor
+    scale: float = 0.5
+
+
+class _Loss:
+    weight = 2.0  # (a class attribute of a class whose objects the step makes)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self.offset = 1.0
+
+    def value(self, r: _Record) -> torch.Tensor:
+        return ((self.logits - self.offset) * r.hidden * r.scale).square().mean() * self.weight
+
+
+def test_class_attributes_and_objects_holding_tensors_capture_once_when_nothing_changes() -> None:
+    """Class attributes, a helper holding a tensor, and records the step makes on every call
+    (holding the call's tensors, handed to methods and helpers) are guarded where they must be
+    and capture one program, kept through steps where nothing changed; the guards hold no
+    helper object (nor its tensors) and none of the records."""
+    def make() -> tuple:
+        model, helper = _Shifted(), _Helper()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = _Loss(helper.apply(torch.cat([out, out], 1))).value(_Record(out.repeat(1, 2)))
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step, model, helper
+
+    exe, programs, _ = _train_twins(make, None, steps=6)
+    # (the first call finds no .grad and the second finds them: two programs, made silently)
+    assert programs[1:] == [programs[1]] * 5, programs
+    guards = exe._last.guards.guards
+    names = [g.name for g in guards]
+    for read in ("model.shift", "helper.scale", "_Loss.weight"):
+        assert any(read in n for n in names), (read, names)
+    assert not any("offset" in n or "hidden" in n or "_Record" in n for n in names), names  # (the records': fn's own)
+    assert not any(isinstance(g.root, (_Helper, _Loss, _Record)) for g in guards)
+
+
+def test_a_helper_holding_a_tensor_is_read_weakly_by_its_guards() -> None:
+    """The guards of a helper holding a tensor do not keep it alive: replaced by another, it is
+    freed, and the next call captures again with the new one's number."""
+    box = {"helper": _Helper()}
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
+
+    def fn(x):
+        return box["helper"].apply(x @ w).sum()
+
+    exe = flowexec.compile(fn)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(exe(x), fn(x))
+    old = weakref.ref(box["helper"])
+    box["helper"] = _Helper()
+    box["helper"].scale = 3.0
+    gc.collect()
+    assert old() is None
+    with pytest.warns(flowexec.RecaptureWarning, match="scale"):
+        got = exe(x)
+    torch.testing.assert_close(got, fn(x))
 
 
 class _Stack(torch.nn.Module):
@@ -534,12 +791,14 @@ def _traced_guards(monkeypatch: pytest.MonkeyPatch, hook: str) -> list[str]:
     _reset_globals()
     w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
     scalers = [_Scaler(), _Scaler()]
+    shifted, helper = _Shifted(), _Helper()
 
     def fn(x):
         y = g_helper(g_act(x @ w)) * G_SCALE + G_TABLE["bias"]
         for s in scalers:
             y = s.apply(y)
-        return y ** G_OPTS.power
+        y = helper.apply(y) + _Loss(y).value(_Record(y))  # (a record and an object made: not guarded)
+        return shifted(y) ** G_OPTS.power
 
     before = sys.gettrace()
     cap = capture(fn, (torch.randn(2, 4),), guarded=True)
@@ -563,6 +822,8 @@ def test_native_frame_tracer_records_what_the_python_one_does(monkeypatch: pytes
     python = _traced_guards(monkeypatch, "python")
     assert native == python
     assert any("G_TABLE" in n for n in native) and any("power" in n for n in native), native
+    assert {"shifted.shift", "helper.scale", "_Loss.weight"} <= set(native), native
+    assert not any("offset" in n or "hidden" in n for n in native), native
 
 
 @_NEEDS_MONITORING
@@ -574,6 +835,7 @@ def test_frame_starts_by_monitoring_record_what_a_trace_function_does(monkeypatc
     by_events = _traced_guards(monkeypatch, "monitoring")
     assert by_events == python
     assert sum("power" in n for n in by_events) >= 3, by_events  # G_OPTS and both _Scaler objects
+    assert {"shifted.shift", "helper.scale", "_Loss.weight"} <= set(by_events), by_events
 
 
 def test_native_frame_tracer_restores_an_outer_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -393,3 +393,33 @@ def test_a_source_file_of_code_that_ran_is_checked_by_its_stamp(tmp_path, monkey
     later = flowexec.compile(step, mode="trace")
     assert later(torch.ones(3)).item() == 6.0
     assert "stamped_helper.py changed since the program was kept" in later.kept, later.kept
+
+
+def test_a_loaded_program_checks_the_guards_it_was_kept_with(tmp_path, monkeypatch):
+    """A loaded program keeps checking its guards between calls: a trainer's number beside a
+    tensor (guarded through a weak reference, written as the trainer's path) and a class
+    attribute, each changed between two calls, capture again naming it; every call trains as
+    eager."""
+    import warnings
+
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path))
+    monkeypatch.setenv("FLOWEXEC_KEEP", "1")
+    x = torch.randn(3, 4)
+    flowexec.compile(_made(how="trainer"), mode="trace")(x)
+    step, eager = _made(how="trainer"), _made(how="trainer")
+    again = flowexec.compile(step, mode="trace")
+    got, want, warned = [], [], []
+    for change in (None, "clip", "shift"):
+        if change == "clip":
+            step.__self__.clip = eager.__self__.clip = 3.0
+        elif change == "shift":
+            monkeypatch.setattr(_Scaled, "shift", 0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got.append(again(x).item())
+        warned.append(" ".join(str(w.message) for w in caught if issubclass(w.category, flowexec.RecaptureWarning)))
+        want.append(eager(x).item())
+        if change is None:
+            assert again.kept.startswith("loaded "), again.kept
+    assert warned[0] == "" and "clip: 1.0 -> 3.0" in warned[1] and "shift: 0.0 -> 0.5" in warned[2], warned
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
