@@ -92,6 +92,7 @@ for step in "$@"; do
                  tests/test_kept.py --junitxml="$R/$step.xml" ;;  # kept programs: graph mode, fused, across processes
     bundle-tests) run_step $step 300 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_bundled_kernels_gpu.py --junitxml="$R/$step.xml" ;;  # a warm build's kernels from the cold one's entries
+    bundles) run_step $step 200 python3 benchmarks/probes/bundles.py --out "$R/bundles" ;;  # what a fused build's cache entries bundle
     kept-warm) run_step $step 400 python3 benchmarks/probes/kept_warm.py --device cuda --layers 12 --batch 8 --seq 1024 \
                  --rounds 2 --fuse --out "$R" ;;  # warm first calls with and without kept programs, alternating
     memtests)  run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py \
