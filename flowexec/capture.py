@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import CaptureError, InputError
-from .guards import GuardSet, Recorder, global_names, state_guard, optimizer_guards, user_code
+from .guards import GuardSet, Recorder, global_names, hook_guards, state_guard, optimizer_guards, user_code
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
 from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
@@ -1268,6 +1268,8 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
     for opt in lifter.optimizers:
         for g in optimizer_guards(opt, rec.name_of(opt, type(opt).__name__), lifter.lifted_keys(opt)):
             rec.add(g)
+    for g in hook_guards():
+        rec.add(g)
     rec.add(state_guard())
     return GuardSet(tuple(rec.guards.values()), feeds, replays, reads.cleared_grads)
 
@@ -1285,6 +1287,8 @@ def read_guards(reads: _Reads, prog: Program) -> GuardSet:
     _refuse_lost_writes(rec)
     _use_leaves(reads)
     rec.tensor_guards(prog.state.values(), (), grads=False)
+    for g in hook_guards():
+        rec.add(g)
     rec.add(state_guard())
     return GuardSet(tuple(rec.guards.values()), None, replays)
 

@@ -182,6 +182,26 @@ def global_state() -> tuple[Any, ...]:
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.get_default_dtype())
 
 
+# torch's registries of hooks every module call or optimizer step runs (``register_module_forward_hook``,
+# ``register_optimizer_step_post_hook``, ...): read by torch's code, which no frame scan sees.
+_GLOBAL_HOOKS = (("torch.nn.modules.module", ("_global_forward_pre_hooks", "_global_forward_hooks",
+                                              "_global_backward_pre_hooks", "_global_backward_hooks")),
+                 ("torch.optim.optimizer", ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")))
+
+
+def hook_guards() -> list[Guard]:
+    """Guards on the number of torch's global module and optimizer hooks (a hook registered
+    between calls, which a program would not run, captures again)."""
+    out = []
+    for modname, names in _GLOBAL_HOOKS:
+        mod = sys.modules.get(modname)
+        for name in names:
+            hooks = getattr(mod, name, None)
+            if isinstance(hooks, dict):
+                out.append(Guard(f"len({modname}.{name})", mod, (("attr", name), ("len", None)), len(hooks), "eq"))
+    return out
+
+
 def state_guard() -> Guard:
     """The guard on :func:`global_state`."""
     return Guard("torch global state (grad mode, autocast cpu/cuda and dtypes, default dtype)", None,
@@ -1084,6 +1104,9 @@ def optimizer_guards(opt: torch.optim.Optimizer, label: str, lifted: set[tuple[i
                  len(opt.param_groups), "eq"),
            Guard(f"{label}.state", opt, (("attr", "state"),), opt.state, "is"),
            Guard(f"len({label}.state)", opt, (("attr", "state"), ("len", None)), len(opt.state), "eq")]
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):  # (opt.register_step_post_hook)
+        if isinstance(getattr(opt, name, None), dict):
+            out.append(Guard(f"len({label}.{name})", opt, (("attr", name), ("len", None)), len(getattr(opt, name)), "eq"))
     for gi, group in enumerate(opt.param_groups):
         where = f"{label}.param_groups[{gi}]"
         out.append(Guard(where, opt, (("attr", "param_groups"), ("item", gi)), group, "is"))

@@ -909,3 +909,57 @@ def test_frame_starts_of_another_thread_are_not_the_recorder_s() -> None:
         assert other_helper.__code__ not in rec._seen_code
         other_helper(torch.ones(1))
         assert other_helper.__code__ in rec._seen_code
+
+
+def _clamp_after_step(opt, args, kwargs):  # (an optimizer step post hook)
+    with torch.no_grad():
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.clamp_(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("where", ["global module forward hook", "optimizer step post hook",
+                                   "global optimizer step post hook"])
+def test_a_hook_registered_between_calls_captures_again(where: str) -> None:
+    """A hook registered between two calls (on the optimizer, or in torch's global registries
+    of module and optimizer hooks, which torch's own code reads) is run as eager runs it: the
+    program made before it does not run it, so the call captures again, naming the registry."""
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [torch.optim.SGD(n.parameters(), lr=0.5) for n in nets]
+
+    def make(net, opt):
+        def step(x):
+            opt.zero_grad(set_to_none=True)
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+    eager, exe = make(nets[0], opts[0]), flowexec.compile(make(nets[1], opts[1]), mode="trace")
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(5, 4, generator=g) for _ in range(4)]
+    handles = []
+    try:
+        for i, x in enumerate(xs):
+            if i == 2:
+                if where == "global module forward hook":
+                    handles.append(torch.nn.modules.module.register_module_forward_hook(
+                        lambda m, a, out: out * 0.5 if isinstance(m, torch.nn.Linear) else out))
+                elif where == "optimizer step post hook":
+                    handles += [o.register_step_post_hook(_clamp_after_step) for o in opts]
+                else:
+                    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                    handles.append(register_optimizer_step_post_hook(_clamp_after_step))
+                with pytest.warns(flowexec.RecaptureWarning, match=r"len\(.*hooks\)"):
+                    got = exe(x)
+            else:
+                got = exe(x)
+            torch.testing.assert_close(got, eager(x), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}, call {i}: {m}")
+    finally:
+        for h in handles:
+            h.remove()
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
