@@ -198,7 +198,8 @@ def hook_guards() -> list[Guard]:
         for name in names:
             hooks = getattr(mod, name, None)
             if isinstance(hooks, dict):
-                out.append(Guard(f"len({modname}.{name})", mod, (("attr", name), ("len", None)), len(hooks), "eq"))
+                # (rooted at the module's globals, as a global's guard is: kept programs name those)
+                out.append(Guard(f"len({modname}.{name})", vars(mod), (("item", name), ("len", None)), len(hooks), "eq"))
     return out
 
 
