@@ -26,11 +26,11 @@ if sys.argv[1] == "cold":
     AsyncCompile.warm_pool(); AsyncCompile.wait_pool_ready()
 from torch._inductor.triton_bundler import TritonBundler
 seen = []
-real = TritonBundler.read_and_emit.__func__
-def read_and_emit(cls, bundle):
+real = TritonBundler.read_and_emit  # (a staticmethod: read from the class, a plain function)
+def read_and_emit(bundle):
     seen.append((len(bundle.kernel_artifacts), len(bundle.static_autotuners)))
-    return real(cls, bundle)
-TritonBundler.read_and_emit = classmethod(read_and_emit)
+    return real(bundle)
+TritonBundler.read_and_emit = staticmethod(read_and_emit)
 torch.manual_seed(0)
 model = Block().cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
