@@ -31,6 +31,15 @@ def read_and_emit(bundle):
     seen.append((len(bundle.kernel_artifacts), len(bundle.static_autotuners)))
     return real(bundle)
 TritonBundler.read_and_emit = staticmethod(read_and_emit)
+import traceback
+from torch._inductor.async_compile import AsyncCompile as _AC
+stacks = []
+_real_triton = _AC.triton
+def _triton(self, kernel_name, source_code, *a, **k):  # (where each request of a kernel comes from)
+    if len(stacks) < 6:
+        stacks.append([f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}:{f.name}" for f in traceback.extract_stack()[-16:-1]])
+    return _real_triton(self, kernel_name, source_code, *a, **k)
+_AC.triton = _triton
 torch.manual_seed(0)
 model = Block().cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -43,7 +52,7 @@ def step(x, y):
 x = torch.randint(0, 50, (4, 16), device="cuda")
 run = flowexec.compile(step, mode="graph", fuse="inductor")
 loss = run(x, x).item()
-print(json.dumps({"loss": loss, "read_and_emit": seen, "counters": {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}}))
+print(json.dumps({"loss": loss, "read_and_emit": seen, "stacks": stacks, "counters": {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}}))
 """
 
 
