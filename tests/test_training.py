@@ -597,6 +597,11 @@ def test_an_optimizer_reading_its_state_on_the_host_says_what_to_do(make, hint: 
         return loss.detach()
 
     step(torch.randn(3, 4))  # (the state exists)
+    if "outside" in hint and torch.__version__ < (2, 13):
+        # (torch 2.11's Adafactor groups its tensors with no dtype under torch.compiler.is_compiling(),
+        # which flowexec sets inside optimizer steps, and then fails to compute eps1: refused too,
+        # naming torch's assertion)
+        hint = f"{hint}|dtype is needed to compute eps1"
     with pytest.raises(flowexec.CaptureError, match=hint):
         flowexec.compile(step, torch.randn(3, 4))
 
