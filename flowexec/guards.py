@@ -508,6 +508,24 @@ def _torch_optimizer_attributes() -> frozenset[str]:
     return frozenset(vars(probe)) | {"state", "param_groups", "defaults", "_opt_called"}
 
 
+# A tensor's own hooks (``p.register_hook``, ``p.register_post_accumulate_grad_hook``): run by
+# autograd in the backward the program was captured from, which a hook added later is not in.
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def tensor_hook_guards(p: torch.Tensor, label: str) -> list[Guard]:
+    """Guards on the hooks of parameter ``p``: None where it has none (the C++ check reads the
+    tensor's field itself, a few ns: guards.cpp), else their number."""
+    out = []
+    for name in _TENSOR_HOOKS:
+        hooks = getattr(p, name, _MISSING)
+        if hooks is None:
+            out.append(Guard(f"{label}.{name}", p, (("attr", name),), None, "is"))
+        elif isinstance(hooks, dict):
+            out.append(Guard(f"len({label}.{name})", p, (("attr", name), ("len", None)), len(hooks), "eq"))
+    return out
+
+
 def _is_user_function(v: Any) -> bool:
     return isinstance(v, types.FunctionType) and user_code(v.__code__.co_filename)
 
@@ -1069,6 +1087,8 @@ class Recorder:
             label = self.names.get(pid) or f"parameter{list(p.shape)}"
             if p.requires_grad == rg0:
                 self.add(Guard(f"{label}.requires_grad", p, (("attr", "requires_grad"),), rg0, "is"))
+            for g in tensor_hook_guards(p, label):
+                self.add(g)
             if not grads:
                 continue
             if g0 is None:

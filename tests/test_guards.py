@@ -598,6 +598,32 @@ def test_native_and_python_checks_agree() -> None:
         assert native == (change in ("none", "grad_same_kind")), change
 
 
+def test_native_and_python_checks_agree_on_parameter_hooks() -> None:
+    """The C++ check reads a parameter's hook fields itself: it agrees with the Python getters
+    for a hook added, one added then removed (an empty dict), and ``_backward_hooks = None``."""
+    from flowexec.guards import tensor_hook_guards
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    for change in ("none", "hook", "hook removed", "post hook", "set None"):
+        p = torch.nn.Parameter(torch.zeros(3))
+        gs = GuardSet(tuple(tensor_hook_guards(p, "p")))
+        gs.attach(fastcall.guard_checker(gs))
+        assert len(gs) == 2 and gs.native().check() == -1
+        if change == "hook":
+            p.register_hook(_halve)
+        elif change == "hook removed":
+            p.register_hook(_halve).remove()
+        elif change == "post hook":
+            p.register_post_accumulate_grad_hook(lambda q: None)
+        elif change == "set None":
+            p._backward_hooks = None
+        native = gs.native().check() == -1
+        python = all(same_holds(g) for g in gs.guards)
+        assert native == python == (change in ("none", "set None")), change
+
+
 def same_holds(g: Guard) -> bool:
     from flowexec.guards import holds
 
@@ -832,6 +858,34 @@ def test_a_custom_optimizer_s_own_attribute_changed_between_steps_recaptures_nam
     assert abs(changed[-1] - unchanged[-1]) > 1e-3
     names = exe.guards.names
     assert "opt.clip" in names and not any(n.startswith("opt._optimizer") for n in names), names
+
+
+def _halve(g: torch.Tensor) -> torch.Tensor:
+    return g * 0.5
+
+
+def _halve_grad(p: torch.Tensor) -> None:
+    p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_parameter_hook_registered_between_steps_captures_again(kind: str) -> None:
+    """A hook registered on the parameters between two steps (``p.register_hook``, or a post
+    accumulate grad hook) is run as eager runs it: the program made before does not run it."""
+    def make() -> tuple:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        return _sgd_step(model), model, model
+
+    def hook(model: torch.nn.Module) -> None:
+        for p in model.parameters():
+            if kind == "register_hook":
+                p.register_hook(_halve)
+            else:  # (halves the accumulated gradient in place)
+                p.register_post_accumulate_grad_hook(_halve_grad)
+    _, _, changed = _train_twins(make, hook, r"_backward_hooks|_post_accumulate_grad_hooks")
+    _, _, unchanged = _train_twins(make, None)
+    assert abs(changed[-1] - unchanged[-1]) > 1e-4
 
 
 @dataclasses.dataclass
