@@ -526,6 +526,22 @@ def tensor_hook_guards(p: torch.Tensor, label: str) -> list[Guard]:
     return out
 
 
+def _defaults_guards(label: str, root: Any, path: tuple, f: types.FunctionType) -> list[Guard]:
+    """Guards on a user function's defaults (its frame reads them as locals, which no scan
+    sees): plain ones compared whole (a copy of the keyword defaults, a dict), others by identity."""
+    out = []
+    d = f.__defaults__
+    if d is not None:
+        out.append(Guard(f"{label}.__defaults__", root, path + (("attr", "__defaults__"),), d,
+                         "eq" if is_scalar(d) else "is"))
+    kw = f.__kwdefaults__
+    if kw:
+        plain = _plain_size(kw, MAX_SNAPSHOT) is not None
+        out.append(Guard(f"{label}.__kwdefaults__", root, path + (("attr", "__kwdefaults__"),),
+                         dict(kw) if plain else kw, "eq" if plain else "is"))
+    return out
+
+
 def _is_user_function(v: Any) -> bool:
     return isinstance(v, types.FunctionType) and user_code(v.__code__.co_filename)
 
@@ -693,6 +709,8 @@ class Recorder:
         if _is_user_function(v):
             budget[0] -= 1
             self.add(Guard(label, root, path, v, "is"))
+            for g in _defaults_guards(label, root, path, v):
+                self.add(g)
             self._index_function(v)
             return
         if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
@@ -765,6 +783,9 @@ class Recorder:
         path: tuple[tuple[str, Any], ...] = (("item", name),)
         if callable(value) and not isinstance(value, torch.nn.Module):  # a function kept on the module
             self.add(Guard(label, d, path, value, "is"))
+            if _is_user_function(value):
+                for g in _defaults_guards(label, d, path, value):
+                    self.add(g)
             return
         if not is_scalar(value) and frame is not None:
             path += _chain_at(frame, name)

@@ -351,6 +351,18 @@ class _Columns(torch.nn.Module):
         return torch.stack([h[:, i] * self.scales[i] for i in range(80)], 1).sum(1, keepdim=True)
 
 
+def _leaky(x: torch.Tensor, slope: float = 0.1) -> torch.Tensor:
+    return torch.nn.functional.leaky_relu(x, slope)
+
+
+def _function_default_case() -> tuple:
+    """A function kept on a module whose default changes between calls."""
+    _leaky.__defaults__ = (0.1,)
+    net = Net()
+    net.act = _leaky
+    return (lambda x: net(x)), (lambda: setattr(_leaky, "__defaults__", (0.9,))), net
+
+
 def _long_list_case() -> tuple:
     m = _Columns()
     return (lambda x: m(x)), (lambda: m.scales.__setitem__(79, 5.0)), m
@@ -400,6 +412,7 @@ CASES: dict[str, Callable[[], tuple]] = {
     "frozenset of flags tested with in": _container_case("frozenset"),
     "config dict four levels deep": _container_case("deep"),
     "module list of 80 numbers, the last changed": _long_list_case,
+    "default of a function kept on a module": _function_default_case,
 }
 
 # The cases above whose values the guards once skipped: each must capture once when nothing changes.
