@@ -1271,7 +1271,7 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
     for g in hook_guards():
         rec.add(g)
     rec.add(state_guard())
-    return GuardSet(tuple(rec.guards.values()), feeds, replays, reads.cleared_grads)
+    return GuardSet(tuple(rec.guards.values()), feeds, replays, reads.cleared_grads, tuple(rec.unguarded))
 
 
 def read_guards(reads: _Reads, prog: Program) -> GuardSet:
@@ -1290,7 +1290,7 @@ def read_guards(reads: _Reads, prog: Program) -> GuardSet:
     for g in hook_guards():
         rec.add(g)
     rec.add(state_guard())
-    return GuardSet(tuple(rec.guards.values()), None, replays)
+    return GuardSet(tuple(rec.guards.values()), None, replays, unguarded=tuple(rec.unguarded))
 
 
 def _use_leaves(reads: _Reads) -> None:

@@ -41,6 +41,7 @@ is built: :mod:`flowexec.runtime.fastcall`).
 """
 from __future__ import annotations
 
+import copy
 import dis
 import enum
 import functools
@@ -72,6 +73,13 @@ _STDLIB = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdl
 # A container used whole (passed to a function, iterated) is guarded on up to this many of its
 # scalar leaves (and its length): enough for a dict of hyperparameters, bounded for big tables.
 MAX_LEAVES = 64
+# How deep a container's leaves are guarded one by one. A container of plain values (numbers,
+# strings, ... in dicts, lists, tuples and sets) that nests deeper or holds more leaves than the
+# budget left is guarded whole instead: one guard comparing it with a copy taken at capture (a
+# change is still named to its entry: :func:`describe`). Up to MAX_SNAPSHOT values, which bounds
+# what that comparison costs each call; what no guard covers is listed (``GuardSet.unguarded``).
+MAX_DEPTH = 3
+MAX_SNAPSHOT = 1024
 _SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
                  torch.memory_format, enum.Enum)
 
@@ -171,8 +179,30 @@ def _short(v: Any) -> str:
 
 
 def describe(g: Guard) -> str:
-    """``name: expected -> current`` for a guard that failed."""
-    return f"{g.name}: {_short(g.expected)} -> {_short(read(g.root, g.path))}"
+    """``name: expected -> current`` for a guard that failed; for a container guarded whole by a
+    copy, the entry that changed (``CFG['model']['scale']: 2.0 -> 3.0``)."""
+    now = read(g.root, g.path)
+    suffix, was, now = _difference(g.expected, now) if g.match == "eq" else ("", g.expected, now)
+    return f"{g.name}{suffix}: {_short(was)} -> {_short(now)}"
+
+
+def _difference(was: Any, now: Any) -> tuple[str, Any, Any]:
+    """The first entry where ``now`` differs from ``was`` as a subscript path (``['a'][3]``),
+    with its two values: into dicts, lists and plain tuples of the same type and length."""
+    if type(was) is not type(now) or not isinstance(was, (dict, list)) and type(was) is not tuple:
+        return "", was, now
+    if isinstance(was, dict):
+        keys = list(was) + [k for k in now if k not in was]
+        pairs = [(k, was.get(k, _MISSING), now.get(k, _MISSING)) for k in keys]
+    elif len(was) != len(now):
+        return "", was, now
+    else:
+        pairs = list(zip(range(len(was)), was, now))
+    for k, a, b in pairs:
+        if a is not b and (type(a) is not type(b) or a != b):
+            suffix, a, b = _difference(a, b)
+            return f"[{k!r}]{suffix}", a, b
+    return "", was, now
 
 
 def global_state() -> tuple[Any, ...]:
@@ -210,10 +240,46 @@ def state_guard() -> Guard:
 
 
 def is_scalar(v: Any) -> bool:
-    """Whether ``v`` is a value a guard compares (numbers, strings, dtypes, enums, tuples of them)."""
+    """Whether ``v`` is a value a guard compares (numbers, strings, dtypes, enums, and tuples and
+    frozensets of them: namedtuples and ``torch.Size`` among the tuples)."""
     if isinstance(v, _SCALAR_TYPES) or (isinstance(v, numbers.Number) and not isinstance(v, torch.Tensor)):
         return True  # (numbers.Number: numpy's scalars among them)
-    return type(v) is tuple and all(is_scalar(e) for e in v)  # (compared whole: one guard)
+    # (immutable, compared whole: one guard; the type too, so a namedtuple is not a tuple)
+    return isinstance(v, (tuple, frozenset)) and all(is_scalar(e) for e in v)
+
+
+def _plain_size(v: Any, limit: int) -> tuple[int, int] | None:
+    """(values, nesting) of ``v``, a container of plain values (scalars in dicts, lists, tuples and
+    sets, nested; each container counted once, as its length guard), or None where it holds
+    anything else or more than ``limit`` values."""
+    n, deepest = 0, 0
+    todo = [(v, 0)]
+    while todo:
+        e, level = todo.pop()
+        n += 1
+        if n > limit:
+            return None
+        if is_scalar(e):
+            continue
+        deepest = max(deepest, level + 1)
+        if isinstance(e, dict):
+            if not all(is_scalar(k) for k in e):
+                return None
+            todo += [(x, level + 1) for x in e.values()]
+        elif isinstance(e, (list, tuple, set, frozenset)):
+            todo += [(x, level + 1) for x in e]
+        else:
+            return None
+    return n, deepest
+
+
+def _snapshot(v: Any) -> Any:
+    """A copy of ``v``, a container of plain values, that a guard compares with it (a copy, as
+    the container may change in place), or ``_MISSING``."""
+    try:
+        return copy.deepcopy(v)
+    except Exception:  # (a container subclass that cannot be copied: not guarded whole)
+        return _MISSING
 
 
 @functools.lru_cache(maxsize=None)  # (asked per frame: a capture's op walks ~30 of torch's)
@@ -328,13 +394,40 @@ def _user_class(cls: type) -> bool:
         getattr(sys.modules.get(cls.__module__), "__file__", None) or "<unknown>")
 
 
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The instance attributes ``cls`` and its bases declare in ``__slots__`` (mangled as
+    Python stores them), but ``__dict__`` and ``__weakref__``."""
+    out = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{c.__name__.lstrip('_')}{name}"
+            out.append(name)
+    return tuple(out)
+
+
+def _own(obj: Any) -> dict[str, Any]:
+    """An object's own attributes: its ``__dict__``, then its slots that are set (a
+    ``@dataclass(slots=True)`` has only those)."""
+    own = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    for name in _slot_names(type(obj)):
+        try:
+            own.setdefault(name, object.__getattribute__(obj, name))
+        except AttributeError:  # (a slot not set)
+            pass
+    return own
+
+
 def _is_plain(obj: Any) -> bool:
     """An instance of a class of the user's that is not a module, optimizer or function."""
-    if _is_library_object(obj) or isinstance(obj, types.FunctionType) or not hasattr(obj, "__dict__"):
+    if _is_library_object(obj) or isinstance(obj, types.FunctionType):
         return False
-    if isinstance(obj, (dict, list, tuple, set)):  # a container (a model's output record is a dict)
+    if isinstance(obj, (dict, list, tuple, set, frozenset)):  # a container (a model's output record is a dict)
         return False
-    return _user_class(type(obj))
+    return (hasattr(obj, "__dict__") or bool(_slot_names(type(obj)))) and _user_class(type(obj))
 
 
 def class_value(cls: type, name: str) -> Any:
@@ -356,7 +449,7 @@ def class_value(cls: type, name: str) -> Any:
 def _attributes(obj: Any) -> list[tuple[str, Any]]:
     """An object's attributes as it is used whole: its own, then what its classes hold as plain
     data that its own do not cover (:func:`class_value`); up to ``MAX_LEAVES``."""
-    own = vars(obj)
+    own = _own(obj)
     items = [(k, v) for k, v in own.items() if not k.startswith("__")]
     cls = type(obj)
     names = dict.fromkeys(k for c in cls.__mro__ if _user_class(c) for k in vars(c) if k not in own)
@@ -407,6 +500,48 @@ class WeakAttrs:
         return (WeakAttrs, (obj,))
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_optimizer_attributes() -> frozenset[str]:
+    """The instance attributes torch's ``Optimizer`` keeps (in this torch version), and the
+    flag an LR scheduler sets in its step wrapper."""
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return frozenset(vars(probe)) | {"state", "param_groups", "defaults", "_opt_called"}
+
+
+# A tensor's own hooks (``p.register_hook``, ``p.register_post_accumulate_grad_hook``): run by
+# autograd in the backward the program was captured from, which a hook added later is not in.
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def tensor_hook_guards(p: torch.Tensor, label: str) -> list[Guard]:
+    """Guards on the hooks of parameter ``p``: None where it has none (the C++ check reads the
+    tensor's field itself, a few ns: guards.cpp), else their number."""
+    out = []
+    for name in _TENSOR_HOOKS:
+        hooks = getattr(p, name, _MISSING)
+        if hooks is None:
+            out.append(Guard(f"{label}.{name}", p, (("attr", name),), None, "is"))
+        elif isinstance(hooks, dict):
+            out.append(Guard(f"len({label}.{name})", p, (("attr", name), ("len", None)), len(hooks), "eq"))
+    return out
+
+
+def _defaults_guards(label: str, root: Any, path: tuple, f: types.FunctionType) -> list[Guard]:
+    """Guards on a user function's defaults (its frame reads them as locals, which no scan
+    sees): plain ones compared whole (a copy of the keyword defaults, a dict), others by identity."""
+    out = []
+    d = f.__defaults__
+    if d is not None:
+        out.append(Guard(f"{label}.__defaults__", root, path + (("attr", "__defaults__"),), d,
+                         "eq" if is_scalar(d) else "is"))
+    kw = f.__kwdefaults__
+    if kw:
+        plain = _plain_size(kw, MAX_SNAPSHOT) is not None
+        out.append(Guard(f"{label}.__kwdefaults__", root, path + (("attr", "__kwdefaults__"),),
+                         dict(kw) if plain else kw, "eq" if plain else "is"))
+    return out
+
+
 def _is_user_function(v: Any) -> bool:
     return isinstance(v, types.FunctionType) and user_code(v.__code__.co_filename)
 
@@ -451,6 +586,8 @@ class Recorder:
     _prev_trace: Any = None
     _hook: str = ""  # how frames reach the recorder: "monitoring" (frame_starts) or "trace" (sys.settrace)
     _objects: list[Any] = field(default_factory=list)  # keeps ids in `guards` / `names` valid
+    # what fn used whole that no guard covers (_unguarded): GuardSet.unguarded
+    unguarded: list[str] = field(default_factory=list)
 
     # -- set-up: names for the objects fn reaches, and its parameters' grads --
     def __post_init__(self) -> None:
@@ -563,6 +700,7 @@ class Recorder:
 
     def _guard_value(self, label: str, root: Any, path: tuple, v: Any, depth: int, budget: list[int]) -> None:
         if budget[0] <= 0:
+            self._unguarded(label)
             return
         if is_scalar(v):
             budget[0] -= 1
@@ -571,6 +709,8 @@ class Recorder:
         if _is_user_function(v):
             budget[0] -= 1
             self.add(Guard(label, root, path, v, "is"))
+            for g in _defaults_guards(label, root, path, v):
+                self.add(g)
             self._index_function(v)
             return
         if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
@@ -584,22 +724,55 @@ class Recorder:
             budget[0] -= 1  # (a library function in a global or closure: F.silu for F.gelu is another program)
             self.add(Guard(label, root, path, v, "is"))
             return
-        if _is_library_object(v) or depth >= 3:
+        if _is_library_object(v):
             return
-        if type(v) in (dict, list, tuple) or isinstance(v, (dict, list)):
-            self.add(Guard(f"len({label})", root, path + (("len", None),), len(v), "eq"))
-            budget[0] -= 1
-            items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
-            for k, e in items[:MAX_LEAVES]:
-                try:
-                    hash(k)
-                except TypeError:
-                    continue
-                self._guard_value(f"{label}[{k!r}]", root, path + (("item", k),), e, depth + 1, budget)
-        elif hasattr(v, "__dict__") and not isinstance(v, types.FunctionType):
-            self.names.setdefault(id(v), label)
+        if isinstance(v, (dict, list, tuple, set, frozenset)):
+            self._guard_container(label, root, path, v, depth, budget)
+        elif depth >= MAX_DEPTH:
+            if _is_plain(v):
+                self._unguarded(label)
+        elif (hasattr(v, "__dict__") and not isinstance(v, types.FunctionType)) or _is_plain(v):
+            self.names.setdefault(id(v), label)  # (a plain object, slotted ones among them)
             for k, e in _attributes(v):
                 self._guard_value(f"{label}.{k}", root, path + (("attr", k),), e, depth + 1, budget)
+
+    def _guard_container(self, label: str, root: Any, path: tuple, v: Any, depth: int, budget: list[int]) -> None:
+        """A container used whole: its length and its leaves one by one where they fit the
+        budget and depth; else, where it holds plain values only, one guard comparing it with a
+        copy (a set always: its items have no path); else as far as the budget reaches, the rest
+        listed as unguarded."""
+        size = _plain_size(v, MAX_SNAPSHOT)
+        fits = size is not None and size[0] <= budget[0] and depth + size[1] <= MAX_DEPTH
+        if size is not None and (not fits or isinstance(v, (set, frozenset))):
+            snap = _snapshot(v)
+            if snap is not _MISSING:
+                budget[0] -= 1
+                self.add(Guard(label, root, path, snap, "eq"))
+                return
+        if depth >= MAX_DEPTH:
+            self._unguarded(label)
+            return
+        self.add(Guard(f"len({label})", root, path + (("len", None),), len(v), "eq"))
+        budget[0] -= 1
+        if isinstance(v, (set, frozenset)):  # (items of a set have no path: its length alone)
+            self._unguarded(f"{label} (items)")
+            return
+        items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+        if len(items) > MAX_LEAVES:
+            self._unguarded(f"{label}[{MAX_LEAVES}:]")
+        for k, e in items[:MAX_LEAVES]:
+            try:
+                hash(k)
+            except TypeError:
+                self._unguarded(f"{label}[{k!r}]")
+                continue
+            self._guard_value(f"{label}[{k!r}]", root, path + (("item", k),), e, depth + 1, budget)
+
+    def _unguarded(self, label: str) -> None:
+        """A value of something used whole that no guard covers (past the depth or the leaf
+        budget, and not all plain values): listed, so that it is not left out unseen."""
+        if len(self.unguarded) < MAX_LEAVES and label not in self.unguarded:
+            self.unguarded.append(label)
 
     def module_read(self, module: torch.nn.Module, name: str, value: Any, frame: Any) -> None:
         """``module.name`` was read from its ``__dict__`` (by the wrapped ``__getattribute__``)."""
@@ -610,6 +783,9 @@ class Recorder:
         path: tuple[tuple[str, Any], ...] = (("item", name),)
         if callable(value) and not isinstance(value, torch.nn.Module):  # a function kept on the module
             self.add(Guard(label, d, path, value, "is"))
+            if _is_user_function(value):
+                for g in _defaults_guards(label, d, path, value):
+                    self.add(g)
             return
         if not is_scalar(value) and frame is not None:
             path += _chain_at(frame, name)
@@ -729,10 +905,14 @@ class Recorder:
         if isinstance(obj, (torch.nn.Module, type)) or (id(obj) in self._made and _is_plain(obj)):
             self._class_reads(code, obj)
             return
+        if isinstance(obj, torch.optim.Optimizer):
+            if _user_class(type(obj)):
+                self._optimizer_entered(obj)
+            return
         if not _is_plain(obj) or id(obj) in self._seen_objects:
             return
         self._seen_objects.add(id(obj))
-        if any(_holds_tensor(e) for e in vars(obj).values()):
+        if any(_holds_tensor(e) for e in _own(obj).values()):
             try:
                 root: Any = WeakAttrs(obj)
             except TypeError:  # (no weak reference to it: nothing is read that would hold it)
@@ -746,6 +926,23 @@ class Recorder:
         for k, e in _attributes(obj):
             self._guard_value(f"{label}.{k}", root, ((step, k),), e, 1, budget)
 
+    def _optimizer_entered(self, opt: torch.optim.Optimizer) -> None:
+        """A method of the user's optimizer class (its ``step``): the plain data it holds of its
+        own (``self.clip``, and its class's) is guarded as a plain object's; what torch's
+        ``Optimizer`` keeps (``state``, ``param_groups``, ``defaults``, hooks) has guards of its
+        own (:func:`optimizer_guards`), and functions on it (an LR scheduler's ``step`` wrapper)
+        are code. The optimizer is held: its program binds its state anyway."""
+        if id(opt) in self._seen_objects:
+            return
+        self._seen_objects.add(id(opt))
+        self._objects.append(opt)
+        label = self.names.setdefault(id(opt), type(opt).__name__)
+        torch_own = _torch_optimizer_attributes()
+        budget = [MAX_LEAVES]
+        for k, e in _attributes(opt):
+            if k not in torch_own and not k.startswith("_warned") and not callable(e):
+                self._guard_value(f"{label}.{k}", opt, (("attr", k),), e, 1, budget)
+
     def _class_reads(self, code: types.CodeType, obj: Any) -> None:
         """Guard the attribute names ``code`` loads that ``obj``'s class answers with plain data
         (``type(self).shift``, ``self.shift`` where ``class Block: shift = 0.5``), once per code
@@ -757,7 +954,7 @@ class Recorder:
         if key in self._class_scanned:
             return
         self._class_scanned.add(key)
-        own = {} if isinstance(obj, type) else vars(obj)
+        own = {} if isinstance(obj, type) else _own(obj)
         for name in code_reads(code).attrs:
             if name not in own and (value := class_value(cls, name)) is not _MISSING:
                 self._class_guard(obj, name, value, on_class)
@@ -911,6 +1108,8 @@ class Recorder:
             label = self.names.get(pid) or f"parameter{list(p.shape)}"
             if p.requires_grad == rg0:
                 self.add(Guard(f"{label}.requires_grad", p, (("attr", "requires_grad"),), rg0, "is"))
+            for g in tensor_hook_guards(p, label):
+                self.add(g)
             if not grads:
                 continue
             if g0 is None:
@@ -1145,6 +1344,9 @@ class GuardSet:
     feeds: Any = None  # flowexec.hyperparams.Feeds
     replays: tuple[Replay, ...] = ()
     cleared_grads: tuple[torch.Tensor, ...] = ()  # parameters fn leaves with .grad None (zero_grad)
+    # what fn used whole that no guard covers (past the leaf budget or depth, and not all plain
+    # values: Recorder.unguarded): a change there is not seen
+    unguarded: tuple[str, ...] = ()
     _native: Any = field(default=None, repr=False)
 
     def native(self) -> Any:

@@ -7,6 +7,7 @@ must alter eager's answer (else the case would prove nothing).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import sys
@@ -267,6 +268,106 @@ def _tensor_holder_case(passed: bool = False) -> tuple:
     return (lambda x: holds(x)), (lambda: setattr(helper, "scale", 3.0)), helper
 
 
+# --- configs in containers the guards once skipped (the second keep review: c05, c06, c08, c09,
+# c15, c40) ---
+
+_NT = collections.namedtuple("_NT", "scale")
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotCfg:
+    scale: float
+
+
+G_NT = _NT(2.0)
+G_SHAPE = torch.Size([3, 2, 2])
+G_SLOT = _SlotCfg(2.0)
+G_FLAGS: set[str] = set()
+G_FROZEN: frozenset[str] = frozenset()
+G_DEEP: dict[str, Any] = {}
+
+
+def _cfg_scaled(c: Any, t: torch.Tensor) -> torch.Tensor:
+    return t * c.scale  # (a config handed to a helper: used whole)
+
+
+def _container_case(kind: str) -> Callable[[], tuple]:
+    """A config of ``kind`` in a global, read by fn or handed to a helper, changed between calls
+    (rebound or changed in place)."""
+    def make() -> tuple:
+        global G_NT, G_SHAPE, G_FROZEN
+        G_NT, G_SHAPE, G_FROZEN = _NT(2.0), torch.Size([3, 2, 2]), frozenset()
+        G_SLOT.scale = 2.0
+        G_FLAGS.clear()
+        G_DEEP.clear()
+        G_DEEP.update(model={"head": {"out": {"scale": 2.0}}})
+        w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+
+        def fn(x):
+            h = x @ w
+            if kind == "namedtuple":
+                return _cfg_scaled(G_NT, h)
+            if kind == "slots":
+                return _cfg_scaled(G_SLOT, h)
+            if kind == "size":
+                return h.reshape(G_SHAPE).softmax(-1).reshape(3, 4)
+            if kind == "set":
+                return h * 2 if "double" in G_FLAGS else h
+            if kind == "frozenset":
+                return h * 2 if "double" in G_FROZEN else h
+            c = G_DEEP  # (used whole: the read below is four levels into it)
+            return h * c["model"]["head"]["out"]["scale"]
+
+        def change() -> None:
+            global G_NT, G_SHAPE, G_FROZEN
+            if kind == "namedtuple":
+                G_NT = _NT(3.0)
+            elif kind == "slots":
+                G_SLOT.scale = 3.0
+            elif kind == "size":
+                G_SHAPE = torch.Size([3, 1, 4])
+            elif kind == "set":
+                G_FLAGS.add("double")
+            elif kind == "frozenset":
+                G_FROZEN = frozenset({"double"})
+            else:
+                G_DEEP["model"]["head"]["out"]["scale"] = 3.0
+        return fn, change, None
+    return make
+
+
+class _Columns(torch.nn.Module):
+    """Scales each of 80 columns by a number of a list it keeps (more numbers than a container's
+    leaf guards once covered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 80)
+        self.scales = [1.0] * 80
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.stack([h[:, i] * self.scales[i] for i in range(80)], 1).sum(1, keepdim=True)
+
+
+def _leaky(x: torch.Tensor, slope: float = 0.1) -> torch.Tensor:
+    return torch.nn.functional.leaky_relu(x, slope)
+
+
+def _function_default_case() -> tuple:
+    """A function kept on a module whose default changes between calls."""
+    _leaky.__defaults__ = (0.1,)
+    net = Net()
+    net.act = _leaky
+    return (lambda x: net(x)), (lambda: setattr(_leaky, "__defaults__", (0.9,))), net
+
+
+def _long_list_case() -> tuple:
+    m = _Columns()
+    return (lambda x: m(x)), (lambda: m.scales.__setitem__(79, 5.0)), m
+
+
 CASES: dict[str, Callable[[], tuple]] = {
     "module training flag": _forward_case(lambda n: n.drop.eval()),
     "module attribute": _forward_case(lambda n: setattr(n, "temperature", 4.0)),
@@ -304,7 +405,24 @@ CASES: dict[str, Callable[[], tuple]] = {
     "plain object class attribute": _class_attribute_of_object_case,
     "plain object holding a tensor": _tensor_holder_case,
     "plain object holding a tensor passed to a helper": lambda: _tensor_holder_case(passed=True),
+    "namedtuple config passed to a helper": _container_case("namedtuple"),
+    "slotted dataclass config passed to a helper": _container_case("slots"),
+    "torch.Size global in a reshape": _container_case("size"),
+    "set of flags tested with in": _container_case("set"),
+    "frozenset of flags tested with in": _container_case("frozenset"),
+    "config dict four levels deep": _container_case("deep"),
+    "module list of 80 numbers, the last changed": _long_list_case,
+    "default of a function kept on a module": _function_default_case,
 }
+
+# The cases above whose values the guards once skipped: each must capture once when nothing changes.
+CONTAINER_CASES = {"namedtuple config passed to a helper": r"G_NT: _NT\(scale=2\.0\) -> _NT\(scale=3\.0\)",
+                   "slotted dataclass config passed to a helper": r"G_SLOT\.scale: 2\.0 -> 3\.0",
+                   "torch.Size global in a reshape": r"G_SHAPE: torch\.Size\(\[3, 2, 2\]\) -> ",
+                   "set of flags tested with in": r"G_FLAGS: set\(\) -> \{'double'\}",
+                   "frozenset of flags tested with in": r"G_FROZEN: frozenset\(\) -> frozenset\(\{'double'\}\)",
+                   "config dict four levels deep": r"G_DEEP\['model'\]\['head'\]\['out'\]\['scale'\]: 2\.0 -> 3\.0",
+                   "module list of 80 numbers, the last changed": r"m\.scales\[79\]: 1\.0 -> 5\.0"}
 
 
 def _calls(make: Callable[[], tuple], wrap: Callable) -> list[torch.Tensor]:
@@ -332,6 +450,24 @@ def test_changed_value_gives_eager_answer(name: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}, call {k}: {m}")
     unchanged = _calls(lambda: (make()[0], lambda: None, None), lambda f: f)
     assert not torch.allclose(unchanged[-1], eager[-1]), f"{name}: the change does not alter eager's answer"
+
+
+@pytest.mark.parametrize("name", list(CONTAINER_CASES))
+def test_a_config_in_a_container_captures_once_and_names_the_change(name: str) -> None:
+    """Namedtuples, torch.Size, sets, slotted objects, containers deeper or longer than the
+    leaf guards reach: no capture while nothing changes, and the change is named to its entry."""
+    fn, change, _ = CASES[name]()
+    exe = flowexec.compile(fn)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flowexec.RecaptureWarning)
+        for _ in range(3):
+            exe(x)
+    change()
+    with pytest.warns(flowexec.RecaptureWarning, match=CONTAINER_CASES[name]):
+        got = exe(x)
+    torch.testing.assert_close(got, fn(x), rtol=1e-5, atol=1e-6)
+    assert sum(map(len, exe._cache.values())) == 2
 
 
 def test_recapture_warning_names_the_value() -> None:
@@ -473,6 +609,32 @@ def test_native_and_python_checks_agree() -> None:
         python = all(same_holds(g) for g in guards)
         assert native == python, f"{change}: native {native}, python {python} ({[describe(g) for g in guards]})"
         assert native == (change in ("none", "grad_same_kind")), change
+
+
+def test_native_and_python_checks_agree_on_parameter_hooks() -> None:
+    """The C++ check reads a parameter's hook fields itself: it agrees with the Python getters
+    for a hook added, one added then removed (an empty dict), and ``_backward_hooks = None``."""
+    from flowexec.guards import tensor_hook_guards
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    for change in ("none", "hook", "hook removed", "post hook", "set None"):
+        p = torch.nn.Parameter(torch.zeros(3))
+        gs = GuardSet(tuple(tensor_hook_guards(p, "p")))
+        gs.attach(fastcall.guard_checker(gs))
+        assert len(gs) == 2 and gs.native().check() == -1
+        if change == "hook":
+            p.register_hook(_halve)
+        elif change == "hook removed":
+            p.register_hook(_halve).remove()
+        elif change == "post hook":
+            p.register_post_accumulate_grad_hook(lambda q: None)
+        elif change == "set None":
+            p._backward_hooks = None
+        native = gs.native().check() == -1
+        python = all(same_holds(g) for g in gs.guards)
+        assert native == python == (change in ("none", "set None")), change
 
 
 def same_holds(g: Guard) -> bool:
@@ -670,6 +832,73 @@ def test_a_helper_holding_a_tensor_changed_between_steps_recaptures_naming_it() 
     _, _, changed = _train_twins(make, lambda h: setattr(h, "scale", 3.0), r"scale: 2\.0 -> 3\.0")
     _, _, unchanged = _train_twins(make, None)
     assert abs(changed[-1] - unchanged[-1]) > 1e-3
+
+
+class _ClipSGD(torch.optim.Optimizer):
+    """A user's optimizer whose step reads a number it keeps itself, not in a param group."""
+
+    def __init__(self, params: Any, clip: float) -> None:
+        super().__init__(params, dict(lr=0.5))
+        self.clip = clip
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.clamp(-self.clip, self.clip), alpha=-group["lr"])
+
+
+def _clip_sgd_twin() -> tuple:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = _ClipSGD(model.parameters(), clip=0.01)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = (model(x) - 1).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step, model, opt
+
+
+def test_a_custom_optimizer_s_own_attribute_changed_between_steps_recaptures_naming_it() -> None:
+    """``opt.clip = 0.5`` between two steps of a user's Optimizer subclass whose ``step`` reads
+    ``self.clip``: the next call captures again and trains as eager; nothing else captures."""
+    _, _, changed = _train_twins(_clip_sgd_twin, lambda o: setattr(o, "clip", 0.5), r"opt\.clip: 0\.01 -> 0\.5")
+    exe, _, unchanged = _train_twins(_clip_sgd_twin, None, steps=5)
+    assert abs(changed[-1] - unchanged[-1]) > 1e-3
+    names = exe.guards.names
+    assert "opt.clip" in names and not any(n.startswith("opt._optimizer") for n in names), names
+
+
+def _halve(g: torch.Tensor) -> torch.Tensor:
+    return g * 0.5
+
+
+def _halve_grad(p: torch.Tensor) -> None:
+    p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_parameter_hook_registered_between_steps_captures_again(kind: str) -> None:
+    """A hook registered on the parameters between two steps (``p.register_hook``, or a post
+    accumulate grad hook) is run as eager runs it: the program made before does not run it."""
+    def make() -> tuple:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        return _sgd_step(model), model, model
+
+    def hook(model: torch.nn.Module) -> None:
+        for p in model.parameters():
+            if kind == "register_hook":
+                p.register_hook(_halve)
+            else:  # (halves the accumulated gradient in place)
+                p.register_post_accumulate_grad_hook(_halve_grad)
+    _, _, changed = _train_twins(make, hook, r"_backward_hooks|_post_accumulate_grad_hooks")
+    _, _, unchanged = _train_twins(make, None)
+    assert abs(changed[-1] - unchanged[-1]) > 1e-4
 
 
 @dataclasses.dataclass

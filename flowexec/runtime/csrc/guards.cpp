@@ -15,7 +15,8 @@ namespace flowexec {
 namespace {
 
 constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4;
-constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5, kGradKind = 6;
+constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5, kGradKind = 6,
+              kNoHooks = 7;
 
 int64_t dtype_code(PyObject* o) {
   if (!THPDtype_Check(o)) return -1;
@@ -99,6 +100,10 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
         g.device = reinterpret_cast<THPDevice*>(e[1].ptr())->device;
         g.sizes = e[2].cast<std::vector<int64_t>>();
         g.strides = e[3].cast<std::vector<int64_t>>();
+      } else if ((name == "_backward_hooks" || name == "_post_accumulate_grad_hooks") && g.match == kIs &&
+                 g.expected.is_none()) {  // (no hooks: the tensor's own field, not its Python getter)
+        g.match = kNoHooks;
+        g.flag = name == "_post_accumulate_grad_hooks";
       } else if (name == "grad" && g.match == kIs) {
         g.match = kGrad;
         if (!g.expected.is_none()) {
@@ -125,6 +130,11 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
 bool GuardChecker::holds(const Guard& g) const {
   if (g.match == kGlobal) return global_state() == g.state;
   if (g.match == kRequiresGrad) return THPVariable_Unpack(g.root.ptr()).requires_grad() == g.flag;
+  if (g.match == kNoHooks) {  // (the getters answer None for a null field: python_variable.cpp)
+    const auto* var = reinterpret_cast<const THPVariable*>(g.root.ptr());
+    const PyObject* hooks = g.flag ? var->post_accumulate_grad_hooks : var->backward_hooks;
+    return hooks == nullptr || hooks == Py_None;
+  }
   if (g.match == kGradKind) {
     const at::Tensor& grad = THPVariable_Unpack(g.root.ptr()).grad();
     return grad.defined() && static_cast<int64_t>(grad.scalar_type()) == g.state[0] && grad.device() == g.device &&
