@@ -112,6 +112,11 @@ def test_seeding_inside_fn_seeds_every_call_as_eager_does() -> None:
     assert torch.manual_seed(3) is torch.default_generator  # (outside a capture: torch's own)
 
 
+# torch 2.11's make_fx takes no torch.Generator argument (``torch.rand(3, generator=g)``): such a
+# step is refused there, naming the line.
+_NO_GENERATOR_ARGUMENTS = torch.__version__ < (2, 13)
+
+
 def test_a_generator_of_fn_s_own_is_not_moved_by_the_capture() -> None:
     """The capture's run drew from it and left it moved: every compiled call drew one call ahead of
     eager (the default generators were put back, this one was not)."""
@@ -122,6 +127,10 @@ def test_a_generator_of_fn_s_own_is_not_moved_by_the_capture() -> None:
 
     want = [fn(torch.zeros(3)) for _ in range(3)]
     g.manual_seed(5)
+    if _NO_GENERATOR_ARGUMENTS:
+        with pytest.raises(flowexec.CaptureError, match="argument of type.*Generator.*test_rng.py"):
+            flowexec.compile(fn, torch.zeros(3))
+        return
     exe = flowexec.compile(fn, torch.zeros(3))
     torch.testing.assert_close(torch.stack([exe(torch.zeros(3)) for _ in range(3)]), torch.stack(want))
 
@@ -134,7 +143,8 @@ def test_seeding_a_generator_of_fn_s_own_between_its_draws_is_refused() -> None:
         g.manual_seed(1)  # a method of a C type: no compiled call would repeat it
         return x + a + torch.rand(3, generator=g)
 
-    with pytest.raises(flowexec.CaptureError, match="seeds or sets the state of a torch.Generator"):
+    refused = "argument of type.*Generator" if _NO_GENERATOR_ARGUMENTS else "seeds or sets the state of a torch.Generator"
+    with pytest.raises(flowexec.CaptureError, match=refused):
         flowexec.compile(fn, torch.zeros(3))
 
 

@@ -149,6 +149,11 @@ def registrations() -> dict[str, str]:
     return found
 
 
+# Registered functions that are not a user's: torch's, and the operator module's (torch 2.11's
+# Inductor registers ``operator.add`` and its kind as lowerings themselves).
+_NOT_THE_USERS = ("torch.", "_operator.", "operator.")
+
+
 def registrations_differ(theirs: dict[str, str], mine: dict[str, str]) -> str | None:
     """Where another process's :func:`registrations` would make it build another kernel than
     this process: an op registered on both sides with different functions, or on one side only
@@ -158,7 +163,7 @@ def registrations_differ(theirs: dict[str, str], mine: dict[str, str]) -> str | 
     for key in {*theirs, *mine}:
         fn, here = theirs.get(key), mine.get(key)
         only = here if fn is None else fn if here is None else None  # (registered on one side only)
-        if fn == here or (only is not None and only.startswith("torch.")):
+        if fn == here or (only is not None and only.startswith(_NOT_THE_USERS)):
             continue
         if here is None:
             return f"{key}: {fn} (none here)"
