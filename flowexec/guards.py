@@ -212,6 +212,12 @@ def global_state() -> tuple[Any, ...]:
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.get_default_dtype())
 
 
+def len_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
+    """The guard on the length of ``container``, read at ``path`` from ``root`` (a hook dict, a
+    container used whole): ``len(label)`` must stay ``len(container)``."""
+    return Guard(f"len({label})", root, path + (("len", None),), len(container), "eq")
+
+
 # torch's registries of hooks every module call or optimizer step runs (``register_module_forward_hook``,
 # ``register_optimizer_step_post_hook``, ...): read by torch's code, which no frame scan sees.
 _GLOBAL_HOOKS = (("torch.nn.modules.module", ("_global_forward_pre_hooks", "_global_forward_hooks",
@@ -229,7 +235,7 @@ def hook_guards() -> list[Guard]:
             hooks = getattr(mod, name, None)
             if isinstance(hooks, dict):
                 # (rooted at the module's globals, as a global's guard is: kept programs name those)
-                out.append(Guard(f"len({modname}.{name})", vars(mod), (("item", name), ("len", None)), len(hooks), "eq"))
+                out.append(len_guard(f"{modname}.{name}", vars(mod), (("item", name),), hooks))
     return out
 
 
@@ -522,7 +528,7 @@ def tensor_hook_guards(p: torch.Tensor, label: str) -> list[Guard]:
         if hooks is None:
             out.append(Guard(f"{label}.{name}", p, (("attr", name),), None, "is"))
         elif isinstance(hooks, dict):
-            out.append(Guard(f"len({label}.{name})", p, (("attr", name), ("len", None)), len(hooks), "eq"))
+            out.append(len_guard(f"{label}.{name}", p, (("attr", name),), hooks))
     return out
 
 
@@ -752,7 +758,7 @@ class Recorder:
         if depth >= MAX_DEPTH:
             self._unguarded(label)
             return
-        self.add(Guard(f"len({label})", root, path + (("len", None),), len(v), "eq"))
+        self.add(len_guard(label, root, path, v))
         budget[0] -= 1
         if isinstance(v, (set, frozenset)):  # (items of a set have no path: its length alone)
             self._unguarded(f"{label} (items)")
@@ -1300,19 +1306,17 @@ def optimizer_guards(opt: torch.optim.Optimizer, label: str, lifted: set[tuple[i
     state dict) and on every setting its step reads that is not fed (``lifted``: the
     ``(group, key)`` pairs fed as tensors): flags such as ``nesterov`` or ``amsgrad``, and
     values that are not numbers."""
-    out = [Guard(f"len({label}.param_groups)", opt, (("attr", "param_groups"), ("len", None)),
-                 len(opt.param_groups), "eq"),
+    out = [len_guard(f"{label}.param_groups", opt, (("attr", "param_groups"),), opt.param_groups),
            Guard(f"{label}.state", opt, (("attr", "state"),), opt.state, "is"),
-           Guard(f"len({label}.state)", opt, (("attr", "state"), ("len", None)), len(opt.state), "eq")]
+           len_guard(f"{label}.state", opt, (("attr", "state"),), opt.state)]
     for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):  # (opt.register_step_post_hook)
         if isinstance(getattr(opt, name, None), dict):
-            out.append(Guard(f"len({label}.{name})", opt, (("attr", name), ("len", None)), len(getattr(opt, name)), "eq"))
+            out.append(len_guard(f"{label}.{name}", opt, (("attr", name),), getattr(opt, name)))
     for gi, group in enumerate(opt.param_groups):
         where = f"{label}.param_groups[{gi}]"
         out.append(Guard(where, opt, (("attr", "param_groups"), ("item", gi)), group, "is"))
         out.append(Guard(f"{where}['params']", group, (("item", "params"),), group["params"], "is"))
-        out.append(Guard(f"len({where}['params'])", group, (("item", "params"), ("len", None)),
-                         len(group["params"]), "eq"))
+        out.append(len_guard(f"{where}['params']", group, (("item", "params"),), group["params"]))
         for key in opt.defaults:
             if (gi, key) in lifted or key not in group:
                 continue

@@ -21,6 +21,8 @@ import torch
 import flowexec
 from flowexec.errors import CaptureError, GuardError
 from flowexec.guards import Guard, GuardSet, describe
+from flowexec.models import make_step
+from helpers import twin
 
 G_SCALE = 1.0
 G_TABLE = {"bias": 0.0, "inner": {"gain": 1.0}}
@@ -1154,19 +1156,12 @@ def test_a_hook_registered_between_calls_captures_again(where: str) -> None:
     of module and optimizer hooks, which torch's own code reads) is run as eager runs it: the
     program made before it does not run it, so the call captures again, naming the registry."""
     torch.manual_seed(0)
-    nets = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)) for _ in range(2)]
-    nets[1].load_state_dict(nets[0].state_dict())
-    opts = [torch.optim.SGD(n.parameters(), lr=0.5) for n in nets]
-
-    def make(net, opt):
-        def step(x):
-            opt.zero_grad(set_to_none=True)
-            loss = net(x).square().mean()
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
-    eager, exe = make(nets[0], opts[0]), flowexec.compile(make(nets[1], opts[1]), mode="trace")
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    (m1, o1), (m2, o2) = twin(net, lambda p: torch.optim.SGD(p, lr=0.5))
+    nets, opts = (m1, m2), (o1, o2)
+    loss = lambda out, _: out.square().mean()  # noqa: E731
+    eager, exe = make_step(m1, o1, loss, set_to_none=True), flowexec.compile(make_step(m2, o2, loss, set_to_none=True),
+                                                                             mode="trace")
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(5, 4, generator=g) for _ in range(4)]
     handles = []
@@ -1183,10 +1178,10 @@ def test_a_hook_registered_between_calls_captures_again(where: str) -> None:
 
                     handles.append(register_optimizer_step_post_hook(_clamp_after_step))
                 with pytest.warns(flowexec.RecaptureWarning, match=r"len\(.*hooks\)"):
-                    got = exe(x)
+                    got = exe(x, x)
             else:
-                got = exe(x)
-            torch.testing.assert_close(got, eager(x), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}, call {i}: {m}")
+                got = exe(x, x)
+            torch.testing.assert_close(got, eager(x, x), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}, call {i}: {m}")
     finally:
         for h in handles:
             h.remove()

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 import flowexec
-from helpers import assert_close_rel
+from flowexec.models import make_step
+from helpers import assert_close_rel, twin
 
 STEPS = 8
 
@@ -639,20 +640,10 @@ def test_a_loop_inside_autocast_with_its_weight_cache_says_eager_differs(cache_e
     a program casts afresh each call, as autocast with its cache off does. flowexec then equals
     eager with the cache off, and with it on says so (a warning naming the fix), not silently."""
     torch.manual_seed(0)
-    nets = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)) for _ in range(2)]
-    nets[1].load_state_dict(nets[0].state_dict())
-
-    def make(net):
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(net(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
-    eager, exe = make(nets[0]), flowexec.compile(make(nets[1]), mode="trace")
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    (m1, o1), (m2, o2) = twin(net, lambda p: torch.optim.SGD(p, lr=0.1))
+    eager = make_step(m1, o1, F.mse_loss, set_to_none=True)
+    exe = flowexec.compile(make_step(m2, o2, F.mse_loss, set_to_none=True), mode="trace")
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(3)]
     with warnings.catch_warnings(record=True) as seen, torch.autocast("cpu", torch.bfloat16, cache_enabled=cache_enabled):

@@ -31,15 +31,6 @@ def read_and_emit(bundle):
     seen.append((len(bundle.kernel_artifacts), len(bundle.static_autotuners)))
     return real(bundle)
 TritonBundler.read_and_emit = staticmethod(read_and_emit)
-import traceback
-from torch._inductor.async_compile import AsyncCompile as _AC
-stacks = []
-_real_triton = _AC.triton
-def _triton(self, kernel_name, source_code, *a, **k):  # (where each request of a kernel comes from)
-    if len(stacks) < 6:
-        stacks.append([f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}:{f.name}" for f in traceback.extract_stack()[-16:-1]])
-    return _real_triton(self, kernel_name, source_code, *a, **k)
-_AC.triton = _triton
 torch.manual_seed(0)
 model = Block().cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -52,15 +43,16 @@ def step(x, y):
 x = torch.randint(0, 50, (4, 16), device="cuda")
 run = flowexec.compile(step, mode="graph", fuse="inductor")
 loss = run(x, x).item()
-print(json.dumps({"loss": loss, "read_and_emit": seen, "stacks": stacks, "counters": {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}}))
+print(json.dumps({"loss": loss, "fused": run.plan.stats()["fused_regions"], "read_and_emit": seen, "counters": {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}}))
 """
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--cache", help="an empty directory for the caches (default: a new temporary one)")
     a = p.parse_args()
-    where = tempfile.mkdtemp(prefix="bundles_")
+    where = a.cache or tempfile.mkdtemp(prefix="bundles_")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root, FLOWEXEC_COMPILE_PROCESSES="0",
                TORCHINDUCTOR_CACHE_DIR=os.path.join(where, "inductor"), TRITON_CACHE_DIR=os.path.join(where, "triton"))
