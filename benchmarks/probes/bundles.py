@@ -21,7 +21,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.async_compile import AsyncCompile
 import flowexec
-from flowexec.models import Block, lm_loss
+from flowexec.models import Block, lm_loss, make_step
 if sys.argv[1] == "cold":
     AsyncCompile.warm_pool(); AsyncCompile.wait_pool_ready()
 from torch._inductor.triton_bundler import TritonBundler
@@ -34,12 +34,7 @@ TritonBundler.read_and_emit = staticmethod(read_and_emit)
 torch.manual_seed(0)
 model = Block().cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-def step(x, y):
-    opt.zero_grad(set_to_none=True)
-    loss = lm_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
+step = make_step(model, opt, lm_loss, set_to_none=True)
 x = torch.randint(0, 50, (4, 16), device="cuda")
 run = flowexec.compile(step, mode="graph", fuse="inductor")
 loss = run(x, x).item()
