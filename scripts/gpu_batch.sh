@@ -69,7 +69,7 @@ for step in "$@"; do
     prepin-overlap) run_step $step 150 python3 benchmarks/probes/prepin_overlap.py --out "$R" ;;  # pinning on a thread beside tracing
     profile-warm-gpt2) SCALE_PROFILE_DIR="$R" run_step $step 240 python3 benchmarks/scale.py --models gpt2_124m \
                  --variants fx_graph_fused --profile-warm --timeout 200 -o "$R/scale_gpt2_124m_profiled.json" ;;  # the warm first call under cProfile
-    profile-warm-gpt2-kept) FLOWEXEC_KEEP=1 SCALE_PROFILE_DIR="$R/kept" run_step $step 240 python3 benchmarks/scale.py \
+    profile-warm-gpt2-kept) mkdir -p "$R/kept"; FLOWEXEC_KEEP=1 SCALE_PROFILE_DIR="$R/kept" run_step $step 240 python3 benchmarks/scale.py \
                  --models gpt2_124m --variants fx_graph_fused --profile-warm --timeout 200 \
                  -o "$R/scale_gpt2_124m_profiled_kept.json" ;;  # the same, loading its kept program
     scale-gpt2-builds-pyc) export PYTHONPYCACHEPREFIX=/tmp/flowexec_pyc  # bytecode for every module first, as pip
