@@ -62,6 +62,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from . import frame_starts
 
 _MISSING = object()
+_MODULE_METHODS = dict(vars(torch.nn.Module))  # (nn.Module's own: method_read leaves them)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
 # flowexec's start-up hook (a top-level module beside the package): its import finder runs
@@ -90,7 +91,8 @@ _SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype,
 class Guard:
     """A value the capture read: ``root`` then ``path`` reaches it; it must still ``match``
     ``expected`` (``"is"``: identity; ``"eq"``: same type and equal; ``"state"``: the global
-    state tuple of :func:`global_state`). ``name`` says where it is, for messages."""
+    state tuple of :func:`global_state`; ``"absent"``: the path's last dict item is not there,
+    as a method's name in an instance ``__dict__``). ``name`` says where it is, for messages."""
 
     name: str
     root: Any
@@ -157,6 +159,8 @@ def same(value: Any, expected: Any, match: str) -> bool:
     :func:`tensor_kind` describes)."""
     if match == "grad":
         return isinstance(value, torch.Tensor) and tensor_kind(value) == expected
+    if match == "absent":
+        return value is _MISSING
     if value is expected:
         return True
     if match == "is":
@@ -182,6 +186,8 @@ def describe(g: Guard) -> str:
     """``name: expected -> current`` for a guard that failed; for a container guarded whole by a
     copy, the entry that changed (``CFG['model']['scale']: 2.0 -> 3.0``)."""
     now = read(g.root, g.path)
+    if g.match == "absent":
+        return f"{g.name}: set on the instance ({_short(now)}), where its class's answered"
     suffix, was, now = _difference(g.expected, now) if g.match == "eq" else ("", g.expected, now)
     return f"{g.name}{suffix}: {_short(was)} -> {_short(now)}"
 
@@ -587,6 +593,7 @@ class Recorder:
     # later object takes once one dies is that of an object the run made too.)
     _made: set = field(default_factory=set)
     _class_scanned: set = field(default_factory=set)  # (code, object id or class): class reads guarded
+    _class_methods: set = field(default_factory=set)  # (id(class), name): a method's guard (method_read)
     _weak: list = field(default_factory=list)  # the WeakAttrs roots of guards (drop_gone)
     _active: bool = False
     _prev_trace: Any = None
@@ -806,6 +813,25 @@ class Recorder:
             d = object.__getattribute__(module, "__dict__")
             self._class_guard(module, name, value, on_class=id(d) in self._ignored)
 
+    def method_read(self, module: torch.nn.Module, name: str, bound: types.MethodType) -> None:
+        """``module.name`` was a method its class answered (``self.forward``, which ``_call_impl``
+        reads): the class must still answer with the same function (``Block.forward = other``
+        captures again) and the instance must not hold one of its own in front of it
+        (``model.block.forward = other``). The class's is read through the module
+        (``module.__class__.name``), which a kept program's walk reaches."""
+        d = object.__getattribute__(module, "__dict__")
+        if id(d) in self._ignored or (id(d), name) in self.written:
+            return
+        if _MODULE_METHODS.get(name) is bound.__func__:
+            return  # nn.Module's own machinery (``_call_impl``): torch's, not the model's code
+        label = f"{self.name_of(module, type(module).__name__)}.{name}"
+        self.add(Guard(label, d, (("item", name),), None, "absent"))
+        cls, f = type(module), bound.__func__
+        key = (id(cls), name)
+        if key not in self._class_methods and getattr(cls, name, None) is f:  # (a plain function: not a classmethod)
+            self._class_methods.add(key)
+            self.add(Guard(f"{cls.__qualname__}.{name}", module, (("attr", "__class__"), ("attr", name)), f, "is"))
+
     def _class_guard(self, obj: Any, name: str, value: Any, on_class: bool) -> None:
         """Guard ``obj.name``, which ``obj``'s class answers with ``value``: read from the object
         (an instance attribute set later covers the class's), or (``on_class``: the object is
@@ -852,6 +878,10 @@ class Recorder:
         if key not in self.written:
             self.written[key] = (d, d.get(name, _MISSING))
             self._objects.append(d)
+            # (fn sets it, and a call replays that: its absence before is no guard's)
+            g = self.guards.get((id(d), (("item", name),)))
+            if g is not None and g.match == "absent":
+                del self.guards[(id(d), (("item", name),))]
 
     def frame_entered(self, frame: Any) -> None:
         """A user frame started: guard the globals and closure variables its code reads."""
@@ -1253,19 +1283,21 @@ def _recording_getattribute(self: Any, name: str) -> Any:
     value = _object_getattribute(self, name)
     if _ACTIVE and name[:2] != "__":
         own = _object_getattribute(self, "__dict__").get(name, _MISSING) is value
-        if own or not isinstance(value, types.MethodType):  # (a bound method is code: no guard's)
-            rec = _recorder()
-            frame = sys._getframe(1)
-            # reads by the recorder itself or by the tracer (make_fx's root module) are not fn's
-            if rec is not None and not frame.f_code.co_filename.startswith(_FX_DIR):
-                rec._active = False
-                try:
-                    if own:
-                        rec.module_read(self, name, value, frame)
-                    else:  # answered by the class (or a property's code: class_read tells)
-                        rec.class_read(self, name)
-                finally:
-                    rec._active = True
+        rec = _recorder()
+        frame = sys._getframe(1)
+        # reads by the recorder itself or by the tracer (make_fx's root module) are not fn's
+        if rec is not None and not frame.f_code.co_filename.startswith(_FX_DIR):
+            rec._active = False
+            try:
+                if own:
+                    rec.module_read(self, name, value, frame)
+                elif isinstance(value, types.MethodType):  # a method (``self.forward`` in _call_impl)
+                    if value.__self__ is self:
+                        rec.method_read(self, name, value)
+                else:  # answered by the class (or a property's code: class_read tells)
+                    rec.class_read(self, name)
+            finally:
+                rec._active = True
     return value
 
 

@@ -213,6 +213,58 @@ def _class_attribute_case(read: str, change: str) -> Callable[[], tuple]:
     return make
 
 
+def _method_case(where: str) -> Callable[[], tuple]:
+    """A block whose ``forward`` calls a helper method; between calls ``where`` changes the code
+    that runs: ``"class"`` replaces ``Block.forward``, ``"helper"`` the helper method on the
+    class, ``"instance"`` sets a ``forward`` on the instance, ``"torch"`` patches
+    ``torch.nn.Linear.forward`` (put back by the next make and by the test's finaliser)."""
+    def make() -> tuple:
+        _unpatch()
+        class Block(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(0)
+                self.lin = torch.nn.Linear(4, 4)
+
+            def scale(self, x: torch.Tensor) -> torch.Tensor:
+                return x * 0.5
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.scale(self.lin(x))
+
+        block = Block()
+
+        def other_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x)) - 1.0
+
+        def change() -> None:
+            if where == "class":
+                Block.forward = other_forward
+            elif where == "helper":
+                Block.scale = lambda self, x: x * 3.0
+            elif where == "instance":
+                block.forward = lambda x: other_forward(block, x)
+            else:
+                _PATCHED.append(torch.nn.Linear.forward)
+                torch.nn.Linear.forward = lambda self, x: torch.nn.functional.linear(x, self.weight) * 2.0
+        return (lambda x: block(x)), change, block
+    return make
+
+
+_PATCHED: list = []  # torch.nn.Linear.forward as it was, while a case has patched it
+
+
+def _unpatch() -> None:
+    while _PATCHED:
+        torch.nn.Linear.forward = _PATCHED.pop()
+
+
+@pytest.fixture(autouse=True)
+def _unpatch_linear() -> Any:
+    yield
+    _unpatch()
+
+
 class _Gain:
     """A plain helper whose method reads a number its class holds."""
 
@@ -415,6 +467,10 @@ CASES: dict[str, Callable[[], tuple]] = {
     "config dict four levels deep": _container_case("deep"),
     "module list of 80 numbers, the last changed": _long_list_case,
     "default of a function kept on a module": _function_default_case,
+    "method replaced on the class": _method_case("class"),
+    "helper method replaced on the class": _method_case("helper"),
+    "forward set on the instance": _method_case("instance"),
+    "torch module's forward patched": _method_case("torch"),
 }
 
 # The cases above whose values the guards once skipped: each must capture once when nothing changes.

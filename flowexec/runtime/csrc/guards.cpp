@@ -16,7 +16,7 @@ namespace {
 
 constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4;
 constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5, kGradKind = 6,
-              kNoHooks = 7;
+              kNoHooks = 7, kAbsent = 8;
 
 int64_t dtype_code(PyObject* o) {
   if (!THPDtype_Check(o)) return -1;
@@ -76,8 +76,11 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
     const auto match = t[3].cast<std::string>();
     g.match = match == "is" ? kIs : kEq;
     const auto n = g.steps.size();
-    TORCH_CHECK(match == "is" || match == "eq" || match == "grad", "guards: unknown match ", match);
-    if (n == 1 && g.steps[0].kind == kState) {
+    TORCH_CHECK(match == "is" || match == "eq" || match == "grad" || match == "absent", "guards: unknown match ", match);
+    if (match == "absent") {
+      TORCH_CHECK(n >= 1 && g.steps[n - 1].kind == kItem, "guards: an absent guard ends with an item");
+      g.match = kAbsent;
+    } else if (n == 1 && g.steps[0].kind == kState) {
       g.match = kGlobal;
       auto e = g.expected.cast<py::tuple>();
       TORCH_CHECK(e.size() == 6, "guards: the global state has 6 entries");
@@ -148,13 +151,16 @@ bool GuardChecker::holds(const Guard& g) const {
   // kept alive by the root or the previous step's owned reference).
   PyObject* v = g.root.ptr();
   py::object owned;  // the last new reference, if any
-  for (const auto& s : g.steps) {
+  for (size_t i = 0; i < g.steps.size(); ++i) {
+    const Step& s = g.steps[i];
     PyObject* next = nullptr;
     if (s.kind == kItem && PyDict_Check(v)) {  // (dict semantics: a defaultdict grows no entry)
       next = PyDict_GetItemWithError(v, s.arg.ptr());
       if (next == nullptr) {
+        // (absent holds where the last dict has no such item; any other miss asks Python)
+        const bool absent = g.match == kAbsent && i + 1 == g.steps.size() && !PyErr_Occurred();
         PyErr_Clear();
-        return false;
+        return absent;
       }
       Py_INCREF(next);
     } else if (s.kind == kItem) {
@@ -173,6 +179,7 @@ bool GuardChecker::holds(const Guard& g) const {
     owned = py::reinterpret_steal<py::object>(next);
     v = next;
   }
+  if (g.match == kAbsent) return false;  // (the item is there, or the last step read no dict)
   if (g.match == kLength) {
     const Py_ssize_t n = PyObject_Length(v);
     if (n < 0) {
