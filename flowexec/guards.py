@@ -213,9 +213,14 @@ def _difference(was: Any, now: Any) -> tuple[str, Any, Any]:
 
 def global_state() -> tuple[Any, ...]:
     """The global switches a captured program bakes in: grad mode, autocast on CPU and CUDA
-    (enabled, dtype), the default dtype."""
+    (enabled, dtype), the default dtype, and how many torch function modes are entered (a
+    ``TorchFunctionMode`` or ``with torch.device(...)`` around a call changes what eager runs;
+    the capture traces through those entered around it). Dispatch modes are not counted: a
+    trace-mode call runs the program's ATen ops through them, and a capture beneath one traced
+    its answers, which the run would then pass through it twice."""
     return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.get_default_dtype())
+            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.get_default_dtype(),
+            torch._C._len_torch_function_stack())
 
 
 def len_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
@@ -247,7 +252,8 @@ def hook_guards() -> list[Guard]:
 
 def state_guard() -> Guard:
     """The guard on :func:`global_state`."""
-    return Guard("torch global state (grad mode, autocast cpu/cuda and dtypes, default dtype)", None,
+    return Guard("torch global state (grad mode, autocast cpu/cuda and dtypes, default dtype, "
+                 "torch function modes entered)", None,
                  (("state", None),), global_state(), "eq")
 
 

@@ -1243,3 +1243,38 @@ def test_a_hook_registered_between_calls_captures_again(where: str) -> None:
             h.remove()
     for p, q in zip(nets[0].parameters(), nets[1].parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+class _DoubledTanh(torch.overrides.TorchFunctionMode):
+    """A torch function mode that changes an answer: ``torch.tanh`` returns twice its value."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.tanh else out
+
+
+@pytest.mark.parametrize("captured", ["outside", "inside"])
+def test_a_torch_function_mode_around_calls_gives_eager_answers(captured: str) -> None:
+    """A ``TorchFunctionMode`` entered around some calls (not others) changes what eager runs:
+    the program captured outside it (or inside) captures again where the modes differ."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(lin(x)).sum()
+
+    exe = flowexec.compile(f)
+    x = torch.randn(3, 4)
+    order = [False, True, True, False] if captured == "outside" else [True, False, False, True]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flowexec.RecaptureWarning)
+        for k, inside in enumerate(order):
+            if inside:
+                with _DoubledTanh():
+                    mine, eager = exe(x), f(x)
+            else:
+                mine, eager = exe(x), f(x)
+            torch.testing.assert_close(mine, eager, rtol=1e-5, atol=1e-6, msg=lambda m: f"call {k}: {m}")
+    with _DoubledTanh():
+        doubled = f(x)
+    assert not torch.allclose(doubled, f(x)), "the mode does not change eager's answer"

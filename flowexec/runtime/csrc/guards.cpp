@@ -4,6 +4,7 @@
 
 #include "guards.h"
 
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Device.h>
@@ -40,7 +41,8 @@ std::vector<int64_t> global_state() {
           static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCPU)),
           static_cast<int64_t>(at::autocast::is_autocast_enabled(at::kCUDA)),
           static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCUDA)),
-          static_cast<int64_t>(c10::typeMetaToScalarType(c10::get_default_dtype()))};
+          static_cast<int64_t>(c10::typeMetaToScalarType(c10::get_default_dtype())),
+          at::impl::PythonTorchFunctionTLS::stack_len()};
 }
 
 GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tensor> hosts,
@@ -83,9 +85,9 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
     } else if (n == 1 && g.steps[0].kind == kState) {
       g.match = kGlobal;
       auto e = g.expected.cast<py::tuple>();
-      TORCH_CHECK(e.size() == 6, "guards: the global state has 6 entries");
+      TORCH_CHECK(e.size() == 7, "guards: the global state has 7 entries");
       g.state = {e[0].cast<bool>(), e[1].cast<bool>(), dtype_code(e[2].ptr()), e[3].cast<bool>(),
-                 dtype_code(e[4].ptr()), dtype_code(e[5].ptr())};
+                 dtype_code(e[4].ptr()), dtype_code(e[5].ptr()), e[6].cast<int64_t>()};
     } else if (n >= 1 && g.steps[n - 1].kind == kLen) {
       g.match = kLength;
       g.length = g.expected.cast<int64_t>();

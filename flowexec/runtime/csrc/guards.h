@@ -42,7 +42,7 @@ class GuardChecker {
     int64_t length = 0;
     bool flag = false;
     c10::TensorImpl* impl = nullptr;  // .grad guards: the expected gradient (nullptr: None)
-    std::vector<int64_t> state;      // global state: grad mode, autocast cpu/cuda + dtypes, default dtype
+    std::vector<int64_t> state;      // global state: grad mode, autocast cpu/cuda + dtypes, default dtype, torch function mode stack length
     c10::Device device = c10::Device(c10::kCPU);  // .grad kind guards: the gradient's device, sizes, strides
     std::vector<int64_t> sizes, strides;
   };
