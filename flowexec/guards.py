@@ -711,6 +711,12 @@ class Recorder:
             return  # x.method(...) of the user's: its frame guards what it reads of x (object_entered)
         if callable(v) and not isinstance(v, (torch.nn.Module, type)) and path and path[-1][0] == "attr" \
                 and len(path) > 1 and not _is_user_function(v):
+            parent = read(root, path[:-1])
+            if isinstance(parent, types.ModuleType):  # F.gelu, torch.tanh: the module's entry, by identity
+                d, name = vars(parent), path[-1][1]  # (F.gelu = patched captures again)
+                if d.get(name, _MISSING) is v:
+                    self.add(Guard(label, d, (("item", name),), v, "is"))
+                return
             # x.method(...): x is used whole (bound builtin methods such as dict.get)
             path = path[:-1]
             label = label.rsplit(".", 1)[0]

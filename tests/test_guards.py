@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flowexec
 from flowexec.errors import CaptureError, GuardError
@@ -245,18 +246,33 @@ def _method_case(where: str) -> Callable[[], tuple]:
             elif where == "instance":
                 block.forward = lambda x: other_forward(block, x)
             else:
-                _PATCHED.append(torch.nn.Linear.forward)
-                torch.nn.Linear.forward = lambda self, x: torch.nn.functional.linear(x, self.weight) * 2.0
+                _patch(torch.nn.Linear, "forward", lambda self, x: torch.nn.functional.linear(x, self.weight) * 2.0)
         return (lambda x: block(x)), change, block
     return make
 
 
-_PATCHED: list = []  # torch.nn.Linear.forward as it was, while a case has patched it
+_PATCHED: list = []  # (owner, name, value as it was) while a case has patched a torch function
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _PATCHED.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
 
 
 def _unpatch() -> None:
     while _PATCHED:
-        torch.nn.Linear.forward = _PATCHED.pop()
+        owner, name, value = _PATCHED.pop()
+        setattr(owner, name, value)
+
+
+def _patched_function_case() -> tuple:
+    """fn calls ``F.gelu`` through its module (a global here); between calls the function in
+    torch's module is replaced (put back by the next make and by the test's finaliser)."""
+    _unpatch()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    return ((lambda x: F.gelu(lin(x))), (lambda: _patch(F, "gelu", lambda t, approximate="none": torch.tanh(t))),
+            lin)
 
 
 @pytest.fixture(autouse=True)
@@ -471,6 +487,7 @@ CASES: dict[str, Callable[[], tuple]] = {
     "helper method replaced on the class": _method_case("helper"),
     "forward set on the instance": _method_case("instance"),
     "torch module's forward patched": _method_case("torch"),
+    "torch function patched, called through its module": _patched_function_case,
 }
 
 # The cases above whose values the guards once skipped: each must capture once when nothing changes.
