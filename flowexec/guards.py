@@ -708,7 +708,15 @@ class Recorder:
         if v is _MISSING:
             return
         if isinstance(v, types.MethodType) and _is_user_function(v.__func__) and _is_plain(v.__self__):
-            return  # x.method(...) of the user's: its frame guards what it reads of x (object_entered)
+            # x.method(...) of the user's: its frame guards what it reads of x (object_entered);
+            # here its code: the class still answers with it, and x holds none of its own
+            if path[-1][0] == "attr":
+                at, name = path[:-1], path[-1][1]
+                if getattr(type(v.__self__), name, None) is v.__func__:
+                    self.add(Guard(label, root, at + (("attr", "__class__"), ("attr", name)), v.__func__, "is"))
+                if isinstance(getattr(v.__self__, "__dict__", None), dict):
+                    self.add(Guard(label, root, at + (("attr", "__dict__"), ("item", name)), None, "absent"))
+            return
         if callable(v) and not isinstance(v, (torch.nn.Module, type)) and path and path[-1][0] == "attr" \
                 and len(path) > 1 and not _is_user_function(v):
             parent = read(root, path[:-1])

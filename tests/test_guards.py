@@ -302,6 +302,25 @@ def _class_attribute_of_object_case() -> tuple:
     return fn, change, gain
 
 
+def _plain_method_case(where: str) -> Callable[[], tuple]:
+    """A plain helper object's method, called from fn; between calls ``where`` (``"class"``,
+    ``"instance"``) gets another function for it."""
+    def make() -> tuple:
+        class Gain:
+            def apply(self, x: torch.Tensor) -> torch.Tensor:
+                return x * 2.0
+
+        gain = Gain()
+
+        def change() -> None:
+            if where == "class":
+                Gain.apply = lambda self, x: x * 3.0
+            else:
+                gain.apply = lambda x: x - 1.0
+        return (lambda x: gain.apply(x).tanh()), change, gain
+    return make
+
+
 class _Helper:
     """A plain helper that holds a tensor beside its numbers (issue: its numbers went unseen)."""
 
@@ -488,6 +507,8 @@ CASES: dict[str, Callable[[], tuple]] = {
     "forward set on the instance": _method_case("instance"),
     "torch module's forward patched": _method_case("torch"),
     "torch function patched, called through its module": _patched_function_case,
+    "plain object's method replaced on its class": _plain_method_case("class"),
+    "plain object's method set on the instance": _plain_method_case("instance"),
 }
 
 # The cases above whose values the guards once skipped: each must capture once when nothing changes.
