@@ -149,6 +149,35 @@ def read(root: Any, path: Sequence[tuple[str, Any]]) -> Any:
     return v
 
 
+def _has_data_descriptor(cls: type, name: str) -> bool:
+    for c in cls.__mro__:
+        if name in c.__dict__:
+            t = type(c.__dict__[name])
+            return hasattr(t, "__set__") or hasattr(t, "__delete__")
+    return False
+
+
+def native_path(root: Any, path: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``path`` for the C++ check: an ``("attr", name)`` step on an object whose class has a
+    ``__getattribute__`` of its own in Python (a Hugging Face config's: ~1 µs a read, most
+    of a transformer's guard check) becomes ``("dict", name)``, a lookup in the instance
+    ``__dict__``, where that is where the read found its value now and no data descriptor
+    (a property) of the class answers the name first. The Python check keeps the plain read."""
+    out, v = [], root
+    for kind, arg in path:
+        step = (kind, arg)
+        if kind == "attr" and type(v).__getattribute__ is not object.__getattribute__:
+            own = getattr(v, "__dict__", None)
+            if isinstance(own, dict) and arg in own and not _has_data_descriptor(type(v), arg) \
+                    and read(v, (step,)) is own[arg]:
+                step = ("dict", arg)
+        out.append(step)
+        v = read(v, ((kind, arg),))
+        if v is _MISSING:
+            return list(path)
+    return out
+
+
 def tensor_kind(t: torch.Tensor) -> tuple[Any, ...]:
     """What a ``.grad`` that is a program input must keep: dtype, device, sizes, strides."""
     return (t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
@@ -1437,8 +1466,10 @@ class GuardSet:
         return replace(self, guards=guards, _native=None)
 
     def records(self) -> list[tuple[Any, list, Any, str]]:
-        """(root, path, expected, match) per guard: what the C++ check is built from."""
-        return [(g.root, list(g.path), g.expected, g.match) for g in self.guards]
+        """(root, path, expected, match) per guard: what the C++ check is built from (an
+        attribute that a class with its own ``__getattribute__`` answers from the instance
+        ``__dict__`` is read from that dict: :func:`native_path`)."""
+        return [(g.root, native_path(g.root, g.path), g.expected, g.match) for g in self.guards]
 
     def check(self) -> int:
         native = self.native()

@@ -707,6 +707,61 @@ def test_native_and_python_checks_agree() -> None:
         assert native == (change in ("none", "grad_same_kind")), change
 
 
+class _MappedConfig:
+    """A config whose class reads attributes in Python (as Hugging Face's ``PretrainedConfig``
+    does: ``attribute_map`` renames some), with a property beside plain attributes."""
+
+    attribute_map = {"width": "n_embd"}
+
+    def __init__(self) -> None:
+        self.n_embd = 8
+        self._impl = "eager"
+
+    def __getattribute__(self, key: str) -> Any:
+        if key != "attribute_map" and key in super().__getattribute__("attribute_map"):
+            key = super().__getattribute__("attribute_map")[key]
+        return super().__getattribute__(key)
+
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+
+def test_native_and_python_checks_agree_on_instance_dicts_and_absent_items() -> None:
+    """Attributes of an object whose class has its own ``__getattribute__`` are read from its
+    ``__dict__`` by the C++ check (a property's, and a renamed one's, through the class), and
+    an "absent" guard holds until the item is set: both checks agree on each change."""
+    from flowexec.guards import native_path
+    from flowexec.runtime import fastcall
+
+    if fastcall.load() is None:
+        pytest.skip("native extension not built (python -m flowexec.runtime.build_native)")
+    for change in ("none", "n_embd", "renamed", "impl", "forward set", "forward set, then deleted"):
+        cfg, d = _MappedConfig(), {"config": None}
+        d["config"] = cfg
+        guards = (Guard("m.config.n_embd", d, (("item", "config"), ("attr", "n_embd")), 8, "eq"),
+                  Guard("m.config.width", d, (("item", "config"), ("attr", "width")), 8, "eq"),
+                  Guard("m.config.impl", d, (("item", "config"), ("attr", "impl")), "eager", "eq"),
+                  Guard("m.forward", d, (("item", "forward"),), None, "absent"))
+        gs = GuardSet(guards)
+        assert [native_path(g.root, g.path)[-1][0] for g in guards] == ["dict", "attr", "attr", "item"]
+        gs.attach(fastcall.guard_checker(gs))
+        assert gs.native().check() == -1
+        if change == "n_embd":
+            cfg.n_embd = 16
+        elif change == "renamed":
+            object.__setattr__(cfg, "n_embd", 9)
+        elif change == "impl":
+            cfg._impl = "sdpa"
+        elif change.startswith("forward set"):
+            d["forward"] = _halve
+            if change.endswith("deleted"):
+                del d["forward"]
+        native = gs.native().check() == -1
+        python = all(same_holds(g) for g in guards)
+        assert native == python == (change in ("none", "forward set, then deleted")), change
+
+
 def test_native_and_python_checks_agree_on_parameter_hooks() -> None:
     """The C++ check reads a parameter's hook fields itself: it agrees with the Python getters
     for a hook added, one added then removed (an empty dict), and ``_backward_hooks = None``."""

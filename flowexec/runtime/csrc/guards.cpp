@@ -15,7 +15,7 @@ namespace flowexec {
 
 namespace {
 
-constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4;
+constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4, kDict = 5;
 constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5, kGradKind = 6,
               kNoHooks = 7, kAbsent = 8;
 
@@ -30,6 +30,7 @@ int step_kind(const std::string& s) {
   if (s == "cell") return kCell;
   if (s == "len") return kLen;
   if (s == "state") return kState;
+  if (s == "dict") return kDict;
   TORCH_CHECK(false, "guards: unknown step ", s);
 }
 
@@ -169,6 +170,15 @@ bool GuardChecker::holds(const Guard& g) const {
       next = PyObject_GetItem(v, s.arg.ptr());
     } else if (s.kind == kAttr) {
       next = PyObject_GetAttr(v, s.arg.ptr());
+    } else if (s.kind == kDict) {  // (an attribute in the instance __dict__: guards.native_path)
+      PyObject* d = PyObject_GenericGetDict(v, nullptr);
+      if (d == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      next = PyDict_Check(d) ? PyDict_GetItemWithError(d, s.arg.ptr()) : nullptr;
+      Py_XINCREF(next);
+      Py_DECREF(d);
     } else if (s.kind == kCell && PyCell_Check(v)) {
       next = PyCell_GET(v);
       if (next == nullptr) return false;  // an empty cell
