@@ -19,6 +19,47 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# --- the order of files under `-n 2 --dist loadfile` -------------------------------------------
+# xdist hands each worker a file at a time, the files with the most tests first. A slow file of
+# few tests (the examples: 2 tests, a minute of torchrun launches) then came last and kept one
+# worker busy for a minute after the other had finished. The files below, slowest first, are
+# handed out before the rest (measured on the 2-core machine; a file missing from the list only
+# goes back to xdist's order). The files that use the session's kept gloo ranks (the ``ranks``
+# fixture below: a worker's own processes, seconds to start) are one unit, so that one worker
+# starts them once rather than both.
+_RANK_FILES = ("tests/test_pipeline_trainer.py", "tests/test_pipeline_dp.py", "tests/test_pipeline_transfers.py",
+               "tests/test_timeline_ranks.py")
+_SLOW_FIRST = ("ranks", "tests/test_lerp.py", "tests/test_examples.py", "tests/test_kept.py",
+               "tests/test_compile_workers.py", "tests/test_training.py", "tests/test_fuse.py",
+               "tests/test_fake_capture.py", "tests/test_memory.py", "tests/test_guards.py", "tests/test_recompute.py",
+               "tests/test_backend_by_name.py", "tests/test_scale_bench.py", "tests/test_threaded.py",
+               "tests/test_no_extra_work.py", "tests/test_core.py", "tests/test_first_step.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist", None) != "loadfile":
+        return None  # (xdist's own scheduler)
+    from xdist.scheduler import LoadFileScheduling
+
+    class SlowFilesFirst(LoadFileScheduling):
+        _ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "ranks" if scope in _RANK_FILES else scope
+
+        def _assign_work_unit(self, node) -> None:
+            if not self._ordered:  # (the queue is complete at the first assignment)
+                self._ordered = True
+                for scope in reversed(_SLOW_FIRST):
+                    if scope in self.workqueue:
+                        self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return SlowFilesFirst(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _kept_programs_per_test(tmp_path_factory, monkeypatch):
     """Each test keeps its captured programs (flowexec/kept.py) in a directory of its own: a test

@@ -1,17 +1,20 @@
 """Kept programs (flowexec/kept.py): a capture kept on disk is taken by a later build only where
 a capture would have made the same program, and then trains as eager does.
 
-Each cross-process test runs a training script twice in fresh processes on one directory of
-kept programs: the first captures and keeps, the second loads (or, where something changed,
-captures again), and both are compared with eager PyTorch running the same steps.
+The cross-process tests run a training script in fresh processes on one directory of kept
+programs: the first captures and keeps, a later one loads (or, where something changed, captures
+again), and each is compared with eager PyTorch running the same script's steps.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -83,8 +86,29 @@ def _run(where: Path, *argv: str) -> dict:
                FLOWEXEC_KEEP_DIR=str(where / "programs"), FLOWEXEC_KEEP="1")
     done = subprocess.run([sys.executable, str(where / "train.py"), *argv], env=env, capture_output=True, text=True,
                           timeout=240, cwd=where)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"train.py {' '.join(argv)} in {where}: {done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _eager(model: str, *argv: str) -> dict:
+    """The same script's eager run (``train.py eager ...``), in this process: eager PyTorch keeps
+    nothing on disk and needs no process of its own, only the runs that keep and load do (a
+    process started for it costs seconds of imports)."""
+    mod = types.ModuleType("model")
+    exec(compile(textwrap.dedent(model), "model.py", "exec"), mod.__dict__)
+    out = io.StringIO()
+    saved = sys.modules.get("model"), sys.argv
+    sys.modules["model"], sys.argv = mod, ["train.py", "eager", *argv]
+    try:
+        with torch.random.fork_rng(), contextlib.redirect_stdout(out):  # (the script seeds: ours is put back)
+            exec(compile(textwrap.dedent(SCRIPT), "train.py", "exec"), {"__name__": "__main__"})
+    finally:
+        sys.argv = saved[1]
+        if saved[0] is None:
+            del sys.modules["model"]
+        else:
+            sys.modules["model"] = saved[0]
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 def _write(where: Path, model: str = MODEL) -> None:
@@ -99,14 +123,32 @@ def _same(a: dict, b: dict) -> None:
         torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=1e-5, atol=1e-6)
 
 
+CHANGED = MODEL.replace("* SCALE", "* SCALE * 0.5")
+
+
+@pytest.fixture(scope="module")
+def later_processes(tmp_path_factory) -> dict:
+    """Four fresh processes, one after another, on one directory of kept programs: the first
+    captures and keeps the step, the second loads it, the third runs it with model.eval() (a
+    guard fails: it captures again) and the fourth with model.py edited (captures again). Three
+    tests check their parts: each process costs seconds of imports, and a run of the first kind
+    serves all three (the third and fourth each meet the program the first kept, as a later
+    process of their own would; the fourth meets the third's too, refused for the same edit)."""
+    where = tmp_path_factory.mktemp("kept_runs")
+    _write(where)
+    runs = {"first": _run(where), "second": _run(where), "eval": _run(where, "eval")}
+    assert CHANGED != MODEL
+    _write(where, CHANGED)
+    runs["changed"] = _run(where)  # (a guard on SCALE would pass: the code that reads it changed)
+    return runs
+
+
 @pytest.mark.timeout(600)
-def test_a_later_process_loads_the_kept_program_and_trains_as_eager(tmp_path):
-    _write(tmp_path)
-    eager = _run(tmp_path, "eager")
-    first = _run(tmp_path)
-    second = _run(tmp_path)
+def test_a_later_process_loads_the_kept_program_and_trains_as_eager(later_processes):
+    first, second = later_processes["first"], later_processes["second"]
     assert first["capture_run"] == "fake" and "; kept " in first["kept"], first["kept"]
     assert second["capture_run"] == "kept" and second["kept"].startswith("loaded "), second["kept"]
+    eager = _eager(MODEL)
     _same(first, eager)
     _same(second, eager)  # (the LR schedule reaches the loaded program: its values are fed)
 
@@ -117,38 +159,31 @@ def test_a_kept_first_step_program_makes_the_optimizer_state_in_a_later_process(
     buffers (its outputs bound into opt.state), the second captures the steps. A later process
     loads both, and trains as eager."""
     _write(tmp_path)
-    eager = _run(tmp_path, "sgd", "eager")
     first = _run(tmp_path, "sgd")
     second = _run(tmp_path, "sgd")
     assert first["first_step_capture_run"] == "fake" and first["capture_run"] == "fake", first
     assert second["first_step_capture_run"] == "kept" and second["capture_run"] == "kept", second["kept"]
+    eager = _eager(MODEL, "sgd")
     _same(first, eager)
     _same(second, eager)
 
 
 @pytest.mark.timeout(600)
-def test_a_guard_that_fails_in_the_later_process_captures_again(tmp_path):
-    _write(tmp_path)
-    _run(tmp_path)
-    later = _run(tmp_path, "eval")  # model.eval(): the capture read each module's training flag
+def test_a_guard_that_fails_in_the_later_process_captures_again(later_processes):
+    later = later_processes["eval"]  # model.eval(): the capture read each module's training flag
     assert later["capture_run"] == "fake", later["kept"]
     assert "does not bind: " in later["kept"] and "training" in later["kept"], later["kept"]
-    _same(later, _run(tmp_path, "eval", "eager"))
+    _same(later, _eager(MODEL, "eval"))
 
 
 @pytest.mark.timeout(600)
-def test_a_changed_source_file_captures_again(tmp_path):
-    _write(tmp_path)
-    _run(tmp_path)
-    changed = MODEL.replace("* SCALE", "* SCALE * 0.5")
-    assert changed != MODEL
-    _write(tmp_path, changed)
-    later = _run(tmp_path)  # (a guard on SCALE would pass: the code that reads it changed)
+def test_a_changed_source_file_captures_again(later_processes):
+    later = later_processes["changed"]
     assert later["capture_run"] == "fake", later["kept"]
     # (the walk meets Net.forward's code first; the stamp of model.py would refuse it too)
     assert ".class[model, Net].method[forward] is other code" in later["kept"] \
         or "model.py changed since the program was kept" in later["kept"], later["kept"]
-    _same(later, _run(tmp_path, "eager"))
+    _same(later, _eager(CHANGED))
 
 
 def _mlp_step():

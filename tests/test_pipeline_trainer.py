@@ -181,8 +181,10 @@ def test_float_dtypes_travel_between_stages_with_their_gradients(ranks):
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"compile={compile}: {m}")
 
 
-def test_bad_set_ups_fail_at_construction_and_tuples_travel():
-    res = spawn(_bad_set_ups, 2, timeout=60)
+def test_bad_set_ups_fail_at_construction_and_tuples_travel(ranks):
+    # On the kept ranks: every bad set-up is refused by the constructor's checks, before any
+    # transfer or posted failure, and each rank returns its errors; no rank fails.
+    res = ranks(2).run(_bad_set_ups, timeout=60)
     err = res[0]["errors"]
     assert "ZBV runs 2 stages per rank: it needs 4 stages on 2 ranks, got 2" in err["zbv on 1 stage per rank"]
     assert "1F1B runs 1 stage per rank" in err["1f1b on 4 stages"]
