@@ -165,16 +165,15 @@ def native_path(root: Any, path: Sequence[tuple[str, Any]]) -> list[tuple[str, A
     (a property) of the class answers the name first. The Python check keeps the plain read."""
     out, v = [], root
     for kind, arg in path:
-        step = (kind, arg)
-        if kind == "attr" and type(v).__getattribute__ is not object.__getattribute__:
-            own = getattr(v, "__dict__", None)
-            if isinstance(own, dict) and arg in own and not _has_data_descriptor(type(v), arg) \
-                    and read(v, (step,)) is own[arg]:
-                step = ("dict", arg)
-        out.append(step)
-        v = read(v, ((kind, arg),))
-        if v is _MISSING:
+        nxt = read(v, ((kind, arg),))
+        if nxt is _MISSING:
             return list(path)
+        own = getattr(v, "__dict__", None) if kind == "attr" else None
+        if type(v).__getattribute__ is not object.__getattribute__ and isinstance(own, dict) \
+                and own.get(arg, _MISSING) is nxt and not _has_data_descriptor(type(v), arg):
+            kind = "dict"
+        out.append((kind, arg))
+        v = nxt
     return out
 
 
@@ -589,6 +588,21 @@ def _defaults_guards(label: str, root: Any, path: tuple, f: types.FunctionType) 
     return out
 
 
+def method_guards(label: str, obj: Any, name: str, f: types.FunctionType, cls_at: tuple[Any, tuple] | None,
+                  own_at: tuple[Any, tuple]) -> list[Guard]:
+    """Guards on the code ``obj.name`` runs (a method ``f`` its class answered): the class still
+    answers with ``f``, read at ``cls_at`` (root, path to ``obj``; None: guarded already), and
+    ``obj`` holds none of its own in front of it, an "absent" item of its ``__dict__`` at
+    ``own_at`` (root, path to that dict)."""
+    out = []
+    if cls_at is not None and getattr(type(obj), name, None) is f:  # (a plain function: not a classmethod)
+        root, at = cls_at
+        out.append(Guard(f"{type(obj).__qualname__}.{name}", root, at + (("attr", "__class__"), ("attr", name)), f, "is"))
+    root, at = own_at
+    out.append(Guard(label, root, at + (("item", name),), None, "absent"))
+    return out
+
+
 def _is_user_function(v: Any) -> bool:
     return isinstance(v, types.FunctionType) and user_code(v.__code__.co_filename)
 
@@ -739,12 +753,11 @@ class Recorder:
         if isinstance(v, types.MethodType) and _is_user_function(v.__func__) and _is_plain(v.__self__):
             # x.method(...) of the user's: its frame guards what it reads of x (object_entered);
             # here its code: the class still answers with it, and x holds none of its own
-            if path[-1][0] == "attr":
-                at, name = path[:-1], path[-1][1]
-                if getattr(type(v.__self__), name, None) is v.__func__:
-                    self.add(Guard(label, root, at + (("attr", "__class__"), ("attr", name)), v.__func__, "is"))
-                if isinstance(getattr(v.__self__, "__dict__", None), dict):
-                    self.add(Guard(label, root, at + (("attr", "__dict__"), ("item", name)), None, "absent"))
+            if path[-1][0] == "attr" and isinstance(getattr(v.__self__, "__dict__", None), dict):
+                at = path[:-1]
+                for g in method_guards(label, v.__self__, path[-1][1], v.__func__, (root, at),
+                                       (root, at + (("attr", "__dict__"),))):
+                    self.add(g)
             return
         if callable(v) and not isinstance(v, (torch.nn.Module, type)) and path and path[-1][0] == "attr" \
                 and len(path) > 1 and not _is_user_function(v):
@@ -873,13 +886,12 @@ class Recorder:
             return
         if _MODULE_METHODS.get(name) is bound.__func__:
             return  # nn.Module's own machinery (``_call_impl``): torch's, not the model's code
-        label = f"{self.name_of(module, type(module).__name__)}.{name}"
-        self.add(Guard(label, d, (("item", name),), None, "absent"))
-        cls, f = type(module), bound.__func__
-        key = (id(cls), name)
-        if key not in self._class_methods and getattr(cls, name, None) is f:  # (a plain function: not a classmethod)
-            self._class_methods.add(key)
-            self.add(Guard(f"{cls.__qualname__}.{name}", module, (("attr", "__class__"), ("attr", name)), f, "is"))
+        key = (id(type(module)), name)  # (the class's function once per class)
+        first = key not in self._class_methods
+        self._class_methods.add(key)
+        for g in method_guards(f"{self.name_of(module, type(module).__name__)}.{name}", module, name, bound.__func__,
+                               (module, ()) if first else None, (d, ())):
+            self.add(g)
 
     def _class_guard(self, obj: Any, name: str, value: Any, on_class: bool) -> None:
         """Guard ``obj.name``, which ``obj``'s class answers with ``value``: read from the object
