@@ -503,6 +503,28 @@ def _attributes(obj: Any) -> list[tuple[str, Any]]:
     return items[:MAX_LEAVES]
 
 
+def _namespace_data(ns: type | types.ModuleType) -> list[tuple[str, Any]]:
+    """What a class or a Python module of the user's holds as plain data, as a namespace read
+    by name (``getattr(Cfg, name)``): a class's as :func:`class_value` finds it (its bases' too;
+    no methods or other descriptors), a module's numbers, strings and containers of them, and
+    library functions (``ACT = F.gelu``); not names that start with ``_``, and nothing of
+    torch's, the standard library's or a module without a file (``math``); up to
+    ``MAX_LEAVES``."""
+    if isinstance(ns, type):
+        if not _user_class(ns):
+            return []
+        names = dict.fromkeys(k for c in ns.__mro__ if _user_class(c) for k in vars(c) if k[:1] != "_")
+        items = [(k, v) for k in names if (v := class_value(ns, k)) is not _MISSING]
+    else:
+        path = getattr(ns, "__file__", None)
+        if not isinstance(path, str) or not user_code(path):
+            return []
+        items = [(k, v) for k, v in vars(ns).items() if k[:1] != "_" and (
+            _plain_size(v, MAX_SNAPSHOT) is not None
+            or isinstance(v, (types.BuiltinFunctionType, types.FunctionType)) and not _is_user_function(v))]
+    return items[:MAX_LEAVES]
+
+
 def _holds_tensor(v: Any) -> bool:
     """Whether ``v`` is a tensor, or a list, tuple or dict with one among its first items."""
     if isinstance(v, torch.Tensor):
@@ -794,6 +816,13 @@ class Recorder:
             budget[0] -= 1
             self.add(Guard(label, root, path, v, "is"))
             self._name_tree(label, v)
+            return
+        if depth == 0 and isinstance(v, (type, types.ModuleType)):
+            # a class or a Python module of the user's used whole, as a namespace
+            # (``getattr(Cfg, name)``, ``vars(config)``): its plain data, as a plain object's
+            self.names.setdefault(id(v), label)
+            for k, e in _namespace_data(v):
+                self._guard_value(f"{label}.{k}", root, path + (("attr", k),), e, depth + 1, budget)
             return
         if callable(v) and not isinstance(v, (type, types.ModuleType)):
             budget[0] -= 1  # (a library function in a global or closure: F.silu for F.gelu is another program)

@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import gc
 import sys
+import types
 import weakref
 import warnings
 from typing import Any, Callable
@@ -457,6 +458,42 @@ def _long_list_case() -> tuple:
     return (lambda x: m(x)), (lambda: m.scales.__setitem__(79, 5.0)), m
 
 
+class _NsCfg:
+    """A class used as a config namespace (never instantiated)."""
+
+    scale = 2.0
+
+
+G_NS_MOD = types.ModuleType("_ns_cfg")  # a config module (as `import config`), with a file of the user's
+G_NS_MOD.__file__ = __file__
+
+
+def _namespace_case(kind: str) -> Callable[[], tuple]:
+    """A class or a Python module used as a config namespace, read by name with ``getattr`` (the
+    second keep review's c19, c20): its entry changed between calls."""
+    def make() -> tuple:
+        _NsCfg.scale = 2.0
+        G_NS_MOD.scale, G_NS_MOD.act = 2.0, torch.tanh
+        w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+        key = "act" if kind == "module function" else "scale"
+
+        def fn(x):
+            ns = _NsCfg if kind == "class" else G_NS_MOD
+            if key == "act":
+                return getattr(ns, key)(x @ w)
+            return (x @ w) * getattr(ns, key)
+
+        def change() -> None:
+            if kind == "class":
+                _NsCfg.scale = 3.0
+            elif kind == "module":
+                G_NS_MOD.scale = 3.0
+            else:
+                G_NS_MOD.act = torch.sigmoid
+        return fn, change, None
+    return make
+
+
 CASES: dict[str, Callable[[], tuple]] = {
     "module training flag": _forward_case(lambda n: n.drop.eval()),
     "module attribute": _forward_case(lambda n: setattr(n, "temperature", 4.0)),
@@ -509,6 +546,9 @@ CASES: dict[str, Callable[[], tuple]] = {
     "torch function patched, called through its module": _patched_function_case,
     "plain object's method replaced on its class": _plain_method_case("class"),
     "plain object's method set on the instance": _plain_method_case("instance"),
+    "class namespace read with getattr": _namespace_case("class"),
+    "module namespace read with getattr": _namespace_case("module"),
+    "library function in a module namespace read with getattr": _namespace_case("module function"),
 }
 
 # The cases above whose values the guards once skipped: each must capture once when nothing changes.
@@ -518,7 +558,10 @@ CONTAINER_CASES = {"namedtuple config passed to a helper": r"G_NT: _NT\(scale=2\
                    "set of flags tested with in": r"G_FLAGS: set\(\) -> \{'double'\}",
                    "frozenset of flags tested with in": r"G_FROZEN: frozenset\(\) -> frozenset\(\{'double'\}\)",
                    "config dict four levels deep": r"G_DEEP\['model'\]\['head'\]\['out'\]\['scale'\]: 2\.0 -> 3\.0",
-                   "module list of 80 numbers, the last changed": r"m\.scales\[79\]: 1\.0 -> 5\.0"}
+                   "module list of 80 numbers, the last changed": r"m\.scales\[79\]: 1\.0 -> 5\.0",
+                   "class namespace read with getattr": r"_NsCfg\.scale: 2\.0 -> 3\.0",
+                   "module namespace read with getattr": r"G_NS_MOD\.scale: 2\.0 -> 3\.0",
+                   "library function in a module namespace read with getattr": r"G_NS_MOD\.act: .*tanh.* -> .*sigmoid"}
 
 
 def _calls(make: Callable[[], tuple], wrap: Callable) -> list[torch.Tensor]:
