@@ -506,14 +506,16 @@ def _attributes(obj: Any) -> list[tuple[str, Any]]:
 def _namespace_data(ns: type | types.ModuleType) -> list[tuple[str, Any]]:
     """What a class or a Python module of the user's holds as plain data, as a namespace read
     by name (``getattr(Cfg, name)``): a class's as :func:`class_value` finds it (its bases' too;
-    no methods or other descriptors), a module's numbers, strings and containers of them, and
+    no methods or other descriptors, nor a dataclass's field defaults), a module's numbers, strings and containers of them, and
     library functions (``ACT = F.gelu``); not names that start with ``_``, and nothing of
     torch's, the standard library's or a module without a file (``math``); up to
     ``MAX_LEAVES``."""
     if isinstance(ns, type):
         if not _user_class(ns):
             return []
-        names = dict.fromkeys(k for c in ns.__mro__ if _user_class(c) for k in vars(c) if k[:1] != "_")
+        fields = getattr(ns, "__dataclass_fields__", {})  # (their defaults: the generated __init__'s)
+        names = dict.fromkeys(k for c in ns.__mro__ if _user_class(c) for k in vars(c)
+                              if k[:1] != "_" and k not in fields)
         items = [(k, v) for k in names if (v := class_value(ns, k)) is not _MISSING]
     else:
         path = getattr(ns, "__file__", None)
