@@ -29,6 +29,7 @@ from .passes.dead_code import drop_dead_ops
 from .passes.recompute import Recomputed, recompute_activations
 from .plan import ExecutionPlan, build_plan
 from .program import Program
+from .rng import draws_put_back
 
 
 def rewrite_program(prog: Program, mode: str, fuse_lerp: bool | str | None) -> Program:
@@ -53,11 +54,14 @@ def plan_for(prog: Program, mode: str, *, gc: str = "fast", streams: int | str =
     which graph mode asks for) and planned for run mode ``mode``; ``plan_options`` go to
     :func:`~flowexec.plan.build_plan` (memory, order, gc_backlog, ...)."""
     clock = _Clock()
-    prog = clock("dead_code", drop_dead_ops(prog))
-    prog = clock("lerp", rewrite_program(prog, mode, fuse_lerp))
-    prog, recomputed = clock("recompute", recompute_for(prog, recompute, wants_fusion(prog, check_fuse(fuse), mode)))
-    prog = clock("pad", pad_for(prog, pad))
-    prog, fusion = clock("fuse", fuse_for(prog, fuse, mode))
+    # (the rewrites time kernels on random operands and compile with Inductor, which may
+    # benchmark: none of it may move the generators fn draws from)
+    with draws_put_back():
+        prog = clock("dead_code", drop_dead_ops(prog))
+        prog = clock("lerp", rewrite_program(prog, mode, fuse_lerp))
+        prog, recomputed = clock("recompute", recompute_for(prog, recompute, wants_fusion(prog, check_fuse(fuse), mode)))
+        prog = clock("pad", pad_for(prog, pad))
+        prog, fusion = clock("fuse", fuse_for(prog, fuse, mode))
     if copied_in:  # (after fusion: the copy must stay a plain copy, the graph's memcpy node)
         prog = clock("copy_in", copy_inputs_in(prog, copied_in))
     plan = clock("build_plan", build_plan(prog, gc, streams, mode=mode, **plan_options))

@@ -427,7 +427,7 @@ class Executable:
         elif mode == "graph" and self.pool == "shared":
             runner = self._shared_runner(run, plan, all_targs, cap, fetch, tensor_pos, runner)
         elif mode == "graph":
-            from .runtime.cuda_graph import CopyInMissing, CudaGraphRunner
+            from .runtime.cuda_graph import CopyInMissing, CudaGraphRunner, graph_capture_failed
 
             prog = plan.program
             state_mutated = [prog.state[v] for v in plan.mutated if v in prog.state]
@@ -462,10 +462,18 @@ class Executable:
                                   "miss writes made through the other)", stacklevel=5)
                     continue
                 borrow[k] = True
+            plain, failed = runner, ""
             try:
                 runner = GraphVariants(capture_runner, targs, borrow)
             except CopyInMissing:  # torch copied an input with a kernel: the buffer per input instead
                 runner = None
+            except Exception as e:  # noqa: BLE001 (CUDA's refusal: a RuntimeError or torch.AcceleratorError)
+                if not graph_capture_failed(e):
+                    raise
+                runner, failed = plain, str(e).splitlines()[0]
+            if failed:  # (a graph of this program cannot be made: run it as traced, as eager does)
+                warnings.warn(f"flowexec: the CUDA graph capture of this call's program failed ({failed}); calls "
+                              "with this signature run in trace mode", stacklevel=5)
             if runner is None:  # (outside the handler: its traceback would hold the failed graph)
                 del plan, run, hooks, node, capture_runner
                 return self._plan_and_lower(cap, args, tree, paths, t0, copy_in=False, mode=mode)

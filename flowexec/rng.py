@@ -45,7 +45,8 @@ import torch
 import torch.cuda.random
 import torch.random
 
-__all__ = ["install", "holds_rng_state_ops", "lower_rng_hops", "RNG_STATE_OPS"]
+__all__ = ["install", "holds_rng_state_ops", "lower_rng_hops", "RNG_STATE_OPS", "draws_put_back",
+           "release_capturing_generators"]
 
 _LIB = torch.library.Library("flowexec", "FRAGMENT")
 _TAGS = (torch.Tag.nondeterministic_seeded,)
@@ -272,3 +273,36 @@ def _device_of(args: Any, kwargs: Any) -> torch.device:
             return v.device
     dev = kwargs.get("device")
     return torch.device(dev) if dev is not None else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def draws_put_back() -> Iterator[None]:
+    """The default generators' states, the CPU's and each started CUDA device's, put back on
+    exit (``torch.random.fork_rng``). Work that is no call of fn's, a build's timing of padded
+    products on random operands, Inductor's benchmarks, a CUDA graph's warm-up runs, must not
+    move the streams fn draws from: eager draws once per call, and dropout after such work drew
+    other masks than eager's (BERT and T5 in graph mode, 2026-12-06).
+
+    >>> before = torch.random.get_rng_state()
+    >>> with draws_put_back():
+    ...     _ = torch.rand(3)
+    >>> torch.equal(torch.random.get_rng_state(), before)
+    True
+    """
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        yield
+
+
+def release_capturing_generators() -> None:
+    """After a CUDA graph capture failed at its end (``cudaErrorStreamCaptureUnjoined``), the
+    default CUDA generators still count themselves as capturing, and every later draw of the
+    process fails ("Offset increment outside graph capture encountered unexpectedly"): each gets
+    a fresh copy of its state (same seed and offset), which is not capturing."""
+    if not torch.cuda.is_initialized():
+        return
+    for gen in torch.cuda.default_generators:
+        try:
+            gen.graphsafe_set_state(gen.clone_state())
+        except (RuntimeError, AttributeError):  # (an older torch, or a device never used)
+            pass

@@ -188,3 +188,34 @@ def test_checkpointed_dropout_through_the_backend_draws_eager_s_masks() -> None:
 
     assert_seeded_calls_match(_step(m1, o1), _step(compiled, o2), x, y)
     assert_same_state(m1, m2)
+
+
+def test_a_build_draws_nothing_from_the_generators_fn_draws_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build's rewrites time kernels on random operands (padding, on CUDA) and compile with
+    Inductor: none of that may move the default generator, or fn's next dropout draws other
+    masks than eager's (BERT and T5 in graph mode on CUDA, 2026-12-06). Here a rewrite that
+    draws stands for them, as the padding pass's timing does on a GPU."""
+    import flowexec.build as build
+    from flowexec.fusion import _operands
+    from flowexec.passes.pad import PadCase
+
+    pad_for = build.pad_for
+
+    def drawing_pad_for(prog, pad):
+        torch.randn(64)
+        return pad_for(prog, pad)
+
+    monkeypatch.setattr(build, "pad_for", drawing_pad_for)
+    drop = torch.nn.Dropout(0.5)
+    fn = lambda x: drop(x) * 2  # noqa: E731
+    exe = flowexec.compile(fn)
+    torch.manual_seed(0)
+    got = [exe(torch.ones(64)) for _ in range(3)]
+    torch.manual_seed(0)
+    want = [fn(torch.ones(64)) for _ in range(3)]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # the padding pass's own operands come from a generator of their own
+    before = torch.random.get_rng_state()
+    _operands(PadCase("mm", 0, 5, 3, 7, torch.float32, torch.device("cpu"), (8, 8, 8), False, True))
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..rng import draws_put_back, release_capturing_generators
 from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
 from .outputs import HandedOutputs
@@ -140,18 +141,38 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     # workspace is then ever a graph's, so a later clear frees none that a graph uses.
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
     clear()
-    with torch.cuda.stream(stream):
+    # (the warm-up's random draws are not the caller's: eager draws once per call, and so does
+    # each replay, from the generator's state then; kept, they would shift every mask after)
+    with draws_put_back(), torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     clear()
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        outs = fn()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            outs = fn()
+    except Exception:
+        release_capturing_generators()  # (else every later draw of the process fails)
+        raise
     clear()
     if keep_graph:
         graph.instantiate()
     return graph, outs
+
+
+def graph_capture_failed(e: BaseException) -> bool:
+    """Whether ``e`` is CUDA's refusal of a graph capture (``cudaErrorStreamCaptureUnjoined``,
+    an operation not permitted while capturing, the generator's offset outside the capture),
+    which the same program run without a graph does not meet.
+
+    >>> graph_capture_failed(RuntimeError("CUDA error: capturing stream has unjoined work"))
+    True
+    >>> graph_capture_failed(RuntimeError("CUDA out of memory"))
+    False
+    """
+    first = str(e).splitlines()[0].lower() if str(e) else ""
+    return isinstance(e, (RuntimeError, getattr(torch, "AcceleratorError", RuntimeError))) and "captur" in first
 
 
 class CudaGraphRunner:

@@ -14,10 +14,9 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
-# Every loop but dropout_eval: whether a graph replay draws eager's dropout masks is a question
-# of CUDA graphs and the random stream (runtime/cuda_graph.py), not of guards; the dropout flag's
-# guard is checked in trace mode below and on the CPU.
-GRAPH_LOOPS = [n for n in LOOPS if n != "dropout_eval"]
+# Every loop, dropout_eval's masks among them (a graph replay draws eager's since the warm-up's
+# draws are put back: tests/gpu/test_random_stream_gpu.py).
+GRAPH_LOOPS = list(LOOPS)
 
 
 @pytest.mark.parametrize("name", GRAPH_LOOPS)
