@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -296,13 +297,17 @@ def draws_put_back() -> Iterator[None]:
 
 def release_capturing_generators() -> None:
     """After a CUDA graph capture failed at its end (``cudaErrorStreamCaptureUnjoined``), the
-    default CUDA generators still count themselves as capturing, and every later draw of the
-    process fails ("Offset increment outside graph capture encountered unexpectedly"): each gets
-    a fresh copy of its state (same seed and offset), which is not capturing."""
+    current device's default generator still counts itself as capturing, and every later draw
+    of the process fails ("Offset increment outside graph capture encountered unexpectedly").
+    One empty capture ends that: its start registers the same generator state and its end
+    (``capture_epilogue``) clears the flag on it. (A fresh copy of the state would do too, but
+    graphs captured before keep moving the old one's offset at each replay, which eager's draws
+    would then no longer see.)"""
     if not torch.cuda.is_initialized():
         return
-    for gen in torch.cuda.default_generators:
-        try:
-            gen.graphsafe_set_state(gen.clone_state())
-        except (RuntimeError, AttributeError):  # (an older torch, or a device never used)
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("The CUDA Graph is empty")
+        with torch.cuda.graph(graph):
             pass
+    del graph

@@ -153,7 +153,10 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             outs = fn()
     except Exception:
-        release_capturing_generators()  # (else every later draw of the process fails)
+        try:
+            release_capturing_generators()  # (else every later draw of the process fails)
+        except Exception:  # noqa: BLE001 (a sticky CUDA error: the capture's own error says more)
+            pass
         raise
     clear()
     if keep_graph:

@@ -69,22 +69,30 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_graph_cuda_refuses_runs_in_trace_mode_and_the_process_still_draws() -> None:
+    """The refused capture's signature runs in trace mode, saying so; eager draws afterwards; and
+    a graph captured before the refusal still moves the generator eager draws from (the state
+    object it replays against is the generator's own still)."""
     drop = torch.nn.Dropout(0.5)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         return drop(_leaves_work_unjoined(x))
 
-    exe = flowexec.compile(fn, mode="graph")
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return drop(x) * 3
+
+    earlier = flowexec.compile(plain, mode="graph")
     x = torch.randn(64, device="cuda")
+    earlier(x)  # (its graph captured before the refusal)
+    exe = flowexec.compile(fn, mode="graph")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(3)
-        got = [exe(x) for _ in range(3)]
-    torch.cuda.synchronize()
+        got = [exe(x) for _ in range(3)] + [earlier(x), earlier(x), exe(x)]
+        after = torch.rand(8, device="cuda")
     said = [str(w.message) for w in caught if "CUDA graph capture" in str(w.message)]
     assert said and "trace mode" in said[0], [str(w.message) for w in caught]
     torch.manual_seed(3)
-    want = [fn(x) for _ in range(3)]  # (eager draws afterwards: the generator is not left capturing)
+    want = [fn(x) for _ in range(3)] + [plain(x), plain(x), fn(x)]
     for k, (a, b) in enumerate(zip(got, want)):
         assert_close_rel(a, b, what=f"call {k}")
-    torch.randn(8, device="cuda")
+    assert torch.equal(after, torch.rand(8, device="cuda")), "the generator's stream moved otherwise than eager's"
