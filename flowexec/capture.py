@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .errors import CaptureError, InputError
 from .guards import GuardSet, Recorder, global_names, hook_guards, state_guard, optimizer_guards, user_code
+from .draw_ranges import DrawRanges
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
 from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
@@ -481,6 +482,7 @@ class _CaptureGuard(TorchDispatchMode):
         # address comes back for a new storage, whose constants it would have refused.)
         self.constant: dict[int, weakref.ref] = {}
         self._constants_on: dict[int, list[int]] = {}
+        self.draws = DrawRanges()  # random draws' intervals, and the comparisons they settle
         self.read_under_flag = False  # torch.compiler.is_compiling() at the last host read
         self.parked = ParkedGrads({})  # last step's gradients, in host memory until an op reads them
         # A fake run (FLOWEXEC_FAKE_CAPTURE) writes no real tensor, so it keeps no undo log; the
@@ -558,6 +560,9 @@ class _CaptureGuard(TorchDispatchMode):
             self.read_under_flag = bool(torch.compiler._is_compiling_flag)
             t = args[0] if args else None
             if isinstance(t, torch.Tensor) and not self.is_constant(t):
+                settled = self.draws.answer(t)  # (``torch.rand([]) < 0``: every call's answer)
+                if settled is not None:
+                    return settled
                 # make_fx would answer a read of state fn did not make (a step count written in
                 # place) with its value now, and the program would keep that value for good.
                 raise RuntimeError(f"{func}: a host read of a tensor whose value can change between calls")
@@ -620,6 +625,7 @@ class _CaptureGuard(TorchDispatchMode):
             # (fn holds the twin, which this write would leave stale: a real run decides)
             raise RuntimeError(f"{func} writes values of the call into a tensor made from constants")
         out = func(*args, **kwargs)
+        self.draws.record(func, args, kwargs, out, written)
         for g in gens:
             first = self.generators[id(g)][1]
             self.generators[id(g)] = (g, first, g.get_state())

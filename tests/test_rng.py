@@ -219,3 +219,70 @@ def test_a_build_draws_nothing_from_the_generators_fn_draws_from(monkeypatch: py
     before = torch.random.get_rng_state()
     _operands(PadCase("mm", 0, 5, 3, 7, torch.float32, torch.device("cpu"), (8, 8, 8), False, True))
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+class _LayerDrop(torch.nn.Module):
+    """LayerDrop as Hugging Face's BART and OPT wrote it (transformers 5.17): one draw per layer
+    in training, the layer skipped where the draw falls below ``layerdrop``."""
+
+    def __init__(self, layerdrop: float) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.drop = torch.nn.Dropout(0.2)
+        self.layerdrop = layerdrop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training:
+                p = torch.rand([])
+                if p < self.layerdrop:  # skip the layer
+                    continue
+            x = self.drop(torch.tanh(layer(x)))
+        return x
+
+
+@pytest.mark.parametrize("layerdrop", [0.0, 1.5])
+def test_a_draw_compared_with_a_bound_it_cannot_cross_is_answered(layerdrop: float) -> None:
+    """``torch.rand([]) < 0.0`` is False at every call (and ``< 1.5`` True): the host read is
+    answered, the draws stay in the program (the dropout after them draws eager's masks, seeded
+    once), and the model trains as eager does. Refused as data-dependent before 2026-12-06."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(_LayerDrop(layerdrop), lambda p: torch.optim.AdamW(p, lr=1e-2))
+
+    def make(m, o):
+        def step(x):
+            o.zero_grad()
+            # (a term that needs no layer: at 1.5 every layer is skipped)
+            loss = m(x).square().mean() + m.layers[0].bias.square().sum()
+            loss.backward()
+            o.step()
+            return loss
+        return step
+    eager, exe = make(m1, o1), flowexec.compile(make(m2, o2))
+    x = torch.randn(4, 8)
+    torch.manual_seed(1)
+    want = [eager(x).item() for _ in range(4)] + [torch.rand(3)]
+    torch.manual_seed(1)
+    got = [exe(x).item() for _ in range(4)] + [torch.rand(3)]
+    assert got[:4] == pytest.approx(want[:4], rel=1e-5) and torch.equal(got[4], want[4])
+    assert_same_state(m1, m2)
+
+
+def test_a_draw_a_bound_does_not_settle_is_still_refused() -> None:
+    """A layerdrop that a draw can fall below, set between calls: captured again and refused
+    (the guard on ``layerdrop`` holds the settled answer's premise); a draw written in place
+    (``r.mul_(-1)``) is no longer known to lie in [0, 1]."""
+    m = _LayerDrop(0.0)
+    exe = flowexec.compile(lambda x: m(x).sum())
+    exe(torch.randn(2, 8))
+    m.layerdrop = 0.5
+    with pytest.warns(flowexec.RecaptureWarning), pytest.raises(flowexec.CaptureError, match="host"):
+        exe(torch.randn(2, 8))
+
+    def flipped(x):
+        r = torch.rand([])
+        r.mul_(-1)
+        return x * 2 if r < 0.0 else x
+
+    with pytest.raises(flowexec.CaptureError, match="host"):
+        flowexec.compile(flipped)(torch.randn(3))
