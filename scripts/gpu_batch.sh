@@ -128,6 +128,10 @@ for step in "$@"; do
                  --seq 1024 --mode graph --out "$R" ;;  # recompute off/on: planned and measured peaks, losses
     sweep)     run_step $step 560 python3 benchmarks/probes/model_sweep.py --device cuda --variants trace,graph,graph_fused,backend_graph \
                  --out "$R" ;;  # models no issue names: eager against flowexec, every parameter
+    sweep-graph) run_step $step 300 python3 benchmarks/probes/model_sweep.py --device cuda --variants graph,graph_fused \
+                 --out "$R" ;;  # models no issue names in graph mode, fused and not (~150 s on an H100)
+    random-stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
+                 tests/gpu/test_random_stream_gpu.py tests/gpu/test_training_gpu.py --junitxml="$R/$step.xml" ;;
     regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default
     pipeline-cpu) CUDA_VISIBLE_DEVICES= run_step $step 560 python3 benchmarks/pipeline_gloo.py --rounds 4 \
                  --out "$R/pipeline_gloo_h200host.json" ;;  # the gloo benchmark on the lent host's 16 cores
