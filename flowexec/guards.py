@@ -1121,6 +1121,8 @@ class Recorder:
             torch.nn.Module.__getattr__ = _recording_getattr  # type: ignore[method-assign]
             _ORIGINAL["init"] = torch.nn.Module.__init__
             torch.nn.Module.__init__ = _recording_init  # type: ignore[method-assign]
+            _ORIGINAL["reconstruct"] = copy._reconstruct  # type: ignore[attr-defined]
+            copy._reconstruct = _recording_reconstruct  # type: ignore[attr-defined]
         # Before Python 3.12, a global trace function sees each Python frame once, when it starts
         # (returning None leaves the frame untraced): a profile function would also see every C
         # call and return, which doubled the capture time of a transformer block. A tracer the
@@ -1156,6 +1158,7 @@ class Recorder:
             torch.nn.Module.__setattr__ = _ORIGINAL.pop("setattr")  # type: ignore[method-assign]
             torch.nn.Module.__getattr__ = _ORIGINAL.pop("getattr")  # type: ignore[method-assign]
             torch.nn.Module.__init__ = _ORIGINAL.pop("init")  # type: ignore[method-assign]
+            copy._reconstruct = _ORIGINAL.pop("reconstruct")  # type: ignore[attr-defined]
 
     def _tracer(self) -> Callable[[Any, str, Any], None]:
         """The global trace function: the first frame of each user code object is scanned (it
@@ -1414,6 +1417,17 @@ def _recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
     if rec is not None:
         rec._ignored.add(id(vars(self)))
     _ORIGINAL["init"](self, *args, **kwargs)
+
+
+def _recording_reconstruct(*args: Any, **kwargs: Any) -> Any:
+    # ``copy.copy`` and ``copy.deepcopy`` of an object (``copy._reconstruct``, which both call)
+    # make it without its ``__init__``: a copy the run makes is fn's own as well (a config
+    # copied, then trimmed, inside a forward: its attributes are no guard's).
+    made = _ORIGINAL["reconstruct"](*args, **kwargs)
+    rec = _recorder()
+    if rec is not None and _is_plain(made):
+        rec._made.add(id(made))
+    return made
 
 
 def _recording_setattr(self: Any, name: str, value: Any) -> None:

@@ -1414,3 +1414,43 @@ def test_a_torch_function_mode_around_calls_gives_eager_answers(captured: str) -
     with _DoubledTanh():
         doubled = f(x)
     assert not torch.allclose(doubled, f(x)), "the mode does not change eager's answer"
+
+
+class _CopiedCfg:
+    """A config whose copy a step makes, reads through a method, and trims (as Hugging Face's
+    ``get_text_config`` copies and trims a config inside a forward)."""
+
+    def __init__(self) -> None:
+        self.scale, self.extra = 2.0, 1.0
+
+    def value(self) -> float:
+        return self.scale + self.extra
+
+
+G_COPIED = _CopiedCfg()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy"])
+def test_an_object_the_step_copies_is_its_own_not_guarded(how: str) -> None:
+    """A copy made during the run (``copy.deepcopy``/``copy.copy`` run no ``__init__``) is fn's
+    own, as an object its ``__init__`` makes is: what the run reads of it and then changes is
+    no guard's (before: "fn changes a Python value it reads (_CopiedCfg.extra: 1.0 -> <gone>)",
+    T5 with transformers 5.17 from a source checkout). The original stays guarded."""
+    import copy
+
+    make = copy.deepcopy if how == "deepcopy" else copy.copy
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        c = make(G_COPIED)
+        v = c.value()
+        del c.extra
+        return x * v
+
+    G_COPIED.scale = 2.0
+    exe = flowexec.compile(fn)
+    x = torch.ones(3)
+    torch.testing.assert_close(exe(x), fn(x))
+    G_COPIED.scale = 5.0
+    with pytest.warns(flowexec.RecaptureWarning, match="scale"):
+        torch.testing.assert_close(exe(x), fn(x))
+    G_COPIED.scale = 2.0
