@@ -1121,8 +1121,9 @@ class Recorder:
             torch.nn.Module.__getattr__ = _recording_getattr  # type: ignore[method-assign]
             _ORIGINAL["init"] = torch.nn.Module.__init__
             torch.nn.Module.__init__ = _recording_init  # type: ignore[method-assign]
-            _ORIGINAL["reconstruct"] = copy._reconstruct  # type: ignore[attr-defined]
-            copy._reconstruct = _recording_reconstruct  # type: ignore[attr-defined]
+            if hasattr(copy, "_reconstruct"):  # (the standard library's private helper: checked)
+                _ORIGINAL["reconstruct"] = copy._reconstruct  # type: ignore[attr-defined]
+                copy._reconstruct = _recording_reconstruct  # type: ignore[attr-defined]
         # Before Python 3.12, a global trace function sees each Python frame once, when it starts
         # (returning None leaves the frame untraced): a profile function would also see every C
         # call and return, which doubled the capture time of a transformer block. A tracer the
@@ -1158,7 +1159,8 @@ class Recorder:
             torch.nn.Module.__setattr__ = _ORIGINAL.pop("setattr")  # type: ignore[method-assign]
             torch.nn.Module.__getattr__ = _ORIGINAL.pop("getattr")  # type: ignore[method-assign]
             torch.nn.Module.__init__ = _ORIGINAL.pop("init")  # type: ignore[method-assign]
-            copy._reconstruct = _ORIGINAL.pop("reconstruct")  # type: ignore[attr-defined]
+            if "reconstruct" in _ORIGINAL:
+                copy._reconstruct = _ORIGINAL.pop("reconstruct")  # type: ignore[attr-defined]
 
     def _tracer(self) -> Callable[[Any, str, Any], None]:
         """The global trace function: the first frame of each user code object is scanned (it
