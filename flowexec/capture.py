@@ -53,7 +53,7 @@ from .signature import output_tree
 from .snapshot import DeviceRoom, HostSnapshot
 from .fake_run import cuda_in_use, is_fake_tensor, quiet_fake_mode, register_fake_optimizer_kernels, runs_for_real
 from .rng import install as install_rng_ops, lower_rng_hops
-from .storage import shared_storage, storage_key
+from .storage import shared_storage, storage_id, storage_key
 
 # What a capture records for its calls to check: nothing (False), guards and fed hyperparameters
 # with gradients as inputs (True, an Executable's), or only the guards of what it read ("reads",
@@ -443,14 +443,6 @@ def _alive_in(refs: dict[int, weakref.ref], t: Any) -> bool:
     return ref is not None and ref() is t
 
 
-def _storage_id(t: torch.Tensor) -> int:
-    """One number per storage, fake tensors' too (their views share it)."""
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return -id(t)
-
-
 class _CaptureGuard(TorchDispatchMode):
     """Sits above make_fx's proxy mode during the capture run.
 
@@ -476,7 +468,7 @@ class _CaptureGuard(TorchDispatchMode):
         self.sources: list[tuple[Any, str]] = []  # (op, "file:line") in dispatch order
         # Tensors the run made from constants alone (factories, then ops on such tensors): the
         # only ones whose host read has the same answer on every call. id -> the tensor, weakly;
-        # and their ids by storage (_storage_id), since a write of the call's values into a
+        # and their ids by storage (storage_id), since a write of the call's values into a
         # storage ends every view of it being one (``mask[:3] = x[:3] > 0`` then ``mask.all()``:
         # the call's value, not the capture's). (Not a set of written storages: a freed one's
         # address comes back for a new storage, whose constants it would have refused.)
@@ -498,7 +490,7 @@ class _CaptureGuard(TorchDispatchMode):
         # identity checked, since a dead fake's id is reused by a later one (a stale entry then
         # kept a new fake's twin from being recorded, or answered its host read with another's)
         self._folded_twins: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-        self._folded_storages: set[int] = set()  # their fakes' (_storage_id)
+        self._folded_storages: set[int] = set()  # their fakes' (storage_id)
         self.backward_seen = False  # an op of an autograd backward has run (snapshot.DeviceRoom.open)
         # torch.Generator objects of fn's own that random ops draw from: id -> (generator, its
         # state at the first draw, its state after the last). The default generators are saved
@@ -515,23 +507,23 @@ class _CaptureGuard(TorchDispatchMode):
             return True
         held = self.created_storages.get(key)
         made = None if held is None else held()
-        return made is not None and _storage_id(made) == _storage_id(t)
+        return made is not None and storage_id(made) == storage_id(t)
 
     def is_constant(self, t: torch.Tensor) -> bool:
         return _alive_in(self.constant, t)
 
     def _make_constant(self, t: torch.Tensor) -> None:
         self.constant[id(t)] = weakref.ref(t)
-        self._constants_on.setdefault(_storage_id(t), []).append(id(t))
+        self._constants_on.setdefault(storage_id(t), []).append(id(t))
 
     def _written_with_call_values(self, t: torch.Tensor) -> None:
         """No tensor on ``t``'s memory is a constant any more (its views and base: one memory)."""
         self.constant.pop(id(t), None)
-        where = _storage_id(t)
+        where = storage_id(t)
         for k in self._constants_on.pop(where, ()):
             ref = self.constant.get(k)
             c = None if ref is None else ref()
-            if c is not None and _storage_id(c) == where:  # (a live one: on this very storage)
+            if c is not None and storage_id(c) == where:  # (a live one: on this very storage)
                 del self.constant[k]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -620,7 +612,7 @@ class _CaptureGuard(TorchDispatchMode):
             elif isinstance(a, torch.Generator):
                 gens.append(a)
                 self._before_draw(a, func)
-        if not from_constants and self._folded_storages and any(_storage_id(t) in self._folded_storages
+        if not from_constants and self._folded_storages and any(storage_id(t) in self._folded_storages
                                                                 for t in written):
             # (fn holds the twin, which this write would leave stale: a real run decides)
             raise RuntimeError(f"{func} writes values of the call into a tensor made from constants")
@@ -732,7 +724,7 @@ class _CaptureGuard(TorchDispatchMode):
             r = twins[id(o)]
             self.folded[id(r)] = (weakref.ref(r), o)
             self._folded_twins[id(o)] = (weakref.ref(o), weakref.ref(r))
-            self._folded_storages.add(_storage_id(o))
+            self._folded_storages.add(storage_id(o))
             self.created[id(r)] = weakref.ref(r)
             self._make_constant(r)
         return pytree.tree_map(lambda o: twins[id(o)] if isinstance(o, torch.Tensor) else o, out)

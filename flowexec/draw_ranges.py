@@ -31,15 +31,20 @@ Example::
 """
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 
+from .storage import storage_id
+
 __all__ = ["DrawRanges"]
 
 _aten = torch.ops.aten
+
+
+def _unit(args: tuple, kwargs: dict) -> tuple[float, float]:
+    return 0.0, 1.0
 
 
 def _bounds_of_uniform(args: tuple, kwargs: dict) -> tuple[float, float]:
@@ -50,9 +55,9 @@ def _bounds_of_uniform(args: tuple, kwargs: dict) -> tuple[float, float]:
 
 # Random draws of a known closed interval: op -> bounds from its arguments.
 _DRAWS: dict[Any, Callable[[tuple, dict], tuple[float, float]]] = {
-    _aten.rand.default: lambda a, k: (0.0, 1.0),
-    _aten.rand.generator: lambda a, k: (0.0, 1.0),
-    _aten.rand_like.default: lambda a, k: (0.0, 1.0),
+    _aten.rand.default: _unit,
+    _aten.rand.generator: _unit,
+    _aten.rand_like.default: _unit,
     _aten.uniform_.default: _bounds_of_uniform,
     _aten.uniform.default: _bounds_of_uniform,
 }
@@ -65,13 +70,6 @@ _COMPARES: dict[Any, tuple[Callable[..., bool], Callable[..., bool]]] = {
     _aten.gt.Scalar: (lambda lo, hi, c: lo > c, lambda lo, hi, c: hi <= c),
     _aten.ge.Scalar: (lambda lo, hi, c: lo >= c, lambda lo, hi, c: hi < c),
 }
-
-
-def _storage_of(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return -id(t)
 
 
 class DrawRanges:
@@ -89,7 +87,7 @@ class DrawRanges:
         """After op ``func`` ran: forget what its writes overwrote, then keep a draw's interval
         or a settled comparison's answer."""
         if written and self._known:
-            hit = {_storage_of(t) for t in written}
+            hit = {storage_id(t) for t in written}
             for k in [k for k, (_, _, s) in self._known.items() if s in hit]:
                 del self._known[k]
         draw = _DRAWS.get(func)
@@ -111,9 +109,9 @@ class DrawRanges:
             self._keep(out, False)
 
     def _keep(self, t: torch.Tensor, what: Any) -> None:
-        self._known[id(t)] = (weakref.ref(t), what, _storage_of(t))
+        self._known[id(t)] = (weakref.ref(t), what, storage_id(t))
 
     def answer(self, t: Any) -> bool | None:
         """The value of a one-element comparison the draws' intervals settled, else None."""
         got = self._get(t)
-        return got if isinstance(got, bool) and operator.index(t.numel()) == 1 else None
+        return got if isinstance(got, bool) and t.numel() == 1 else None

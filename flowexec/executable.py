@@ -462,18 +462,17 @@ class Executable:
                                   "miss writes made through the other)", stacklevel=5)
                     continue
                 borrow[k] = True
-            plain, failed = runner, ""
+            plain = runner
             try:
                 runner = GraphVariants(capture_runner, targs, borrow)
             except CopyInMissing:  # torch copied an input with a kernel: the buffer per input instead
                 runner = None
-            except Exception as e:  # noqa: BLE001 (CUDA's refusal: a RuntimeError or torch.AcceleratorError)
+            except RuntimeError as e:  # (torch.AcceleratorError is one)
                 if not graph_capture_failed(e):
                     raise
-                runner, failed = plain, str(e).splitlines()[0]
-            if failed:  # (a graph of this program cannot be made: run it as traced, as eager does)
-                warnings.warn(f"flowexec: the CUDA graph capture of this call's program failed ({failed}); calls "
-                              "with this signature run in trace mode", stacklevel=5)
+                runner = plain  # (no graph of this program can be made: it runs as traced, as eager does)
+                warnings.warn(f"flowexec: the CUDA graph capture of this call's program failed "
+                              f"({str(e).splitlines()[0]}); calls with this signature run in trace mode", stacklevel=5)
             if runner is None:  # (outside the handler: its traceback would hold the failed graph)
                 del plan, run, hooks, node, capture_runner
                 return self._plan_and_lower(cap, args, tree, paths, t0, copy_in=False, mode=mode)

@@ -28,6 +28,15 @@ def storage_key(t: Any) -> int:
         return 0
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """One number per storage, fake tensors' too (their views share it), where
+    :func:`storage_key` has none for a fake tensor: what a capture's run tracks its writes by."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return -id(t)
+
+
 def storage_groups(tensors: Sequence[tuple[Any, Any]]) -> list[list[Any]]:
     """The keys of ``(key, tensor)`` pairs grouped by the storage their tensors use, in the order
     first seen; a tensor without a real storage is a group of its own."""

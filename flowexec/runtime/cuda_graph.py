@@ -174,8 +174,8 @@ def graph_capture_failed(e: BaseException) -> bool:
     >>> graph_capture_failed(RuntimeError("CUDA out of memory"))
     False
     """
-    first = str(e).splitlines()[0].lower() if str(e) else ""
-    return isinstance(e, (RuntimeError, getattr(torch, "AcceleratorError", RuntimeError))) and "captur" in first
+    lines = str(e).splitlines()  # (torch.AcceleratorError is a RuntimeError)
+    return isinstance(e, RuntimeError) and bool(lines) and "captur" in lines[0].lower()
 
 
 class CudaGraphRunner:
