@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence, Union
 
 import torch
 import torch.fx as fx
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.optim import optimizer as _optimizer
@@ -435,6 +436,11 @@ class _NonDispatchReads(torch.overrides.TorchFunctionMode):
 
 _DEVICE_QUERY = torch.ops.prim.device.default
 
+# ``t.set_(storage, ...)``: a graph cannot hold a storage as an argument. cuDNN's RNNs call it
+# on the parameters' storage (their packed weight buffer: ``try_get_weight_buf``, inside
+# ``torch.nn.LSTM``/``GRU``/``RNN`` on CUDA), as may fn itself.
+_SET_FROM_STORAGE = (torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset)
+
 
 def _alive_in(refs: dict[int, weakref.ref], t: Any) -> bool:
     """Whether ``refs`` (id -> weak reference) holds ``t`` itself, not a dead object whose id
@@ -456,6 +462,7 @@ class _CaptureGuard(TorchDispatchMode):
         self.undo = HostSnapshot(device_room=DeviceRoom(open=False))
         self._saved: set[tuple[int, int, tuple, tuple]] = set()
         self.created: dict[int, weakref.ref] = {}
+        self.placeholders: list[weakref.ref] = []  # the graph's inputs (fn's tensors and the gradients)
         # Storages the run allocated: address -> a tensor the run made there, weakly (a storage
         # that existed before the run keeps its address while the run holds it). A view the run
         # made of a tensor that existed before, such as ``buf.view(-1)[:2]``, is created but its
@@ -526,12 +533,37 @@ class _CaptureGuard(TorchDispatchMode):
             if c is not None and storage_id(c) == where:  # (a live one: on this very storage)
                 del self.constant[k]
 
+    def _tensor_on(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The tensor that ``set_(storage, offset, size, stride)`` makes of ``storage``: where a
+        value of the run or an input is on that storage, ``as_strided`` of it (a graph op, so
+        each call views its own memory); else it is fn's state (the parameters', for cuDNN), and
+        the view is state that the program reads in place, as it reads a parameter."""
+        t, storage = args[0], args[1]
+        if func is torch.ops.aten.set_.source_Storage:
+            offset, size, stride = 0, [storage.nbytes() // t.element_size()], []
+        else:
+            bound = dict(zip(("storage_offset", "size", "stride"), args[2:]), **kwargs)
+            offset, size, stride = bound["storage_offset"], list(bound["size"]), list(bound.get("stride", []))
+        stride = stride or list(make_contiguous_strides_for(size))  # (set_'s default)
+        owner = next((o for ref in itertools.chain(self.created.values(), self.placeholders)
+                      if (o := ref()) is not None and storage_id(o) == storage._cdata), None)
+        if owner is None and storage.device.type != "meta":  # (a fake run takes it for a constant)
+            with _disable_current_modes():
+                owner = torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage)
+        if owner is None or owner.dtype != t.dtype:
+            raise RuntimeError(f"{func}: a storage that no tensor of dtype {t.dtype} of the run is on")
+        return self.__torch_dispatch__(torch.ops.aten.as_strided.default, (type(owner),),
+                                       (owner, size, stride, offset))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
             # ``t.device`` of a fake tensor (two in three of a fake GPT-2 step's dispatches): it
             # reads no value, writes nothing and makes no node; nor is it the op whose source
             # line the next node takes.
             return func(*args, **(kwargs or {}))
+        if func in _SET_FROM_STORAGE:  # recorded as ``set_`` from a tensor on that memory
+            return self.__torch_dispatch__(torch.ops.aten.set_.source_Tensor, types,
+                                           (args[0], self._tensor_on(func, args, kwargs or {})))
         kwargs = kwargs or {}
         # The graph traces a folded twin's fake: each call makes the value anew. (``passed`` keeps
         # the twins fn passed alive until the op is done: they are held weakly, and this op's
@@ -982,6 +1014,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         parkable = ()  # (a fake run allocates no activations: the gradients can stay)
 
     def traced(*tensors: torch.Tensor) -> Any:
+        guard.placeholders = [weakref.ref(t) for t in tensors]
         if fake:  # fn reaches the gradients through p.grad: the fake placeholders stand there
             for p, g in zip(grad_params, tensors[len(tensor_pos):]):
                 p.grad = g

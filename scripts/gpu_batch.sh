@@ -130,6 +130,10 @@ for step in "$@"; do
                  --out "$R" ;;  # models no issue names: eager against flowexec, every parameter
     sweep-graph) run_step $step 300 python3 benchmarks/probes/model_sweep.py --device cuda --variants graph,graph_fused \
                  --out "$R" ;;  # models no issue names in graph mode, fused and not (~150 s on an H100)
+    rnn-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
+                 tests/gpu/test_core_gpu.py -k recurrent --junitxml="$R/$step.xml" ;;  # cuDNN's GRU and LSTM captured
+    sweep-trace) run_step $step 400 python3 benchmarks/probes/model_sweep.py --device cuda --variants trace,backend_graph \
+                 --out "$R" ;;  # models no issue names in trace mode and through the backend
     random-stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py tests/gpu/test_training_gpu.py --junitxml="$R/$step.xml" ;;
     regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default

@@ -458,3 +458,58 @@ def test_a_tensor_of_constants_at_a_freed_written_storage_s_address_is_still_a_c
         exe = flowexec.compile(f, torch.ones(4), mode="trace")
         assert exe.capture_run == ("fake" if fake else "real")
         torch.testing.assert_close(exe(torch.full((4,), 2.0)), f(torch.full((4,), 2.0)))
+
+
+def _flat_pair(flat: torch.Tensor) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """Two parameters on one storage, as an RNN's flattened weights are."""
+    return torch.nn.Parameter(flat[:8].view(2, 4)), torch.nn.Parameter(flat[8:])
+
+
+@pytest.mark.parametrize("fake", [True, False])
+def test_set_from_a_storage_views_what_is_on_it_at_each_call(fake, monkeypatch) -> None:
+    """``t.set_(storage, ...)`` (cuDNN's RNNs call it on their packed weights) is recorded as a
+    view of whatever is on that storage: a parameter's memory is read in place, as the
+    parameter is, and an input's or a value's is viewed anew at each call. fx cannot hold a
+    storage as an argument: the capture failed with "argument of type: UntypedStorage"."""
+    monkeypatch.setattr(capture, "_FAKE_CAPTURE", fake)
+    torch.manual_seed(0)
+    flat = torch.randn(12)
+
+    def make():
+        w, b = _flat_pair(flat.clone())
+        opt = torch.optim.SGD([w, b], lr=0.1)
+
+        def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            opt.zero_grad()
+            whole = torch.empty(0).set_(w.untyped_storage())  # both parameters, flat
+            tail = torch.empty(0).set_(b.untyped_storage(), 8, (2, 2))  # b, through the storage
+            y = x * 2
+            on_y = torch.empty(0).set_(y.untyped_storage(), 1, (3,), (2,))  # a value of the run
+            on_x = torch.empty(0).set_(x.untyped_storage())  # the call's input
+            loss = ((x @ whole[:8].view(4, 2)).sum(1) * tail.flatten()[:3]).pow(2).sum() + on_y.sum()
+            (loss + b.sum()).backward()
+            opt.step()
+            return loss.detach(), on_x * 3
+        return step, (w, b)
+
+    eager, ref = make()
+    step, params = make()
+    exe = flowexec.compile(step, mode="trace")
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        for got, want in zip(exe(x), eager(x)):
+            torch.testing.assert_close(got, want)
+    assert exe.capture_run == ("fake" if fake else "real")
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p, q)
+
+
+def test_set_from_a_storage_no_tensor_of_its_dtype_is_on_says_so() -> None:
+    """A storage viewed as another dtype than any tensor of the run on it has: refused, naming
+    the op (flowexec views a storage through a tensor on it)."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return torch.empty(0, dtype=torch.int32).set_(y.untyped_storage()) + 1
+
+    with pytest.raises(flowexec.CaptureError, match="no tensor of dtype torch.int32 of the run is on"):
+        flowexec.compile(f, mode="trace")(torch.randn(4))

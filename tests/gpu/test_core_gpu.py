@@ -369,13 +369,13 @@ def test_checkpointed_dropout_trains_like_eager_on_cuda(mode: str) -> None:
     assert bool(said) == (mode == "graph")
 
 
-@pytest.mark.xfail(strict=True, reason="H200, 2cea1de: cuDNN's RNN path hands make_fx an UntypedStorage "
-                   "(its packed weights): CaptureError 'argument of type UntypedStorage' on CUDA")
 @pytest.mark.parametrize("mode", ["trace", "graph"])
 @pytest.mark.parametrize("rnn", ["gru", "lstm2"])
 def test_recurrent_models_train_like_eager_on_cuda(rnn: str, mode: str) -> None:
     """cuDNN's RNN kernels on CUDA (on the CPU: GRU's unsafe_split, LSTM's grad-mode workspace,
-    tests/test_core.py and tests/test_memory.py)."""
+    tests/test_core.py and tests/test_memory.py). cuDNN views its packed weights with
+    ``set_(storage)``, which the capture refused until it recorded it as a view of the
+    parameters (tests/test_fake_capture.py)."""
     from helpers import assert_rnn_trains_like_eager
 
     torch.manual_seed(0)
