@@ -45,7 +45,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .errors import CaptureError, InputError
-from .guards import GuardSet, Recorder, global_names, hook_guards, state_guard, optimizer_guards, user_code
+from .guards import (GuardSet, Recorder, global_names, hook_guards, library_function_guards, state_guard,
+                     optimizer_guards, user_code)
 from .draw_ranges import DrawRanges
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
 from .parking import ParkedGrads, held_by_grad_alone
@@ -422,11 +423,13 @@ class _NonDispatchReads(torch.overrides.TorchFunctionMode):
 
     _READS = (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__)
 
-    def __init__(self, guard: "_CaptureGuard") -> None:
+    def __init__(self, guard: "_CaptureGuard", called: set) -> None:
         super().__init__()
         self.guard = guard
+        self.called = called  # (Recorder.torch_functions)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.called.add(func)
         if func in self._READS and args and isinstance(args[0], torch.Tensor):
             if not self.guard.is_constant(self.guard.traced_values(args[0])):
                 raise RuntimeError(f"{func.__name__}: data-dependent host read of a tensor whose value can change "
@@ -1033,7 +1036,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             return t
 
         hooked = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if saved_hooks else contextlib.nullcontext()
-        with guard, hooked, recorder, lifter, lifter.rewrite_mode(), _NonDispatchReads(guard):
+        with guard, hooked, recorder, lifter, lifter.rewrite_mode(), _NonDispatchReads(guard, recorder.torch_functions):
             out = fn(*full)
         # The graph returns a flat list: fn's containers (dict, namedtuple, ...) are rebuilt
         # around the outputs per call, so the graph never records their constructors.
@@ -1299,7 +1302,7 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
     for opt in lifter.optimizers:
         for g in optimizer_guards(opt, rec.name_of(opt, type(opt).__name__), lifter.lifted_keys(opt)):
             rec.add(g)
-    for g in hook_guards():
+    for g in (*hook_guards(), *library_function_guards(rec.torch_functions)):
         rec.add(g)
     rec.add(state_guard())
     return GuardSet(tuple(rec.guards.values()), feeds, replays, reads.cleared_grads, tuple(rec.unguarded))
@@ -1318,7 +1321,7 @@ def read_guards(reads: _Reads, prog: Program) -> GuardSet:
     _refuse_lost_writes(rec)
     _use_leaves(reads)
     rec.tensor_guards(prog.state.values(), (), grads=False)
-    for g in hook_guards():
+    for g in (*hook_guards(), *library_function_guards(rec.torch_functions)):
         rec.add(g)
     rec.add(state_guard())
     return GuardSet(tuple(rec.guards.values()), None, replays, unguarded=tuple(rec.unguarded))

@@ -278,6 +278,41 @@ def hook_guards() -> list[Guard]:
     return out
 
 
+# Python modules whose functions torch's own code looks up at each call: ``nn.GELU.forward``
+# calls ``F.gelu``, ``F.layer_norm`` calls ``torch.layer_norm``; no frame scan sees those reads.
+# Their entries as flowexec found them: one replaced since is a patch (below).
+_LOOKED_UP = {name: dict(vars(sys.modules[name])) for name in ("torch.nn.functional", "torch")}
+
+
+def library_function_guards(called: Iterable[Any]) -> list[Guard]:
+    """Identity guards on the entries of torch's function modules that a run may have read:
+    those of the functions it called through torch function dispatch, and every entry replaced
+    since flowexec was imported (a patch is a user function, which no dispatch reports). So
+    ``F.gelu = patched`` between calls captures again, and so does putting it back, as eager
+    then runs what the entry holds. Rooted at each module's globals, as a global's guard is.
+
+    >>> import torch.nn.functional as F
+    >>> [g.name for g in library_function_guards([F.gelu, len])]
+    ['torch.nn.functional.gelu']
+    """
+    called_ids = {id(f) for f in called}
+    out = []
+    for modname, found in _LOOKED_UP.items():
+        d = vars(sys.modules[modname])
+        patched = {n for n, v in d.items() if found.get(n, v) is not v and not _own_code(v)}
+        for name in {getattr(f, "__name__", None) for f in called} | patched:
+            v = d.get(name, _MISSING) if isinstance(name, str) else _MISSING
+            if v is not _MISSING and (id(v) in called_ids or name in patched):
+                out.append(Guard(f"{modname}.{name}", d, (("item", name),), v, "is"))
+    return out
+
+
+def _own_code(v: Any) -> bool:
+    """Whether ``v`` is a function of flowexec's (rng.install's routing of ``torch.manual_seed``)."""
+    code = getattr(v, "__code__", None)
+    return isinstance(code, types.CodeType) and code.co_filename.startswith(_OWN_DIR)
+
+
 def state_guard() -> Guard:
     """The guard on :func:`global_state`."""
     return Guard("torch global state (grad mode, autocast cpu/cuda and dtypes, default dtype, "
@@ -674,6 +709,8 @@ class Recorder:
     _objects: list[Any] = field(default_factory=list)  # keeps ids in `guards` / `names` valid
     # what fn used whole that no guard covers (_unguarded): GuardSet.unguarded
     unguarded: list[str] = field(default_factory=list)
+    # the functions the run called through torch function dispatch (library_function_guards)
+    torch_functions: set = field(default_factory=set)
 
     # -- set-up: names for the objects fn reaches, and its parameters' grads --
     def __post_init__(self) -> None:

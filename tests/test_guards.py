@@ -276,6 +276,22 @@ def _patched_function_case() -> tuple:
             lin)
 
 
+def _patched_inside_torch_case(when: str) -> Callable[[], tuple]:
+    """``nn.GELU`` looks ``F.gelu`` up in torch's module at each call, which no frame scan of
+    the user's code sees: between calls the function there is replaced ("patched"), or a
+    replacement made before the capture is put back ("restored"), which no dispatch reports."""
+    def make() -> tuple:
+        _unpatch()
+        torch.manual_seed(0)
+        lin, act = torch.nn.Linear(4, 4), torch.nn.GELU()
+        tanh = (lambda t, approximate="none": torch.tanh(t))
+        if when == "restored":
+            _patch(F, "gelu", tanh)
+        change = _unpatch if when == "restored" else (lambda: _patch(F, "gelu", tanh))
+        return (lambda x: act(lin(x))), change, lin
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _unpatch_linear() -> Any:
     yield
@@ -544,6 +560,8 @@ CASES: dict[str, Callable[[], tuple]] = {
     "forward set on the instance": _method_case("instance"),
     "torch module's forward patched": _method_case("torch"),
     "torch function patched, called through its module": _patched_function_case,
+    "torch function patched where torch's module reads it": _patched_inside_torch_case("patched"),
+    "torch function put back where torch's module reads it": _patched_inside_torch_case("restored"),
     "plain object's method replaced on its class": _plain_method_case("class"),
     "plain object's method set on the instance": _plain_method_case("instance"),
     "class namespace read with getattr": _namespace_case("class"),
