@@ -827,9 +827,35 @@ def _optimizer_frame(tb: Any) -> traceback.FrameSummary | None:
     return frames[lib[-1]]
 
 
+def _rnn_hint(tb: Any) -> str | None:
+    """What to do where torch's RNN module read a tensor on the host: a packed sequence's
+    lengths (they decide its shapes), or cuDNN's dropout between layers, which seeds a random
+    state of its own from the generator on the host after every ``manual_seed``."""
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith(os.path.join("torch", "nn", "modules", "rnn.py")) \
+                and frame.f_code.co_name == "forward":
+            here, module = frame.f_locals, frame.f_locals.get("self")
+            name = type(module).__name__
+            if here.get("batch_sizes") is not None:
+                return (f"{name} over a PackedSequence: its lengths decide the shapes on the host, which one static "
+                        "program cannot capture. Pad the batch to one length (and mask the padding), or compile with "
+                        "torch.compile(fn, backend=\"flowexec\").")
+            if getattr(module, "dropout", 0) and getattr(module, "training", False):
+                return (f"{name}(dropout={module.dropout}) in training: cuDNN's dropout between layers seeds a random "
+                        "state of its own from the generator on the host (after every manual_seed), which no program "
+                        "can repeat. Set dropout=0 and put nn.Dropout between single-layer RNNs, or compile with "
+                        "torch.compile(fn, backend=\"flowexec\").")
+        tb = tb.tb_next
+    return None
+
+
 def _host_read_hint(tb: Any) -> str:
     """What to use instead, where a library (not the user) read a tensor on the host."""
     f = _optimizer_frame(tb)
+    rnn = _rnn_hint(tb)
+    if f is None and rnn:
+        return rnn
     if f is None:
         frames = traceback.extract_tb(tb)
         if frames and any("/torch/nn/modules/batchnorm.py" in g.filename and "num_batches_tracked" in (g.line or "")

@@ -614,6 +614,24 @@ def test_batch_norm_with_a_cumulative_average_says_what_to_do() -> None:
         flowexec.compile(lambda x: m(x).sum(), torch.randn(8, 4))
 
 
+def test_an_rnn_over_a_packed_sequence_says_what_to_do() -> None:
+    """The lengths of a PackedSequence decide the RNN's shapes on the host: refused, saying to
+    pad or to use the backend (whose graph breaks run it, and which then equals eager)."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 8, batch_first=True)
+
+    def f(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out, _ = lstm(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+        return pad_packed_sequence(out, batch_first=True)[0].square().mean()
+
+    x, lengths = torch.randn(3, 5, 4), torch.tensor([5, 3, 2])
+    with pytest.raises(flowexec.CaptureError, match="LSTM over a PackedSequence: its lengths decide the shapes"):
+        flowexec.compile(f, mode="trace")(x, lengths)
+    torch.testing.assert_close(torch.compile(f, backend="flowexec")(x, lengths), f(x, lengths))
+
+
 def test_sparse_gradients_are_refused_saying_what_to_do() -> None:
     """nn.Embedding(sparse=True) failed deep in the capture with torch's "Cannot access storage
     of SparseTensorImpl"."""
