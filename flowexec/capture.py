@@ -49,6 +49,7 @@ from .guards import (GuardSet, Recorder, global_names, hook_guards, library_func
                      optimizer_guards, user_code)
 from .draw_ranges import DrawRanges
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
+from .list_returns import flatten_list_returns
 from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
@@ -1381,6 +1382,7 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
     ``getitem`` on multi-output ops folds into the producing op, profiler markers are dropped.
     """
     lower_rng_hops(gm)  # (AOTAutograd's checkpointed draws: flowexec/rng.py)
+    flatten_list_returns(gm)  # (a tuple holding lists: cuDNN's RNN backward)
     values: list[Value] = []
     env: dict[fx.Node, Any] = {}  # node -> Ref | constant | ("multi", op_pos)
     ops: list[dict[str, Any]] = []
@@ -1475,7 +1477,7 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
             args = lookup(node.args)
             kwargs = lookup(node.kwargs)
             rets = target._schema.returns
-            multi = len(rets) > 1 or (len(rets) == 1 and str(rets[0].type).startswith(("Tensor[]", "List[Tensor]", "Tensor?[]")))
+            multi = len(rets) > 1 or (len(rets) == 1 and isinstance(rets[0].type, torch._C.ListType))
             record = {"target": target, "args": tuple(args), "kwargs": tuple(kwargs.items()),
                       "source": source_for(node), "unpack": multi}
             if multi:

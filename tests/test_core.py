@@ -603,3 +603,25 @@ def test_a_transformer_encoder_s_nested_fast_path_is_named_where_capture_cannot_
         got, want = exe(x, mask), f(x, mask)
         kept = ~mask.unsqueeze(-1).expand_as(want) if nested else torch.ones_like(want, dtype=torch.bool)
         torch.testing.assert_close(got[kept], want[kept])
+
+
+@pytest.mark.parametrize("mode", ["trace", "threaded"])
+def test_an_op_returning_lists_inside_a_tuple_is_unpacked(mode: str) -> None:
+    """An op whose results are a tuple holding lists (cuDNN's RNN backward: ``(dx, dhx, dcx,
+    dw[])``; here the functional fused Adam's five lists) runs as one op of a flat list
+    (flowexec/list_returns.py): the program's ops unpack one level, and the capture failed with
+    "unsupported call 'getitem'"."""
+    def f(p, g, m, v):
+        steps = [torch.ones(()) for _ in p]
+        out = torch.ops.aten._fused_adam.default(p, g, m, v, [], steps, lr=0.1, beta1=0.9, beta2=0.99,
+                                                 weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        return out[0][1] * 2, out[2][0] + out[3][0], out[4]
+
+    gen = torch.Generator().manual_seed(0)
+    args = [[torch.rand(3, generator=gen), torch.rand(4, generator=gen)] for _ in range(4)]
+    exe = flowexec.compile(f, mode=mode)
+    for _ in range(2):
+        got, want = exe(*args), f(*args)
+        torch.testing.assert_close(got[:2], want[:2])
+        assert got[2] == want[2] == []
+    assert any(op.target.name().startswith("flowexec::flat_aten__fused_adam") for op in exe.plan.program.ops)
