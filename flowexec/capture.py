@@ -842,11 +842,12 @@ def _rnn_hint(tb: Any) -> str | None:
                 return (f"{name} over a PackedSequence: its lengths decide the shapes on the host, which one static "
                         "program cannot capture. Pad the batch to one length (and mask the padding), or compile with "
                         "torch.compile(fn, backend=\"flowexec\").")
-            if getattr(module, "dropout", 0) and getattr(module, "training", False):
-                return (f"{name}(dropout={module.dropout}) in training: cuDNN's dropout between layers seeds a random "
-                        "state of its own from the generator on the host (after every manual_seed), which no program "
-                        "can repeat. Set dropout=0 and put nn.Dropout between single-layer RNNs, or compile with "
-                        "torch.compile(fn, backend=\"flowexec\").")
+            on_cuda = any(getattr(w, "is_cuda", False) for w in getattr(module, "_flat_weights", ()))
+            if on_cuda and getattr(module, "dropout", 0) and getattr(module, "training", False):
+                return (f"{name}(dropout={module.dropout}) in training on CUDA: cuDNN's dropout between layers "
+                        "seeds a random state of its own from the generator (on the host, after every manual_seed), "
+                        "which no program can repeat. Set dropout=0 and put nn.Dropout between single-layer RNNs, "
+                        "or compile with torch.compile(fn, backend=\"flowexec\").")
         tb = tb.tb_next
     return None
 
@@ -1159,7 +1160,9 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             reader = _optimizer_frame(e.__traceback__)
             err.retry_with_flag = not guard.read_under_flag and not (reader and "grad_scaler" in reader.filename)
             raise err from e
-        raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})") from e
+        hint = _rnn_hint(e.__traceback__)  # (cuDNN's dropout state: its generator is no graph argument)
+        raise CaptureError(f"cannot capture fn: {type(e).__name__}: {msg} (at {where or '<unknown>'})"
+                           f"{': ' + hint if hint else ''}") from e
     finally:
         settled = False
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import types
 import warnings
 import weakref
@@ -630,6 +631,35 @@ def test_an_rnn_over_a_packed_sequence_says_what_to_do() -> None:
     with pytest.raises(flowexec.CaptureError, match="LSTM over a PackedSequence: its lengths decide the shapes"):
         flowexec.compile(f, mode="trace")(x, lengths)
     torch.testing.assert_close(torch.compile(f, backend="flowexec")(x, lengths), f(x, lengths))
+
+
+def test_cudnn_rnn_dropout_refusal_says_what_to_do() -> None:
+    """cuDNN's dropout between an RNN's layers (CUDA, training) seeds a random state of its own
+    from the generator, on the host, after every manual_seed: no program can repeat it. On an
+    H100 (7b7a4c1) the capture failed there with fx's "argument of type: Generator" and no word
+    of why. The hint reads the RNN forward's frame, stood in for here by a function compiled as
+    torch's rnn.py (no cuDNN on this machine)."""
+    from flowexec.capture import _rnn_hint
+
+    ns: dict = {}
+    exec(compile("def forward(self, input, hx=None):\n    batch_sizes = None\n"
+                 "    raise NotImplementedError('argument of type: Generator')\n",
+                 os.path.join("site", "torch", "nn", "modules", "rnn.py"), "exec"), ns)
+
+    class LSTM:  # (what the hint reads of the module)
+        dropout, training = 0.1, True
+        _flat_weights = [torch.empty(0, device="meta")]
+
+    def hint_for(cuda: bool, training: bool) -> str | None:
+        LSTM.training = training
+        LSTM._flat_weights[0] = types.SimpleNamespace(is_cuda=cuda)
+        try:
+            ns["forward"](LSTM(), None)
+        except NotImplementedError as e:
+            return _rnn_hint(e.__traceback__)
+
+    assert "LSTM(dropout=0.1) in training on CUDA: cuDNN's dropout between layers" in hint_for(True, True)
+    assert hint_for(True, False) is None and hint_for(False, True) is None
 
 
 def test_sparse_gradients_are_refused_saying_what_to_do() -> None:
