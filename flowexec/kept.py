@@ -54,6 +54,7 @@ import torch
 
 from .guards import GuardSet, WeakAttrs, generated_code, global_names, is_scalar, user_code
 from .hyperparams import Feeds, FeedSlot
+from .list_returns import flat_op, flattened_from
 from .program import Op, Program, Ref, Role, TensorMeta, Value, map_nested
 from .storage import shared_storage
 from .verdict_cache import default_directory
@@ -328,7 +329,9 @@ class _Writer(pickle.Pickler):
         if isinstance(obj, (str, int, float, bool, bytes)) or obj is None:
             return None
         if isinstance(obj, torch._ops.OpOverload):
-            return ("op", obj._schema.name, obj._overloadname)
+            src = flattened_from(obj)  # (made in the process that loads it, from the op it flattens)
+            return ("flat", src._schema.name, src._overloadname) if src is not None else \
+                ("op", obj._schema.name, obj._overloadname)
         loc = self.r.loc(obj)
         if loc is not None:
             return ("obj", loc, identity(obj))
@@ -353,9 +356,10 @@ class _Reader(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         kind = pid[0]
-        if kind == "op":
+        if kind in ("op", "flat"):
             ns, name = pid[1].split("::", 1)
-            return getattr(getattr(getattr(torch.ops, ns), name), pid[2] or "default")
+            op = getattr(getattr(getattr(torch.ops, ns), name), pid[2] or "default")
+            return flat_op(op) if kind == "flat" else op
         if kind == "obj":
             obj = self.r.objects.get(pid[1], _MISSING)
             if obj is _MISSING:

@@ -70,6 +70,11 @@ def flat_op(target: torch._ops.OpOverload) -> torch._ops.OpOverload:
         return made
 
 
+def flattened_from(op: Any) -> torch._ops.OpOverload | None:
+    """The op that :func:`flat_op` made ``op`` of, or None (a kept program names that one)."""
+    return next((src for src, made in _MADE.items() if made is op), None)
+
+
 def flatten_list_returns(gm: fx.GraphModule) -> None:
     """Rewrite, in place, each call of an op that :func:`mixes_lists` to its :func:`flat_op`,
     and the ``getitem`` nodes that read its results to index the flat list."""

@@ -458,3 +458,15 @@ def test_a_loaded_program_checks_the_guards_it_was_kept_with(tmp_path, monkeypat
             assert again.kept.startswith("loaded "), again.kept
     assert warned[0] == "" and "clip: 1.0 -> 3.0" in warned[1] and "shift: 0.0 -> 0.5" in warned[2], warned
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+
+
+def test_a_flattened_op_is_kept_by_the_op_it_flattens() -> None:
+    """``flowexec::flat_<op>`` (list_returns.py) is made when a capture first needs it: a kept
+    program names the op it flattens, and the loading process makes it again."""
+    from flowexec import kept, list_returns
+
+    flat = list_returns.flat_op(torch.ops.aten._fused_adam.default)
+    pid = kept._Writer.persistent_id(None, flat)
+    assert pid == ("flat", "aten::_fused_adam", "default")
+    assert kept._Reader.persistent_load(None, pid) is flat
+    assert kept._Writer.persistent_id(None, torch.ops.aten.add.Tensor) == ("op", "aten::add", "Tensor")
