@@ -446,6 +446,17 @@ _DEVICE_QUERY = torch.ops.prim.device.default
 _SET_FROM_STORAGE = (torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset)
 
 
+def _within(t: torch.Tensor, offset: int, size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether the elements of the view (``offset``, ``size``, ``stride``) of ``t``'s storage
+    lie among those ``t`` itself spans (non-negative strides: ``set_``'s)."""
+    if any(int(n) == 0 for n in size):
+        return True
+    first, last = int(offset), int(offset) + sum((int(n) - 1) * int(s) for n, s in zip(size, stride))
+    low = t.storage_offset()
+    high = low + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else low - 1
+    return low <= first and last <= high
+
+
 def _alive_in(refs: dict[int, weakref.ref], t: Any) -> bool:
     """Whether ``refs`` (id -> weak reference) holds ``t`` itself, not a dead object whose id
     ``t`` took over."""
@@ -549,13 +560,21 @@ class _CaptureGuard(TorchDispatchMode):
             bound = dict(zip(("storage_offset", "size", "stride"), args[2:]), **kwargs)
             offset, size, stride = bound["storage_offset"], list(bound["size"]), list(bound.get("stride", []))
         stride = stride or list(make_contiguous_strides_for(size))  # (set_'s default)
-        owner = next((o for ref in itertools.chain(self.created.values(), self.placeholders)
-                      if (o := ref()) is not None and storage_id(o) == storage._cdata), None)
-        if owner is None and storage.device.type != "meta":  # (a fake run takes it for a constant)
-            with _disable_current_modes():
-                owner = torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage)
-        if owner is None or owner.dtype != t.dtype:
+        on = [o for ref in itertools.chain(self.created.values(), self.placeholders)
+              if (o := ref()) is not None and storage_id(o) == storage._cdata]
+        owner = next((o for o in on if o.dtype == t.dtype), None)
+        if owner is None and on:
             raise RuntimeError(f"{func}: a storage that no tensor of dtype {t.dtype} of the run is on")
+        if owner is None and storage.device.type != "meta" and storage.data_ptr() not in self.created_storages:
+            with _disable_current_modes():  # (fn's state; a fake run takes it for a constant)
+                owner = torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage)
+        if owner is None:  # (the run's memory, with no tensor of it left to view it through)
+            raise RuntimeError(f"{func}: a storage of the run that no live tensor is on")
+        if any(owner is ref() for ref in self.placeholders) and (func is torch.ops.aten.set_.source_Storage
+                                                                 or not _within(owner, offset, size, stride)):
+            # (an argument's storage beyond the argument: its size is no part of a call's signature)
+            raise RuntimeError(f"{func}: a view of an argument's storage past the argument itself; pass the "
+                               "tensor, or a view of it")
         return self.__torch_dispatch__(torch.ops.aten.as_strided.default, (type(owner),),
                                        (owner, size, stride, offset))
 

@@ -286,10 +286,12 @@ _LOOKED_UP = {name: dict(vars(sys.modules[name])) for name in ("torch.nn.functio
 
 def library_function_guards(called: Iterable[Any]) -> list[Guard]:
     """Identity guards on the entries of torch's function modules that a run may have read:
-    those of the functions it called through torch function dispatch, and every entry replaced
-    since flowexec was imported (a patch is a user function, which no dispatch reports). So
-    ``F.gelu = patched`` between calls captures again, and so does putting it back, as eager
-    then runs what the entry holds. Rooted at each module's globals, as a global's guard is.
+    those of the functions it called at the top of torch function dispatch (``F.layer_norm``,
+    not the ``torch.layer_norm`` that it calls in turn, which no mode sees), and every entry
+    that is a patch: replaced since flowexec was imported, or a function from outside torch
+    (a patch made before; no dispatch reports a user function). So ``F.gelu = patched`` between
+    calls captures again, and so does putting it back, as eager then runs what the entry holds.
+    Rooted at each module's globals, as a global's guard is.
 
     >>> import torch.nn.functional as F
     >>> [g.name for g in library_function_guards([F.gelu, len])]
@@ -299,12 +301,20 @@ def library_function_guards(called: Iterable[Any]) -> list[Guard]:
     out = []
     for modname, found in _LOOKED_UP.items():
         d = vars(sys.modules[modname])
-        patched = {n for n, v in d.items() if found.get(n, v) is not v and not _own_code(v)}
+        patched = {n for n, v in d.items() if (found.get(n, v) is not v or _foreign(n, v)) and not _own_code(v)}
         for name in {getattr(f, "__name__", None) for f in called} | patched:
             v = d.get(name, _MISSING) if isinstance(name, str) else _MISSING
             if v is not _MISSING and (id(v) in called_ids or name in patched):
                 out.append(Guard(f"{modname}.{name}", d, (("item", name),), v, "is"))
     return out
+
+
+def _foreign(name: str, v: Any) -> bool:
+    """Whether a public entry of torch's module is a function from outside torch (a patch made
+    before flowexec was imported; typing's names torch imports are not)."""
+    module = getattr(v, "__module__", None) or ""
+    return (callable(v) and not isinstance(v, (type, types.ModuleType)) and not name.startswith("_")
+            and not module.startswith(("torch", "typing")))
 
 
 def _own_code(v: Any) -> bool:

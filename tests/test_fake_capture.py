@@ -485,7 +485,7 @@ def test_set_from_a_storage_views_what_is_on_it_at_each_call(fake, monkeypatch) 
             tail = torch.empty(0).set_(b.untyped_storage(), 8, (2, 2))  # b, through the storage
             y = x * 2
             on_y = torch.empty(0).set_(y.untyped_storage(), 1, (3,), (2,))  # a value of the run
-            on_x = torch.empty(0).set_(x.untyped_storage())  # the call's input
+            on_x = torch.empty(0).set_(x.untyped_storage(), 4, (2, 4))  # the call's input, within it
             loss = ((x @ whole[:8].view(4, 2)).sum(1) * tail.flatten()[:3]).pow(2).sum() + on_y.sum()
             (loss + b.sum()).backward()
             opt.step()
@@ -504,12 +504,38 @@ def test_set_from_a_storage_views_what_is_on_it_at_each_call(fake, monkeypatch) 
         torch.testing.assert_close(p, q)
 
 
-def test_set_from_a_storage_no_tensor_of_its_dtype_is_on_says_so() -> None:
-    """A storage viewed as another dtype than any tensor of the run on it has: refused, naming
-    the op (flowexec views a storage through a tensor on it)."""
+@pytest.mark.parametrize("case,says", [
+    ("other dtype", "no tensor of dtype torch.int32 of the run is on"),
+    ("dead value", "a storage of the run that no live tensor is on"),
+    ("whole argument storage", "an argument's storage past the argument itself"),
+    ("past the argument", "an argument's storage past the argument itself")])
+def test_set_from_a_storage_a_program_cannot_view_is_refused(case, says) -> None:
+    """What ``set_(storage)`` cannot be recorded as: a storage viewed as a dtype no tensor of
+    the run on it has; the memory of a value of the run whose tensor is gone (it was taken for
+    state, and every call returned the capture's values); and an argument's storage past the
+    argument (its size is no part of a call's signature: a bigger storage did not capture again
+    and the program summed the capture's length)."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if case == "other dtype":
+            halves = (x * 2).view(torch.int16)
+            return torch.empty(0, dtype=torch.int32).set_(halves.untyped_storage()) + halves.sum()
+        if case == "dead value":
+            return torch.empty(0).set_((x * 2).untyped_storage()) + 1
+        if case == "whole argument storage":
+            return torch.empty(0).set_(x.untyped_storage()).sum()
+        return torch.empty(0).set_(x.untyped_storage(), 1, (4,)).sum()
+
+    with pytest.raises(flowexec.CaptureError, match=says):
+        flowexec.compile(f, mode="trace")(torch.arange(8.0)[:4])
+
+
+def test_set_from_a_storage_takes_a_tensor_of_its_dtype_on_it() -> None:
+    """Of the tensors of the run on a storage, one of the dtype set_ asks for (a float value
+    viewed as int32 beside it): it was refused where the first found had another dtype."""
     def f(x: torch.Tensor) -> torch.Tensor:
         y = x * 2
-        return torch.empty(0, dtype=torch.int32).set_(y.untyped_storage()) + 1
+        bits = y.view(torch.int32)
+        return torch.empty(0, dtype=torch.int32).set_(y.untyped_storage()) + bits
 
-    with pytest.raises(flowexec.CaptureError, match="no tensor of dtype torch.int32 of the run is on"):
-        flowexec.compile(f, mode="trace")(torch.randn(4))
+    x = torch.randn(4)
+    torch.testing.assert_close(flowexec.compile(f, mode="trace")(x), f(x))

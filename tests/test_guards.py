@@ -1472,3 +1472,24 @@ def test_an_object_the_step_copies_is_its_own_not_guarded(how: str) -> None:
     with pytest.warns(flowexec.RecaptureWarning, match="scale"):
         torch.testing.assert_close(exe(x), fn(x))
     G_COPIED.scale = 2.0
+
+
+def test_a_patch_made_before_flowexec_was_imported_is_guarded(monkeypatch) -> None:
+    """A torch function patched before flowexec's import sits in the entries flowexec found, and
+    no dispatch reports it (a user function): only its being a function from outside torch
+    marks it. Putting torch's back after a capture captured nothing again before."""
+    import flowexec.guards as guards
+
+    original = F.gelu
+    patched = (lambda t, approximate="none": torch.tanh(t))
+    monkeypatch.setattr(F, "gelu", patched)
+    monkeypatch.setitem(guards._LOOKED_UP["torch.nn.functional"], "gelu", patched)  # (as found at import)
+    torch.manual_seed(0)
+    lin, act = torch.nn.Linear(4, 4), torch.nn.GELU()
+    exe = flowexec.compile(lambda x: act(lin(x)))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(exe(x), act(lin(x)))
+    monkeypatch.setattr(F, "gelu", original)
+    with pytest.warns(flowexec.RecaptureWarning, match="torch.nn.functional.gelu"):
+        got = exe(x)
+    torch.testing.assert_close(got, act(lin(x)))
