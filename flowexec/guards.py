@@ -286,9 +286,9 @@ _LOOKED_UP = {name: dict(vars(sys.modules[name])) for name in ("torch.nn.functio
 
 def library_function_guards(called: Iterable[Any]) -> list[Guard]:
     """Identity guards on the entries of torch's function modules that a run may have read:
-    those of the functions it called at the top of torch function dispatch (``F.layer_norm``,
-    not the ``torch.layer_norm`` that it calls in turn, which no mode sees), and every entry
-    that is a patch: replaced since flowexec was imported, or a function from outside torch
+    those of the functions it called at the top of torch function dispatch (``F.layer_norm``),
+    and of the functions those load one level down (the ``torch.layer_norm`` that it calls in
+    turn, which no mode sees), and every entry that is a patch: replaced since flowexec was imported, or a function from outside torch
     (a patch made before; no dispatch reports a user function). So ``F.gelu = patched`` between
     calls captures again, and so does putting it back, as eager then runs what the entry holds.
     Rooted at each module's globals, as a global's guard is.
@@ -298,13 +298,19 @@ def library_function_guards(called: Iterable[Any]) -> list[Guard]:
     ['torch.nn.functional.gelu']
     """
     called_ids = {id(f) for f in called}
+    # (one level down: the names a called Python function of torch's loads, as ``F.layer_norm``
+    # loads ``torch.layer_norm``, which no mode sees it call)
+    nested = {n for f in called if isinstance(f, types.FunctionType) for n in f.__code__.co_names}
     out = []
     for modname, found in _LOOKED_UP.items():
         d = vars(sys.modules[modname])
         patched = {n for n, v in d.items() if (found.get(n, v) is not v or _foreign(n, v)) and not _own_code(v)}
-        for name in {getattr(f, "__name__", None) for f in called} | patched:
+        for name in {getattr(f, "__name__", None) for f in called} | patched | nested:
             v = d.get(name, _MISSING) if isinstance(name, str) else _MISSING
-            if v is not _MISSING and (id(v) in called_ids or name in patched):
+            if v is _MISSING:
+                continue
+            if id(v) in called_ids or name in patched or \
+                    (name in nested and callable(v) and not isinstance(v, (type, types.ModuleType))):
                 out.append(Guard(f"{modname}.{name}", d, (("item", name),), v, "is"))
     return out
 

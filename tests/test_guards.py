@@ -292,6 +292,18 @@ def _patched_inside_torch_case(when: str) -> Callable[[], tuple]:
     return make
 
 
+def _patched_nested_case() -> tuple:
+    """``nn.LayerNorm`` calls ``F.layer_norm``, which calls ``torch.layer_norm``: a call no
+    torch function mode sees (the mode is off inside its own handler). Between calls the
+    inner function is replaced."""
+    _unpatch()
+    torch.manual_seed(0)
+    lin, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    inner = torch.layer_norm
+    return ((lambda x: norm(lin(x))), (lambda: _patch(torch, "layer_norm", lambda *a, **k: inner(*a, **k) + 1.0)),
+            lin)
+
+
 @pytest.fixture(autouse=True)
 def _unpatch_linear() -> Any:
     yield
@@ -562,6 +574,7 @@ CASES: dict[str, Callable[[], tuple]] = {
     "torch function patched, called through its module": _patched_function_case,
     "torch function patched where torch's module reads it": _patched_inside_torch_case("patched"),
     "torch function put back where torch's module reads it": _patched_inside_torch_case("restored"),
+    "torch function patched where torch's own function calls it": _patched_nested_case,
     "plain object's method replaced on its class": _plain_method_case("class"),
     "plain object's method set on the instance": _plain_method_case("instance"),
     "class namespace read with getattr": _namespace_case("class"),
