@@ -874,10 +874,10 @@ def _rnn_hint(tb: Any) -> str | None:
 def _host_read_hint(tb: Any) -> str:
     """What to use instead, where a library (not the user) read a tensor on the host."""
     f = _optimizer_frame(tb)
-    rnn = _rnn_hint(tb)
-    if f is None and rnn:
-        return rnn
     if f is None:
+        rnn = _rnn_hint(tb)
+        if rnn:
+            return rnn
         frames = traceback.extract_tb(tb)
         if frames and any("/torch/nn/modules/batchnorm.py" in g.filename and "num_batches_tracked" in (g.line or "")
                           for g in frames):

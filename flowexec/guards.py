@@ -286,45 +286,43 @@ _LOOKED_UP = {name: dict(vars(sys.modules[name])) for name in ("torch.nn.functio
 
 def library_function_guards(called: Iterable[Any]) -> list[Guard]:
     """Identity guards on the entries of torch's function modules that a run may have read:
-    those of the functions it called at the top of torch function dispatch (``F.layer_norm``),
-    and of the functions those load one level down (the ``torch.layer_norm`` that it calls in
-    turn, which no mode sees), and every entry that is a patch: replaced since flowexec was imported, or a function from outside torch
-    (a patch made before; no dispatch reports a user function). So ``F.gelu = patched`` between
-    calls captures again, and so does putting it back, as eager then runs what the entry holds.
-    Rooted at each module's globals, as a global's guard is.
+    those of the functions it called at the top of torch function dispatch (``F.layer_norm``);
+    the functions those load one level down (the ``torch.layer_norm`` that it calls in turn,
+    which no mode sees); and every entry that is a patch: replaced since flowexec was imported,
+    or a function from outside torch (a patch made before; no dispatch reports a user
+    function). So ``F.gelu = patched`` between calls captures again, and so does putting it
+    back, as eager then runs what the entry holds. Rooted at each module's globals, as a
+    global's guard is.
 
     >>> import torch.nn.functional as F
     >>> [g.name for g in library_function_guards([F.gelu, len])]
     ['torch.nn.functional.gelu']
     """
     called_ids = {id(f) for f in called}
-    # (one level down: the names a called Python function of torch's loads, as ``F.layer_norm``
-    # loads ``torch.layer_norm``, which no mode sees it call)
     nested = {n for f in called if isinstance(f, types.FunctionType) for n in f.__code__.co_names}
     out = []
     for modname, found in _LOOKED_UP.items():
         d = vars(sys.modules[modname])
-        patched = {n for n, v in d.items() if (found.get(n, v) is not v or _foreign(n, v)) and not _own_code(v)}
-        for name in {getattr(f, "__name__", None) for f in called} | patched | nested:
-            v = d.get(name, _MISSING) if isinstance(name, str) else _MISSING
-            if v is _MISSING:
+        for name, v in d.items():
+            if _own_code(v):  # (rng.install's routing of ``torch.manual_seed``)
                 continue
-            if id(v) in called_ids or name in patched or \
-                    (name in nested and callable(v) and not isinstance(v, (type, types.ModuleType))):
+            patched = found.get(name, v) is not v or (_is_function(v) and not name.startswith("_")
+                                                      and not _module_of(v).startswith(("torch", "typing")))
+            if patched or id(v) in called_ids or (name in nested and _is_function(v)):
                 out.append(Guard(f"{modname}.{name}", d, (("item", name),), v, "is"))
     return out
 
 
-def _foreign(name: str, v: Any) -> bool:
-    """Whether a public entry of torch's module is a function from outside torch (a patch made
-    before flowexec was imported; typing's names torch imports are not)."""
-    module = getattr(v, "__module__", None) or ""
-    return (callable(v) and not isinstance(v, (type, types.ModuleType)) and not name.startswith("_")
-            and not module.startswith(("torch", "typing")))
+def _is_function(v: Any) -> bool:
+    return callable(v) and not isinstance(v, (type, types.ModuleType))
+
+
+def _module_of(v: Any) -> str:
+    return getattr(v, "__module__", None) or ""
 
 
 def _own_code(v: Any) -> bool:
-    """Whether ``v`` is a function of flowexec's (rng.install's routing of ``torch.manual_seed``)."""
+    """Whether ``v`` is a function of flowexec's."""
     code = getattr(v, "__code__", None)
     return isinstance(code, types.CodeType) and code.co_filename.startswith(_OWN_DIR)
 

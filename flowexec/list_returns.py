@@ -77,7 +77,9 @@ def flattened_from(op: Any) -> torch._ops.OpOverload | None:
 
 def flatten_list_returns(gm: fx.GraphModule) -> None:
     """Rewrite, in place, each call of an op that :func:`mixes_lists` to its :func:`flat_op`,
-    and the ``getitem`` nodes that read its results to index the flat list."""
+    and the ``getitem`` nodes that read its results to index the flat list (the module's code is
+    made again only where a node changed: a large step's graph takes a while)."""
+    changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not mixes_lists(node.target):
             continue
@@ -103,4 +105,6 @@ def flatten_list_returns(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(use)
         node.target = flat_op(node.target)
         node.meta["val"] = [t for r, v in zip(rets, val) for t in (v if _is_list(r) else (v,))]
-    gm.recompile()
+        changed = True
+    if changed:
+        gm.recompile()
