@@ -140,6 +140,8 @@ def read(root: Any, path: Sequence[tuple[str, Any]]) -> Any:
                 v = v.cell_contents
             elif kind == "len":
                 v = len(v)
+            elif kind == "keys":
+                v = tuple(v)
             elif kind == "state":
                 v = global_state()
             else:
@@ -216,7 +218,8 @@ def describe(g: Guard) -> str:
     now = read(g.root, g.path)
     if g.match == "absent":
         return f"{g.name}: set on the instance ({_short(now)}), where its class's answered"
-    suffix, was, now = _difference(g.expected, now) if g.match == "eq" else ("", g.expected, now)
+    whole = g.match != "eq" or (g.path and g.path[-1][0] == "keys")  # (an order: shown whole)
+    suffix, was, now = ("", g.expected, now) if whole else _difference(g.expected, now)
     return f"{g.name}{suffix}: {_short(was)} -> {_short(now)}"
 
 
@@ -255,6 +258,23 @@ def len_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
     """The guard on the length of ``container``, read at ``path`` from ``root`` (a hook dict, a
     container used whole): ``len(label)`` must stay ``len(container)``."""
     return Guard(f"len({label})", root, path + (("len", None),), len(container), "eq")
+
+def order_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
+    """The keys of a dict in their order (its length with them), where they are plain values:
+    equality ignores a dict's order, which a loop over ``.items()`` or ``.values()`` follows
+    (a ``cat`` of a config's entries), so a reordered dict would otherwise pass. Other keys: the
+    length alone.
+
+        >>> where = {"cfg": {"a": 1.0, "b": 2.0}}
+        >>> g = order_guard("cfg", where, (("item", "cfg"),), where["cfg"])
+        >>> g.name, holds(g)
+        ('cfg.keys()', True)
+        >>> where["cfg"] = {"b": 2.0, "a": 1.0}  # (equal to the first: the same items)
+        >>> holds(g), describe(g)
+        (False, "cfg.keys(): ('a', 'b') -> ('b', 'a')")"""
+    if isinstance(container, dict) and all(is_scalar(k) for k in container):
+        return Guard(f"{label}.keys()", root, path + (("keys", None),), tuple(container), "eq")
+    return len_guard(label, root, path, container)
 
 
 # torch's registries of hooks every module call or optimizer step runs (``register_module_forward_hook``,
@@ -306,11 +326,20 @@ def library_function_guards(called: Iterable[Any]) -> list[Guard]:
         for name, v in d.items():
             if _own_code(v):  # (rng.install's routing of ``torch.manual_seed``)
                 continue
-            patched = found.get(name, v) is not v or (_is_function(v) and not name.startswith("_")
-                                                      and not _module_of(v).startswith(("torch", "typing")))
+            was = found.get(name, v)
+            patched = (was is not v and not _torch_wrapper_of(v, was)) or (
+                _is_function(v) and not name.startswith("_") and not _module_of(v).startswith(("torch", "typing")))
             if patched or id(v) in called_ids or (name in nested and _is_function(v)):
                 out.append(Guard(f"{modname}.{name}", d, (("item", name),), v, "is"))
     return out
+
+
+def _torch_wrapper_of(v: Any, was: Any) -> bool:
+    """Whether ``v`` is torch's own wrapper of ``was`` (importing ``torch._dynamo`` rebinds
+    ``torch.manual_seed`` to a ``_disable_dynamo`` wrapper of itself): no user's patch."""
+    code = getattr(v, "__code__", None)
+    return getattr(v, "__wrapped__", None) is was and isinstance(code, types.CodeType) \
+        and code.co_filename.startswith(_TORCH_DIR)
 
 
 def _is_function(v: Any) -> bool:
@@ -905,11 +934,13 @@ class Recorder:
             if snap is not _MISSING:
                 budget[0] -= 1
                 self.add(Guard(label, root, path, snap, "eq"))
+                if isinstance(v, dict):  # (the copy compares equal in any order)
+                    self.add(order_guard(label, root, path, v))
                 return
         if depth >= MAX_DEPTH:
             self._unguarded(label)
             return
-        self.add(len_guard(label, root, path, v))
+        self.add(order_guard(label, root, path, v))
         budget[0] -= 1
         if isinstance(v, (set, frozenset)):  # (items of a set have no path: its length alone)
             self._unguarded(f"{label} (items)")

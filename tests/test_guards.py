@@ -403,6 +403,8 @@ G_SLOT = _SlotCfg(2.0)
 G_FLAGS: set[str] = set()
 G_FROZEN: frozenset[str] = frozenset()
 G_DEEP: dict[str, Any] = {}
+G_ORDER: dict[str, float] = {}
+G_LONG: dict[str, float] = {}
 
 
 def _cfg_scaled(c: Any, t: torch.Tensor) -> torch.Tensor:
@@ -419,6 +421,10 @@ def _container_case(kind: str) -> Callable[[], tuple]:
         G_FLAGS.clear()
         G_DEEP.clear()
         G_DEEP.update(model={"head": {"out": {"scale": 2.0}}})
+        G_ORDER.clear()
+        G_ORDER.update(a=2.0, b=3.0)
+        G_LONG.clear()
+        G_LONG.update({f"k{i}": float(i) for i in range(80)})  # (past the leaf budget: one copy)
         w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
 
         def fn(x):
@@ -433,6 +439,10 @@ def _container_case(kind: str) -> Callable[[], tuple]:
                 return h * 2 if "double" in G_FLAGS else h
             if kind == "frozenset":
                 return h * 2 if "double" in G_FROZEN else h
+            if kind == "order":  # (the entries in the dict's order: equality ignores it)
+                return torch.cat([h * s for s in G_ORDER.values()], 1)
+            if kind == "long order":
+                return torch.stack([h.sum(1) * s for s in list(G_LONG.values())[:2]], 1)
             c = G_DEEP  # (used whole: the read below is four levels into it)
             return h * c["model"]["head"]["out"]["scale"]
 
@@ -448,6 +458,10 @@ def _container_case(kind: str) -> Callable[[], tuple]:
                 G_FLAGS.add("double")
             elif kind == "frozenset":
                 G_FROZEN = frozenset({"double"})
+            elif kind == "order":  # (in place: the same items, 'a' now last)
+                G_ORDER["a"] = G_ORDER.pop("a")
+            elif kind == "long order":
+                G_LONG["k0"] = G_LONG.pop("k0")
             else:
                 G_DEEP["model"]["head"]["out"]["scale"] = 3.0
         return fn, change, None
@@ -565,6 +579,8 @@ CASES: dict[str, Callable[[], tuple]] = {
     "set of flags tested with in": _container_case("set"),
     "frozenset of flags tested with in": _container_case("frozenset"),
     "config dict four levels deep": _container_case("deep"),
+    "dict reordered, its values read in order": _container_case("order"),
+    "dict of 80 numbers reordered": _container_case("long order"),
     "module list of 80 numbers, the last changed": _long_list_case,
     "default of a function kept on a module": _function_default_case,
     "method replaced on the class": _method_case("class"),
@@ -590,6 +606,8 @@ CONTAINER_CASES = {"namedtuple config passed to a helper": r"G_NT: _NT\(scale=2\
                    "frozenset of flags tested with in": r"G_FROZEN: frozenset\(\) -> frozenset\(\{'double'\}\)",
                    "config dict four levels deep": r"G_DEEP\['model'\]\['head'\]\['out'\]\['scale'\]: 2\.0 -> 3\.0",
                    "module list of 80 numbers, the last changed": r"m\.scales\[79\]: 1\.0 -> 5\.0",
+                   "dict reordered, its values read in order": r"G_ORDER\.keys\(\): \('a', 'b'\) -> \('b', 'a'\)",
+                   "dict of 80 numbers reordered": r"G_LONG\.keys\(\): \('k0', 'k1', .* -> \('k1', 'k2', ",
                    "class namespace read with getattr": r"_NsCfg\.scale: 2\.0 -> 3\.0",
                    "module namespace read with getattr": r"G_NS_MOD\.scale: 2\.0 -> 3\.0",
                    "library function in a module namespace read with getattr": r"G_NS_MOD\.act: .*tanh.* -> .*sigmoid"}
@@ -743,13 +761,14 @@ def test_native_and_python_checks_agree() -> None:
         guards = (Guard("d.a", d, (("item", "a"),), 1.0, "eq"), Guard("d.b", d, (("item", "b"),), True, "is"),
                   Guard("d.c", d, (("item", "c"),), "x", "eq"), Guard("d.n", d, (("item", "n"),), None, "is"),
                   Guard("d.t", d, (("item", "t"),), (1, 2), "eq"), Guard("len(d)", d, (("len", None),), 5, "eq"),
+                  Guard("d.keys()", d, (("keys", None),), ("a", "b", "c", "n", "t"), "eq"),
                   Guard("p.requires_grad", p, (("attr", "requires_grad"),), True, "is"),
                   Guard("p.grad", p, (("attr", "grad"),), (torch.float32, torch.device("cpu"), (3,), (1,)), "grad"))
         gs = GuardSet(guards)
         gs.attach(fastcall.guard_checker(gs))
         assert gs.native().check() == -1
-        change = rng.choice(["none", "a", "a_int", "b", "c", "n", "t", "len", "rg", "grad_none", "grad_shape",
-                             "grad_dtype", "grad_same_kind"])
+        change = rng.choice(["none", "a", "a_int", "b", "c", "n", "t", "len", "order", "rg", "grad_none",
+                             "grad_shape", "grad_dtype", "grad_same_kind"])
         if change == "a":
             d["a"] = 2.0
         elif change == "a_int":
@@ -764,6 +783,8 @@ def test_native_and_python_checks_agree() -> None:
             d["t"] = (1, 3)
         elif change == "len":
             d["z"] = 0
+        elif change == "order":  # (the same items: the keys guard alone fails)
+            d["a"] = d.pop("a")
         elif change == "rg":
             p.requires_grad_(False)
         elif change == "grad_none":

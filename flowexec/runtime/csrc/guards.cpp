@@ -15,7 +15,7 @@ namespace flowexec {
 
 namespace {
 
-constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4, kDict = 5;
+constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4, kDict = 5, kKeys = 6;
 constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5, kGradKind = 6,
               kNoHooks = 7, kAbsent = 8;
 
@@ -31,6 +31,7 @@ int step_kind(const std::string& s) {
   if (s == "len") return kLen;
   if (s == "state") return kState;
   if (s == "dict") return kDict;
+  if (s == "keys") return kKeys;
   TORCH_CHECK(false, "guards: unknown step ", s);
 }
 
@@ -179,6 +180,8 @@ bool GuardChecker::holds(const Guard& g) const {
       next = PyDict_Check(d) ? PyDict_GetItemWithError(d, s.arg.ptr()) : nullptr;
       Py_XINCREF(next);
       Py_DECREF(d);
+    } else if (s.kind == kKeys) {  // (a dict's keys in their order: guards.order_guard)
+      next = PySequence_Tuple(v);
     } else if (s.kind == kCell && PyCell_Check(v)) {
       next = PyCell_GET(v);
       if (next == nullptr) return false;  // an empty cell
