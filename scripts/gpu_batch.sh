@@ -130,6 +130,8 @@ for step in "$@"; do
                  --out "$R" ;;  # models no issue names: eager against flowexec, every parameter
     sweep-graph) run_step $step 300 python3 benchmarks/probes/model_sweep.py --device cuda --variants graph,graph_fused \
                  --out "$R" ;;  # models no issue names in graph mode, fused and not (~150 s on an H100)
+    capture-cost) run_step $step 200 python3 benchmarks/probes/capture_cost.py --device cuda \
+                 --out "$R" ;;  # flowexec's capture against make_fx's own and a fake run (issue 36: the warm build)
     rnn-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_core_gpu.py -k recurrent --junitxml="$R/$step.xml" ;;  # cuDNN's GRU and LSTM captured
     sweep-trace) run_step $step 400 python3 benchmarks/probes/model_sweep.py --device cuda --variants trace,backend_graph \
