@@ -110,7 +110,8 @@ def main() -> None:
            "flowexec_fwd_bwd_over_make_fx": round(med["flowexec_fwd_bwd"] / med["make_fx"], 3),
            "fake_run_over_make_fx": round(med["fake_run"] / med["make_fx"], 3)}
     os.makedirs(a.out, exist_ok=True)
-    tag = "cpu" if dev.type == "cpu" else torch.cuda.get_device_name().split()[-1].lower()
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    tag = next((w.lower() for w in name.split() if w[:1] in "HAB" and w[1:].isdigit()), name.split()[-1].lower())
     path = os.path.join(a.out, f"capture_cost_{tag}_py{sys.version_info[0]}{sys.version_info[1]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
