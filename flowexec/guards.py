@@ -262,8 +262,8 @@ def len_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
 def order_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
     """The keys of a dict in their order (its length with them), where they are plain values:
     equality ignores a dict's order, which a loop over ``.items()`` or ``.values()`` follows
-    (a ``cat`` of a config's entries), so a reordered dict would otherwise pass. Other keys: the
-    length alone.
+    (a ``cat`` of a config's entries), so a reordered dict would otherwise pass. Other keys, or
+    more than ``MAX_SNAPSHOT`` of them (each call's check reads them all): the length alone.
 
         >>> where = {"cfg": {"a": 1.0, "b": 2.0}}
         >>> g = order_guard("cfg", where, (("item", "cfg"),), where["cfg"])
@@ -272,7 +272,7 @@ def order_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
         >>> where["cfg"] = {"b": 2.0, "a": 1.0}  # (equal to the first: the same items)
         >>> holds(g), describe(g)
         (False, "cfg.keys(): ('a', 'b') -> ('b', 'a')")"""
-    if isinstance(container, dict) and all(is_scalar(k) for k in container):
+    if isinstance(container, dict) and len(container) <= MAX_SNAPSHOT and all(is_scalar(k) for k in container):
         return Guard(f"{label}.keys()", root, path + (("keys", None),), tuple(container), "eq")
     return len_guard(label, root, path, container)
 

@@ -1527,3 +1527,20 @@ def test_a_patch_made_before_flowexec_was_imported_is_guarded(monkeypatch) -> No
     with pytest.warns(flowexec.RecaptureWarning, match="torch.nn.functional.gelu"):
         got = exe(x)
     torch.testing.assert_close(got, act(lin(x)))
+
+
+def test_a_dict_s_order_is_guarded_where_its_keys_are_few_plain_values() -> None:
+    """Plain keys: their order (a reordered dict with the same items fails); keys that are
+    objects, or more than a check should read at every call: the length alone."""
+    from flowexec.guards import MAX_SNAPSHOT, order_guard
+
+    small = {"b": 1.0, "a": 2.0}
+    where = {"d": small}
+    g = order_guard("d", where, (("item", "d"),), small)
+    assert (g.name, g.expected) == ("d.keys()", ("b", "a")) and same_holds(g)
+    where["d"] = {"a": 2.0, "b": 1.0}
+    assert where["d"] == small and not same_holds(g)
+    big = {f"k{i}": i for i in range(MAX_SNAPSHOT + 1)}
+    keyed = {torch.nn.ReLU(): 1.0}
+    assert order_guard("big", {"big": big}, (("item", "big"),), big).name == "len(big)"
+    assert order_guard("keyed", {"keyed": keyed}, (("item", "keyed"),), keyed).name == "len(keyed)"
