@@ -17,7 +17,7 @@ namespace {
 
 constexpr int kItem = 0, kAttr = 1, kCell = 2, kLen = 3, kState = 4, kDict = 5, kKeys = 6;
 constexpr int kIs = 0, kEq = 1, kGlobal = 2, kLength = 3, kRequiresGrad = 4, kGrad = 5, kGradKind = 6,
-              kNoHooks = 7, kAbsent = 8;
+              kNoHooks = 7, kAbsent = 8, kKeyOrder = 9;
 
 int64_t dtype_code(PyObject* o) {
   if (!THPDtype_Check(o)) return -1;
@@ -90,6 +90,9 @@ GuardChecker::GuardChecker(py::list guards, py::list feeds, std::vector<at::Tens
       TORCH_CHECK(e.size() == 7, "guards: the global state has 7 entries");
       g.state = {e[0].cast<bool>(), e[1].cast<bool>(), dtype_code(e[2].ptr()), e[3].cast<bool>(),
                  dtype_code(e[4].ptr()), dtype_code(e[5].ptr()), e[6].cast<int64_t>()};
+    } else if (n >= 1 && g.steps[n - 1].kind == kKeys && g.match == kEq && PyTuple_CheckExact(g.expected.ptr())) {
+      g.match = kKeyOrder;  // (a dict's keys compared in place, none copied: guards.order_guard)
+      g.steps.pop_back();
     } else if (n >= 1 && g.steps[n - 1].kind == kLen) {
       g.match = kLength;
       g.length = g.expected.cast<int64_t>();
@@ -195,6 +198,22 @@ bool GuardChecker::holds(const Guard& g) const {
     v = next;
   }
   if (g.match == kAbsent) return false;  // (the item is there, or the last step read no dict)
+  if (g.match == kKeyOrder) {  // (a dict alone; anything else asks Python, which reads tuple(v))
+    PyObject* e = g.expected.ptr();
+    if (!PyDict_Check(v) || PyDict_GET_SIZE(v) != PyTuple_GET_SIZE(e)) return false;
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(v, &pos, &key, &value)) {
+      PyObject* want = PyTuple_GET_ITEM(e, i++);
+      if (key == want) continue;  // (else as tuple equality compares items)
+      const int eq = PyObject_RichCompareBool(key, want, Py_EQ);
+      if (eq != 1) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    return true;
+  }
   if (g.match == kLength) {
     const Py_ssize_t n = PyObject_Length(v);
     if (n < 0) {

@@ -38,7 +38,8 @@ class GuardChecker {
     py::object expected;
     int match;  // 0: identity, 1: same type and equal, 2: global state, 3: length, 4: requires_grad, 5: .grad,
                 // 6: .grad is a tensor of a kind (an input of the program), 7: a tensor has no hooks of a kind
-                // (flag: post accumulate grad hooks, else backward hooks), 8: the last dict item is absent
+                // (flag: post accumulate grad hooks, else backward hooks), 8: the last dict item is absent,
+                // 9: a dict's keys are the expected tuple's, in order
     int64_t length = 0;
     bool flag = false;
     c10::TensorImpl* impl = nullptr;  // .grad guards: the expected gradient (nullptr: None)
