@@ -326,6 +326,7 @@ import functools  # noqa: E402
 import numpy as np  # noqa: E402
 
 ACT = torch.nn.functional.relu  # (read by _Scaled.forward: a library function in a global)
+GAINS = {"a": 1.0, "b": 2.0}  # (read by _Scaled.forward in its order: a dict used whole)
 
 
 class _Scaled(torch.nn.Module):
@@ -337,7 +338,8 @@ class _Scaled(torch.nn.Module):
         self.temperature = np.float32(temperature)  # (a numpy scalar)
 
     def forward(self, x):
-        return self.fc2(ACT(self.act(self.fc1(x)))) * float(self.temperature) + type(self).shift
+        out = self.fc2(ACT(self.act(self.fc1(x)))) * float(self.temperature) + type(self).shift
+        return out * torch.tensor(list(GAINS.values()))
 
 
 class _Trainer:
@@ -377,6 +379,7 @@ CHANGES = {
     "a numpy scalar on a module": ({}, {"temperature": 2.0}),
     "a class attribute": ({}, {"shift": 0.5}),
     "a library function in a global": ({}, {"global": torch.nn.functional.gelu}),
+    "a dict's order": ({}, {"gains": {"b": 2.0, "a": 1.0}}),
 }
 
 
@@ -392,6 +395,7 @@ def test_a_value_no_guard_reads_changed_is_not_loaded(change, tmp_path, monkeypa
         opts = dict(opts)
         monkeypatch.setattr(_Scaled, "shift", opts.pop("shift", 0.0))
         monkeypatch.setitem(globals(), "ACT", opts.pop("global", torch.nn.functional.relu))
+        monkeypatch.setitem(globals(), "GAINS", opts.pop("gains", {"a": 1.0, "b": 2.0}))
         return _made(**opts)
 
     x = torch.randn(3, 4)
