@@ -259,6 +259,7 @@ def len_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
     container used whole): ``len(label)`` must stay ``len(container)``."""
     return Guard(f"len({label})", root, path + (("len", None),), len(container), "eq")
 
+
 def order_guard(label: str, root: Any, path: tuple, container: Any) -> Guard:
     """The keys of a dict in their order (its length with them), where they are plain values:
     equality ignores a dict's order, which a loop over ``.items()`` or ``.values()`` follows

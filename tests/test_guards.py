@@ -756,19 +756,21 @@ def test_native_and_python_checks_agree() -> None:
     rng = random.Random(0)
     for trial in range(200):
         d = {"a": 1.0, "b": True, "c": "x", "n": None, "t": (1, 2)}
+        od = collections.OrderedDict(a=1, b=2)  # (its order is its own list's, not the dict's table)
         p = torch.nn.Parameter(torch.zeros(3))
         p.grad = torch.zeros(3)
         guards = (Guard("d.a", d, (("item", "a"),), 1.0, "eq"), Guard("d.b", d, (("item", "b"),), True, "is"),
                   Guard("d.c", d, (("item", "c"),), "x", "eq"), Guard("d.n", d, (("item", "n"),), None, "is"),
                   Guard("d.t", d, (("item", "t"),), (1, 2), "eq"), Guard("len(d)", d, (("len", None),), 5, "eq"),
                   Guard("d.keys()", d, (("keys", None),), ("a", "b", "c", "n", "t"), "eq"),
+                  Guard("od.keys()", od, (("keys", None),), ("a", "b"), "eq"),
                   Guard("p.requires_grad", p, (("attr", "requires_grad"),), True, "is"),
                   Guard("p.grad", p, (("attr", "grad"),), (torch.float32, torch.device("cpu"), (3,), (1,)), "grad"))
         gs = GuardSet(guards)
         gs.attach(fastcall.guard_checker(gs))
         assert gs.native().check() == -1
-        change = rng.choice(["none", "a", "a_int", "b", "c", "n", "t", "len", "order", "rg", "grad_none",
-                             "grad_shape", "grad_dtype", "grad_same_kind"])
+        change = rng.choice(["none", "a", "a_int", "b", "c", "n", "t", "len", "order", "od_order", "rg",
+                             "grad_none", "grad_shape", "grad_dtype", "grad_same_kind"])
         if change == "a":
             d["a"] = 2.0
         elif change == "a_int":
@@ -785,6 +787,8 @@ def test_native_and_python_checks_agree() -> None:
             d["z"] = 0
         elif change == "order":  # (the same items: the keys guard alone fails)
             d["a"] = d.pop("a")
+        elif change == "od_order":
+            od.move_to_end("a")
         elif change == "rg":
             p.requires_grad_(False)
         elif change == "grad_none":

@@ -198,9 +198,15 @@ bool GuardChecker::holds(const Guard& g) const {
     v = next;
   }
   if (g.match == kAbsent) return false;  // (the item is there, or the last step read no dict)
-  if (g.match == kKeyOrder) {  // (a dict alone; anything else asks Python, which reads tuple(v))
+  if (g.match == kKeyOrder) {
     PyObject* e = g.expected.ptr();
-    if (!PyDict_Check(v) || PyDict_GET_SIZE(v) != PyTuple_GET_SIZE(e)) return false;
+    if (!PyDict_CheckExact(v)) {  // (an OrderedDict's or a subclass's own order: its iteration's)
+      py::object keys = py::reinterpret_steal<py::object>(PySequence_Tuple(v));
+      const int eq = keys ? PyObject_RichCompareBool(keys.ptr(), e, Py_EQ) : -1;
+      if (eq != 1) PyErr_Clear();
+      return eq == 1;
+    }
+    if (PyDict_GET_SIZE(v) != PyTuple_GET_SIZE(e)) return false;
     Py_ssize_t pos = 0, i = 0;
     PyObject *key, *value;
     while (PyDict_Next(v, &pos, &key, &value)) {
