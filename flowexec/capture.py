@@ -49,7 +49,7 @@ from .guards import (GuardSet, Recorder, global_names, hook_guards, library_func
                      optimizer_guards, user_code)
 from .draw_ranges import DrawRanges
 from .hyperparams import _HOST_READS, Lifter, NO_VALUE
-from .list_returns import flatten_list_returns
+from .list_returns import flatten_list_returns, is_list
 from .parking import ParkedGrads, held_by_grad_alone
 from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
@@ -1499,7 +1499,7 @@ def program_from_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None 
             args = lookup(node.args)
             kwargs = lookup(node.kwargs)
             rets = target._schema.returns
-            multi = len(rets) > 1 or (len(rets) == 1 and isinstance(rets[0].type, torch._C.ListType))
+            multi = len(rets) > 1 or (len(rets) == 1 and is_list(rets[0]))
             record = {"target": target, "args": tuple(args), "kwargs": tuple(kwargs.items()),
                       "source": source_for(node), "unpack": multi}
             if multi:

@@ -30,12 +30,19 @@ import torch.fx as fx
 from .errors import CaptureError
 
 _LIB = torch.library.Library("flowexec", "FRAGMENT")
-_MADE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
+_MADE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}  # op -> its flat op
+_SOURCE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}  # flat op -> the op it flattens
 _lock = threading.Lock()
 
 
-def _is_list(r: Any) -> bool:
+def is_list(r: Any) -> bool:
+    """Whether schema return ``r`` is a list (``Tensor[]``, ``Tensor?[]``)."""
     return isinstance(r.type, torch._C.ListType)
+
+
+def _flat(returns: Any, values: Any) -> list[Any]:
+    """``values``, one per schema return, with each list's items in its place."""
+    return [t for r, v in zip(returns, values) for t in (v if is_list(r) else (v,))]
 
 
 def mixes_lists(target: Any) -> bool:
@@ -43,7 +50,7 @@ def mixes_lists(target: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return False
     rets = target._schema.returns
-    return len(rets) > 1 and any(_is_list(r) for r in rets)
+    return len(rets) > 1 and any(is_list(r) for r in rets)
 
 
 def flat_op(target: torch._ops.OpOverload) -> torch._ops.OpOverload:
@@ -60,19 +67,19 @@ def flat_op(target: torch._ops.OpOverload) -> torch._ops.OpOverload:
         name = f"flat_{target.namespace}_{target._opname}_{target._overloadname or 'default'}"
 
         def impl(*a: Any, **kw: Any) -> list[torch.Tensor | None]:
-            out = target(*a, **kw)
-            return [t for r, v in zip(target._schema.returns, out) for t in (v if _is_list(r) else (v,))]
+            return _flat(target._schema.returns, target(*a, **kw))
 
         _LIB.define(f"{name}({args}) -> Tensor?[]")
         _LIB.impl(name, impl, "CompositeExplicitAutograd")  # (Meta too: the op's own meta kernel, where it has one)
         made = getattr(getattr(torch.ops.flowexec, name), "default")
         _MADE[target] = made
+        _SOURCE[made] = target
         return made
 
 
 def flattened_from(op: Any) -> torch._ops.OpOverload | None:
     """The op that :func:`flat_op` made ``op`` of, or None (a kept program names that one)."""
-    return next((src for src, made in _MADE.items() if made is op), None)
+    return _SOURCE.get(op) if isinstance(op, torch._ops.OpOverload) else None
 
 
 def flatten_list_returns(gm: fx.GraphModule) -> None:
@@ -90,12 +97,12 @@ def flatten_list_returns(gm: fx.GraphModule) -> None:
         starts, n = [], 0
         for r, v in zip(rets, val):
             starts.append(n)
-            n += len(v) if _is_list(r) else 1
+            n += len(v) if is_list(r) else 1
         for use in list(node.users):
             if use.target is not operator.getitem:
                 raise CaptureError(f"{node.target} (node {node.name}): its results are used whole")
             k = use.args[1]
-            if not _is_list(rets[k]):
+            if not is_list(rets[k]):
                 use.args = (node, starts[k])
                 continue
             for item in list(use.users):
@@ -104,7 +111,7 @@ def flatten_list_returns(gm: fx.GraphModule) -> None:
                 item.args = (node, starts[k] + item.args[1])
             gm.graph.erase_node(use)
         node.target = flat_op(node.target)
-        node.meta["val"] = [t for r, v in zip(rets, val) for t in (v if _is_list(r) else (v,))]
+        node.meta["val"] = _flat(rets, val)
         changed = True
     if changed:
         gm.recompile()
