@@ -149,10 +149,15 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
     torch.cuda.current_stream().wait_stream(stream)
     clear()
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+    caller = torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             outs = fn()
     except Exception:
+        # torch.cuda.graph's exit puts the caller's stream back only after capture_end, which
+        # raises where CUDA refused the capture: the capture stream would stay current for
+        # every later call of the caller's thread.
+        torch.cuda.set_stream(caller)
         try:
             release_capturing_generators()  # (else every later draw of the process fails)
         except Exception:  # noqa: BLE001 (a sticky CUDA error: the capture's own error says more)

@@ -91,6 +91,9 @@ def test_a_graph_cuda_refuses_runs_in_trace_mode_and_the_process_still_draws() -
         after = torch.rand(8, device="cuda")
     said = [str(w.message) for w in caught if "CUDA graph capture" in str(w.message)]
     assert said and "trace mode" in said[0], [str(w.message) for w in caught]
+    # (torch.cuda.graph's exit skips putting the caller's stream back when the capture's end
+    # raises: the capture stream stayed current, and later tests found it so)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
     torch.manual_seed(3)
     want = [fn(x) for _ in range(3)] + [plain(x), plain(x), fn(x)]
     for k, (a, b) in enumerate(zip(got, want)):
