@@ -523,6 +523,7 @@ class _CaptureGuard(TorchDispatchMode):
         # and put back whole (_rng_states); these are put back by restore().
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor, torch.Tensor]] = {}
         self.log: OpLog | None = None  # (flowexec.op_log: the ops in dispatch order, by role)
+        self.lines = True  # each op's source line (a replay, which makes no program, finds none)
 
     def is_created(self, t: torch.Tensor) -> bool:
         return _alive_in(self.created, t)
@@ -631,7 +632,7 @@ class _CaptureGuard(TorchDispatchMode):
                 # whose retry under the compiling flag built an explicit causal mask.)
                 with _disable_current_modes():
                     return func(*self._real(args), **self._real(kwargs)) if self.fake else func(*args, **kwargs)
-        self.sources.append((func, _caller_line()))
+        self.sources.append((func, _caller_line() if self.lines else ""))
         written = _written_tensors(func, args, kwargs)
         # Copies of what the run writes may stay on the device only once its backward is over
         # (the optimizer's writes): one made before would sit under the activations to come.
@@ -1084,6 +1085,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
     lifter = Lifter(recorder.name_of, active=fed, unfused=unfused)
     guard = _CaptureGuard(lifter if fed else None)
     guard.log = log
+    guard.lines = not replay
     if log is not None:
         log.lifted = lifter.slot_of
     n_user = [0]

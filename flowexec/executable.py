@@ -351,13 +351,14 @@ class Executable:
             try:
                 flags = fields["log"][1]
                 if flags not in seen:  # (the same run for every record made with these flags)
+                    t_replay = time.perf_counter()
                     seen[flags] = replay(_call_with_containers(self.fn, tree, paths), args, flags,
                                          unfused=frozenset(self._unfused), make_state=first_step)
                 kept.check_replay(fields, seen[flags])
             except Exception as e:
                 why = f"the kept program is not what a capture would make now: {e}"
                 continue
-            self.kept = f"loaded {key}"
+            self.kept = f"loaded {key} (its replay took {time.perf_counter() - t_replay:.2f} s)"
             fields.pop("log")
             return Captured(run="kept", **fields)
         cap = run_capture()

@@ -31,7 +31,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .program import TensorMeta
 from .storage import storage_id
 
 Role = tuple
@@ -102,7 +101,7 @@ class OpLog:
             if on is not None:  # (a view no op made: ``.data``, ``detach`` outside dispatch)
                 role = ("view", on[1], t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
             elif _is_fake(t):
-                self.opaque = self.opaque or f"a fake tensor ({TensorMeta.of(t)}) that no op of the run made"
+                self.opaque = self.opaque or f"a fake tensor ({t.dtype}, {tuple(t.shape)}) that no op of the run made"
                 role = ("unknown", len(self._roles))
             else:  # fn's state: the parameters, buffers and optimizer state it reads
                 self.state.append(t)
