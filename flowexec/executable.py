@@ -325,7 +325,7 @@ class Executable:
         keeping = kept.enabled()
 
         if not keeping:
-            self.kept = "off (FLOWEXEC_KEEP=1 turns it on)"
+            self.kept = "off (FLOWEXEC_KEEP=0)"
             return run_capture()
         # (nothing of keeping may fail a build: whatever goes wrong there, the build captures)
         try:

@@ -25,7 +25,7 @@ process and takes the program only where a capture would have made that same pro
 A capture holding anything no path from ``fn`` names (a tensor in a local cache, a code
 object without a file) is not kept, and a program that does not bind is not taken: the build
 captures, as it always did. ``Executable.kept`` says which happened and why.
-``FLOWEXEC_KEEP=1`` turns keeping on (off by default: docs/kept.md).
+``FLOWEXEC_KEEP=0`` turns keeping off (docs/kept.md).
 
     >>> import torch
     >>> def make(net):
@@ -72,12 +72,13 @@ _WIDTH = 64  # entries of one object or container walked
 
 
 def enabled() -> bool:
-    """Whether builds keep and look up programs (``FLOWEXEC_KEEP``: ``0``, the default, or ``1``).
-    Off by default until more of what a step can read outside its guards is covered (docs/kept.md)."""
-    setting = os.environ.get("FLOWEXEC_KEEP", "0")
+    """Whether builds keep and look up programs (``FLOWEXEC_KEEP``: ``1``, the default, or ``0``).
+    On by default since a kept program is taken only where the step's replay dispatches what its
+    capture did (docs/kept.md)."""
+    setting = os.environ.get("FLOWEXEC_KEEP", "1")
     if setting not in ("0", "1"):
-        raise ValueError(f"FLOWEXEC_KEEP={setting!r}: expected 0 (capture in every process, the default) or 1 "
-                         "(keep captured programs and load them in later processes)")
+        raise ValueError(f"FLOWEXEC_KEEP={setting!r}: expected 1 (keep captured programs and load them in later "
+                         "processes, the default) or 0 (capture in every process)")
     return setting == "1"
 
 

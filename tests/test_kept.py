@@ -281,17 +281,20 @@ def test_state_no_path_reaches_is_not_kept(tmp_path, monkeypatch):
     assert "not kept: the program binds a tensor (f32[4] cpu) that no path from fn reaches" in exe.kept, exe.kept
 
 
-def test_keeping_is_off_by_default_and_with_flowexec_keep_0(tmp_path, monkeypatch):
+def test_keeping_is_on_by_default_and_off_with_flowexec_keep_0(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path))
     monkeypatch.setenv("FLOWEXEC_KEEP", "0")
     exe = flowexec.compile(lambda x: x * 2, mode="trace")
     exe(torch.ones(2))
-    assert exe.kept == "off (FLOWEXEC_KEEP=1 turns it on)"
+    assert exe.kept == "off (FLOWEXEC_KEEP=0)"
     assert not os.path.exists(tmp_path / "programs") and not list(tmp_path.iterdir())
     monkeypatch.delenv("FLOWEXEC_KEEP")
-    assert not kept.enabled()  # (off by default)
+    assert kept.enabled()  # (on by default)
+    exe = flowexec.compile(lambda x: x * 2, mode="trace")
+    exe(torch.ones(2))
+    assert "; kept " in exe.kept and list(tmp_path.iterdir()), exe.kept
     monkeypatch.setenv("FLOWEXEC_KEEP", "yes")
-    with pytest.raises(ValueError, match="FLOWEXEC_KEEP='yes': expected 0"):
+    with pytest.raises(ValueError, match="FLOWEXEC_KEEP='yes': expected 1"):
         kept.enabled()
 
 
