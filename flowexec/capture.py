@@ -1262,6 +1262,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                 guard.grads0.clear()  # (held no longer than the run: a gradient the step discards is freed)
                 lifter.real_of = lambda t: None
             settled = not failed
+            if log is not None:  # (the lifter, and through it the recorder, live no longer than the run)
+                log.lifted = lambda t: None
         finally:
             # A failed capture gives its parked gradients back (once the run's own are let go:
             # both sets at once would peak above eager); a good one hands on those no op read.

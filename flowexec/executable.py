@@ -370,6 +370,8 @@ class Executable:
             self.kept = f"{why}; kept {os.path.basename(path)}"
         except Exception as e:  # (kept.NotKept: something no path names; OSError: the directory)
             self.kept = f"{why}; not kept: {e if isinstance(e, kept.NotKept) else repr(e)}"
+        finally:
+            cap.log = None  # (it holds the state tensors the run read, and every result's storage)
         return cap
 
     def _drop_parked(self, c: _Compiled) -> None:
