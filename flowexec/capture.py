@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_autocast_cache, make_fx
 from torch.optim import optimizer as _optimizer
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -55,6 +55,7 @@ from .program import Op, Program, Ref, Role, TensorMeta, Value, written_args
 from .signature import output_tree
 from .snapshot import DeviceRoom, HostSnapshot
 from .fake_run import cuda_in_use, is_fake_tensor, quiet_fake_mode, register_fake_optimizer_kernels, runs_for_real
+from .op_log import OpLog
 from .rng import install as install_rng_ops, lower_rng_hops
 from .storage import shared_storage, storage_id, storage_key
 
@@ -106,6 +107,9 @@ class Captured:
     made_state: tuple[tuple[Any, Any, str, int], ...] = ()
     # the user's and libraries' code objects the run started (a kept program checks their files)
     codes: tuple[Any, ...] = ()
+    # the run's ops with their arguments by role (capture(log_ops=True): what a kept program's
+    # replay is checked against, flowexec.op_log)
+    log: OpLog | None = None
 
 
 _metas = threading.local()  # per thread: the fake modes of the captures under way, innermost last
@@ -518,6 +522,8 @@ class _CaptureGuard(TorchDispatchMode):
         # state at the first draw, its state after the last). The default generators are saved
         # and put back whole (_rng_states); these are put back by restore().
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor, torch.Tensor]] = {}
+        self.log: OpLog | None = None  # (flowexec.op_log: the ops in dispatch order, by role)
+        self.lines = True  # each op's source line (a replay, which makes no program, finds none)
 
     def is_created(self, t: torch.Tensor) -> bool:
         return _alive_in(self.created, t)
@@ -602,6 +608,8 @@ class _CaptureGuard(TorchDispatchMode):
             # a guard (flowexec.hyperparams), instead of failing as data-dependent.
             value = lifter.host_read(func, args, kwargs)
             if value is not NO_VALUE:
+                if self.log is not None:
+                    self.log.read(func, args)
                 return value
         if func in _HOST_READS:
             self.read_under_flag = bool(torch.compiler._is_compiling_flag)
@@ -609,18 +617,22 @@ class _CaptureGuard(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not self.is_constant(t):
                 settled = self.draws.answer(t)  # (``torch.rand([]) < 0``: every call's answer)
                 if settled is not None:
+                    if self.log is not None:
+                        self.log.read(func, args)
                     return settled
                 # make_fx would answer a read of state fn did not make (a step count written in
                 # place) with its value now, and the program would keep that value for good.
                 raise RuntimeError(f"{func}: a host read of a tensor whose value can change between calls")
             if isinstance(t, torch.Tensor):
+                if self.log is not None:
+                    self.log.read(func, args)
                 # Made from constants alone, its value is every call's: answered here, as eager
                 # answers it. (make_fx propagates constants of one element only, and would call
                 # the read data-dependent: HF's packed-sequence check on an arange of positions,
                 # whose retry under the compiling flag built an explicit causal mask.)
                 with _disable_current_modes():
                     return func(*self._real(args), **self._real(kwargs)) if self.fake else func(*args, **kwargs)
-        self.sources.append((func, _caller_line()))
+        self.sources.append((func, _caller_line() if self.lines else ""))
         written = _written_tensors(func, args, kwargs)
         # Copies of what the run writes may stay on the device only once its backward is over
         # (the optimizer's writes): one made before would sit under the activations to come.
@@ -672,6 +684,8 @@ class _CaptureGuard(TorchDispatchMode):
             # (fn holds the twin, which this write would leave stale: a real run decides)
             raise RuntimeError(f"{func} writes values of the call into a tensor made from constants")
         out = func(*args, **kwargs)
+        if self.log is not None:
+            self.log.op(func, args, kwargs, out)
         self.draws.record(func, args, kwargs, out, written)
         for g in gens:
             first = self.generators[id(g)][1]
@@ -951,7 +965,7 @@ def _library_compiling(everywhere: bool) -> Iterator[None]:
 def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
           park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
           make_state: bool = False, first_call: bool = False,
-          untouched: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+          untouched: bool = False, log_ops: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     """Run ``fn(*args)`` once under make_fx; return the graph, escaped-grad bindings, output
     count, op sources, the tree of fn's output containers, and what the run read
     (:class:`_Reads`: guards, lifted hyperparameters). ``guarded``: record what the run reads,
@@ -974,7 +988,9 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     back before the next (a GradScaler's record of a step taken, which the next run would
     refuse). (Not on later captures: the record holds the containers fn replaces, a
     GradScaler's per-optimizer dict, and with them the tensors the run put there, which would
-    then count as state fn left behind.)
+    then count as state fn left behind.) ``log_ops``: keep the run's ops by role
+    (:class:`~flowexec.op_log.OpLog`, the reads' ``log``), what a kept program's replay is
+    checked against.
     """
     everywhere, hooks = False, True
     first_call = first_call or make_state  # (a first step's program is fn's first call too)
@@ -986,9 +1002,13 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     why = ""
     for _ in range(4):
         try:
+            log = OpLog() if log_ops and fake else None  # (a real run is not kept)
             out = _trace(fn, args, guarded, everywhere=everywhere, park=park, unfused=unfused, saved_hooks=hooks,
-                         fake=fake, make_state=make_state)
+                         fake=fake, make_state=make_state, log=log)
             out[-1].run = "fake" if fake else f"real (a fake run could not: {why})" if why else "real"
+            if log is not None:
+                log.flags = (everywhere, hooks)
+                out[-1].log = log
             return out
         except Exception as e:
             if saved is not None:
@@ -1037,15 +1057,37 @@ class _FakeAliasing(CaptureError):
     stood for the argument, which a real run keeps apart."""
 
 
+@contextlib.contextmanager
+def _fx_tracing() -> Iterator[None]:
+    """torch.fx's tracing flag, as make_fx's trace sets it (library code may read it:
+    ``torch.fx._symbolic_trace.is_fx_tracing()``)."""
+    from torch.fx import _symbolic_trace
+
+    prev = _symbolic_trace._is_fx_tracing_flag
+    _symbolic_trace._is_fx_tracing_flag = True
+    try:
+        yield
+    finally:
+        _symbolic_trace._is_fx_tracing_flag = prev
+
+
 def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
            park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
-           saved_hooks: bool = True, fake: bool = False, make_state: bool = False) -> tuple[fx.GraphModule, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+           saved_hooks: bool = True, fake: bool = False, make_state: bool = False, log: OpLog | None = None,
+           replay: bool = False) -> tuple[fx.GraphModule | None, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+    # replay: fn runs under the capture's modes on fake tensors with no make_fx and no graph (a
+    # kept program's check, :func:`replay`), and whatever it changed is put back as after a
+    # failed capture
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bindings: list[tuple[torch.Tensor, int]] = []
     fed = guarded is True  # hyperparameters lifted, gradients as inputs
     recorder = Recorder(fn, active=bool(guarded))
     lifter = Lifter(recorder.name_of, active=fed, unfused=unfused)
     guard = _CaptureGuard(lifter if fed else None)
+    guard.log = log
+    guard.lines = not replay
+    if log is not None:
+        log.lifted = lifter.slot_of
     n_user = [0]
     out_tree: list[Any] = [None]
     made: list[tuple[torch.optim.Optimizer, Any, str, int]] = []  # make_state: (optimizer, param, key, output)
@@ -1065,6 +1107,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
 
     def traced(*tensors: torch.Tensor) -> Any:
         guard.placeholders = [weakref.ref(t) for t in tensors]
+        if log is not None:
+            log.inputs(tensors)
         if fake:  # fn reaches the gradients through p.grad: the fake placeholders stand there
             for p, g in zip(grad_params, tensors[len(tensor_pos):]):
                 p.grad = g
@@ -1136,6 +1180,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                 "silently stop updating. flowexec runs the first call eagerly so that state made on a first step "
                 "(optimizer moments) exists before capture; state made anew on every call cannot be captured: "
                 "keep it in tensors written in place, or return it from fn.")
+        if log is not None:
+            log.result(flat + extra)
         return flat + extra
 
     # (no record_stack_traces: each op's source line comes from _CaptureGuard, at a fraction of
@@ -1158,17 +1204,25 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
             real_inputs = [mode.from_tensor(t) for t in real_inputs]
         with _library_compiling(everywhere), torch._guards.tracing(context), _direct_fake_metas(mode), \
                 quiet_fake_mode(fake):
-            gm = make_fx(traced, **kw)(*real_inputs)
-        if not fake and any(is_fake_tensor(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"):
+            if replay:  # (what make_fx sets around fn, but its graph)
+                with mode, disable_autocast_cache(), _fx_tracing():
+                    traced(*real_inputs)
+                recorder.drop_gone()
+                recorder.replays()
+                _refuse_lost_writes(recorder)  # (a capture now would refuse what it refuses)
+                gm = None
+            else:
+                gm = make_fx(traced, **kw)(*real_inputs)
+        if gm is not None and not fake and any(is_fake_tensor(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"):
             raise CaptureError("fn reads a fake tensor kept in Python state (a cache, such as functools.lru_cache "
                                "or a dict, that a capture's run on fake tensors filled): make the cached tensor "
                                "before the first compiled call, or set FLOWEXEC_FAKE_CAPTURE=0")
-        if fake:
+        if gm is not None and fake:
             inputs = {storage_key(args[i]) for i in tensor_pos} | {storage_key(g) for g in grads0}
             consts = (getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
             if any(isinstance(c, torch.Tensor) and storage_key(c) in inputs - {0} for c in consts):
                 raise _FakeAliasing("closure state on an argument's storage")
-        failed = False
+        failed = replay  # (a replay is put back as a discarded capture is)
     except CaptureError:
         raise
     except Exception as e:
@@ -1208,6 +1262,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                 guard.grads0.clear()  # (held no longer than the run: a gradient the step discards is freed)
                 lifter.real_of = lambda t: None
             settled = not failed
+            if log is not None:  # (the lifter, and through it the recorder, live no longer than the run)
+                log.lifted = lambda t: None
         finally:
             # A failed capture gives its parked gradients back (once the run's own are let go:
             # both sets at once would peak above eager); a good one hands on those no op read.
@@ -1235,6 +1291,7 @@ class _Reads:
     parked: ParkedGrads = field(default_factory=lambda: ParkedGrads({}))  # gradients no op read
     run: str = "real"  # Captured.run
     made: tuple[tuple[Any, Any, str, int], ...] = ()  # Captured.made_state
+    log: OpLog | None = None  # Captured.log
 
 
 def _new_state(lifter: Lifter, guard: Any) -> list[tuple[torch.optim.Optimizer, Any, str, torch.Tensor]]:
@@ -1257,14 +1314,15 @@ def _new_state(lifter: Lifter, guard: Any) -> list[tuple[torch.optim.Optimizer, 
 
 def capture(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False,
             park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
-            make_state: bool = False, first_call: bool = False, untouched: bool = False) -> Captured:
+            make_state: bool = False, first_call: bool = False, untouched: bool = False,
+            log_ops: bool = False) -> Captured:
     """Trace ``fn`` on ``args`` (flat: tensors and scalars) and convert the graph into a Program.
     The program's inputs are the tensors of ``args``, then (``guarded=True``) ``p.grad`` for
     each parameter of ``Captured.grad_inputs``; ``guarded`` also records its guards
     (:func:`trace`; ``"reads"``: only what the run read, :func:`read_guards`; ``park``,
-    ``unfused``, ``make_state`` and ``first_call``: see :func:`trace`)."""
+    ``unfused``, ``make_state``, ``first_call`` and ``log_ops``: see :func:`trace`)."""
     gm, bindings, n_user, sources, out_tree, reads = trace(fn, args, guarded, park, unfused, make_state, first_call,
-                                                           untouched)
+                                                           untouched, log_ops)
     _warn_fast_paths(sources)
     try:
         return _captured(gm, bindings, n_user, sources, out_tree, reads, args, guarded)
@@ -1303,7 +1361,52 @@ def _captured(gm: fx.GraphModule, bindings: list[tuple[torch.Tensor, int]], n_us
     reads.parked.restore(keep={id(p.grad) for p in discarded if p.grad is not None})
     prog = program_from_graph(gm, [args[i] for i in tensor_pos] + [p.grad for p in read], sources)
     return Captured(prog, bindings, n_user, out_tree, guards_of(reads, prog, feeds), read, discarded,
-                    reads.parked, reads.run, reads.made, tuple(reads.recorder.user_codes()))
+                    reads.parked, reads.run, reads.made, tuple(reads.recorder.user_codes()), reads.log)
+
+
+@dataclass
+class Replayed:
+    """What :func:`replay` saw fn do: its ops by role, the escaped gradients and made state
+    with their output positions, its output containers, the names of what it read, and the
+    parameters whose ``.grad`` it left None."""
+
+    log: OpLog
+    grad_bindings: list[tuple[torch.Tensor, int]]
+    n_user_outputs: int
+    out_tree: Any
+    made_state: tuple[tuple[Any, Any, str, int], ...]
+    read_names: frozenset[str]
+    cleared_grads: tuple[torch.Tensor, ...]
+
+
+def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: frozenset[int] = frozenset(),
+           make_state: bool = False) -> Replayed:
+    """Run ``fn(*args)`` as a fake capture runs it (the same modes, hooks and lifted
+    hyperparameters; ``flags``: the kept capture's :attr:`OpLog.flags`) but with no ``make_fx``
+    and no graph, logging its ops (:class:`~flowexec.op_log.OpLog`), and put back everything
+    it changed, as after a discarded capture. A kept program is taken only where this log is the
+    one its capture kept (flowexec/kept.py). Raises what a capture would raise.
+
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> seen = replay(lambda x: (x * w).sum(), (torch.ones(2),), (False, True))
+        >>> [e[0] for e in seen.log.entries]
+        ['aten.mul.Tensor', 'aten.sum.default', 'out']
+        >>> w.grad is None
+        True
+    """
+    everywhere, hooks = flags
+    saved = object_attributes(fn)
+    log = OpLog()
+    try:
+        _, bindings, n_user, _, out_tree, reads = _trace(fn, args, True, everywhere=everywhere, saved_hooks=hooks,
+                                                         unfused=unfused, fake=True, make_state=make_state, log=log,
+                                                         replay=True)
+    finally:
+        put_back_attributes(saved)
+        gc.collect()  # (the run's frames and fake tensors: as after a discarded capture)
+    names = frozenset(g.name for g in reads.recorder.guards.values())
+    return Replayed(log, bindings, n_user, out_tree, reads.made, names, reads.cleared_grads)
 
 
 def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[torch.Tensor],

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import kept, optim_state
-from .capture import Captured, LazyStateError, capture, fake_capture_setting, fresh_optimizers
+from .capture import Captured, LazyStateError, capture, fake_capture_setting, fresh_optimizers, replay
 from .errors import CaptureError, FlowexecError, GuardError, InputError, OptionError, RecaptureWarning
 from .fake_run import cuda_in_use
 from .build import check_recompute, plan_for
@@ -320,10 +320,12 @@ class Executable:
             return capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
                            park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
                            make_state=first_step, first_call=first_call,
-                           untouched=not self._ran_eagerly and not self._cache)
+                           untouched=not self._ran_eagerly and not self._cache, log_ops=keeping)
 
-        if not kept.enabled():
-            self.kept = "off (FLOWEXEC_KEEP=1 turns it on)"
+        keeping = kept.enabled()
+
+        if not keeping:
+            self.kept = "off (FLOWEXEC_KEEP=0)"
             return run_capture()
         # (nothing of keeping may fail a build: whatever goes wrong there, the build captures)
         try:
@@ -336,13 +338,29 @@ class Executable:
             self.kept = f"not kept: {type(e).__name__}: {e}"
             return run_capture()
         why = "no program kept for this call"
+        seen: dict[tuple, Any] = {}
         for data in records:  # (the newest first; the first that binds is taken)
             try:
                 fields = kept.decode(data, r, [a for a in args if isinstance(a, torch.Tensor)])
-                self.kept = f"loaded {key}"
-                return Captured(run="kept", **fields)
             except Exception as e:  # (kept.NotKept: it does not bind; anything else: it does not load)
-                why = f"the kept program does not bind: {e if isinstance(e, kept.NotKept) else repr(e)}"
+                if not seen:  # (a record that bound and failed its replay says more)
+                    why = f"the kept program does not bind: {e if isinstance(e, kept.NotKept) else repr(e)}"
+                continue
+            # Taken only where the step, run again on fake tensors, does what the kept capture's
+            # run did (flowexec.op_log): then a capture now would make this very program.
+            try:
+                flags = fields["log"][1]
+                if flags not in seen:  # (the same run for every record made with these flags)
+                    t_replay = time.perf_counter()
+                    seen[flags] = replay(_call_with_containers(self.fn, tree, paths), args, flags,
+                                         unfused=frozenset(self._unfused), make_state=first_step)
+                kept.check_replay(fields, seen[flags])
+            except Exception as e:
+                why = f"the kept program is not what a capture would make now: {e}"
+                continue
+            self.kept = f"loaded {key} (its replay took {time.perf_counter() - t_replay:.2f} s)"
+            fields.pop("log")
+            return Captured(run="kept", **fields)
         cap = run_capture()
         if cap.run != "fake":  # (a real run read real values: nothing says a later process would read the same)
             self.kept = f"{why}; not kept: fn ran for real"
@@ -352,6 +370,8 @@ class Executable:
             self.kept = f"{why}; kept {os.path.basename(path)}"
         except Exception as e:  # (kept.NotKept: something no path names; OSError: the directory)
             self.kept = f"{why}; not kept: {e if isinstance(e, kept.NotKept) else repr(e)}"
+        finally:
+            cap.log = None  # (it holds the state tensors the run read, and every result's storage)
         return cap
 
     def _drop_parked(self, c: _Compiled) -> None:

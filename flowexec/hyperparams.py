@@ -496,6 +496,13 @@ class Lifter:
         hit = self._prov.get(id(t))
         return hit is not None and hit[0]() is t
 
+    def slot_of(self, t: Any) -> int | None:
+        """The index of the lifted value ``t`` is (in the order lifted), or None."""
+        if not self.lifted(t):
+            return None
+        e = self._expr(t)
+        return e.index if isinstance(e, Slot) else None
+
     def _expr(self, t: torch.Tensor) -> Any:
         return self._prov[id(t)][1]
 

@@ -25,7 +25,7 @@ process and takes the program only where a capture would have made that same pro
 A capture holding anything no path from ``fn`` names (a tensor in a local cache, a code
 object without a file) is not kept, and a program that does not bind is not taken: the build
 captures, as it always did. ``Executable.kept`` says which happened and why.
-``FLOWEXEC_KEEP=1`` turns keeping on (off by default: docs/kept.md).
+``FLOWEXEC_KEEP=0`` turns keeping off (docs/kept.md).
 
     >>> import torch
     >>> def make(net):
@@ -55,11 +55,12 @@ import torch
 from .guards import GuardSet, WeakAttrs, generated_code, global_names, is_scalar, user_code
 from .hyperparams import Feeds, FeedSlot
 from .list_returns import flat_op, flattened_from
+from .op_log import first_difference
 from .program import Op, Program, Ref, Role, TensorMeta, Value, map_nested
 from .storage import shared_storage
 from .verdict_cache import default_directory
 
-FORMAT = 2  # (a change in what a record holds changes every key)
+FORMAT = 3  # (a change in what a record holds changes every key)
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
 # Names whose values differ between two runs of one command and steer no capture.
 _VOLATILE_ENV = frozenset({"_", "OLDPWD", "PWD", "SHLVL", "TERM", "TERM_SESSION_ID", "COLUMNS", "LINES", "DISPLAY",
@@ -71,12 +72,13 @@ _WIDTH = 64  # entries of one object or container walked
 
 
 def enabled() -> bool:
-    """Whether builds keep and look up programs (``FLOWEXEC_KEEP``: ``0``, the default, or ``1``).
-    Off by default until more of what a step can read outside its guards is covered (docs/kept.md)."""
-    setting = os.environ.get("FLOWEXEC_KEEP", "0")
+    """Whether builds keep and look up programs (``FLOWEXEC_KEEP``: ``1``, the default, or ``0``).
+    On by default since a kept program is taken only where the step's replay dispatches what its
+    capture did (docs/kept.md)."""
+    setting = os.environ.get("FLOWEXEC_KEEP", "1")
     if setting not in ("0", "1"):
-        raise ValueError(f"FLOWEXEC_KEEP={setting!r}: expected 0 (capture in every process, the default) or 1 "
-                         "(keep captured programs and load them in later processes)")
+        raise ValueError(f"FLOWEXEC_KEEP={setting!r}: expected 1 (keep captured programs and load them in later "
+                         "processes, the default) or 0 (capture in every process)")
     return setting == "1"
 
 
@@ -438,6 +440,11 @@ def encode(cap: Any, r: Reach, files: dict[str, tuple[int, int]]) -> bytes:
     for opt, *_ in cap.made_state:
         if r.loc(opt) is None:
             raise NotKept(f"an optimizer ({type(opt).__name__}) that no path from fn reaches makes state")
+    log = cap.log
+    if log is None:
+        raise NotKept("the capture kept no log of its ops")
+    if log.opaque:
+        raise NotKept(f"the capture's log of its ops cannot name {log.opaque}")
     fresh = _fresh_constants(prog)
     state: dict[int, Any] = {}
     for vid, t in prog.state.items():
@@ -471,6 +478,7 @@ def encode(cap: Any, r: Reach, files: dict[str, tuple[int, int]]) -> bytes:
         "guards": gs.guards, "replays": gs.replays, "cleared_grads": gs.cleared_grads, "feeds": slots,
         "grad_inputs": tuple(cap.grad_inputs), "discarded_grads": tuple(cap.discarded_grads),
         "made_state": tuple(cap.made_state),
+        "log": (log.entries, log.flags, [_state_of(t, r) for t in log.state]),
     }
     buf = io.BytesIO()
     try:
@@ -558,7 +566,63 @@ def decode(data: bytes, r: Reach, call_tensors: Sequence[torch.Tensor]) -> dict[
         raise NotKept("a host read of a fed hyperparameter answers otherwise")
     return dict(program=prog, grad_bindings=list(rec["grad_bindings"]), n_user_outputs=rec["n_user_outputs"],
                 out_tree=rec["out_tree"], guards=gs, grad_inputs=tuple(rec["grad_inputs"]),
-                discarded_grads=tuple(rec["discarded_grads"]), made_state=tuple(rec["made_state"]))
+                discarded_grads=tuple(rec["discarded_grads"]), made_state=tuple(rec["made_state"]),
+                log=rec["log"])
+
+
+def _state_of(t: torch.Tensor, r: Reach) -> Any:
+    """A state tensor of a capture's log as a record holds it: by path (the tensor itself, which
+    :class:`_Writer` names), or by value where it is small and no path reaches it (a constant fn
+    made outside dispatch: ``torch.from_numpy``)."""
+    if r.loc(t) is not None:
+        return t
+    if t.numel() <= _VALUE_LIMIT:  # (``torch.tensor(...)`` in fn: the literal its lift copies)
+        return _value_of(t)
+    raise NotKept(f"the step reads a tensor ({TensorMeta.of(t)}) that no path from fn reaches")
+
+
+def _value_of(t: torch.Tensor) -> tuple:
+    return ("value", str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(), str(t.device),
+            t.detach().cpu().flatten().tolist())
+
+
+_VALUE_LIMIT = 4096  # elements of a tensor no path reaches that a record keeps by value
+
+
+def check_replay(fields: dict[str, Any], seen: Any) -> None:
+    """:class:`NotKept` where the step, run again (:class:`flowexec.capture.Replayed`), did
+    otherwise than the kept capture's run: other ops, or other arguments, or other state
+    tensors, other returns, other gradients left behind or state made, or a value read that the
+    program does not guard. Equal runs make equal programs (``make_fx`` records what the run
+    dispatches)."""
+    entries, _, state = fields["log"]
+    log = seen.log
+    if log.opaque:
+        raise NotKept(f"the step, run again, passes an op {log.opaque}")
+    diff = first_difference(log.entries, entries)
+    if diff is not None:
+        raise NotKept(f"the step, run again, dispatches otherwise: {diff}")
+    if len(log.state) != len(state):  # (equal entries name as many)
+        raise NotKept("the step, run again, reads another number of state tensors")
+    for j, (now, was) in enumerate(zip(log.state, state)):
+        same = now is was if isinstance(was, torch.Tensor) else was == _value_of(now)
+        if not same:
+            raise NotKept(f"the step, run again, reads another tensor as its state tensor {j} ({TensorMeta.of(now)})")
+    pairs = [(id(p), i) for p, i in seen.grad_bindings], [(id(p), i) for p, i in fields["grad_bindings"]]
+    made = [(id(o), id(p), k, i) for o, p, k, i in seen.made_state], \
+        [(id(o), id(p), k, i) for o, p, k, i in fields["made_state"]]
+    if pairs[0] != pairs[1] or made[0] != made[1]:
+        raise NotKept("the step, run again, leaves other gradients or makes other optimizer state")
+    if seen.n_user_outputs != fields["n_user_outputs"] or seen.out_tree != fields["out_tree"]:
+        raise NotKept("the step, run again, returns other containers")
+    gone = {id(p) for p in fields["discarded_grads"]}
+    cleared = {id(p) for p in seen.cleared_grads if id(p) not in gone}
+    if cleared != {id(p) for p in fields["guards"].cleared_grads}:
+        raise NotKept("the step, run again, leaves other gradients None")
+    guarded = {g.name for g in fields["guards"].guards}
+    unguarded = sorted(seen.read_names - guarded)
+    if unguarded:
+        raise NotKept(f"the step, run again, reads {unguarded[0]}, which the program does not guard")
 
 
 def _feeds(slots: list[tuple], buffers: dict[torch.device, tuple[int, torch.dtype]], reads: Any) -> Feeds:

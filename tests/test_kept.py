@@ -281,17 +281,20 @@ def test_state_no_path_reaches_is_not_kept(tmp_path, monkeypatch):
     assert "not kept: the program binds a tensor (f32[4] cpu) that no path from fn reaches" in exe.kept, exe.kept
 
 
-def test_keeping_is_off_by_default_and_with_flowexec_keep_0(tmp_path, monkeypatch):
+def test_keeping_is_on_by_default_and_off_with_flowexec_keep_0(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path))
     monkeypatch.setenv("FLOWEXEC_KEEP", "0")
     exe = flowexec.compile(lambda x: x * 2, mode="trace")
     exe(torch.ones(2))
-    assert exe.kept == "off (FLOWEXEC_KEEP=1 turns it on)"
+    assert exe.kept == "off (FLOWEXEC_KEEP=0)"
     assert not os.path.exists(tmp_path / "programs") and not list(tmp_path.iterdir())
     monkeypatch.delenv("FLOWEXEC_KEEP")
-    assert not kept.enabled()  # (off by default)
+    assert kept.enabled()  # (on by default)
+    exe = flowexec.compile(lambda x: x * 2, mode="trace")
+    exe(torch.ones(2))
+    assert "; kept " in exe.kept and list(tmp_path.iterdir()), exe.kept
     monkeypatch.setenv("FLOWEXEC_KEEP", "yes")
-    with pytest.raises(ValueError, match="FLOWEXEC_KEEP='yes': expected 0"):
+    with pytest.raises(ValueError, match="FLOWEXEC_KEEP='yes': expected 1"):
         kept.enabled()
 
 
@@ -474,3 +477,65 @@ def test_a_flattened_op_is_kept_by_the_op_it_flattens() -> None:
     assert pid == ("flat", "aten::_fused_adam", "default")
     assert kept._Reader.persistent_load(None, pid) is flat
     assert kept._Writer.persistent_id(None, torch.ops.aten.add.Tensor) == ("op", "aten::add", "Tensor")
+
+
+# --- what no walk or guard reads: the replay of the step finds it ------------------------------
+
+ORDER = {8, 16}  # (8 and 16 share a slot of a small set's table: it iterates in insertion order)
+
+
+def _reads_outside(kind: str, where: Path):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        out = net(x)
+        if kind == "a file read in the step":
+            out = out * json.loads((where / "cfg.json").read_text())["scale"]
+        elif kind == "a constant from a file":
+            out = out * torch.from_numpy(np.load(where / "w.npy"))
+        elif kind == "the order of a set":
+            for k in ORDER:
+                out = out * k + 1
+        loss = out.square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+READ_OUTSIDE = ["a file read in the step", "a constant from a file", "the order of a set"]
+
+
+@pytest.mark.parametrize("kind", READ_OUTSIDE)
+def test_what_no_check_reads_is_found_by_the_replay(kind, tmp_path, monkeypatch):
+    """A kept program is taken only where the step, run again on fake tensors, dispatches what its
+    capture dispatched (flowexec/op_log.py): a value read from a file, a constant loaded from
+    one and a set's order (which equality ignores) are read by no guard and no walk, and each,
+    changed, changes the ops or their arguments."""
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path / "programs"))
+    monkeypatch.setenv("FLOWEXEC_KEEP", "1")
+    (tmp_path / "cfg.json").write_text(json.dumps({"scale": 1.0}))
+    np.save(tmp_path / "w.npy", np.ones(2, dtype=np.float32))
+    x = torch.randn(3, 4)
+    first = flowexec.compile(_reads_outside(kind, tmp_path), mode="trace")
+    first(x)
+    assert "; kept " in first.kept, first.kept
+    again = flowexec.compile(_reads_outside(kind, tmp_path), mode="trace")
+    again(x)
+    assert again.kept.startswith("loaded "), again.kept  # (nothing changed: it loads)
+    if kind == "a file read in the step":
+        (tmp_path / "cfg.json").write_text(json.dumps({"scale": 2.0}))
+    elif kind == "a constant from a file":
+        np.save(tmp_path / "w.npy", np.array([1.0, 3.0], dtype=np.float32))
+    else:
+        monkeypatch.setitem(globals(), "ORDER", {16, 8})
+        assert list(ORDER) == [16, 8] and ORDER == {8, 16}
+    later = flowexec.compile(_reads_outside(kind, tmp_path), mode="trace")
+    got = [later(x).item()]
+    assert "is not what a capture would make now" in later.kept and later.capture_run == "fake", later.kept
+    got += [later(x).item() for _ in range(2)]
+    eager = _reads_outside(kind, tmp_path)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor([eager(x).item() for _ in range(3)]))

@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inductor",),  # a region's FX graph compiled by Inductor into one op
     ("passes",),  # pure functions over a Program
     ("fetch", "kernels", "rng", "draw_ranges", "inductor_keys", "kept"),  # scalar readback; fused ops (torch.library); the generator's state as ops; Inductor's once-a-process keys kept; captured programs kept on disk
+    ("op_log",),  # a capture's ops by role, which a kept program's replay must match
     ("program", "signature", "storage", "list_returns", "guards", "hyperparams", "parking", "_cuda_native", "verdict_cache", "snapshot", "fake_run",
      "optim_state"),  # the IR's records; leaf helpers
     ("frame_starts",),  # the frames a capture starts, for the guards' recorder
