@@ -1404,7 +1404,6 @@ def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: f
                                                          replay=True)
     finally:
         put_back_attributes(saved)
-        gc.collect()  # (the run's frames and fake tensors: as after a discarded capture)
     names = frozenset(g.name for g in reads.recorder.guards.values())
     return Replayed(log, bindings, n_user, out_tree, reads.made, names, reads.cleared_grads)
 
