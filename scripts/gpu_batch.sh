@@ -98,6 +98,8 @@ for step in "$@"; do
     bundles) run_step $step 200 python3 benchmarks/probes/bundles.py --out "$R/bundles" ;;  # what a fused build's cache entries bundle
     kept-warm) run_step $step 400 python3 benchmarks/probes/kept_warm.py --device cuda --layers 12 --batch 8 --seq 1024 \
                  --rounds 2 --fuse --out "$R" ;;  # warm first calls with and without kept programs, alternating
+    kept-warm-quick) run_step $step 170 python3 benchmarks/probes/kept_warm.py --device cuda --layers 12 --batch 8 --seq 1024 \
+                 --rounds 1 --fuse --out "$R" ;;  # one warm first call with and one without the kept program (and its replay)
     memtests)  run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_memory_gpu.py \
                  --junitxml="$R/$step.xml" ;;
     build-peak) run_step $step 300 python3 benchmarks/probes/build_peak.py --out "$R" ;;  # what is alive at the build's peak
