@@ -10,7 +10,10 @@ AdamW, as ``benchmarks/scale.py``):
 - ``make_fx``: torch's ``make_fx`` of the forward and backward alone (fake tensors);
 - ``flowexec_fwd_bwd``: flowexec's capture of the same forward and backward
   (``flowexec.compile``'s build phase ``capture``: guards, hyperparameters, fake run);
-- ``flowexec_step``: flowexec's capture of the whole step with its optimizer.
+- ``flowexec_step``: flowexec's capture of the whole step with its optimizer;
+- ``step_replay``: the replay a later process runs before it takes a kept program of that step
+  (``flowexec.capture.replay``: the step on fake tensors under the capture's modes, no graph,
+  its ops logged), checked to log what the capture logged.
 
     python3 benchmarks/probes/capture_cost.py --device cpu --batch 1 --seq 64 --out results
 """
@@ -37,6 +40,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/probes")
     a = ap.parse_args()
+    os.environ["FLOWEXEC_KEEP"] = "0"  # (each build captures: a kept program would be loaded instead)
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -90,9 +94,21 @@ def main() -> None:
     opt = torch.optim.AdamW(w.module.parameters(), lr=1e-4, fused=True)
     step = scale.make_step(w, w.module, opt, dev)
     step(x, x)  # (AdamW's state made: the captures below capture the steps)
+    from flowexec.capture import capture, replay
+
+    kept_log = capture(step, (x, x), guarded=True, log_ops=True).log
+
+    def step_replay() -> tuple[float, int]:
+        t = time.perf_counter()
+        seen = replay(step, (x, x), kept_log.flags)
+        took = time.perf_counter() - t
+        if seen.log.entries != kept_log.entries:
+            raise SystemExit("the replay logged other ops than the capture")
+        return took, len(seen.log.entries)
+
     runs = {"fake_run": fake_run, "make_fx": plain_make_fx,
             "flowexec_fwd_bwd": lambda: flowexec_capture(fwd_bwd, x),
-            "flowexec_step": lambda: flowexec_capture(step, x, x)}
+            "flowexec_step": lambda: flowexec_capture(step, x, x), "step_replay": step_replay}
     times: dict[str, list[float]] = {k: [] for k in runs}
     sizes: dict[str, int] = {}
     for r in range(a.rounds + 1):  # (round 0 warms each path: imports, decomposition tables)
@@ -108,14 +124,16 @@ def main() -> None:
            "python": sys.version.split()[0], "workload": f"{w.desc}, timed at batch {a.batch} x {a.seq}",
            "seconds": times, "median_s": med, "ops_or_nodes": sizes,
            "flowexec_fwd_bwd_over_make_fx": round(med["flowexec_fwd_bwd"] / med["make_fx"], 3),
-           "fake_run_over_make_fx": round(med["fake_run"] / med["make_fx"], 3)}
+           "fake_run_over_make_fx": round(med["fake_run"] / med["make_fx"], 3),
+           "step_replay_over_step_capture": round(med["step_replay"] / med["flowexec_step"], 3)}
     os.makedirs(a.out, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     tag = next((w.lower() for w in name.split() if w[:1] in "HAB" and w[1:].isdigit()), name.split()[-1].lower())
     path = os.path.join(a.out, f"capture_cost_{tag}_py{sys.version_info[0]}{sys.version_info[1]}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps({k: out[k] for k in ("median_s", "flowexec_fwd_bwd_over_make_fx", "fake_run_over_make_fx")}))
+    print(json.dumps({k: out[k] for k in ("median_s", "flowexec_fwd_bwd_over_make_fx", "fake_run_over_make_fx",
+                                          "step_replay_over_step_capture")}))
     print("wrote", path)
 
 

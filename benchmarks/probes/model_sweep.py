@@ -269,6 +269,20 @@ def main() -> None:
         if v not in VARIANTS:
             ap.error(f"unknown variant {v!r}; choices: {', '.join(VARIANTS)}")
     results: dict[str, Any] = {}
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"model_sweep_{dev.type}{'_' + a.autocast if a.autocast else ''}.json")
+
+    def write(done: bool) -> None:  # (after every case: a crash, a segfault in one, keeps those before)
+        out = {"probe": "model_sweep", "command": " ".join([sys.executable] + sys.argv), "device": str(dev),
+               "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               "torch": torch.__version__, "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"),
+               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": a.steps, "tol": a.tol, "autocast": a.autocast,
+               "compile_processes": flowexec.compile_workers.setting(),
+               "worker_failures": dict(flowexec.fusion.compiler().worker_failures), "finished": done,
+               "results": results}
+        with open(path, "w") as fh:
+            json.dump(out, fh, indent=1)
+
     for name in cases:
         rec = results[name] = {}
         try:
@@ -305,16 +319,8 @@ def main() -> None:
             run, fz = r.get("capture_run"), r.get("fusion")
             print(f"{name:22s} {v:12s} {r['verdict']} {said}" + (f" [capture {run[:70]}]" if run else "")
                   + (f" [{fz['fused_regions']} fused, {fz['fusion_fallbacks']} fallbacks]" if fz else ""), flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    out = {"probe": "model_sweep", "command": " ".join([sys.executable] + sys.argv), "device": str(dev),
-           "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "commit": os.environ.get("FLOWEXEC_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "steps": a.steps, "tol": a.tol, "autocast": a.autocast,
-           "compile_processes": flowexec.compile_workers.setting(),
-           "worker_failures": dict(flowexec.fusion.compiler().worker_failures), "results": results}
-    path = os.path.join(a.out, f"model_sweep_{dev.type}{'_' + a.autocast if a.autocast else ''}.json")
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+            write(False)
+    write(True)
     bad = [f"{n}/{v}" for n, r in results.items() for v, x in r.items() if isinstance(x, dict) and x["verdict"] != "OK"]
     print(f"wrote {path}; not OK: {', '.join(bad) or 'none'}")
 
