@@ -1380,11 +1380,12 @@ class Replayed:
 
 
 def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: frozenset[int] = frozenset(),
-           make_state: bool = False) -> Replayed:
+           make_state: bool = False, first_call: bool = False, untouched: bool = False) -> Replayed:
     """Run ``fn(*args)`` as a fake capture runs it (the same modes, hooks and lifted
     hyperparameters; ``flags``: the kept capture's :attr:`OpLog.flags`) but with no ``make_fx``
     and no graph, logging its ops (:class:`~flowexec.op_log.OpLog`), and put back everything
-    it changed, as after a discarded capture. A kept program is taken only where this log is the
+    it changed, as after a discarded capture (plain objects' attributes where :func:`trace` puts
+    them back: ``first_call``, ``untouched``). A kept program is taken only where this log is the
     one its capture kept (flowexec/kept.py). Raises what a capture would raise.
 
         >>> import torch
@@ -1396,14 +1397,18 @@ def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: f
         True
     """
     everywhere, hooks = flags
-    saved = object_attributes(fn)
+    # (as trace() does: on a later call the snapshot would hold the containers fn replaces, a
+    # GradScaler's per-optimizer dict, and the tensors the run put there would count as state
+    # fn left behind)
+    saved = object_attributes(fn) if first_call or make_state or untouched else None
     log = OpLog()
     try:
         _, bindings, n_user, _, out_tree, reads = _trace(fn, args, True, everywhere=everywhere, saved_hooks=hooks,
                                                          unfused=unfused, fake=True, make_state=make_state, log=log,
                                                          replay=True)
     finally:
-        put_back_attributes(saved)
+        if saved is not None:
+            put_back_attributes(saved)
     names = frozenset(g.name for g in reads.recorder.guards.values())
     return Replayed(log, bindings, n_user, out_tree, reads.made, names, reads.cleared_grads)
 

@@ -353,7 +353,9 @@ class Executable:
                 if flags not in seen:  # (the same run for every record made with these flags)
                     t_replay = time.perf_counter()
                     seen[flags] = replay(_call_with_containers(self.fn, tree, paths), args, flags,
-                                         unfused=frozenset(self._unfused), make_state=first_step)
+                                         unfused=frozenset(self._unfused), make_state=first_step,
+                                         first_call=first_call,
+                                         untouched=not self._ran_eagerly and not self._cache)
                 kept.check_replay(fields, seen[flags])
             except Exception as e:
                 why = f"the kept program is not what a capture would make now: {e}"

@@ -576,14 +576,17 @@ def _state_of(t: torch.Tensor, r: Reach) -> Any:
     made outside dispatch: ``torch.from_numpy``)."""
     if r.loc(t) is not None:
         return t
-    if t.numel() <= _VALUE_LIMIT:  # (``torch.tensor(...)`` in fn: the literal its lift copies)
+    if isinstance(t, torch.Tensor) and t.numel() <= _VALUE_LIMIT:  # (``torch.tensor(...)`` in fn: the literal)
         return _value_of(t)
-    raise NotKept(f"the step reads a tensor ({TensorMeta.of(t)}) that no path from fn reaches")
+    what = f"a tensor ({TensorMeta.of(t)})" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+    raise NotKept(f"the step reads {what} that no path from fn reaches")
 
 
 def _value_of(t: torch.Tensor) -> tuple:
+    """A small tensor by its metadata and its bytes (-0.0 is not 0.0, and a NaN equals itself)."""
+    data = t.detach().cpu().contiguous().reshape(-1)
     return ("value", str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(), str(t.device),
-            t.detach().cpu().flatten().tolist())
+            data.view(torch.uint8).numpy().tobytes() if data.element_size() else b"")
 
 
 _VALUE_LIMIT = 4096  # elements of a tensor no path reaches that a record keeps by value
@@ -605,9 +608,10 @@ def check_replay(fields: dict[str, Any], seen: Any) -> None:
     if len(log.state) != len(state):  # (equal entries name as many)
         raise NotKept("the step, run again, reads another number of state tensors")
     for j, (now, was) in enumerate(zip(log.state, state)):
-        same = now is was if isinstance(was, torch.Tensor) else was == _value_of(now)
+        same = now is was if not isinstance(was, tuple) else isinstance(now, torch.Tensor) and was == _value_of(now)
         if not same:
-            raise NotKept(f"the step, run again, reads another tensor as its state tensor {j} ({TensorMeta.of(now)})")
+            what = TensorMeta.of(now) if isinstance(now, torch.Tensor) else type(now).__name__
+            raise NotKept(f"the step, run again, reads another object as its state object {j} ({what})")
     pairs = [(id(p), i) for p, i in seen.grad_bindings], [(id(p), i) for p, i in fields["grad_bindings"]]
     made = [(id(o), id(p), k, i) for o, p, k, i in seen.made_state], \
         [(id(o), id(p), k, i) for o, p, k, i in fields["made_state"]]

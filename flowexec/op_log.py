@@ -38,13 +38,14 @@ Role = tuple
 
 class OpLog:
     """The run's ops in dispatch order (:attr:`entries`), and the tensors of fn's state that
-    they read (:attr:`state`: real tensors no op of the run made, in the order first read).
+    they read (:attr:`state`: real tensors no op of the run made, and fn's own generators, in
+    the order first read).
     :attr:`lifted`: the feed slot of a lifted hyperparameter tensor, or None for any other.
     :attr:`opaque` says why the log cannot stand for the run (an argument it cannot name)."""
 
     def __init__(self, lifted: Callable[[torch.Tensor], int | None] = lambda t: None) -> None:
         self.entries: list[tuple] = []
-        self.state: list[torch.Tensor] = []
+        self.state: list[Any] = []
         self.opaque: str | None = None
         self.flags: tuple = ()  # (how the run was made: capture.trace's retries)
         self.lifted = lifted
@@ -121,6 +122,14 @@ class OpLog:
             return ("b", a)
         if isinstance(a, (list, tuple)):
             return tuple(self._enc(x) for x in a)
+        if isinstance(a, torch.Generator):  # (one of fn's own: found again as state is)
+            hit = self._roles.get(id(a))
+            if hit is not None and hit[0]() is a:
+                return hit[1]
+            self.state.append(a)
+            role: Role = ("generator", len(self.state) - 1, str(a.device))
+            self._roles[id(a)] = (weakref.ref(a), role)
+            return role
         if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return ("t", str(a))
         if isinstance(a, (int, float, complex)):  # (numpy's and other numbers)

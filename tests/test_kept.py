@@ -539,3 +539,64 @@ def test_what_no_check_reads_is_found_by_the_replay(kind, tmp_path, monkeypatch)
     got += [later(x).item() for _ in range(2)]
     eager = _reads_outside(kind, tmp_path)
     torch.testing.assert_close(torch.tensor(got), torch.tensor([eager(x).item() for _ in range(3)]))
+
+
+# --- found by a review of the replay (2026-12-07) ----------------------------------------------
+
+def _divides_by_a_file_constant(where: Path):
+    def step(x):
+        return x / torch.tensor(json.loads((where / "c.json").read_text())["c"])  # (kept by value)
+    return step
+
+
+def test_a_constant_kept_by_value_is_compared_by_its_bytes(tmp_path, monkeypatch):
+    """-0.0 == 0.0 and nan != nan: compared as numbers, a constant of -0.0 took the program kept
+    for 0.0 (x / c: inf where eager gives -inf), and one holding a NaN never loaded."""
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path / "programs"))
+    (tmp_path / "c.json").write_text('{"c": [0.0, NaN]}')
+    x = torch.ones(2)
+    first = flowexec.compile(_divides_by_a_file_constant(tmp_path), mode="trace")
+    first(x)
+    assert "; kept " in first.kept, first.kept
+    again = flowexec.compile(_divides_by_a_file_constant(tmp_path), mode="trace")
+    again(x)
+    assert again.kept.startswith("loaded "), again.kept  # (the NaN equals itself)
+    (tmp_path / "c.json").write_text('{"c": [-0.0, NaN]}')
+    later = flowexec.compile(_divides_by_a_file_constant(tmp_path), mode="trace")
+    got = later(x)
+    assert "is not what a capture would make now" in later.kept, later.kept
+    assert got[0].item() == float("-inf") and got[1].isnan()
+
+
+def test_a_grad_scaler_step_loads(tmp_path, monkeypatch):
+    """The replay puts plain objects' attributes back where a capture does (a first or untouched
+    call): holding a GradScaler's per-optimizer dict through a later call's replay, which
+    update() replaces, left the run's found_inf in it, and the replay refused the step as
+    leaving state behind, so its kept program never loaded."""
+    monkeypatch.setenv("FLOWEXEC_KEEP_DIR", str(tmp_path / "programs"))
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cpu")
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss.detach()
+        return step
+
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    first = flowexec.compile(make(), mode="trace")
+    got = [first(x, y).item() for _ in range(2)]
+    assert "; kept " in first.kept and first.capture_run == "fake", first.kept
+    later = flowexec.compile(make(), mode="trace")
+    got += [later(x, y).item() for _ in range(2)]
+    assert later.kept.startswith("loaded "), later.kept
+    eager_a, eager_b = make(), make()
+    want = [eager_a(x, y).item() for _ in range(2)] + [eager_b(x, y).item() for _ in range(2)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
