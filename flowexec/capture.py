@@ -1074,7 +1074,7 @@ def _fx_tracing() -> Iterator[None]:
 def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
            park: Callable[[torch.Tensor], bool] | None = None, unfused: frozenset[int] = frozenset(),
            saved_hooks: bool = True, fake: bool = False, make_state: bool = False, log: OpLog | None = None,
-           replay: bool = False) -> tuple[fx.GraphModule | None, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
+           replay: bool = False, hold: Sequence[torch.Tensor] = ()) -> tuple[fx.GraphModule | None, list[tuple[torch.Tensor, int]], int, list[tuple[Any, str]], Any, Any]:
     # replay: fn runs under the capture's modes on fake tensors with no make_fx and no graph (a
     # kept program's check, :func:`replay`), and whatever it changed is put back as after a
     # failed capture
@@ -1205,8 +1205,12 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
         with _library_compiling(everywhere), torch._guards.tracing(context), _direct_fake_metas(mode), \
                 quiet_fake_mode(fake):
             if replay:  # (what make_fx sets around fn, but its graph)
+                # The fake mode keeps its fakes of real tensors weakly: a foreach optimizer's
+                # step made one of each parameter again at every op. The state's are held.
+                held = [mode.from_tensor(t) for t in hold]
                 with mode, disable_autocast_cache(), _fx_tracing():
                     traced(*real_inputs)
+                del held
                 recorder.drop_gone()
                 recorder.replays()
                 _refuse_lost_writes(recorder)  # (a capture now would refuse what it refuses)
@@ -1380,13 +1384,15 @@ class Replayed:
 
 
 def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: frozenset[int] = frozenset(),
-           make_state: bool = False, first_call: bool = False, untouched: bool = False) -> Replayed:
+           make_state: bool = False, first_call: bool = False, untouched: bool = False,
+           hold: Sequence[torch.Tensor] = ()) -> Replayed:
     """Run ``fn(*args)`` as a fake capture runs it (the same modes, hooks and lifted
     hyperparameters; ``flags``: the kept capture's :attr:`OpLog.flags`) but with no ``make_fx``
     and no graph, logging its ops (:class:`~flowexec.op_log.OpLog`), and put back everything
     it changed, as after a discarded capture (plain objects' attributes where :func:`trace` puts
     them back: ``first_call``, ``untouched``). A kept program is taken only where this log is the
-    one its capture kept (flowexec/kept.py). Raises what a capture would raise.
+    one its capture kept (flowexec/kept.py). ``hold``: the state tensors the run reads (the kept
+    log's), whose fakes are made once for the whole run. Raises what a capture would raise.
 
         >>> import torch
         >>> w = torch.nn.Parameter(torch.ones(2))
@@ -1405,7 +1411,7 @@ def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: f
     try:
         _, bindings, n_user, _, out_tree, reads = _trace(fn, args, True, everywhere=everywhere, saved_hooks=hooks,
                                                          unfused=unfused, fake=True, make_state=make_state, log=log,
-                                                         replay=True)
+                                                         replay=True, hold=hold)
     finally:
         if saved is not None:
             put_back_attributes(saved)

@@ -355,7 +355,8 @@ class Executable:
                     seen[flags] = replay(_call_with_containers(self.fn, tree, paths), args, flags,
                                          unfused=frozenset(self._unfused), make_state=first_step,
                                          first_call=first_call,
-                                         untouched=not self._ran_eagerly and not self._cache)
+                                         untouched=not self._ran_eagerly and not self._cache,
+                                         hold=[t for t in fields["log"][2] if isinstance(t, torch.Tensor)])
                 kept.check_replay(fields, seen[flags])
             except Exception as e:
                 why = f"the kept program is not what a capture would make now: {e}"
