@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--foreach", action="store_true", help="AdamW's foreach step (AdamW's default) instead of fused")
     ap.add_argument("--out", default="benchmarks/results/probes")
     a = ap.parse_args()
     os.environ["FLOWEXEC_KEEP"] = "0"  # (each build captures: a kept program would be loaded instead)
@@ -91,16 +92,17 @@ def main() -> None:
         exe(*args)
         return exe.build_phases["capture"], exe.plan.stats()["ops"]
 
-    opt = torch.optim.AdamW(w.module.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(w.module.parameters(), lr=1e-4, fused=not a.foreach, foreach=a.foreach or None)
     step = scale.make_step(w, w.module, opt, dev)
     step(x, x)  # (AdamW's state made: the captures below capture the steps)
     from flowexec.capture import capture, replay
 
     kept_log = capture(step, (x, x), guarded=True, log_ops=True).log
+    state = [t for t in kept_log.state if isinstance(t, torch.Tensor)]
 
     def step_replay() -> tuple[float, int]:
         t = time.perf_counter()
-        seen = replay(step, (x, x), kept_log.flags)
+        seen = replay(step, (x, x), kept_log.flags, hold=state)  # (as a build replays: flowexec/executable.py)
         took = time.perf_counter() - t
         if seen.log.entries != kept_log.entries:
             raise SystemExit("the replay logged other ops than the capture")
@@ -120,7 +122,7 @@ def main() -> None:
             sizes[k] = n
             print(f"round {r} {k}: {s:.2f} s ({n})", flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = {"probe": "capture_cost", "meta": host_meta(" ".join(sys.argv)),
+    out = {"probe": "capture_cost", "meta": host_meta(" ".join(sys.argv)), "adamw": "foreach" if a.foreach else "fused",
            "python": sys.version.split()[0], "workload": f"{w.desc}, timed at batch {a.batch} x {a.seq}",
            "seconds": times, "median_s": med, "ops_or_nodes": sizes,
            "flowexec_fwd_bwd_over_make_fx": round(med["flowexec_fwd_bwd"] / med["make_fx"], 3),
@@ -129,7 +131,8 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     tag = next((w.lower() for w in name.split() if w[:1] in "HAB" and w[1:].isdigit()), name.split()[-1].lower())
-    path = os.path.join(a.out, f"capture_cost_{tag}_py{sys.version_info[0]}{sys.version_info[1]}.json")
+    path = os.path.join(a.out, f"capture_cost_{tag}_py{sys.version_info[0]}{sys.version_info[1]}"
+                               f"{'_foreach' if a.foreach else ''}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps({k: out[k] for k in ("median_s", "flowexec_fwd_bwd_over_make_fx", "fake_run_over_make_fx",
