@@ -28,6 +28,7 @@ import operator
 import os
 import sys
 import threading
+import time
 import traceback
 import types
 import warnings
@@ -994,7 +995,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding = False
     """
     everywhere, hooks = False, True
     first_call = first_call or make_state  # (a first step's program is fn's first call too)
-    saved = object_attributes(fn) if first_call or untouched else None
+    saved = _snapshot(fn, first_call, untouched)
     # A fake run (_FAKE_CAPTURE: the default) computes nothing: no activations held, no undo log
     # of what the step writes. Whatever it cannot do (an op with no fake kernel, a host read of
     # a value it does not have, an argument on closure state's storage), a real run decides.
@@ -1069,6 +1070,24 @@ def _fx_tracing() -> Iterator[None]:
         yield
     finally:
         _symbolic_trace._is_fx_tracing_flag = prev
+
+
+def _snapshot(fn: Callable[..., Any], first_call: bool, untouched: bool) -> list[tuple[Any, Any]] | None:
+    """What a run that may be discarded puts back of plain objects (:func:`object_attributes`):
+    on fn's first call, or one where fn has not run in this process. (Not on later calls: the
+    snapshot would hold the containers fn replaces, a GradScaler's per-optimizer dict, and the
+    tensors the run put there would count as state fn left behind.)"""
+    return object_attributes(fn) if first_call or untouched else None
+
+
+def _settle_reads(rec: Recorder) -> Any:
+    """After a run: the guards of objects that did not outlive it dropped, the assignments to
+    repeat after each call, and a :class:`CaptureError` where fn changed Python state a compiled
+    call cannot."""
+    rec.drop_gone()
+    replays = rec.replays()  # (lists tensors fn assigns to globals among module_tensor_writes)
+    _refuse_lost_writes(rec)
+    return replays
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, everywhere: bool,
@@ -1211,9 +1230,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], guarded: Guarding, every
                 with mode, disable_autocast_cache(), _fx_tracing():
                     traced(*real_inputs)
                 del held
-                recorder.drop_gone()
-                recorder.replays()
-                _refuse_lost_writes(recorder)  # (a capture now would refuse what it refuses)
+                _settle_reads(recorder)  # (a capture now would refuse what it refuses)
                 gm = None
             else:
                 gm = make_fx(traced, **kw)(*real_inputs)
@@ -1381,6 +1398,7 @@ class Replayed:
     made_state: tuple[tuple[Any, Any, str, int], ...]
     read_names: frozenset[str]
     cleared_grads: tuple[torch.Tensor, ...]
+    seconds: float  # (how long the run took)
 
 
 def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: frozenset[int] = frozenset(),
@@ -1402,11 +1420,9 @@ def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: f
         >>> w.grad is None
         True
     """
+    t0 = time.perf_counter()
     everywhere, hooks = flags
-    # (as trace() does: on a later call the snapshot would hold the containers fn replaces, a
-    # GradScaler's per-optimizer dict, and the tensors the run put there would count as state
-    # fn left behind)
-    saved = object_attributes(fn) if first_call or make_state or untouched else None
+    saved = _snapshot(fn, first_call or make_state, untouched)
     log = OpLog()
     try:
         _, bindings, n_user, _, out_tree, reads = _trace(fn, args, True, everywhere=everywhere, saved_hooks=hooks,
@@ -1416,7 +1432,8 @@ def replay(fn: Callable[..., Any], args: Sequence[Any], flags: tuple, unfused: f
         if saved is not None:
             put_back_attributes(saved)
     names = frozenset(g.name for g in reads.recorder.guards.values())
-    return Replayed(log, bindings, n_user, out_tree, reads.made, names, reads.cleared_grads)
+    return Replayed(log, bindings, n_user, out_tree, reads.made, names, reads.cleared_grads,
+                    time.perf_counter() - t0)
 
 
 def _drop_unread_grads(gm: fx.GraphModule, n_args: int, grad_params: Sequence[torch.Tensor],
@@ -1455,9 +1472,7 @@ def guards_of(reads: _Reads, prog: Program, feeds: Any) -> GuardSet:
     ``requires_grad`` and ``.grad``, the stepped optimizers' settings that are not fed, and
     the global state; refuses a run that changed what it read."""
     rec, lifter = reads.recorder, reads.lifter
-    rec.drop_gone()
-    replays = rec.replays()  # (lists tensors fn assigns to globals among module_tensor_writes)
-    _refuse_lost_writes(rec)
+    replays = _settle_reads(rec)
     stepped = [p for opt in lifter.optimizers for g in opt.param_groups for p in g["params"]]
     _use_leaves(reads)
     rec.tensor_guards(prog.state.values(), stepped)
@@ -1478,9 +1493,7 @@ def read_guards(reads: _Reads, prog: Program) -> GuardSet:
     caller to repeat after each call (:meth:`~flowexec.guards.GuardSet.replay`). Nothing is fed;
     refuses what :func:`guards_of` refuses."""
     rec = reads.recorder
-    rec.drop_gone()
-    replays = rec.replays()
-    _refuse_lost_writes(rec)
+    replays = _settle_reads(rec)
     _use_leaves(reads)
     rec.tensor_guards(prog.state.values(), (), grads=False)
     for g in (*hook_guards(), *library_function_guards(rec.torch_functions)):

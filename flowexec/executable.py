@@ -316,11 +316,14 @@ class Executable:
         """The program of ``fn`` for this call: a kept one (flowexec.kept) where one binds to
         this process's objects, else captured (and kept, where it can be); ``self.kept`` says
         which."""
+        flat_fn = _call_with_containers(self.fn, tree, paths)
+        # (the capture's and the replay's: a replay runs fn as its capture would)
+        how = dict(unfused=frozenset(self._unfused), make_state=first_step, first_call=first_call,
+                   untouched=not self._ran_eagerly and not self._cache)
+
         def run_capture() -> Captured:
-            return capture(_call_with_containers(self.fn, tree, paths), args, guarded=True,
-                           park=worth_parking if self.park else None, unfused=frozenset(self._unfused),
-                           make_state=first_step, first_call=first_call,
-                           untouched=not self._ran_eagerly and not self._cache, log_ops=keeping)
+            return capture(flat_fn, args, guarded=True, park=worth_parking if self.park else None, log_ops=keeping,
+                           **how)
 
         keeping = kept.enabled()
 
@@ -351,17 +354,13 @@ class Executable:
             try:
                 flags = fields["log"][1]
                 if flags not in seen:  # (the same run for every record made with these flags)
-                    t_replay = time.perf_counter()
-                    seen[flags] = replay(_call_with_containers(self.fn, tree, paths), args, flags,
-                                         unfused=frozenset(self._unfused), make_state=first_step,
-                                         first_call=first_call,
-                                         untouched=not self._ran_eagerly and not self._cache,
-                                         hold=[t for t in fields["log"][2] if isinstance(t, torch.Tensor)])
+                    seen[flags] = replay(flat_fn, args, flags, hold=[t for t in fields["log"][2]
+                                                                     if isinstance(t, torch.Tensor)], **how)
                 kept.check_replay(fields, seen[flags])
             except Exception as e:
                 why = f"the kept program is not what a capture would make now: {e}"
                 continue
-            self.kept = f"loaded {key} (its replay took {time.perf_counter() - t_replay:.2f} s)"
+            self.kept = f"loaded {key} (its replay took {seen[flags].seconds:.2f} s)"
             fields.pop("log")
             return Captured(run="kept", **fields)
         cap = run_capture()

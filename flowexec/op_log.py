@@ -90,10 +90,14 @@ class OpLog:
             return
         self._storages.setdefault(st._cdata, (st, role))
 
+    def _known(self, obj: Any) -> Role | None:
+        hit = self._roles.get(id(obj))
+        return hit[1] if hit is not None and hit[0]() is obj else None
+
     def role(self, t: torch.Tensor) -> Role:
-        hit = self._roles.get(id(t))
-        if hit is not None and hit[0]() is t:
-            return hit[1]
+        known = self._known(t)
+        if known is not None:
+            return known
         slot = self.lifted(t)
         if slot is not None:
             role: Role = ("lift", slot)
@@ -123,9 +127,9 @@ class OpLog:
         if isinstance(a, (list, tuple)):
             return tuple(self._enc(x) for x in a)
         if isinstance(a, torch.Generator):  # (one of fn's own: found again as state is)
-            hit = self._roles.get(id(a))
-            if hit is not None and hit[0]() is a:
-                return hit[1]
+            known = self._known(a)
+            if known is not None:
+                return known
             self.state.append(a)
             role: Role = ("generator", len(self.state) - 1, str(a.device))
             self._roles[id(a)] = (weakref.ref(a), role)
