@@ -45,7 +45,7 @@ import torch
 from .verdict_cache import shared_cache
 
 _LOCK = threading.Lock()
-_DONE: dict[str, Any] = {}  # "keys": the code keys were kept or set; "probe": Inductor's VecISA._probe_load
+_DONE: dict[str, Any] = {}  # "keys": the code keys were kept or set; "probe": what keep_vec_isa_probes replaced
 
 
 def keep_process_keys(cpu: bool) -> None:
@@ -199,14 +199,19 @@ def _parse(text: str | None) -> bytes | str | None:
 def keep_vec_isa_probes() -> None:
     """Replace Inductor's probe that a vector-instruction library loads (``VecISA._probe_load``,
     a Python process per library) with :func:`kept_vec_isa_probe` over it, once a process
-    (torch.compile in the same process gains the same); a torch without it is left alone."""
+    (torch.compile in the same process gains the same). torch 2.11 has no ``_probe_load``: its
+    ``check_build`` starts the process itself, which :class:`_ProbeProcesses` routes the same
+    way (~17 s of a warm CPU fused GPT-2 build on the 2-core host, torch 2.11, before it)."""
     try:
         from torch._inductor import cpu_vec_isa
     except ImportError:
         return
     with _LOCK:
+        if "probe" in _DONE:
+            return
         original = vars(cpu_vec_isa.VecISA).get("_probe_load")
-        if "probe" in _DONE or not callable(original):
+        if not callable(original):  # (torch 2.11: check_build starts the process itself)
+            _DONE["probe"] = _keep_probe_processes(cpu_vec_isa)
             return
         _DONE["probe"] = original
 
@@ -214,6 +219,55 @@ def keep_vec_isa_probes() -> None:
             return kept_vec_isa_probe(self, output_path, original)
 
         cpu_vec_isa.VecISA._probe_load = _probe_load  # type: ignore[method-assign]
+
+
+class _ProbeProcesses:
+    """``subprocess`` as torch 2.11's ``cpu_vec_isa`` sees it: the probe's process (its
+    ``VecISA._avx_py_load`` script with a library's path in it) asks the kept verdicts first
+    (:func:`kept_vec_isa_probe`, the library named by that path); everything else is the module's."""
+
+    def __init__(self, module: Any, script: str) -> None:
+        self._module = module
+        self._head, _, self._tail = script.partition("__lib_path__")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def library_of(self, cmd: Any) -> str | None:
+        """The library a probe's command loads, or None where ``cmd`` is not a probe."""
+        if not isinstance(cmd, (list, tuple)) or len(cmd) != 3 or cmd[1] != "-c" or not isinstance(cmd[2], str):
+            return None
+        script = cmd[2]
+        if not (self._tail and script.startswith(self._head) and script.endswith(self._tail)):
+            return None
+        return script[len(self._head):len(script) - len(self._tail)]
+
+    def check_call(self, cmd: Any, *args: Any, **kwargs: Any) -> int:
+        library = self.library_of(cmd)
+        if library is None:
+            return self._module.check_call(cmd, *args, **kwargs)
+
+        def probe(_isa: Any, _library: str) -> bool:
+            try:
+                self._module.check_call(cmd, *args, **kwargs)
+            except self._module.CalledProcessError:
+                return False
+            return True
+        if not kept_vec_isa_probe("probe", library, probe):  # (the library names its instruction set)
+            raise self._module.CalledProcessError(1, cmd)
+        return 0
+
+
+def _keep_probe_processes(cpu_vec_isa: Any) -> Any:
+    """Route torch 2.11's probe processes through the kept verdicts (:class:`_ProbeProcesses`);
+    what it replaced, or None where this Inductor probes otherwise."""
+    script = getattr(cpu_vec_isa.VecISA, "_avx_py_load", None)
+    module = getattr(cpu_vec_isa, "subprocess", None)
+    if not isinstance(script, str) or "__lib_path__" not in script or module is None \
+            or isinstance(module, _ProbeProcesses):
+        return None
+    cpu_vec_isa.subprocess = _ProbeProcesses(module, script)
+    return module
 
 
 def vec_isa_probe_key(isa: str, library: str) -> str | None:

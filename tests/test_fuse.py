@@ -533,6 +533,54 @@ def test_inductor_s_vector_instruction_probe_goes_through_the_kept_verdicts(tmp_
     assert inductor.shared_cache("vec_isa_probes").path.startswith(str(tmp_path))
 
 
+def test_torch_2_11_s_probe_processes_go_through_the_kept_verdicts(tmp_path, monkeypatch) -> None:
+    """torch 2.11's ``check_build`` starts the probe's Python process itself (no ``_probe_load``):
+    :func:`keep_vec_isa_probes` routes that module's ``subprocess.check_call`` so that a probe
+    kept as loaded starts no process, a failed one raises as the process did and is not kept,
+    and every other command is the real module's."""
+    import subprocess
+    import sys
+    import types
+
+    from flowexec import inductor_keys as inductor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    monkeypatch.setattr(inductor, "_DONE", {})
+    script = "\nfrom ctypes import cdll\ncdll.LoadLibrary(\"__lib_path__\")\n"
+    started: list[list[str]] = []
+    verdict = {"ok": False}
+
+    def check_call(cmd, *args, **kwargs):
+        started.append(cmd)
+        if cmd[-1].startswith("\nfrom ctypes") and not verdict["ok"]:
+            raise subprocess.CalledProcessError(1, cmd)
+        return 0
+    fake_subprocess = types.SimpleNamespace(check_call=check_call, CalledProcessError=subprocess.CalledProcessError,
+                                            DEVNULL=subprocess.DEVNULL)
+    isa_module = types.SimpleNamespace(VecISA=type("VecISA", (), {"_avx_py_load": script}), subprocess=fake_subprocess)
+    monkeypatch.setitem(sys.modules, "torch._inductor.cpu_vec_isa", isa_module)
+    monkeypatch.setattr(torch._inductor, "cpu_vec_isa", isa_module, raising=False)
+    inductor.keep_vec_isa_probes()
+    inductor.keep_vec_isa_probes()  # (once)
+    routed = isa_module.subprocess
+    assert routed is not fake_subprocess and inductor._DONE["probe"] is fake_subprocess
+    lib = tmp_path / "avx2.so"
+    lib.write_bytes(b"\x7fELF")
+    probe = [sys.executable, "-c", script.replace("__lib_path__", str(lib))]
+    assert routed.library_of(probe) == str(lib) and routed.library_of(["cc", "-c", "x.c"]) is None
+    with pytest.raises(subprocess.CalledProcessError):  # (a failure raises, as the process's did)
+        routed.check_call(probe, stderr=subprocess.DEVNULL)
+    verdict["ok"] = True
+    assert routed.check_call(probe) == 0 and routed.check_call(probe) == 0
+    assert len(started) == 2  # (the failure was not kept; the success was)
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # as a new process sees it
+    verdict["ok"] = False
+    assert routed.check_call(probe) == 0 and len(started) == 2
+    assert routed.check_call(["cc", "x.c"]) == 0 and started[-1] == ["cc", "x.c"]  # (not a probe: passed on)
+    assert routed.DEVNULL == subprocess.DEVNULL
+
+
 def test_inductor_s_code_keys_are_kept_under_the_stamp_of_the_files_they_hash(tmp_path, monkeypatch) -> None:
     """A code key (Inductor's hash of torch's or Triton's files, once a process) is handed to
     Inductor's cache of it in a later process while every file's path, size and time hold; a
