@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from .inductor_entries import compile_noting_key, devices_of, entry_name, kept_entries, load_entry
 from .inductor_keys import keep_process_keys
 from .passes.copy_in import dense_layout
 from .passes.metas import fake_tensor
@@ -490,11 +491,28 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     batch = _batch_here()
     check = output_check_key(key, [*metas, *want], batch.config_text() if batch is not None else None) \
         if kept is not None else None
-    compiled = inductor_compile(gm, metas)
-    if (want or kept is not None) and not (kept is not None and kept.get(check)):
+    passed = check is not None and bool(kept.get(check))  # type: ignore[union-attr]
+    # (a region whose check passed loads its entry by the key its first compile kept, without
+    # compile_fx hashing the graph again: flowexec.inductor_entries)
+    entry = entry_name(check, devices_of(metas)) if check is not None else None
+    aot_key = kept_entries().get(entry) if passed else None
+    compiled = None
+    if aot_key:
+        keep_process_keys(cpu=any(torch.device(m.device).type == "cpu" for m in metas))  # (as a compile would)
+        compiled = load_entry(aot_key)
+    if compiled is None:
+        compiled, aot_key = compile_noting_key(lambda: inductor_compile(gm, metas))
+        if passed and aot_key:
+            kept_entries().put(entry, aot_key)  # type: ignore[arg-type]
+
+    def keep_passed() -> None:
+        kept.put(check, True)  # type: ignore[union-attr]
+        if aot_key:
+            kept_entries().put(entry, aot_key)  # type: ignore[arg-type]
+    if (want or kept is not None) and not passed:
         def check_outputs() -> None:
             if not want:  # (nothing to check: kept as built, so that a warm build knows it is)
-                kept.put(check, True)  # type: ignore[union-attr]
+                keep_passed()
                 return
             # (floating inputs alike share one example: see above. An integer one is an index
             # where the region gathers, and a shared one that the region writes first would
@@ -522,7 +540,7 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
                     raise error(f"output {k} came back as {got[0]} {list(got[1])} stride {got[2]}, the program "
                                 f"expects {expect[0]} {list(expect[1])} stride {expect[2]}")
             if kept is not None:
-                kept.put(check, True)
+                keep_passed()
         if batch is not None:
             batch.checks.append((batch.key, check_outputs))  # (its kernels are not built yet)
         else:

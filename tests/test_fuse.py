@@ -401,6 +401,51 @@ def test_a_pipeline_of_fused_i_w_split_stages_trains_as_one_process():
     assert res[1]["losses"] == pytest.approx(want_losses, rel=1e-5)
 
 
+def test_a_checked_region_loads_its_cache_entry_without_compile_fx(tmp_path, monkeypatch):
+    """A region whose output check passed keeps the key of its entry in Inductor's cache; a later
+    build (a new process: the kept verdicts read again) loads the entry by it without calling
+    ``compile_fx``, and computes what eager does. An entry that is gone from the cache, or a
+    key that names nothing, is compiled again as before."""
+    import shutil
+
+    from flowexec import inductor_entries
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
+    (r,) = find_regions(prog)
+    metas = [prog.values[v].meta for v in r.inputs]
+    want = [prog.values[v].meta for v in r.computed]
+    key = inductor.region_key(prog, r)
+    compiles: list[int] = []
+    real = inductor.inductor_compile
+    monkeypatch.setattr(inductor, "inductor_compile", lambda gm, m: compiles.append(1) or real(gm, m))
+
+    def build():
+        monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # (as a new process reads them)
+        return inductor.compile_graph(inductor.region_graph(prog, r), metas, want, key=key)
+    x = torch.randn(4, 8)
+    expect = (torch.tanh(x) * 3).relu() + 1
+    first = build()
+    assert len(compiles) == 1 and len(inductor_entries.kept_entries()) == 1
+    loaded = build()
+    assert len(compiles) == 1, "the second build compiled: it should have loaded the kept entry"
+    for k in (first, loaded):
+        torch.testing.assert_close(k(x)[0], expect)
+    shutil.rmtree(tmp_path / "cache" / "aotautograd")  # (the entry gone: compiled again, and kept anew)
+    again = build()
+    assert len(compiles) == 2
+    torch.testing.assert_close(again(x)[0], expect)
+    shutil.rmtree(tmp_path / "cache" / "fxgraph")  # (AOTAutograd's entry there, the kernel's gone)
+    torch.testing.assert_close(build()(x)[0], expect)
+    assert len(compiles) == 3
+    name = next(iter(inductor_entries.kept_entries()._load()))
+    inductor_entries.kept_entries().put(name, "a key that names no entry")
+    assert inductor_entries.load_entry("a key that names no entry") is None
+    torch.testing.assert_close(build()(x)[0], expect)
+    assert len(compiles) == 4
+
+
 def test_region_kernels_go_through_inductors_cache():
     """A region's compile has a key in Inductor's FX graph cache (no bypass), so a second build
     of the same region (a later process: a warm cache) loads the kernel instead of generating it."""

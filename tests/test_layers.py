@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("compile_workers",),  # cold regions compiled first in worker processes
     ("inductor",),  # a region's FX graph compiled by Inductor into one op
     ("passes",),  # pure functions over a Program
-    ("fetch", "kernels", "rng", "draw_ranges", "inductor_keys", "kept"),  # scalar readback; fused ops (torch.library); the generator's state as ops; Inductor's once-a-process keys kept; captured programs kept on disk
+    ("fetch", "kernels", "rng", "draw_ranges", "inductor_keys", "inductor_entries", "kept"),  # scalar readback; fused ops (torch.library); the generator's state as ops; Inductor's once-a-process keys kept; a region's cache entry loaded by its kept key; captured programs kept on disk
     ("op_log",),  # a capture's ops by role, which a kept program's replay must match
     ("program", "signature", "storage", "list_returns", "guards", "hyperparams", "parking", "_cuda_native", "verdict_cache", "snapshot", "fake_run",
      "optim_state"),  # the IR's records; leaf helpers

@@ -1,0 +1,119 @@
+"""A region's kernel loaded straight from Inductor's cache entry, without ``compile_fx``.
+
+A warm build finds each region's kernel in Inductor's cache, but ``compile_fx`` first computes
+the entry's key: it pickles and hashes the region's graph, its inputs and every configuration
+that decides the compile (AOTAutograd's ``autograd_cache_key``, then the FX graph cache's),
+~15–20 ms a region on the 2-core CPU host under torch 2.11, for a GPT-2 build's ~22 distinct
+regions. That key was computed when the region was first compiled, and nothing it hashes can
+have changed while what names the region here holds: the region's own key, its inputs' and
+outputs' metas, the device, Inductor's configuration and torch's version (the output check's
+key, :func:`flowexec.inductor.output_check_key`) with torch's build and Triton's version. So the
+first compile keeps AOTAutograd's key under that name (:func:`kept_entries`), and a later build
+loads the entry by it (:func:`load_entry`) as ``torch._inductor.standalone_compile``'s saved
+artifacts are loaded: ``AOTAutogradCache._lookup`` then its ``wrap_post_compile`` (the same
+wrappers ``compile_fx`` returns on a cache hit). An entry that is gone, or anything unexpected,
+loads nothing, and the region is compiled as before.
+
+    >>> entry_name("abc", "cpu") == entry_name("abc", "cpu"), entry_name("abc", "cpu") == entry_name("abd", "cpu")
+    (True, False)
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .program import TensorMeta
+from .verdict_cache import VerdictCache, shared_cache
+
+_seen = threading.local()  # .key: the AOTAutograd cache key this thread's last compile computed
+_lock = threading.Lock()
+_wrapped: list[Any] = []  # the autograd_cache_key replaced (once a process)
+
+
+def kept_entries() -> VerdictCache:
+    """AOTAutograd cache keys by :func:`entry_name`, beside Inductor's cache."""
+    return shared_cache("region_entries", kind=str)
+
+
+def entry_name(check: str, devices: str) -> str:
+    """The name a region's entry is kept under: its output ``check`` key (region, metas, device
+    names, Inductor's configuration, torch's version) with torch's build, Triton's version and
+    the ``devices``' capabilities."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    text = "\n".join(["entry 1", check, str(getattr(torch.version, "git_version", None)),
+                      str(torch.version.hip), str(triton_version), devices])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def devices_of(metas: Sequence[TensorMeta]) -> str:
+    """The capability of each CUDA device among ``metas``' (Inductor generates for it)."""
+    out = []
+    for d in sorted({torch.device(m.device) for m in metas}, key=str):
+        out.append(f"{d}:{torch.cuda.get_device_capability(d)}" if d.type == "cuda" else str(d))
+    return ";".join(out)
+
+
+def _watch_keys() -> bool:
+    """Note each AOTAutograd cache key this process computes, on its thread (``_seen``)."""
+    with _lock:
+        if _wrapped:
+            return _wrapped[0] is not None
+        try:
+            from torch._functorch._aot_autograd import autograd_cache
+        except ImportError:
+            _wrapped.append(None)
+            return False
+        original = getattr(autograd_cache, "autograd_cache_key", None)
+        if not callable(original):
+            _wrapped.append(None)
+            return False
+
+        def autograd_cache_key(*args: Any, **kwargs: Any) -> Any:
+            got = original(*args, **kwargs)
+            _seen.key = got[0] if isinstance(got, tuple) and got and isinstance(got[0], str) else None
+            return got
+        autograd_cache.autograd_cache_key = autograd_cache_key
+        _wrapped.append(original)
+        return True
+
+
+def compile_noting_key(compile: Callable[[], Callable[..., Any]]) -> tuple[Callable[..., Any], str | None]:
+    """``compile()`` (a call of ``compile_fx``), with the AOTAutograd cache key it looked up or
+    saved under (None where it computed none: the cache off, or a graph it bypassed)."""
+    watching = _watch_keys()
+    _seen.key = None
+    compiled = compile()
+    return compiled, (_seen.key if watching else None)
+
+
+def load_entry(aot_key: str) -> Callable[..., Any] | None:
+    """The compiled function kept under ``aot_key`` in Inductor's cache (called like
+    ``compile_fx``'s: ``fn(*inputs)``), or None where it is not there or does not load."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+        from torch._inductor import config
+        from torch._inductor.cudagraph_utils import BoxedDeviceIndex
+        from torch._inductor.utils import BoxedBool
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        # (a region's inputs have static sizes: its entry has no shape guards to evaluate)
+        with config.patch(unsafe_skip_cache_dynamic_shape_guards=True):
+            found = AOTAutogradCache._lookup(aot_key, local=True, remote=False, args=[], cache_info={}, aot_config=None)
+            if found is None:
+                return None
+            entry = found[0]
+            fx_config = {"cudagraphs": BoxedBool(False), "boxed_forward_device_index": BoxedDeviceIndex(None)}
+            context = torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+            with torch._guards.tracing(context):
+                fn = entry.wrap_post_compile([], entry.sanitized_aot_config, fx_config)
+    except Exception:  # (a missing FX entry, another torch's layout: compiled as before)
+        return None
+    return lambda *args: fn(list(args))
