@@ -412,10 +412,12 @@ class InductorCompiler:
             if hits is not None and _cache_hits() == hits:
                 self.worker_misses += 1
         except Exception as e:  # Inductor's refusal: keep the ATen ops, say why
-            why = self.failures[key] = why_refused(e)
-            return self.with_forced_strides(key, prog, region) or self.with_views_as_reshapes(key, prog, region) or why
+            self.failures[key] = why_refused(e)
         finally:
             self.seconds += time.perf_counter() - t0
+        if key in self.failures:  # (a second try counts its own seconds: outside the window above)
+            return self.with_forced_strides(key, prog, region) or self.with_views_as_reshapes(key, prog, region) \
+                or self.failures[key]
         kernel = self.kernels[key] = self._kernel(compiled, gm, prog, region, key)
         return kernel
 

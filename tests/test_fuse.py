@@ -446,6 +446,33 @@ def test_a_checked_region_loads_its_cache_entry_without_compile_fx(tmp_path, mon
     assert len(compiles) == 4
 
 
+def test_a_second_try_s_seconds_are_counted_once(monkeypatch):
+    """A region Inductor refused is compiled again in another form, which counts its own
+    seconds; the first try's count must not hold them too (a cold CPU GPT-2 build's ``plan``
+    phase came out negative: ``fuse_compile`` had counted a second try twice)."""
+    import time
+
+    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
+    (r,) = find_regions(prog)
+
+    def refused(*args, **kwargs):
+        raise TypeError("refused")
+
+    def second_try(self, key, prog, region):
+        t0 = time.perf_counter()
+        time.sleep(0.2)
+        self.seconds += time.perf_counter() - t0  # (as _compile_again counts its own)
+        return None
+    monkeypatch.setattr(inductor, "compile_graph", refused)
+    monkeypatch.setattr(inductor.InductorCompiler, "with_forced_strides", second_try)
+    comp = inductor.InductorCompiler()
+    t0 = time.perf_counter()
+    got = comp.prepare(prog, r)
+    wall = time.perf_counter() - t0
+    assert got == "TypeError: refused"
+    assert comp.seconds <= wall, (comp.seconds, wall)
+
+
 def test_region_kernels_go_through_inductors_cache():
     """A region's compile has a key in Inductor's FX graph cache (no bypass), so a second build
     of the same region (a later process: a warm cache) loads the kernel instead of generating it."""
