@@ -634,7 +634,7 @@ class _Batch:
         if threading.get_ident() != self.thread:
             self.save(key, compiled, *rest)
             return
-        self.saves.append((self.key, (key, copy.copy(compiled), *rest), torch._guards.TracingContext.try_get()))
+        self.saves.append((self.key, (key, _copy_to_save(compiled), *rest), torch._guards.TracingContext.try_get()))
 
     def finish(self, progress: Callable[[int, int], None] | None) -> dict[str, str]:
         """Every wait put off (each region's inside a Triton bundle of its own), every cache
@@ -737,6 +737,18 @@ def _bundling(on: bool) -> Iterator[Callable[[], Any]]:
         yield lambda: TritonBundler.collect()[0]
     finally:
         TritonBundler.end_compile()
+
+
+def _copy_to_save(compiled: Any) -> Any:
+    """A shallow copy of Inductor's compiled graph for a put-off cache write, without its module's
+    ``runner`` (the write drops it too: ``prepare_for_serialization``). A copy that shared it
+    would delete the runner's ``partitions`` a second time when both are collected, and
+    ``CompiledFxGraph.__del__`` (torch 2.11, 2.13) prints an ``AttributeError`` traceback at
+    every cold region's end."""
+    out = copy.copy(compiled)
+    if getattr(out, "compiled_fn_runner", None) is not None:
+        out.compiled_fn_runner = None
+    return out
 
 
 def _save_with(save: Callable[..., None] | None, args: tuple[Any, ...], context: Any, bundle: Any) -> None:

@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import functools
 import importlib
+import sys
 
 import pytest
 import torch
@@ -473,6 +474,29 @@ def test_a_second_try_s_seconds_are_counted_once(monkeypatch):
     assert comp.seconds <= wall, (comp.seconds, wall)
 
 
+def test_a_cold_region_s_kernel_is_collected_without_an_error(tmp_path, monkeypatch):
+    """A region compiled cold inside a block writes its cache entry at the block's end from a
+    copy of Inductor's compiled graph; when the kernel and that copy are both collected, no
+    ``CompiledFxGraph.__del__`` may fail (a copy sharing the module's runner deleted its
+    partitions twice: an AttributeError traceback per cold region, at exit)."""
+    import gc
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    errors: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: errors.append(f"{u.exc_type.__name__}: {u.exc_value}"))
+    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
+    (r,) = find_regions(prog)
+    comp = inductor.InductorCompiler()
+    with comp.together():
+        kernel = comp.compile(prog, r)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(kernel(x)[0], (torch.tanh(x) * 3).relu() + 1)
+    del kernel, comp
+    gc.collect()
+    assert not errors, errors
+
+
 def test_region_kernels_go_through_inductors_cache():
     """A region's compile has a key in Inductor's FX graph cache (no bypass), so a second build
     of the same region (a later process: a warm cache) loads the kernel instead of generating it."""
@@ -611,7 +635,6 @@ def test_torch_2_11_s_probe_processes_go_through_the_kept_verdicts(tmp_path, mon
     kept as loaded starts no process, a failed one raises as the process did and is not kept,
     and every other command is the real module's."""
     import subprocess
-    import sys
     import types
 
     from flowexec import inductor_keys as inductor
