@@ -144,3 +144,24 @@ def test_input_buffers_only_in_graph_mode():
     exe = flowexec.compile(f, torch.randn(2, 3), torch.randn(3, 4))
     with pytest.raises(OptionError, match="graph mode only"):
         exe.input_buffers
+
+
+def test_a_plan_s_lines_are_readable_where_it_fails_and_in_flowexec_plan_dir(tmp_path, monkeypatch):
+    """A plan is generated Python: the error from one of its ops chains the op's own traceback,
+    whose frame in the plan shows the plan's line; with ``FLOWEXEC_PLAN_DIR`` the plan's source
+    is written there and compiled under that path, so that a crash's ``faulthandler`` stack
+    (file and line only) names a line one can open."""
+    import traceback
+
+    monkeypatch.setenv("FLOWEXEC_PLAN_DIR", str(tmp_path / "plans"))
+    f = flowexec.compile(lambda x, i: x.index_select(0, i) * 2, mode="trace")
+    x = torch.randn(4, 3)
+    f(x, torch.tensor([0, 1]))
+    with pytest.raises(flowexec.ExecutionError) as info:
+        f(x, torch.tensor([0, 7]))
+    frames = [fr for fr in traceback.extract_tb(info.value.__cause__.__traceback__) if "flowexec-plan-" in fr.filename]
+    assert frames and "index_select" in frames[-1].line, frames
+    (written,) = list((tmp_path / "plans").iterdir())
+    assert frames[-1].filename == str(written)
+    lines = written.read_text().splitlines()
+    assert "index_select" in lines[frames[-1].lineno - 1]

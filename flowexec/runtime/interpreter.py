@@ -20,14 +20,16 @@ Example::
 from __future__ import annotations
 
 import itertools
+import linecache
 import math
+import os
 from typing import Any, Callable
 
 import torch
 
 from ..errors import ExecutionError
 from ..plan import ExecutionPlan
-from ..program import Program, Ref, format_op
+from ..program import Program, Ref, format_op, op_name
 from . import streams as cuda_streams
 from .arena import bind_arenas, out_call
 
@@ -98,6 +100,27 @@ def explain_failure(plan: ExecutionPlan, index: int, exc: BaseException) -> Exec
     return ExecutionError(
         f"While executing op #{index} {format_op(op, plan.program)}{src}: {type(exc).__name__}: {exc}"
     )
+
+
+def _plan_source(src: str, name: str) -> str:
+    """The file name a plan's generated ``src`` is compiled under, its lines known to
+    ``linecache`` (a traceback through a plan shows the op's line). With ``FLOWEXEC_PLAN_DIR``
+    set, the source is also written there as ``<name>-<pid>.py`` and compiled under that path,
+    so that what prints only a file and a line (``faulthandler`` on a crash) names a line one
+    can read."""
+    directory = os.environ.get("FLOWEXEC_PLAN_DIR")
+    filename = f"<{name}>"
+    if directory:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(os.path.abspath(directory), f"{name}-{os.getpid()}.py")
+            with open(path, "w") as fh:
+                fh.write(src)
+            filename = path
+        except OSError:
+            pass  # (an unwritable directory: the plan still runs, its lines in linecache alone)
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    return filename
 
 
 def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None,
@@ -178,7 +201,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
             stmt = f"{_slot(op.outputs[0])} = {call}"
         else:
             stmt = call
-        lines.append("    " + stmt)
+        lines.append(f"    {stmt}  # {op_name(op.target)}")  # (the op a crash's file and line point at)
         line_to_op[len(lines)] = op.index
         if multi:
             lines += [f"    E{e}.record({stream_name(on)})" for e in ins.records]
@@ -199,7 +222,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
         lines += [f"    _rs({_slot(v)}, {stream_name(k)})" for v, ks in plan.exit_uses for k in ks]
     lines.append("    return [" + ", ".join(render(o) for o in prog.outputs) + "]")
     src = "\n".join(lines) + "\n"
-    filename = f"<flowexec-plan-{next(_counter)}>"
+    filename = _plan_source(src, f"flowexec-plan-{next(_counter)}")
     exec(compile(src, filename, "exec"), glb)
     inner = glb["run"]
 
