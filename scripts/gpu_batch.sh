@@ -140,7 +140,7 @@ for step in "$@"; do
                  --out "$R" ;;  # models no issue names in trace mode and through the backend
     stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py tests/gpu/test_streams_gpu.py --junitxml="$R/$step.xml" ;;  # the refused capture's stream put back
-    backend-crash) run_step $step 240 python3 -X faulthandler benchmarks/probes/model_sweep.py --device cuda \
+    backend-crash) FLOWEXEC_PLAN_DIR="$R/plans" run_step $step 240 python3 -X faulthandler benchmarks/probes/model_sweep.py --device cuda \
                  --variants backend_graph --cases t5,bert --out "$R/bc" ;;  # sweep-trace's segfault (T5) and mismatch (BERT), with Python's stacks
     random-stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py tests/gpu/test_training_gpu.py --junitxml="$R/$step.xml" ;;
