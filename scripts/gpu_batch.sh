@@ -140,8 +140,10 @@ for step in "$@"; do
                  --out "$R" ;;  # models no issue names in trace mode and through the backend
     stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py tests/gpu/test_streams_gpu.py --junitxml="$R/$step.xml" ;;  # the refused capture's stream put back
-    backend-crash) FLOWEXEC_PLAN_DIR="$R/plans" run_step $step 240 python3 -X faulthandler benchmarks/probes/model_sweep.py --device cuda \
-                 --variants backend_graph --cases t5,bert --out "$R/bc" ;;  # sweep-trace's segfault (T5) and mismatch (BERT), with Python's stacks
+    backend-crash) FLOWEXEC_PLAN_DIR="$R/plans" run_step $step 300 bash -c "python3 -X faulthandler benchmarks/probes/model_sweep.py \
+                 --device cuda --variants backend_graph --cases bert --out '$R/bc_bert'; python3 -X faulthandler \
+                 benchmarks/probes/model_sweep.py --device cuda --variants backend_graph --cases t5 --out '$R/bc_t5'" ;;  # sweep-trace's
+                 # segfault (T5: a recapture of its backward's graph, plans/ holds the line faulthandler names) and mismatch (BERT)
     random-stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py tests/gpu/test_training_gpu.py --junitxml="$R/$step.xml" ;;
     regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default
