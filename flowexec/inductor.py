@@ -497,20 +497,20 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     # (a region whose check passed loads its entry by the key its first compile kept, without
     # compile_fx hashing the graph again: flowexec.inductor_entries)
     entry = entry_name(check, devices_of(metas)) if check is not None else None
-    aot_key = kept_entries().get(entry) if passed else None
+    aot_key = kept_entries().get(entry) if passed and entry is not None else None
     compiled = None
     if aot_key:
         keep_process_keys(cpu=any(torch.device(m.device).type == "cpu" for m in metas))  # (as a compile would)
         compiled = load_entry(aot_key)
     if compiled is None:
         compiled, aot_key = compile_noting_key(lambda: inductor_compile(gm, metas))
-        if passed and aot_key:
-            kept_entries().put(entry, aot_key)  # type: ignore[arg-type]
+        if passed and aot_key and entry is not None:
+            kept_entries().put(entry, aot_key)
 
     def keep_passed() -> None:
         kept.put(check, True)  # type: ignore[union-attr]
-        if aot_key:
-            kept_entries().put(entry, aot_key)  # type: ignore[arg-type]
+        if aot_key and entry is not None:
+            kept_entries().put(entry, aot_key)
     if (want or kept is not None) and not passed:
         def check_outputs() -> None:
             if not want:  # (nothing to check: kept as built, so that a warm build knows it is)

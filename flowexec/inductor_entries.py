@@ -16,6 +16,10 @@ loads nothing, and the region is compiled as before.
 
     >>> entry_name("abc", "cpu") == entry_name("abc", "cpu"), entry_name("abc", "cpu") == entry_name("abd", "cpu")
     (True, False)
+    >>> before = entry_name("abc", "cpu")
+    >>> torch.use_deterministic_algorithms(True); after = entry_name("abc", "cpu"); torch.use_deterministic_algorithms(False)
+    >>> before == after
+    False
 """
 from __future__ import annotations
 
@@ -38,17 +42,36 @@ def kept_entries() -> VerdictCache:
     return shared_cache("region_entries", kind=str)
 
 
-def entry_name(check: str, devices: str) -> str:
+# Inductor's settings that hold functions: its cache keys hash them, its portable configuration
+# (the output check's key) leaves them out; while any is set, every region is compiled.
+_CUSTOM_PASSES = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass", "joint_custom_pre_pass",
+                  "joint_custom_post_pass", "pre_grad_custom_pass", "_pre_fusion_custom_pass",
+                  "_post_fusion_custom_pass")
+
+
+def entry_name(check: str, devices: str) -> str | None:
     """The name a region's entry is kept under: its output ``check`` key (region, metas, device
-    names, Inductor's configuration, torch's version) with torch's build, Triton's version and
-    the ``devices``' capabilities."""
+    names, Inductor's configuration, torch's version) with torch's build, Triton's version, the
+    ``devices``' capabilities, AOTAutograd's configuration and the global switches Inductor's
+    keys read (deterministic algorithms, reduced-precision matrix products); None while a
+    custom pass is set in Inductor's configuration (no entry is loaded or kept then)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    if any(getattr(config, name, None) is not None for name in _CUSTOM_PASSES):
+        return None
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    matmul = torch.backends.cuda.matmul
+    switches = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.get_float32_matmul_precision(), matmul.allow_fp16_reduced_precision_reduction,
+                matmul.allow_bf16_reduced_precision_reduction)
     text = "\n".join(["entry 1", check, str(getattr(torch.version, "git_version", None)),
-                      str(torch.version.hip), str(triton_version), devices])
+                      str(torch.version.hip), str(triton_version), devices,
+                      repr(sorted(functorch_config.save_config_portable().items())), repr(switches)])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
