@@ -66,9 +66,17 @@ def entry_name(check: str, devices: str) -> str | None:
     except ImportError:
         triton_version = None
     matmul = torch.backends.cuda.matmul
+    # (each backend's fp32 precision, as Inductor reads them: torch.get_float32_matmul_precision()
+    # raises once the per-backend API has set one; the default dtype, which a factory op
+    # without one computes in, and the thread count a CPU kernel's C++ bakes in, which torch
+    # 2.13's FX graph key hashes)
+    precision = tuple(getattr(getattr(b, "matmul", None), "fp32_precision", None)
+                      for b in (torch.backends.cuda, torch.backends.mkldnn))
     switches = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-                torch.get_float32_matmul_precision(), matmul.allow_fp16_reduced_precision_reduction,
-                matmul.allow_bf16_reduced_precision_reduction)
+                getattr(torch.utils.deterministic, "fill_uninitialized_memory", None),
+                precision if precision != (None, None) else torch.get_float32_matmul_precision(),
+                matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+                torch.get_default_dtype(), torch.get_num_threads())
     text = "\n".join(["entry 1", check, str(getattr(torch.version, "git_version", None)),
                       str(torch.version.hip), str(triton_version), devices,
                       repr(sorted(functorch_config.save_config_portable().items())), repr(switches)])

@@ -165,3 +165,27 @@ def test_a_plan_s_lines_are_readable_where_it_fails_and_in_flowexec_plan_dir(tmp
     assert frames[-1].filename == str(written)
     lines = written.read_text().splitlines()
     assert "index_select" in lines[frames[-1].lineno - 1]
+
+
+def test_a_collected_plan_s_source_leaves_linecache():
+    """Each plan's generated source goes into ``linecache`` (a traceback through it shows the op's
+    line); entries there are never dropped by ``checkcache`` (no mtime), so a process that builds
+    plans again and again (a sweep, a server rebuilding per shape) kept every plan's text for good
+    after the plan itself was collected."""
+    import gc
+    import linecache
+
+    import flowexec
+
+    def plans() -> int:
+        return sum("flowexec-plan-" in k for k in linecache.cache)
+
+    gc.collect()
+    before = plans()
+    x = torch.randn(4, 3)
+    for _ in range(20):
+        f = flowexec.compile(lambda x: (x * 2).sin(), mode="trace")
+        f(x)
+        del f
+    gc.collect()
+    assert plans() - before < 5, plans() - before

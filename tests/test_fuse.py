@@ -503,6 +503,84 @@ def test_a_cold_region_s_kernel_is_collected_without_an_error(tmp_path, monkeypa
     assert not errors, errors
 
 
+def _one_region(fn=lambda x: (torch.tanh(x) * 3).relu() + 1, shape=(4, 8)):
+    prog = capture(fn, (torch.randn(*shape, dtype=torch.float32),)).program
+    (r,) = find_regions(prog)
+    return prog, r
+
+
+def test_new_api_fp32_precision_does_not_refuse_every_region(tmp_path, monkeypatch):
+    """torch's new precision API (``torch.backends.cuda.matmul.fp32_precision``, recommended
+    since 2.9) makes ``torch.get_float32_matmul_precision()`` raise; entry_name reads it, so
+    every region was refused (RuntimeError) though compile_fx compiles it fine."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})
+    prog, r = _one_region()
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        got = inductor.InductorCompiler().compile(prog, r)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    assert isinstance(got, inductor.FusedKernel), got
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(got(x)[0], (torch.tanh(x) * 3).relu() + 1)
+
+
+def _built_as_a_new_process(prog, r, monkeypatch):
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # (as a new process reads them)
+    metas = [prog.values[v].meta for v in r.inputs]
+    want = [prog.values[v].meta for v in r.computed]
+    return inductor.compile_graph(inductor.region_graph(prog, r), metas, want, key=inductor.region_key(prog, r))
+
+
+@pytest.mark.skipif(not hasattr(torch._inductor.codecache.FxGraphHashDetails, "_may_generate_cpu_cpp_code"),
+                    reason="this torch's FX graph key does not hash the default dtype (compile_fx loads the same)")
+def test_a_region_built_under_another_default_dtype_is_not_loaded_from_the_first_build(tmp_path, monkeypatch):
+    """A factory op without a dtype (aten.full) computes in torch's default dtype, which the region's
+    key and metas do not show when a cast follows; Inductor's own key (torch 2.13) hashes the
+    default dtype, so compile_fx compiles such a region again; the kept name must too, or a build
+    under float64 loads the float32 kernel (16777219 rounds to 16777220: 4 where eager gives 3)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    f = lambda x: x + (torch.full((4, 8), 16777219.) - 16777216.).to(torch.int32)
+    x = torch.zeros(4, 8)
+    before = torch.get_default_dtype()
+    try:
+        got = {}
+        for d in (torch.float32, torch.float64):
+            torch.set_default_dtype(d)
+            prog, r = _one_region(f)
+            got[d] = (_built_as_a_new_process(prog, r, monkeypatch)(x)[0], f(x))
+    finally:
+        torch.set_default_dtype(before)
+    for d, (kernel, eager) in got.items():
+        assert torch.equal(kernel, eager), (d, kernel[0, 0].item(), eager[0, 0].item())
+
+
+@pytest.mark.skipif(not hasattr(torch._inductor.codecache.FxGraphHashDetails, "_may_generate_cpu_cpp_code"),
+                    reason="this torch's FX graph key does not hash the C++ kernels' thread count")
+def test_a_region_built_with_another_thread_count_is_compiled_for_it(tmp_path, monkeypatch):
+    """torch 2.13's FX graph key hashes the thread count a CPU kernel's C++ bakes in
+    (``parallel_num_threads()`` while ``cpp.threads`` < 1): compile_fx compiles a region again
+    after ``torch.set_num_threads``; a load by the kept name gave the kernel built for the old count."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    prog, r = _one_region(lambda x: (torch.tanh(x) * 3).relu().sum(0) + 1, (64, 4096))
+    compiles = []
+    real = inductor.inductor_compile
+    monkeypatch.setattr(inductor, "inductor_compile", lambda gm, m: compiles.append(1) or real(gm, m))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _built_as_a_new_process(prog, r, monkeypatch)
+        _built_as_a_new_process(prog, r, monkeypatch)  # (the same count: may load)
+        before = len(compiles)
+        torch.set_num_threads(1)
+        _built_as_a_new_process(prog, r, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(compiles) == before + 1, "a build with another thread count loaded the kernel compiled for 2 threads"
+
+
 def test_region_kernels_go_through_inductors_cache():
     """A region's compile has a key in Inductor's FX graph cache (no bypass), so a second build
     of the same region (a later process: a warm cache) loads the kernel instead of generating it."""

@@ -23,6 +23,7 @@ import itertools
 import linecache
 import math
 import os
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -225,6 +226,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
     filename = _plan_source(src, f"flowexec-plan-{next(_counter)}")
     exec(compile(src, filename, "exec"), glb)
     inner = glb["run"]
+    weakref.finalize(inner, linecache.cache.pop, filename, None)  # (its lines live as long as the plan)
 
     set_grad = torch._C._set_grad_enabled
     is_grad = torch.is_grad_enabled
