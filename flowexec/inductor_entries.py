@@ -52,9 +52,10 @@ _CUSTOM_PASSES = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass", "jo
 def entry_name(check: str, devices: str) -> str | None:
     """The name a region's entry is kept under: its output ``check`` key (region, metas, device
     names, Inductor's configuration, torch's version) with torch's build, Triton's version, the
-    ``devices``' capabilities, AOTAutograd's configuration and the global switches Inductor's
-    keys read (deterministic algorithms, reduced-precision matrix products); None while a
-    custom pass is set in Inductor's configuration (no entry is loaded or kept then)."""
+    ``devices``' capabilities, AOTAutograd's configuration and the global settings Inductor's
+    keys read (deterministic algorithms, each backend's fp32 precision, reduced-precision
+    products, the default dtype, the thread count); None while a custom pass is set in
+    Inductor's configuration (no entry is loaded or kept then)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config
 
