@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
-from .inductor_entries import compile_noting_key, devices_of, entry_name, kept_entries, load_entry
+from .inductor_entries import compile_noting_key, entry_name, kept_entries, load_entry
 from .inductor_keys import keep_process_keys
 from .passes.copy_in import dense_layout
 from .passes.metas import fake_tensor
@@ -496,21 +496,24 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     passed = check is not None and bool(kept.get(check))  # type: ignore[union-attr]
     # (a region whose check passed loads its entry by the key its first compile kept, without
     # compile_fx hashing the graph again: flowexec.inductor_entries)
-    entry = entry_name(check, devices_of(metas)) if check is not None else None
+    entry = entry_name(check) if check is not None else None
     aot_key = kept_entries().get(entry) if passed and entry is not None else None
     compiled = None
     if aot_key:
-        keep_process_keys(cpu=any(torch.device(m.device).type == "cpu" for m in metas))  # (as a compile would)
+        _keep_process_keys_for(metas)  # (as a compile would)
         compiled = load_entry(aot_key)
+
+    def keep_entry() -> None:
+        if aot_key and entry is not None:
+            kept_entries().put(entry, aot_key)
     if compiled is None:
         compiled, aot_key = compile_noting_key(lambda: inductor_compile(gm, metas))
-        if passed and aot_key and entry is not None:
-            kept_entries().put(entry, aot_key)
+        if passed:
+            keep_entry()
 
     def keep_passed() -> None:
         kept.put(check, True)  # type: ignore[union-attr]
-        if aot_key and entry is not None:
-            kept_entries().put(entry, aot_key)
+        keep_entry()
     if (want or kept is not None) and not passed:
         def check_outputs() -> None:
             if not want:  # (nothing to check: kept as built, so that a warm build knows it is)
@@ -561,6 +564,12 @@ def _cache_hits() -> tuple[int, int]:
     return counters["aot_autograd"]["autograd_cache_hit"], counters["inductor"]["fxgraph_cache_hit"]
 
 
+def _keep_process_keys_for(metas: Sequence[TensorMeta]) -> None:
+    """What Inductor computes once a process, from a disk on which it does not change, kept
+    (:func:`~flowexec.inductor_keys.keep_process_keys`; the CPU's probe where a region runs there)."""
+    keep_process_keys(cpu=any(torch.device(m.device).type == "cpu" for m in metas))
+
+
 def inductor_compile(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callable[..., Any]:
     """Inductor's compiled function for ``gm`` on inputs of ``metas`` (what :func:`compile_graph`
     and a compile worker, :mod:`flowexec.compile_workers`, both call: their cache keys agree)."""
@@ -576,8 +585,7 @@ def inductor_compile(gm: fx.GraphModule, metas: Sequence[TensorMeta]) -> Callabl
     # specialised to the region's sizes.
     fake = FakeTensorMode(shape_env=ShapeEnv())
     inputs = [fake_tensor(m, fake) for m in metas]
-    # (what Inductor computes once a process, from a disk on which it does not change)
-    keep_process_keys(cpu=any(torch.device(m.device).type == "cpu" for m in metas))
+    _keep_process_keys_for(metas)
     with torch.no_grad(), _quiet(), torch._guards.tracing(torch._guards.TracingContext(fake)):
         return compile_fx(gm, inputs)
 
@@ -804,11 +812,13 @@ OUTPUT_CHECK_VERSION = 2
 def output_check_key(key: str, metas: Sequence[TensorMeta], config_text: str | None = None) -> str:
     """What decides whether a region's kernel returns what the program expects: the region
     (:func:`region_key`), its input and output ``metas``, torch's and CUDA's versions, the
-    devices it runs on, Inductor's configuration (``config_text``: :func:`inductor_config_text`,
+    devices it runs on (a CUDA device by name and capability, which Inductor generates for),
+    Inductor's configuration (``config_text``: :func:`inductor_config_text`,
     read once by a caller that keys many regions) and the check's own version
     (:data:`OUTPUT_CHECK_VERSION`), hashed to a short key."""
     devices = sorted({torch.device(m.device) for m in metas}, key=str)
-    names = [torch.cuda.get_device_name(d) if d.type == "cuda" else str(d) for d in devices]
+    names = [f"{torch.cuda.get_device_name(d)} {torch.cuda.get_device_capability(d)}" if d.type == "cuda" else str(d)
+             for d in devices]
     conf = config_text if config_text is not None else inductor_config_text()
     text = "\n".join([f"check {OUTPUT_CHECK_VERSION}; torch {torch.__version__} cuda {torch.version.cuda} on {names}",
                       conf, key,

@@ -7,17 +7,18 @@ that decides the compile (AOTAutograd's ``autograd_cache_key``, then the FX grap
 regions. That key was computed when the region was first compiled, and nothing it hashes can
 have changed while what names the region here holds: the region's own key, its inputs' and
 outputs' metas, the device, Inductor's configuration and torch's version (the output check's
-key, :func:`flowexec.inductor.output_check_key`) with torch's build and Triton's version. So the
+key, :func:`flowexec.inductor.output_check_key`) with torch's build, Triton's version and the
+settings Inductor's own keys read (:func:`entry_name`). So the
 first compile keeps AOTAutograd's key under that name (:func:`kept_entries`), and a later build
 loads the entry by it (:func:`load_entry`) as ``torch._inductor.standalone_compile``'s saved
 artifacts are loaded: ``AOTAutogradCache._lookup`` then its ``wrap_post_compile`` (the same
 wrappers ``compile_fx`` returns on a cache hit). An entry that is gone, or anything unexpected,
 loads nothing, and the region is compiled as before.
 
-    >>> entry_name("abc", "cpu") == entry_name("abc", "cpu"), entry_name("abc", "cpu") == entry_name("abd", "cpu")
+    >>> entry_name("abc") == entry_name("abc"), entry_name("abc") == entry_name("abd")
     (True, False)
-    >>> before = entry_name("abc", "cpu")
-    >>> torch.use_deterministic_algorithms(True); after = entry_name("abc", "cpu"); torch.use_deterministic_algorithms(False)
+    >>> before = entry_name("abc")
+    >>> torch.use_deterministic_algorithms(True); after = entry_name("abc"); torch.use_deterministic_algorithms(False)
     >>> before == after
     False
 """
@@ -25,11 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
-from .program import TensorMeta
 from .verdict_cache import VerdictCache, shared_cache
 
 _seen = threading.local()  # .key: the AOTAutograd cache key this thread's last compile computed
@@ -49,10 +49,10 @@ _CUSTOM_PASSES = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass", "jo
                   "_post_fusion_custom_pass")
 
 
-def entry_name(check: str, devices: str) -> str | None:
-    """The name a region's entry is kept under: its output ``check`` key (region, metas, device
-    names, Inductor's configuration, torch's version) with torch's build, Triton's version, the
-    ``devices``' capabilities, AOTAutograd's configuration and the global settings Inductor's
+def entry_name(check: str) -> str | None:
+    """The name a region's entry is kept under: its output ``check`` key (region, metas, the
+    devices by name and capability, Inductor's configuration, torch's version) with torch's
+    build, Triton's version, AOTAutograd's configuration and the global settings Inductor's
     keys read (deterministic algorithms, each backend's fp32 precision, reduced-precision
     products, the default dtype, the thread count); None while a custom pass is set in
     Inductor's configuration (no entry is loaded or kept then)."""
@@ -79,17 +79,9 @@ def entry_name(check: str, devices: str) -> str | None:
                 matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
                 torch.get_default_dtype(), torch.get_num_threads())
     text = "\n".join(["entry 1", check, str(getattr(torch.version, "git_version", None)),
-                      str(torch.version.hip), str(triton_version), devices,
+                      str(torch.version.hip), str(triton_version),
                       repr(sorted(functorch_config.save_config_portable().items())), repr(switches)])
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def devices_of(metas: Sequence[TensorMeta]) -> str:
-    """The capability of each CUDA device among ``metas``' (Inductor generates for it)."""
-    out = []
-    for d in sorted({torch.device(m.device) for m in metas}, key=str):
-        out.append(f"{d}:{torch.cuda.get_device_capability(d)}" if d.type == "cuda" else str(d))
-    return ";".join(out)
 
 
 def _watch_keys() -> bool:

@@ -570,10 +570,10 @@ def decode(data: bytes, r: Reach, call_tensors: Sequence[torch.Tensor]) -> dict[
                 log=rec["log"])
 
 
-def _state_of(t: torch.Tensor, r: Reach) -> Any:
-    """A state tensor of a capture's log as a record holds it: by path (the tensor itself, which
-    :class:`_Writer` names), or by value where it is small and no path reaches it (a constant fn
-    made outside dispatch: ``torch.from_numpy``)."""
+def _state_of(t: Any, r: Reach) -> Any:
+    """A state object of a capture's log (a tensor, or one of fn's own generators) as a record
+    holds it: by path (the object itself, which :class:`_Writer` names), or, for a small tensor
+    no path reaches, by value (a constant fn made outside dispatch: ``torch.from_numpy``)."""
     if r.loc(t) is not None:
         return t
     if isinstance(t, torch.Tensor) and t.numel() <= _VALUE_LIMIT:  # (``torch.tensor(...)`` in fn: the literal)

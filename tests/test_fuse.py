@@ -402,6 +402,19 @@ def test_a_pipeline_of_fused_i_w_split_stages_trains_as_one_process():
     assert res[1]["losses"] == pytest.approx(want_losses, rel=1e-5)
 
 
+def _one_region(fn=lambda x: (torch.tanh(x) * 3).relu() + 1, shape=(4, 8)):
+    prog = capture(fn, (torch.randn(*shape, dtype=torch.float32),)).program
+    (r,) = find_regions(prog)
+    return prog, r
+
+
+def _built_as_a_new_process(prog, r, monkeypatch):
+    monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # (as a new process reads them)
+    metas = [prog.values[v].meta for v in r.inputs]
+    want = [prog.values[v].meta for v in r.computed]
+    return inductor.compile_graph(inductor.region_graph(prog, r), metas, want, key=inductor.region_key(prog, r))
+
+
 def test_a_checked_region_loads_its_cache_entry_without_compile_fx(tmp_path, monkeypatch):
     """A region whose output check passed keeps the key of its entry in Inductor's cache; a later
     build (a new process: the kept verdicts read again) loads the entry by it without calling
@@ -413,18 +426,13 @@ def test_a_checked_region_loads_its_cache_entry_without_compile_fx(tmp_path, mon
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr("flowexec.verdict_cache._shared", {})
-    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
-    (r,) = find_regions(prog)
-    metas = [prog.values[v].meta for v in r.inputs]
-    want = [prog.values[v].meta for v in r.computed]
-    key = inductor.region_key(prog, r)
+    prog, r = _one_region()
     compiles: list[int] = []
     real = inductor.inductor_compile
     monkeypatch.setattr(inductor, "inductor_compile", lambda gm, m: compiles.append(1) or real(gm, m))
 
     def build():
-        monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # (as a new process reads them)
-        return inductor.compile_graph(inductor.region_graph(prog, r), metas, want, key=key)
+        return _built_as_a_new_process(prog, r, monkeypatch)
     x = torch.randn(4, 8)
     expect = (torch.tanh(x) * 3).relu() + 1
     first = build()
@@ -448,7 +456,7 @@ def test_a_checked_region_loads_its_cache_entry_without_compile_fx(tmp_path, mon
     # (a custom pass in Inductor's configuration is a function its own keys hash and the kept
     # name cannot: every region compiles while one is set)
     with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
-        assert inductor_entries.entry_name("a check", "cpu") is None
+        assert inductor_entries.entry_name("a check") is None
         torch.testing.assert_close(build()(x)[0], expect)
     assert len(compiles) == 5
 
@@ -459,8 +467,7 @@ def test_a_second_try_s_seconds_are_counted_once(monkeypatch):
     phase came out negative: ``fuse_compile`` had counted a second try twice)."""
     import time
 
-    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
-    (r,) = find_regions(prog)
+    prog, r = _one_region()
 
     def refused(*args, **kwargs):
         raise TypeError("refused")
@@ -491,8 +498,7 @@ def test_a_cold_region_s_kernel_is_collected_without_an_error(tmp_path, monkeypa
     monkeypatch.setattr("flowexec.verdict_cache._shared", {})
     errors: list[str] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: errors.append(f"{u.exc_type.__name__}: {u.exc_value}"))
-    prog = capture(lambda x: (torch.tanh(x) * 3).relu() + 1, (torch.randn(4, 8),)).program
-    (r,) = find_regions(prog)
+    prog, r = _one_region()
     comp = inductor.InductorCompiler()
     with comp.together():
         kernel = comp.compile(prog, r)
@@ -501,12 +507,6 @@ def test_a_cold_region_s_kernel_is_collected_without_an_error(tmp_path, monkeypa
     del kernel, comp
     gc.collect()
     assert not errors, errors
-
-
-def _one_region(fn=lambda x: (torch.tanh(x) * 3).relu() + 1, shape=(4, 8)):
-    prog = capture(fn, (torch.randn(*shape, dtype=torch.float32),)).program
-    (r,) = find_regions(prog)
-    return prog, r
 
 
 def test_new_api_fp32_precision_does_not_refuse_every_region(tmp_path, monkeypatch):
@@ -525,13 +525,6 @@ def test_new_api_fp32_precision_does_not_refuse_every_region(tmp_path, monkeypat
     assert isinstance(got, inductor.FusedKernel), got
     x = torch.randn(4, 8)
     torch.testing.assert_close(got(x)[0], (torch.tanh(x) * 3).relu() + 1)
-
-
-def _built_as_a_new_process(prog, r, monkeypatch):
-    monkeypatch.setattr("flowexec.verdict_cache._shared", {})  # (as a new process reads them)
-    metas = [prog.values[v].meta for v in r.inputs]
-    want = [prog.values[v].meta for v in r.computed]
-    return inductor.compile_graph(inductor.region_graph(prog, r), metas, want, key=inductor.region_key(prog, r))
 
 
 @pytest.mark.skipif(not hasattr(torch._inductor.codecache.FxGraphHashDetails, "_may_generate_cpu_cpp_code"),
