@@ -144,6 +144,9 @@ for step in "$@"; do
                  --device cuda --variants backend_graph --cases bert --out '$R/bc_bert'; python3 -X faulthandler \
                  benchmarks/probes/model_sweep.py --device cuda --variants backend_graph --cases t5 --out '$R/bc_t5'" ;;  # sweep-trace's
                  # segfault (T5: a recapture of its backward's graph, plans/ holds the line faulthandler names) and mismatch (BERT)
+    backend-crash-t5-nonative) FLOWEXEC_NATIVE=0 FLOWEXEC_PLAN_DIR="$R/plans_nonative" run_step $step 200 python3 -X faulthandler \
+                 benchmarks/probes/model_sweep.py --device cuda --variants backend_graph --cases t5 --out "$R/bc_t5_nonative" ;;  # the same
+                 # T5 crash without the native call check: is the extension the cause?
     random-stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py tests/gpu/test_training_gpu.py --junitxml="$R/$step.xml" ;;
     regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default
