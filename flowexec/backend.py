@@ -31,6 +31,7 @@ from .passes.streams import cuda_devices
 from .plan import check_gc, check_streams
 from .runtime.graph_trees import backward_static_indices, check_pool
 from .runtime.lower import lower_for
+from .runtime.seeds import reads_saved_seeds
 
 BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams", "memory", "order", "gc_backlog",
                    "pool", "fuse", "pad")
@@ -138,6 +139,11 @@ class GraphProgram:
         self.mutated_inputs = [index[v] for v in self.plan.mutated if v in index]  # positions written in place
         if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
+            self.mode = "trace"
+        if self.mode == "graph" and forward is not None and forward.mode != "graph" and reads_saved_seeds(program):
+            # (its forward's attention saved host seeds, which a replay would not read again: seeds.py)
+            warnings.warn("flowexec: this backward graph runs in trace mode (no CUDA graph): its attention's dropout "
+                          "seeds come from a forward graph that runs in trace mode")
             self.mode = "trace"
         self.shared: Any = None  # pool="shared": the SharedPoolGraph every call goes through
         self._tree_device: int | None = None  # a backward in trace mode after a forward in the trees

@@ -140,13 +140,13 @@ for step in "$@"; do
                  --out "$R" ;;  # models no issue names in trace mode and through the backend
     stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py tests/gpu/test_streams_gpu.py --junitxml="$R/$step.xml" ;;  # the refused capture's stream put back
-    backend-crash) FLOWEXEC_PLAN_DIR="$R/plans" run_step $step 300 bash -c "python3 -X faulthandler benchmarks/probes/model_sweep.py \
-                 --device cuda --variants backend_graph --cases bert --out '$R/bc_bert'; python3 -X faulthandler \
-                 benchmarks/probes/model_sweep.py --device cuda --variants backend_graph --cases t5 --out '$R/bc_t5'" ;;  # sweep-trace's
-                 # segfault (T5: a recapture of its backward's graph, plans/ holds the line faulthandler names) and mismatch (BERT)
-    backend-crash-t5-nonative) FLOWEXEC_NATIVE=0 FLOWEXEC_PLAN_DIR="$R/plans_nonative" run_step $step 200 python3 -X faulthandler \
-                 benchmarks/probes/model_sweep.py --device cuda --variants backend_graph --cases t5 --out "$R/bc_t5_nonative" ;;  # the same
-                 # T5 crash without the native call check: is the extension the cause?
+    backend-bert) run_step $step 300 python3 benchmarks/probes/model_sweep.py --device cuda --cases bert \
+                 --variants backend,backend_graph,backend_graph_nofuse,backend_graph_nopad --out "$R/backend_bert" ;;  # BERT's
+                 # backend_graph mismatch: trace or graph, fusion, padding; each step's losses and the states off
+    backend-t5) FLOWEXEC_PLAN_DIR="$R/plans" run_step $step 200 python3 -X faulthandler benchmarks/probes/model_sweep.py \
+                 --device cuda --cases t5 --variants backend_graph,backend_graph_nofuse --out "$R/backend_t5" ;;  # the seeds fix
+    seeds-tests) run_step $step 120 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
+                 tests/gpu/test_random_stream_gpu.py -k attention --junitxml="$R/$step.xml" ;;  # attention's dropout seeds
     random-stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py tests/gpu/test_training_gpu.py --junitxml="$R/$step.xml" ;;
     regress)   run_step $step 400 python3 benchmarks/step_time.py --only mlp,hf --out "$R" ;;  # fusion on by default

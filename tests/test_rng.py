@@ -286,3 +286,37 @@ def test_a_draw_a_bound_does_not_settle_is_still_refused() -> None:
 
     with pytest.raises(flowexec.CaptureError, match="host"):
         flowexec.compile(flipped)(torch.randn(3))
+
+
+def test_attention_backwards_that_read_saved_seeds_by_capture_status_are_wrapped() -> None:
+    """Every ATen op that takes a forward's saved dropout seeds, and how flowexec hands them
+    over (runtime/seeds.py): a new one fails this table until someone reads its kernel."""
+    from flowexec.runtime.interpreter import callable_of
+
+    table = {}
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in getattr(packet, "overloads", lambda: [])():
+            op = getattr(packet, overload)
+            if "philox_seed" in [a.name for a in op._schema.arguments]:
+                table[str(op)] = ("by capture status" if callable_of(op) is not op._op else "as they are")
+    known = {
+        "aten._efficient_attention_backward.default": "by capture status",
+        "aten._scaled_dot_product_cudnn_attention_backward.default": "as they are",
+        "aten._scaled_dot_product_efficient_attention_backward.default": "by capture status",
+        "aten._scaled_dot_product_flash_attention_backward.default": "by capture status",
+        "aten._scaled_dot_product_fused_attention_overrideable_backward.default": "as they are",  # (2.13's, not 2.11's)
+    }
+    assert table == {op: how for op, how in known.items() if op in table or how == "by capture status"}
+
+
+def test_host_seeds_outside_a_capture_reach_the_kernel_as_they_are() -> None:
+    from flowexec.runtime.seeds import with_seeds_for_capture
+
+    op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    seen = []
+    call = with_seeds_for_capture(op, lambda *a, **k: seen.append(a))
+    seed, offset = torch.tensor(7), torch.tensor(9)
+    args = [None] * 7 + [seed, offset, 0.1, [True] * 4]
+    call(*args)
+    assert seen[0][7] is seed and seen[0][8] is offset

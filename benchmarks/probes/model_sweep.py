@@ -46,6 +46,9 @@ VARIANTS = {
     "graph": dict(mode="graph"), "graph_fused": dict(mode="graph", fuse="inductor"),
     # the model through torch.compile's backend (Dynamo's graphs; the step around it eager)
     "backend": dict(backend=dict(mode="trace")), "backend_graph": dict(backend=dict(mode="graph")),
+    # backend_graph with one rewrite off: which of fusion and padding a difference follows
+    "backend_graph_nofuse": dict(backend=dict(mode="graph", fuse=False)),
+    "backend_graph_nopad": dict(backend=dict(mode="graph", pad=False)),
 }
 
 
@@ -228,8 +231,12 @@ def compare(eager: Any, mine: Any, tol: float) -> dict[str, Any]:
             continue
         worst = max(worst, (n, d), key=lambda t: t[1])
     ok = loss_rel < 1e-4 and worst[1] < tol
+    # (where a case differs: each step's losses, and the states with the most entries off)
+    off = sorted(((n, int(((a - b).abs() > tol).sum()), a.numel()) for (n, a), (_, b) in zip(es, ms)),
+                 key=lambda t: -t[1])
     return {"verdict": "OK" if ok else "BAD", "loss_rel": loss_rel, "worst_state": worst[0], "worst_abs": worst[1],
-            "noise": noise}
+            "noise": noise, "losses": {"eager": list(el), "mine": list(ml)},
+            "most_off": [f"{n}: {k} of {m}" for n, k, m in off[:8] if k]}
 
 
 def compare_to_reference(ref: Any, eager: Any, mine: Any, slack: float = 2.0) -> dict[str, Any]:

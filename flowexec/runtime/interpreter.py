@@ -33,6 +33,7 @@ from ..plan import ExecutionPlan
 from ..program import Program, Ref, format_op, op_name
 from . import streams as cuda_streams
 from .arena import bind_arenas, out_call
+from .seeds import with_seeds_for_capture
 
 _counter = itertools.count()
 
@@ -46,11 +47,12 @@ GRAD_MODE_OPS = frozenset({"aten.mkldnn_rnn_layer.default"})
 
 def callable_of(target: Callable[..., Any]) -> Callable[..., Any]:
     """The cheapest entry point of an op: the C++ overload behind an ``OpOverload`` (with grad
-    mode on for :data:`GRAD_MODE_OPS`)."""
+    mode on for :data:`GRAD_MODE_OPS`, and an attention backward's dropout seeds where its
+    kernel reads them: ``seeds.py``)."""
     fn = getattr(target, "_op", target)
     if str(target) in GRAD_MODE_OPS:
         return _with_grad_mode(fn)
-    return fn
+    return with_seeds_for_capture(target, fn)
 
 
 def _with_grad_mode(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -99,3 +99,46 @@ def test_a_graph_cuda_refuses_runs_in_trace_mode_and_the_process_still_draws() -
     for k, (a, b) in enumerate(zip(got, want)):
         assert_close_rel(a, b, what=f"call {k}")
     assert torch.equal(after, torch.rand(8, device="cuda")), "the generator's stream moved otherwise than eager's"
+
+
+class _Attention(torch.nn.Module):
+    """Self-attention with dropout inside the fused kernel (efficient attention in float32,
+    flash in bfloat16): the forward saves its dropout seeds for the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
+        return self.out(a.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_dropout_through_the_backend_in_graph_mode_trains_as_eager(dtype) -> None:
+    """The backend captures the forward and the backward graph apart: the backward's warm-up
+    (outside capture) got the seeds its forward's graph wrote on the device, and the kernel read
+    that device pointer as host memory (a segmentation fault: T5 in the CUDA sweep). Each step is
+    seeded alike, so the masks are eager's."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(_Attention().cuda().to(dtype), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    f2 = torch.compile(m2, backend="flowexec", options={"mode": "graph", "fuse": False})
+    x = torch.randn(4, 32, 64, device="cuda", dtype=dtype)
+
+    def train(f, opt) -> list[float]:
+        losses = []
+        for k in range(3):
+            torch.manual_seed(10 + k)
+            opt.zero_grad(set_to_none=True)
+            loss = f(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    want, got = train(m1, o1), train(f2, o2)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_close_rel(torch.tensor(got), torch.tensor(want), tol, what="losses")
+    for (n, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters()):
+        assert_close_rel(p2.float(), p1.float(), tol, what=f"param {n}")
