@@ -145,6 +145,9 @@ for step in "$@"; do
                  # backend_graph mismatch: trace or graph, fusion, padding; each step's losses and the states off
     backend-t5) FLOWEXEC_PLAN_DIR="$R/plans" run_step $step 200 python3 -X faulthandler benchmarks/probes/model_sweep.py \
                  --device cuda --cases t5 --variants backend_graph,backend_graph_nofuse --out "$R/backend_t5" ;;  # the seeds fix
+    sdpa-choice) run_step $step 240 bash -c "python3 benchmarks/probes/sdpa_choice.py --device cuda --cases bert,t5 --out '$R' && \
+                 python3 benchmarks/probes/model_sweep.py --device cuda --cases bert --variants aot_eager,backend \
+                 --out '$R/peer_bert'" ;;  # eager's attention kernel against the traced one; torch.compile's own trace against eager
     seeds-tests) run_step $step 120 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py -k attention --junitxml="$R/$step.xml" ;;  # attention's dropout seeds
     random-stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \

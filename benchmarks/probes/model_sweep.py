@@ -49,6 +49,8 @@ VARIANTS = {
     # backend_graph with one rewrite off: which of fusion and padding a difference follows
     "backend_graph_nofuse": dict(backend=dict(mode="graph", fuse=False)),
     "backend_graph_nopad": dict(backend=dict(mode="graph", pad=False)),
+    # the peer: torch.compile's own AOTAutograd without a compiler (what Dynamo's tracing alone does)
+    "aot_eager": dict(peer="aot_eager"),
 }
 
 
@@ -164,10 +166,11 @@ def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: i
         model = make().to(dev)
     else:
         model, kind = MODULES[name]().to(dev), "tokens"
-    backend = (options or {}).get("backend")
-    if backend is not None:
+    backend, peer = (options or {}).get("backend"), (options or {}).get("peer")
+    if backend is not None or peer is not None:
         torch._dynamo.reset()  # (a fresh cache per case: Dynamo's recompile limits are per process)
-    f = torch.compile(model, backend="flowexec", options=backend) if backend is not None else model
+    f = (torch.compile(model, backend="flowexec", options=backend) if backend is not None
+         else torch.compile(model, backend=peer) if peer is not None else model)
     if name in HF:
         loss_of = lambda b: f(**b).loss  # noqa: E731
     else:
@@ -184,7 +187,7 @@ def train(name: str, dev: torch.device, options: dict[str, Any] | None, steps: i
         opt.step()
         return loss.detach()
 
-    call = step if options is None or backend is not None else flowexec.compile(step, **options)
+    call = step if options is None or backend is not None or peer is not None else flowexec.compile(step, **options)
     losses = []
     for k in range(steps):
         torch.manual_seed(100 + k)
