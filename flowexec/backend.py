@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .capture import program_from_graph
-from .errors import OptionError, count_option
+from .errors import CaptureError, OptionError, count_option
 from .build import plan_for
 from .executable import MODES, RecaptureWarning
 from .fusion import check_fuse, check_pad
@@ -73,6 +73,23 @@ def _saved_outputs_start() -> int | None:
     meta = _fw_metadata()
     n = getattr(meta, "num_forward", None)
     return None if n is None or getattr(meta, "tokens", None) else int(n)
+
+
+class _CaptureRefused(Exception):
+    """CUDA refused a graph's capture; the GraphProgram now runs in trace mode."""
+
+
+AS_TRACED = "as traced"  # a forward flowexec could not take: AOTAutograd's graph runs as it is
+
+
+def _as_traced(g: fx.GraphModule, role: str, e: CaptureError) -> Callable[..., Any]:
+    """``g`` run as AOTAutograd traced it (torch.compile's ``aot_eager``), for a graph flowexec
+    cannot capture (a Python call on symbolic sizes, a higher-order op), said in a warning."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    warnings.warn(f"flowexec: this {role} graph runs as Dynamo and AOTAutograd traced it, without flowexec's plan "
+                  f"(no fusion, streams or CUDA graph): {str(e).splitlines()[0][:300]}", stacklevel=3)
+    return make_boxed_func(g.forward)
 
 
 class GraphProgram:
@@ -172,7 +189,7 @@ class GraphProgram:
                                self.mutated_inputs, index, role, **graph_metadata(gm, len(self.plan.program.outputs)))
 
     def _capture(self, args: list[Any]) -> Any:
-        from .runtime.cuda_graph import CudaGraphRunner
+        from .runtime.cuda_graph import CudaGraphRunner, graph_capture_failed
         from .storage import is_stable, mark_stable
 
         borrow = [isinstance(a, torch.Tensor) and (i in self.static_idx or is_stable(a)) for i, a in enumerate(args)]
@@ -188,9 +205,21 @@ class GraphProgram:
         fwd = self.forward
         fresh = range(len(self.plan.program.outputs)) if fwd is not None else ()
         candidates = (lambda: [t for t in (r() for r in fwd.leaf_inputs) if t is not None]) if fwd is not None else None
-        runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=self.mutated_inputs,
-                                 warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates,
-                                 keep_borrowed=False)  # a backward's hold would keep its forward busy
+        try:
+            runner = CudaGraphRunner(self.run, args, mutated, borrow, mutated_inputs=self.mutated_inputs,
+                                     warmup=self.warmup, fresh_outputs=fresh, grad_candidates=candidates,
+                                     keep_borrowed=False)  # a backward's hold would keep its forward busy
+        except RuntimeError as e:  # (torch.AcceleratorError and ExecutionError are ones)
+            if not graph_capture_failed(e):
+                raise
+            # No graph of this program can be made (a host tensor copied to the device, say): it
+            # runs as traced from now on, as eager does (the capture put the caller's state back).
+            warnings.warn(f"flowexec: the CUDA graph capture of this {self._role} graph failed "
+                          f"({str(e).splitlines()[0][:300]}); it runs in trace mode", stacklevel=4)
+            self.mode = "trace"
+            self.graph_runners.clear()
+            self.staging_runners.clear()
+            raise _CaptureRefused from None
         if self.saved_from is not None:
             runner.outputs.watch_saved(self.saved_from)
         return runner
@@ -215,7 +244,10 @@ class GraphProgram:
                 return runner(args)
             if not runner.outputs.saved_held():
                 return runner(args, saved_checked=True)
-        return self._call_slow(args)
+        try:
+            return self._call_slow(args)
+        except _CaptureRefused:
+            return self.run(*args)
 
     @property
     def graph_runner(self) -> Any:
@@ -352,23 +384,27 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     if mode == "graph" and not _cuda_available():
         raise OptionError("mode='graph' captures CUDA graphs, but this machine has no CUDA device; use mode='trace'")
 
-    forwards: list[GraphProgram] = []  # AOTAutograd compiles this graph's forward, then its backward
+    forwards: list[GraphProgram | str] = []  # AOTAutograd compiles this graph's forward, then its backward
     plan_options = {k: opts[k] for k in _PLAN_OPTIONS if k in opts}
 
     def compiler(g: fx.GraphModule, inputs: Sequence[Any], saved_from: int | None = None,
-                 role: str = "inference") -> GraphProgram:
+                 role: str = "inference") -> Callable[..., Any]:
         # The trees' static inputs also count the parameters AOTAutograd lifts in front of Dynamo's
         # inputs (none where Dynamo inlines modules), as the cudagraphs backend counts them.
         lifted = range(max(0, len(inputs) - len(example_inputs))) if pool == "shared" else ()
-        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
-                            cache_size=cache_size, saved_from=saved_from, streams=streams, plan_options=plan_options,
-                            pool=pool, role=role, tree_static=lifted, fuse=fuse, pad=pad)
+        try:
+            return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
+                                cache_size=cache_size, saved_from=saved_from, streams=streams,
+                                plan_options=plan_options, pool=pool, role=role, tree_static=lifted, fuse=fuse, pad=pad)
+        except CaptureError as e:
+            return _as_traced(g, role, e)
 
-    def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
-        forwards.append(compiler(g, inputs, _saved_outputs_start(), role="forward"))
-        return forwards[-1]
+    def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        made = compiler(g, inputs, _saved_outputs_start(), role="forward")
+        forwards.append(made if isinstance(made, GraphProgram) else AS_TRACED)
+        return made
 
-    def bw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> GraphProgram:
+    def bw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
         # No static indices: the tracing context still holds the forward's, which index the
         # forward's inputs (taken for the backward's, they made a tangent "static", so every call
         # moved it and captured again). The backward borrows by address instead (is_stable:
@@ -376,9 +412,16 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         # pool="shared": the trees' static inputs are everything before the tangents (saved
         # tensors: the forward's outputs in the pool, or parameters), as the cudagraphs backend has it.
         tree_static = backward_static_indices(g) if pool == "shared" else ()
-        return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), forward=forwards[-1] if forwards else None,
-                            cache_size=cache_size, streams=streams, plan_options=plan_options, pool=pool,
-                            role="backward", tree_static=tree_static, fuse=fuse, pad=pad)
+        fwd = forwards[-1] if forwards else None
+        # (after a forward run as traced, no graph holds its saved tensors for a backward graph)
+        bmode = "trace" if fwd is AS_TRACED and mode == "graph" else mode
+        try:
+            return GraphProgram(g, inputs, bmode, gc, warmup, opts.get("fuse_lerp"),
+                                forward=fwd if isinstance(fwd, GraphProgram) else None, cache_size=cache_size,
+                                streams=streams, plan_options=plan_options, pool=pool, role="backward",
+                                tree_static=tree_static, fuse=fuse, pad=pad)
+        except CaptureError as e:
+            return _as_traced(g, "backward", e)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)
 

@@ -148,6 +148,8 @@ for step in "$@"; do
     sdpa-choice) run_step $step 240 bash -c "python3 benchmarks/probes/sdpa_choice.py --device cuda --cases bert,t5 --out '$R' && \
                  python3 benchmarks/probes/model_sweep.py --device cuda --cases bert --variants aot_eager,backend \
                  --out '$R/peer_bert'" ;;  # eager's attention kernel against the traced one; torch.compile's own trace against eager
+    backend-errs) run_step $step 240 python3 benchmarks/probes/model_sweep.py --device cuda --cases bart,mistral,checkpointed_dropout \
+                 --variants backend_graph --out "$R/backend_errs" ;;  # sweep-trace's three ERRs at 09881a3, after the fallbacks
     seeds-tests) run_step $step 120 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \
                  tests/gpu/test_random_stream_gpu.py -k attention --junitxml="$R/$step.xml" ;;  # attention's dropout seeds
     random-stream-tests) run_step $step 200 python3 -m pytest -q -rfE -p no:cacheprovider -p no:logging \

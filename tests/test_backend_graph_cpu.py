@@ -194,3 +194,61 @@ def test_two_modules_of_one_class_take_turns(cpu_graphs):
         assert len(recaptured) == 1 and "a parameter" in recaptured[0], recaptured
     else:
         assert not recaptured
+
+
+class _RefusingRunner(CpuGraphRunner):
+    """A runner whose every capture CUDA refuses (as a host tensor copied to the device in a
+    captured program is: "Cannot copy between CPU and CUDA tensors during CUDA graph capture")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
+                           "is pinned")
+
+
+def test_a_graph_cuda_refuses_to_capture_runs_in_trace_mode_saying_so(cpu_graphs, monkeypatch):
+    """Mistral through the backend in graph mode (H100, 09881a3) raised the capture's error to
+    the user; the graph now runs as traced, as the whole-step executable's does."""
+    import flowexec.runtime.cuda_graph as cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "CudaGraphRunner", _RefusingRunner)
+    torch.manual_seed(0)
+    m1 = make_mlp(16, 2)
+    m2 = copy.deepcopy(m1)
+    c2 = torch.compile(m2, backend="flowexec", options={"mode": "graph"})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (m1, m2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _data(3):
+            for m, opt in ((m1, opts[0]), (c2, opts[1])):
+                F.cross_entropy(m(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    assert_same_state(m1, m2)
+    said = [str(w.message) for w in caught if "capture of this" in str(w.message)]
+    assert [s.split(" graph failed")[0] for s in said] == ["flowexec: the CUDA graph capture of this forward",
+                                                           "flowexec: the CUDA graph capture of this backward"], said
+    assert "Cannot copy between CPU and CUDA" in said[0] and said[0].endswith("it runs in trace mode")
+    assert [p.mode for p, _, _ in cpu_graphs] == ["trace", "trace"]
+
+
+def test_a_graph_flowexec_cannot_capture_runs_as_aot_autograd_traced_it(cpu_graphs):
+    """A graph over symbolic sizes holds Python arithmetic on them (``operator.mul``), which no
+    Program holds: it runs as AOTAutograd traced it (torch.compile's aot_eager), said in a
+    warning, instead of failing the user's call (BART in graph mode, H100, 09881a3)."""
+    torch.manual_seed(0)
+    m1 = torch.nn.Linear(6, 6)
+    m2 = copy.deepcopy(m1)
+
+    def f(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).reshape(x.shape[0] * x.shape[1] // 2, -1).sin().sum()
+
+    c2 = torch.compile(lambda x: f(m2, x), backend="flowexec", options={"mode": "graph"}, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (4, 6):
+            x = torch.randn(n, 6)
+            f(m1, x).backward()
+            c2(x).backward()
+    assert_same_state(m1, m2)
+    said = [str(w.message) for w in caught if "as Dynamo and AOTAutograd traced it" in str(w.message)]
+    assert said and "unsupported call" in said[0], [str(w.message) for w in caught]
