@@ -79,7 +79,8 @@ def with_seeds_for_capture(target: Any, fn: Callable[..., Any]) -> Callable[...,
     name = str(target)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if len(args) <= offset_at or (dropout_at is not None and len(args) > dropout_at and not args[dropout_at]):
+        p = args[dropout_at] if dropout_at is not None and len(args) > dropout_at else kwargs.get("dropout_p", 1.0)
+        if len(args) <= offset_at or not p:
             return fn(*args, **kwargs)  # (no dropout: the seeds are not read)
         seed, offset = args[seed_at], args[offset_at]
         on_device = seed.device.type != "cpu"
