@@ -31,7 +31,6 @@ from .passes.streams import cuda_devices
 from .plan import check_gc, check_streams
 from .runtime.graph_trees import backward_static_indices, check_pool
 from .runtime.lower import lower_for
-from .runtime.seeds import reads_saved_seeds
 
 BACKEND_OPTIONS = ("mode", "gc", "warmup", "fuse_lerp", "cache_size", "streams", "memory", "order", "gc_backlog",
                    "pool", "fuse", "pad")
@@ -79,17 +78,22 @@ class _CaptureRefused(Exception):
     """CUDA refused a graph's capture; the GraphProgram now runs in trace mode."""
 
 
+class _NotCapturable(Exception):
+    """``program_from_graph`` refused an AOT graph (its CaptureError is the cause)."""
+
+
 AS_TRACED = "as traced"  # a forward flowexec could not take: AOTAutograd's graph runs as it is
 
 
-def _as_traced(g: fx.GraphModule, role: str, e: CaptureError) -> Callable[..., Any]:
-    """``g`` run as AOTAutograd traced it (torch.compile's ``aot_eager``), for a graph flowexec
-    cannot capture (a Python call on symbolic sizes, a higher-order op), said in a warning."""
-    from torch._functorch.aot_autograd import make_boxed_func
+def _as_traced(g: fx.GraphModule, inputs: Sequence[Any], role: str, e: BaseException) -> Callable[..., Any]:
+    """``g`` run as AOTAutograd traced it (torch.compile's ``aot_eager``: ``boxed_nop``), for a
+    graph flowexec cannot capture (a Python call on symbolic sizes, a higher-order op), said in
+    a warning."""
+    from torch._dynamo.backends.debugging import boxed_nop
 
     warnings.warn(f"flowexec: this {role} graph runs as Dynamo and AOTAutograd traced it, without flowexec's plan "
                   f"(no fusion, streams or CUDA graph): {str(e).splitlines()[0][:300]}", stacklevel=3)
-    return make_boxed_func(g.forward)
+    return boxed_nop(g, list(inputs))
 
 
 class GraphProgram:
@@ -134,7 +138,10 @@ class GraphProgram:
         a graph on no CUDA device, or on several, runs on one). ``pool="shared"``: the graph is
         one of its device's CUDA-graph trees (``runtime/graph_trees.py``), as ``role`` (forward,
         backward, inference), with ``tree_static`` among its static inputs."""
-        program = program_from_graph(gm, example_inputs)
+        try:
+            program = program_from_graph(gm, example_inputs)
+        except CaptureError as e:
+            raise _NotCapturable from e
         # streams of one device (CUDA streams) or of none (worker threads on the CPU); memory="planned":
         # every graph captured from this program writes its intermediates into the one arena (replays
         # are serial), so they share that memory.
@@ -157,11 +164,8 @@ class GraphProgram:
         if mode == "graph" and any(not isinstance(a, torch.Tensor) for a in example_inputs):
             warnings.warn("flowexec: graph with symbolic/scalar inputs runs in trace mode (no CUDA graph)")
             self.mode = "trace"
-        if self.mode == "graph" and forward is not None and forward.mode != "graph" and reads_saved_seeds(program):
-            # (its forward's attention saved host seeds, which a replay would not read again: seeds.py)
-            warnings.warn("flowexec: this backward graph runs in trace mode (no CUDA graph): its attention's dropout "
-                          "seeds come from a forward graph that runs in trace mode")
-            self.mode = "trace"
+        if self.mode == "graph" and forward is not None and forward.mode != "graph":
+            self._follow_forward()
         self.shared: Any = None  # pool="shared": the SharedPoolGraph every call goes through
         self._tree_device: int | None = None  # a backward in trace mode after a forward in the trees
         if self.mode == "graph" and pool == "shared":
@@ -187,6 +191,16 @@ class GraphProgram:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return SharedPoolGraph(self.run, example_inputs, sorted(self.static_idx | set(tree_static)),
                                self.mutated_inputs, index, role, **graph_metadata(gm, len(self.plan.program.outputs)))
+
+    def _follow_forward(self) -> None:
+        """A backward runs in graph mode only while its forward does: its gradients' buffers are
+        handed out as ``.grad`` only where the forward's graphs record the leaves that may hold
+        them, and an attention forward's dropout seeds are host tensors outside a graph."""
+        warnings.warn("flowexec: this backward graph runs in trace mode (no CUDA graph), as its forward graph does",
+                      stacklevel=5)
+        self.mode = "trace"
+        self.graph_runners.clear()
+        self.staging_runners.clear()
 
     def _capture(self, args: list[Any]) -> Any:
         from .runtime.cuda_graph import CudaGraphRunner, graph_capture_failed
@@ -247,7 +261,8 @@ class GraphProgram:
         try:
             return self._call_slow(args)
         except _CaptureRefused:
-            return self.run(*args)
+            pass  # (run outside the handler: the refused capture's frames and buffers go first)
+        return self.run(*args)
 
     @property
     def graph_runner(self) -> Any:
@@ -257,6 +272,9 @@ class GraphProgram:
     def _call_slow(self, args: list[Any]) -> list[Any]:
         """A call the last call's graph cannot serve as it is: its borrowed inputs moved, or (a
         forward) the saved tensors of its last call are still held."""
+        if self.forward is not None and self.forward.mode != "graph":  # (its capture was refused since)
+            self._follow_forward()
+            raise _CaptureRefused
         busy = None
         watched = self.saved_from is not None
         for k, runner in enumerate(self.graph_runners):
@@ -396,8 +414,8 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
             return GraphProgram(g, inputs, mode, gc, warmup, opts.get("fuse_lerp"), static_idx=_static_input_indices(),
                                 cache_size=cache_size, saved_from=saved_from, streams=streams,
                                 plan_options=plan_options, pool=pool, role=role, tree_static=lifted, fuse=fuse, pad=pad)
-        except CaptureError as e:
-            return _as_traced(g, role, e)
+        except _NotCapturable as e:
+            return _as_traced(g, inputs, role, e.__cause__ or e)
 
     def fw_compiler(g: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
         made = compiler(g, inputs, _saved_outputs_start(), role="forward")
@@ -420,8 +438,8 @@ def flowexec_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                                 forward=fwd if isinstance(fwd, GraphProgram) else None, cache_size=cache_size,
                                 streams=streams, plan_options=plan_options, pool=pool, role="backward",
                                 tree_static=tree_static, fuse=fuse, pad=pad)
-        except CaptureError as e:
-            return _as_traced(g, "backward", e)
+        except _NotCapturable as e:
+            return _as_traced(g, inputs, "backward", e.__cause__ or e)
 
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=compiler)(gm, example_inputs)
 

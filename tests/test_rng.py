@@ -3,6 +3,8 @@ recompute draws the masks the forward drew, as in eager; random ops on worker th
 their captured order."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -299,24 +301,88 @@ def test_attention_backwards_that_read_saved_seeds_by_capture_status_are_wrapped
         for overload in getattr(packet, "overloads", lambda: [])():
             op = getattr(packet, overload)
             if "philox_seed" in [a.name for a in op._schema.arguments]:
-                table[str(op)] = ("by capture status" if callable_of(op) is not op._op else "as they are")
+                table[str(op)] = "0-dim seeds by capture status" if callable_of(op) is not op._op else "as they are"
     known = {
-        "aten._efficient_attention_backward.default": "by capture status",
+        "aten._efficient_attention_backward.default": "0-dim seeds by capture status",
         "aten._scaled_dot_product_cudnn_attention_backward.default": "as they are",
-        "aten._scaled_dot_product_efficient_attention_backward.default": "by capture status",
-        "aten._scaled_dot_product_flash_attention_backward.default": "by capture status",
+        "aten._scaled_dot_product_efficient_attention_backward.default": "0-dim seeds by capture status",
+        # (on CUDA its seed is a two-element device rng_state the wrapper leaves alone; ROCm's is 0-dim)
+        "aten._scaled_dot_product_flash_attention_backward.default": "0-dim seeds by capture status",
         "aten._scaled_dot_product_fused_attention_overrideable_backward.default": "as they are",  # (2.13's, not 2.11's)
     }
-    assert table == {op: how for op, how in known.items() if op in table or how == "by capture status"}
+    assert table == {op: how for op, how in known.items() if op in table or how != "as they are"}
 
 
-def test_host_seeds_outside_a_capture_reach_the_kernel_as_they_are() -> None:
-    from flowexec.runtime.seeds import with_seeds_for_capture
+def _efficient_backward_seen(monkeypatch: Any, capturing: bool) -> tuple[Any, list[Any], list[Any]]:
+    """The efficient attention backward's seed wrapper around a recorder, with a stand-in
+    device copy (``_to_host``) and capture status: (the wrapped call, the calls it made, the
+    seeds copied)."""
+    import flowexec.runtime.seeds as seeds
 
+    copied: list[Any] = []
+
+    def to_host(seed: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        copied.append((seed, offset))
+        return torch.tensor(7), torch.tensor(9)
+
+    monkeypatch.setattr(seeds, "_to_host", to_host)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    seen: list[Any] = []
     op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
-    seen = []
-    call = with_seeds_for_capture(op, lambda *a, **k: seen.append(a))
-    seed, offset = torch.tensor(7), torch.tensor(9)
-    args = [None] * 7 + [seed, offset, 0.1, [True] * 4]
-    call(*args)
-    assert seen[0][7] is seed and seen[0][8] is offset
+    return seeds.with_seeds_for_capture(op, lambda *a, **k: seen.append((a, k))), seen, copied
+
+
+def _device_scalar(shape: tuple[int, ...] = ()) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.long, device="meta")  # (a scalar off the host, as a graph's are)
+
+
+def test_device_seeds_outside_a_capture_are_read_back_to_the_host(monkeypatch) -> None:
+    """Outside a capture the kernel dereferences the seeds on the host: a forward graph's device
+    scalars are copied back first (T5's crash through the backend in graph mode), by position or
+    by name; host seeds, no dropout, and a two-element device rng_state go through untouched."""
+    call, seen, copied = _efficient_backward_seen(monkeypatch, capturing=False)
+    head = [None] * 7
+    call(*head, _device_scalar(), _device_scalar(), 0.1, [True] * 4)
+    call(*head, philox_seed=_device_scalar(), philox_offset=_device_scalar(), dropout_p=0.1,
+         grad_input_mask=[True] * 4)
+    assert len(copied) == 2
+    assert [int(x) for x in seen[0][0][7:9]] == [7, 9]
+    assert [int(seen[1][1][n]) for n in ("philox_seed", "philox_offset")] == [7, 9]
+    host, off = torch.tensor(1), torch.tensor(2)
+    call(*head, host, off, 0.1, [True] * 4)
+    unused = _device_scalar()
+    call(*head, unused, _device_scalar(), 0.0, [True] * 4)
+    rng_state = _device_scalar((2,))
+    call(*head, rng_state, _device_scalar(), 0.1, [True] * 4)
+    assert len(copied) == 2
+    assert seen[2][0][7] is host and seen[3][0][7] is unused and seen[4][0][7] is rng_state
+
+
+def test_host_seeds_inside_a_capture_refuse_it(monkeypatch) -> None:
+    """Inside a capture the kernel reads the seeds' device memory at each replay: host seeds
+    (a forward that ran outside a graph) refuse the capture, which graph mode takes as CUDA's
+    refusal (the whole step, or the backend's graph, then runs in trace mode)."""
+    from flowexec.errors import ExecutionError
+    from flowexec.runtime.cuda_graph import graph_capture_failed
+    from flowexec.runtime.seeds import SeedsOnHost
+
+    call, seen, copied = _efficient_backward_seen(monkeypatch, capturing=True)
+    head = [None] * 7
+    for how in ("position", "name"):
+        with pytest.raises(SeedsOnHost) as refused:
+            if how == "position":
+                call(*head, torch.tensor(1), torch.tensor(2), 0.1, [True] * 4)
+            else:
+                call(*head, philox_seed=torch.tensor(1), philox_offset=torch.tensor(2), dropout_p=0.1,
+                     grad_input_mask=[True] * 4)
+        wrapped = ExecutionError("While executing op #3 (in fn at /home/u/no_capture_here.py:2): the op failed")
+        wrapped.__cause__ = refused.value
+        assert graph_capture_failed(refused.value) and graph_capture_failed(wrapped)
+    device = _device_scalar()
+    call(*head, device, _device_scalar(), 0.1, [True] * 4)
+    assert seen[0][0][7] is device and not copied
+    # (an op's failure whose own message mentions capture but whose cause does not is no refusal)
+    oom = ExecutionError("While executing op #3 (at /home/u/capture_utils.py:2): CUDA out of memory")
+    oom.__cause__ = RuntimeError("CUDA out of memory")
+    assert not graph_capture_failed(oom)

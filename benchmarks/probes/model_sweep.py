@@ -316,11 +316,15 @@ def main() -> None:
                     # Dynamo traces the model's Python, which may branch on tracing (Transformers
                     # materializes an attention mask there, and SDPA then picks another kernel with
                     # other dropout draws): torch.compile's own trace is the program to match.
-                    peers[name] = peers.get(name) or train(name, dev, VARIANTS["aot_eager"], a.steps)
-                    as_peer = compare(peers[name], mine, a.tol)
-                    if as_peer["verdict"] == "OK" and compare(eager, peers[name], a.tol)["verdict"] == "BAD":
-                        rec[v]["verdict"] = "AS_PEER"
-                        rec[v]["as_peer"] = {k: as_peer[k] for k in ("loss_rel", "worst_state", "worst_abs")}
+                    try:  # (the peer's own failure must not turn a BAD into an ERR)
+                        peers[name] = peers.get(name) or train(name, dev, VARIANTS["aot_eager"], a.steps)
+                    except Exception as e:
+                        rec[v]["peer_error"] = f"{type(e).__name__}: {e}"[:300]
+                    if name in peers:
+                        as_peer = compare(peers[name], mine, a.tol)
+                        if as_peer["verdict"] == "OK" and compare(eager, peers[name], a.tol)["verdict"] == "BAD":
+                            rec[v]["verdict"] = "AS_PEER"
+                            rec[v]["as_peer"] = {k: as_peer[k] for k in ("loss_rel", "worst_state", "worst_abs")}
                 rec[v]["capture_run"] = CAPTURE_RUN[0]
                 if FUSION[0] is not None:
                     rec[v]["fusion"] = FUSION[0]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import ExecutionError
 from ..rng import draws_put_back, release_capturing_generators
 from ..storage import storage_groups
 from .borrowed import BorrowedAddresses
@@ -178,7 +179,12 @@ def graph_capture_failed(e: BaseException) -> bool:
     True
     >>> graph_capture_failed(RuntimeError("CUDA out of memory"))
     False
+
+    An op's failure in a plan (``ExecutionError``) is judged by its cause: its own first line
+    names the op and the user's source, where "capture" may stand for other reasons.
     """
+    while isinstance(e, ExecutionError) and e.__cause__ is not None:
+        e = e.__cause__
     lines = str(e).splitlines()  # (torch.AcceleratorError is a RuntimeError)
     return isinstance(e, RuntimeError) and bool(lines) and "captur" in lines[0].lower()
 
