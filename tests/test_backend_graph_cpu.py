@@ -332,3 +332,39 @@ def test_a_graph_flowexec_cannot_capture_runs_as_aot_autograd_traced_it(cpu_grap
     assert_same_state(m1, m2)
     said = [str(w.message) for w in caught if "as Dynamo and AOTAutograd traced it" in str(w.message)]
     assert said and "unsupported call" in said[0], [str(w.message) for w in caught]
+
+
+def test_a_refused_recapture_drops_the_graphs_kept_before(cpu_graphs, monkeypatch):
+    """A forward whose parameters moved captures again; where CUDA refuses that capture, the
+    graph runs in trace mode from then on and lets go of the graphs it kept (their buffers and
+    private pools would stay held for nothing)."""
+    import flowexec.runtime.cuda_graph as cuda_graph
+
+    captures = [0]
+
+    class RefusesAfterTwo(CpuGraphRunner):  # (the forward's and the backward's first graphs)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            captures[0] += 1
+            if captures[0] > 2:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_graph, "CudaGraphRunner", RefusesAfterTwo)
+    torch.manual_seed(0)
+    m1 = make_mlp(16, 2)
+    m2 = copy.deepcopy(m1)
+    c2 = torch.compile(m2, backend="flowexec", options={"mode": "graph"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (x, y), (x2, y2) = _data(2)
+        for m in (m1, c2):
+            F.cross_entropy(m(x), y).backward()
+        (fw, _, _), (bw, _, _) = cpu_graphs
+        assert len(fw.graph_runners) == 1 and len(bw.graph_runners) == 1
+        with torch.no_grad():
+            for p in m2.parameters():
+                p.data = p.data.clone()  # (new addresses: the kept graph no longer reads them)
+        for m in (m1, c2):
+            F.cross_entropy(m(x2), y2).backward()
+    assert_same_state(m1, m2)
+    assert (fw.mode, fw.graph_runners, bw.mode, bw.graph_runners) == ("trace", [], "trace", [])
