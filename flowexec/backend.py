@@ -198,6 +198,10 @@ class GraphProgram:
         them, and an attention forward's dropout seeds are host tensors outside a graph."""
         warnings.warn("flowexec: this backward graph runs in trace mode (no CUDA graph), as its forward graph does",
                       stacklevel=5)
+        self._leave_graph_mode()
+
+    def _leave_graph_mode(self) -> None:
+        """Trace mode from now on; the graphs kept so far (their buffers, private pools) go."""
         self.mode = "trace"
         self.graph_runners.clear()
         self.staging_runners.clear()
@@ -230,9 +234,7 @@ class GraphProgram:
             # runs as traced from now on, as eager does (the capture put the caller's state back).
             warnings.warn(f"flowexec: the CUDA graph capture of this {self._role} graph failed "
                           f"({str(e).splitlines()[0][:300]}); it runs in trace mode", stacklevel=4)
-            self.mode = "trace"
-            self.graph_runners.clear()
-            self.staging_runners.clear()
+            self._leave_graph_mode()
             raise _CaptureRefused from None
         if self.saved_from is not None:
             runner.outputs.watch_saved(self.saved_from)
