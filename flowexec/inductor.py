@@ -502,14 +502,15 @@ def compile_graph(gm: fx.GraphModule, metas: Sequence[TensorMeta], want: Sequenc
     if aot_key:
         _keep_process_keys_for(metas)  # (as a compile would)
         compiled = load_entry(aot_key)
+    loaded = compiled is not None
+    if not loaded:
+        compiled, aot_key = compile_noting_key(lambda: inductor_compile(gm, metas))
 
     def keep_entry() -> None:
         if aot_key and entry is not None:
             kept_entries().put(entry, aot_key)
-    if compiled is None:
-        compiled, aot_key = compile_noting_key(lambda: inductor_compile(gm, metas))
-        if passed:
-            keep_entry()
+    if passed and not loaded:  # (checked before, compiled now: its entry is named from now on)
+        keep_entry()
 
     def keep_passed() -> None:
         kept.put(check, True)  # type: ignore[union-attr]

@@ -196,21 +196,29 @@ def test_two_modules_of_one_class_take_turns(cpu_graphs):
         assert not recaptured
 
 
-class _RefusingRunner(CpuGraphRunner):
-    """A runner whose every capture CUDA refuses (as a host tensor copied to the device in a
-    captured program is: "Cannot copy between CPU and CUDA tensors during CUDA graph capture")."""
+def _refusing(monkeypatch: Any, refuses: Any) -> None:
+    """CpuGraphRunner in CudaGraphRunner's place, the n-th capture (from 1) refused by CUDA where
+    ``refuses(n)`` (as a host tensor copied to the device in a captured program is: "Cannot copy
+    between CPU and CUDA tensors during CUDA graph capture")."""
+    import flowexec.runtime.cuda_graph as cuda_graph
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
-                           "is pinned")
+    captures = [0]
+
+    class Refusing(CpuGraphRunner):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            captures[0] += 1
+            if refuses(captures[0]):
+                raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+                                   "tensor is pinned")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_graph, "CudaGraphRunner", Refusing)
 
 
 def test_a_graph_cuda_refuses_to_capture_runs_in_trace_mode_saying_so(cpu_graphs, monkeypatch):
     """Mistral through the backend in graph mode (H100, 09881a3) raised the capture's error to
     the user; the graph now runs as traced, as the whole-step executable's does."""
-    import flowexec.runtime.cuda_graph as cuda_graph
-
-    monkeypatch.setattr(cuda_graph, "CudaGraphRunner", _RefusingRunner)
+    _refusing(monkeypatch, lambda n: True)
     torch.manual_seed(0)
     m1 = make_mlp(16, 2)
     m2 = copy.deepcopy(m1)
@@ -239,16 +247,7 @@ def test_a_backward_follows_its_forward_out_of_graph_mode(cpu_graphs, monkeypatc
     ``.grad`` where the forward's graphs record the leaves that may hold them, which a
     trace-mode forward does not, so a replay for the next module overwrote the last one's
     ``.grad`` (found by a review of 7109e4f: 2.4e-2 off)."""
-    import flowexec.runtime.cuda_graph as cuda_graph
-
-    captures = [0]
-
-    class RefusesTheSecond(CpuGraphRunner):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            captures[0] += 1
-            if captures[0] == 2:
-                raise RuntimeError("operation not permitted when stream is capturing")
-            super().__init__(*args, **kwargs)
+    _refusing(monkeypatch, lambda n: n == 2)
 
     class Block(torch.nn.Module):
         def __init__(self) -> None:
@@ -258,7 +257,6 @@ def test_a_backward_follows_its_forward_out_of_graph_mode(cpu_graphs, monkeypatc
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.relu(self.l(x))
 
-    monkeypatch.setattr(cuda_graph, "CudaGraphRunner", RefusesTheSecond)
     torch.manual_seed(0)
     m1 = torch.nn.Sequential(Block(), Block(), Block())
     m2 = copy.deepcopy(m1)
@@ -338,18 +336,7 @@ def test_a_refused_recapture_drops_the_graphs_kept_before(cpu_graphs, monkeypatc
     """A forward whose parameters moved captures again; where CUDA refuses that capture, the
     graph runs in trace mode from then on and lets go of the graphs it kept (their buffers and
     private pools would stay held for nothing)."""
-    import flowexec.runtime.cuda_graph as cuda_graph
-
-    captures = [0]
-
-    class RefusesAfterTwo(CpuGraphRunner):  # (the forward's and the backward's first graphs)
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            captures[0] += 1
-            if captures[0] > 2:
-                raise RuntimeError("operation not permitted when stream is capturing")
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(cuda_graph, "CudaGraphRunner", RefusesAfterTwo)
+    _refusing(monkeypatch, lambda n: n > 2)  # (the forward's and the backward's first graphs pass)
     torch.manual_seed(0)
     m1 = make_mlp(16, 2)
     m2 = copy.deepcopy(m1)

@@ -386,3 +386,17 @@ def test_host_seeds_inside_a_capture_refuse_it(monkeypatch) -> None:
     oom = ExecutionError("While executing op #3 (at /home/u/capture_utils.py:2): CUDA out of memory")
     oom.__cause__ = RuntimeError("CUDA out of memory")
     assert not graph_capture_failed(oom)
+
+
+def test_an_attention_backward_without_dropout_is_lowered_unwrapped() -> None:
+    """The seeds are read only where the op drops: its constant ``dropout_p`` decides at
+    lowering, so a backward without dropout pays nothing per call."""
+    from types import SimpleNamespace
+
+    from flowexec.runtime.interpreter import callable_of
+
+    op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    record = lambda p, by_name=False: SimpleNamespace(  # noqa: E731
+        args=(None,) * 9 + (() if by_name else (p,)), kwargs=(("dropout_p", p),) if by_name else ())
+    assert callable_of(op, record(0.0)) is op._op and callable_of(op, record(0.0, by_name=True)) is op._op
+    assert callable_of(op, record(0.1)) is not op._op and callable_of(op, record(0.1, by_name=True)) is not op._op

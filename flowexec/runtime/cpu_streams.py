@@ -402,7 +402,7 @@ def lower_workers(plan: ExecutionPlan, issue: str = "host", spin_us: float = DEF
             add(s, name, pos)
         fname = f"f{op.index}"
         target, out_arg = out_call(op, outs_into)
-        glb[fname] = callable_of(target)
+        glb[fname] = callable_of(target, op)
         args = [slot(a) for a in op.args] + [f"{k}={slot(v)}" for k, v in op.kwargs]
         if out_arg:  # the arena block is reused only after what the plan's events order (passes/memory.py)
             args.append(out_arg)

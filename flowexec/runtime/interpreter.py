@@ -45,14 +45,14 @@ _counter = itertools.count()
 GRAD_MODE_OPS = frozenset({"aten.mkldnn_rnn_layer.default"})
 
 
-def callable_of(target: Callable[..., Any]) -> Callable[..., Any]:
+def callable_of(target: Callable[..., Any], op: Any = None) -> Callable[..., Any]:
     """The cheapest entry point of an op: the C++ overload behind an ``OpOverload`` (with grad
     mode on for :data:`GRAD_MODE_OPS`, and an attention backward's dropout seeds where its
-    kernel reads them: ``seeds.py``)."""
+    kernel reads them: ``seeds.py``, unless ``op``, the program's record, drops nothing)."""
     fn = getattr(target, "_op", target)
     if str(target) in GRAD_MODE_OPS:
         return _with_grad_mode(fn)
-    return with_seeds_for_capture(target, fn)
+    return with_seeds_for_capture(target, fn, op)
 
 
 def _with_grad_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -191,7 +191,7 @@ def lower_trace(plan: ExecutionPlan, extra_globals: dict[str, Any] | None = None
         call_hook(pos)
         fname = f"f{op.index}"
         target, out_arg = out_call(op, outs)
-        glb[fname] = callable_of(target)
+        glb[fname] = callable_of(target, op)
         args = [render(a) for a in op.args] + [f"{k}={render(v)}" for k, v in op.kwargs]
         if out_arg:
             args.append(out_arg)
@@ -272,7 +272,7 @@ class Interpreter:
 
     def __init__(self, plan: ExecutionPlan) -> None:
         self.plan = plan
-        self._fns = [callable_of(i.op.target) for i in plan.instructions]
+        self._fns = [callable_of(i.op.target, i.op) for i in plan.instructions]
 
     def _resolve(self, a: Any, env: list[Any]) -> Any:
         if isinstance(a, Ref):

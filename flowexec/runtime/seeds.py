@@ -67,21 +67,26 @@ def seed_positions(target: Any) -> tuple[int, int] | None:
 
 
 def _to_host(seed: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device seeds read back to the host in one copy (one sync)."""
-    both = torch.stack([seed, offset.to(seed.dtype)]).cpu()
-    return both[0], both[1].to(offset.dtype)
+    """Device seeds (two int64 scalars) read back to the host in one copy (one sync)."""
+    both = torch.stack([seed, offset]).cpu()
+    return both[0], both[1]
 
 
-def with_seeds_for_capture(target: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+def with_seeds_for_capture(target: Any, fn: Callable[..., Any], op: Any = None) -> Callable[..., Any]:
     """``fn`` (``target``'s entry point), its seed and offset put where ``target`` reads them
     under the current capture status (module docstring), whether passed by position or by name.
-    Ops without seeds come back as they are."""
+    Ops without seeds come back as they are, and so does one whose program record ``op`` (with
+    ``args`` and ``kwargs``) drops nothing: its ``dropout_p``, a constant, settled at lowering."""
     where = seed_positions(target)
     if where is None:
         return fn
     names = [a.name for a in target._schema.arguments]
     seed_at, offset_at = where
     dropout_at = names.index("dropout_p")
+    if op is not None:
+        p = op.args[dropout_at] if len(op.args) > dropout_at else dict(op.kwargs).get("dropout_p", 1.0)
+        if not p:
+            return fn  # (no dropout: the seeds are never read)
     name = str(target)
     # (looked up once: the lowering wraps an op once, and a CPU-only process never captures)
     capturing = torch.cuda.is_current_stream_capturing if torch.cuda.is_available() else (lambda: False)
